@@ -1,0 +1,28 @@
+# Every target builds .venv on first use from pyproject.toml + constraints.txt (pinned).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench ab clean-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m functional_state demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
+
+bench: $(STAMP)
+	$(PY) -m functional_state bench
+
+ab: $(STAMP)
+	$(PY) -m functional_state ab
+
+clean-venv:
+	rm -rf $(VENV)
