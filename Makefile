@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
@@ -16,7 +15,7 @@ demo: $(STAMP)
 	$(PY) -m functional_state demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --nbmake tests notebooks
+	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules --nbmake functional_state torch_bridge tests notebooks
 
 bench: $(STAMP)
 	$(PY) -m functional_state bench

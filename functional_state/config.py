@@ -1,0 +1,80 @@
+"""`resolve_session_state_config`: the enable flag and session cap, with environment overrides."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .manager_state import DEFAULT_MAX_SESSIONS
+
+__all__ = ["ENV_ENABLE", "ENV_MAX_SESSIONS", "resolve_session_state_config"]
+
+ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
+ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+logger = logging.getLogger(__name__)
+
+
+def _parse_bool(raw: str) -> bool | None:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    return None
+
+
+def resolve_session_state_config(enable: bool | None = None, max_sessions: int | None = None) -> tuple[bool, int]:
+    """Decide whether the manager-backed path is on, and its session cap.
+
+    A set, parsable environment variable overrides the argument in both directions (``=0`` turns the
+    manager off even when ``enable=True``): that is how an A/B run flips only the flag. An unparsable
+    enable value is ignored (with a warning); an unparsable or non-positive cap logs a warning and is
+    ignored.
+
+    Args:
+      enable: the config value; None means off.
+      max_sessions: the config cap; None means 64.
+
+    Returns:
+      ``(enabled, max_sessions)``.
+
+    Raises:
+      ValueError: the ``max_sessions`` argument itself is not a positive int.
+
+    Example:
+      >>> import os
+      >>> os.environ.pop(ENV_ENABLE, None); os.environ.pop(ENV_MAX_SESSIONS, None)
+      >>> resolve_session_state_config(enable=True)
+      (True, 64)
+    """
+    if max_sessions is None:
+        max_sessions = DEFAULT_MAX_SESSIONS
+    elif isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
+        raise ValueError(f"`resolve_session_state_config`: max_sessions must be a positive int, got {max_sessions!r}.")
+    enabled = bool(enable)
+
+    raw = os.environ.get(ENV_ENABLE)
+    if raw is not None:
+        parsed = _parse_bool(raw)
+        if parsed is None:
+            logger.warning(
+                "%s=%r is not one of 1/0/true/false/yes/no/on/off; ignored (using enable=%s).", ENV_ENABLE, raw, enabled
+            )
+        else:
+            enabled = parsed
+
+    raw = os.environ.get(ENV_MAX_SESSIONS)
+    if raw is not None:
+        try:
+            cap = int(raw.strip())
+        except ValueError:
+            cap = None
+        if cap is None or cap <= 0:
+            logger.warning("%s=%r is not a positive int; ignored (using %d).", ENV_MAX_SESSIONS, raw, max_sessions)
+        else:
+            max_sessions = cap
+    return enabled, max_sessions

@@ -1,0 +1,142 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from functional_state import ArrayRing, NotAllocatedError, StateShapeError
+from helpers import assert_unchanged, snapshot
+
+
+def _frame(i, shape=(4, 3), dtype=jnp.float32):
+    return jnp.full(shape, i, dtype)
+
+
+def test_commit_and_latest_oldest_first():
+    ring = ArrayRing.create(3, (4, 3))
+    for i in range(5):
+        ring = ring.commit(_frame(i))
+    assert len(ring) == 3
+    np.testing.assert_array_equal(ring.latest(3)[:, 0, 0], [2, 3, 4])
+    np.testing.assert_array_equal(ring.latest(1)[:, 0, 0], [4])
+    assert ring.latest(0).shape == (0, 4, 3)
+    np.testing.assert_array_equal(ring.view()[:, 0, 0], [2, 3, 4])
+
+
+def test_latest_refuses_more_than_retained():
+    ring = ArrayRing.create(4, (2,)).commit(_frame(1, (2,)))
+    with pytest.raises(ValueError, match="holds only 1"):
+        ring.latest(2)
+    with pytest.raises(ValueError, match="capacity=4"):
+        ring.latest(5)
+    with pytest.raises(ValueError, match="capacity=4"):
+        ring.latest(-1)
+
+
+def test_latest_capacity_bound_is_checked_under_jit():
+    ring = ArrayRing.create(2, (2,))
+    with pytest.raises(ValueError, match="capacity=2"):
+        jax.jit(lambda r: r.latest(3))(ring)
+
+
+@pytest.mark.parametrize(
+    "bad", [jnp.zeros((4, 2)), jnp.zeros((4, 3), jnp.bfloat16), jnp.zeros((3, 4)), np.zeros((4, 3), np.float16)]
+)
+def test_shape_or_dtype_mismatch_raises_and_never_recompiles(bad):
+    compiled = []
+
+    @jax.jit
+    def step(ring, frame):
+        out = ring.commit(frame)
+        compiled.append(1)  # reached only by traces that go on to compile
+        return out
+
+    ring = step(ArrayRing.create(2, (4, 3)), _frame(0))
+    with pytest.raises(StateShapeError, match=r"expected shape \(4, 3\) dtype float32"):
+        step(ring, bad)
+    with pytest.raises(StateShapeError):
+        ring.commit(bad)
+    ring = step(ring, _frame(1))
+    assert len(compiled) == 1
+
+
+def test_mismatch_leaves_the_ring_unchanged():
+    ring = ArrayRing.create(2, (4, 3)).commit(_frame(3))
+    before = snapshot(ring)
+    with pytest.raises(StateShapeError):
+        ring.commit(jnp.zeros((4, 3), jnp.int32))
+    assert_unchanged(ring, before)
+
+
+def test_thousand_jitted_commits_trace_once():
+    traces = []
+
+    @jax.jit
+    def step(ring, frame):
+        traces.append(1)
+        return ring.commit(frame)
+
+    ring = ArrayRing.create(8, (16,))
+    for i in range(1000):
+        ring = step(ring, jnp.full((16,), i, jnp.float32))
+    assert len(traces) == 1
+    np.testing.assert_array_equal(ring.latest(8)[:, 0], np.arange(992, 1000))
+    assert int(ring.size) == 8 and int(ring.head) == 1000 % 8
+
+
+def test_donation_reuses_the_buffer():
+    step = jax.jit(ArrayRing.commit, donate_argnums=0)
+    ring = ArrayRing.create(4, (256,))
+    ring = step(ring, _frame(0, (256,)))  # warm up: the input here was created eagerly
+    old_storage = ring.storage
+    old_ptr = old_storage.unsafe_buffer_pointer()
+    new = step(ring, _frame(1, (256,)))
+    assert old_storage.is_deleted()
+    assert new.storage.unsafe_buffer_pointer() == old_ptr
+    np.testing.assert_array_equal(new.latest(2)[:, 0], [0, 1])
+
+
+def test_stage_then_commit_promotes_under_jit():
+    ring = ArrayRing.create(2, (3,)).stage(_frame(7, (3,)))
+    np.testing.assert_array_equal(ring.view()[:, 0], [7])
+    assert ring.view(include_staged=False).shape == (0, 3)
+    ring = jax.jit(lambda r: r.commit())(ring)
+    assert ring.staged is None
+    np.testing.assert_array_equal(ring.latest(1)[:, 0], [7])
+
+
+def test_evict_reset_allocate():
+    ring = ArrayRing.create(4, (1024,), jnp.float32).commit(_frame(1, (1024,)))
+    evicted, freed = ring.evict()
+    assert freed == 4 * 1024 * 4
+    assert evicted.storage is None and not evicted.resident
+    assert len(evicted.allocate()) == 0
+    reset = ring.reset()
+    with pytest.raises(NotAllocatedError):
+        reset.latest(0)
+    assert ring.nbytes_by_device() == {"cpu": 16384}
+
+
+@pytest.mark.parametrize("capacity", [0, -2, 1.5, None])
+def test_bad_capacity(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        ArrayRing.create(capacity, (2,))
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda r: r.commit(_frame(5, (3,))),
+        lambda r: r.stage(_frame(5, (3,))),
+        lambda r: r.latest(2),
+        lambda r: r.view(),
+        lambda r: r.evict(),
+        lambda r: r.reset(),
+        lambda r: r.allocate(),
+        lambda r: jax.jit(ArrayRing.commit)(r, _frame(5, (3,))),
+    ],
+)
+def test_pure(op):
+    ring = ArrayRing.create(3, (3,)).commit(_frame(1, (3,))).commit(_frame(2, (3,)))
+    snap = snapshot(ring)
+    op(ring)
+    assert_unchanged(ring, snap)

@@ -1,0 +1,136 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from functional_state import LatentBuffer, NotAllocatedError, NothingStagedError, NotResidentError
+from helpers import assert_unchanged, snapshot
+
+
+def _item(kind, i):
+    if kind == "numpy":
+        return np.full((2, 3), i, np.float32)
+    if kind == "torch":
+        return torch.full((2, 3), float(i), dtype=torch.bfloat16)
+    return jnp.full((2, 3), i, jnp.float32)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "jax"])
+def test_append_buffer_keeps_everything_in_order_and_by_reference(kind):
+    items = [_item(kind, i) for i in range(5)]
+    buf = LatentBuffer.create()
+    for x in items:
+        buf = buf.append(x)
+    assert len(buf) == 5
+    assert all(a is b for a, b in zip(buf.view(), items))
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "jax"])
+def test_ring_drops_oldest(kind):
+    items = [_item(kind, i) for i in range(7)]
+    ring = LatentBuffer.create(maxlen=3)
+    for x in items:
+        ring = ring.commit(x)
+    assert len(ring) == 3
+    assert [float(np.asarray(x.float() if kind == "torch" else x)[0, 0]) for x in ring.view()] == [4.0, 5.0, 6.0]
+
+
+def test_stage_commit_discard_lifecycle():
+    buf = LatentBuffer.create(maxlen=2).commit("a")
+    staged = buf.stage("draft")
+    assert staged.view() == ("a", "draft")
+    assert staged.view(include_staged=False) == ("a",)
+    assert len(staged) == 1  # staged items are not committed
+    assert staged.discard().view() == ("a",)
+    promoted = staged.commit()
+    assert promoted.view() == ("a", "draft") and promoted.staged is None
+    explicit = staged.commit("final")
+    assert explicit.view(include_staged=False) == ("a", "final") and explicit.staged == "draft"
+    # A ring view with a staged item shows the window as it would be after the commit.
+    assert LatentBuffer.create(maxlen=2).commit(1).commit(2).stage(3).view() == (2, 3)
+
+
+def test_commit_without_staged_raises_and_names_the_fix():
+    buf = LatentBuffer.create()
+    with pytest.raises(NothingStagedError, match=r"stage\(x\)"):
+        buf.commit()
+
+
+@pytest.mark.parametrize("op", [lambda b: b.view(), lambda b: b.commit(1), lambda b: b.stage(1), len, lambda b: b.discard()])
+def test_use_before_allocate_raises(op):
+    buf = LatentBuffer.create(allocate=False)
+    with pytest.raises(NotAllocatedError, match="allocate"):
+        op(buf)
+    assert len(buf.allocate()) == 0
+
+
+def test_reset_returns_to_unallocated():
+    buf = LatentBuffer.create().commit(1).stage(2).reset()
+    assert not buf.allocated and not buf.resident and buf.staged is None
+    with pytest.raises(NotAllocatedError):
+        buf.view()
+
+
+def test_evict_frees_committed_bytes_only_and_keeps_staged():
+    a = np.zeros(1000, np.uint8)
+    b = np.zeros(500, np.uint8)
+    staged = np.zeros(300, np.uint8)
+    buf = LatentBuffer.create().commit(a).commit(b).commit(a[10:20]).stage(staged)
+    assert buf.nbytes_by_device() == {"cpu": 1500}
+    assert buf.staged_nbytes_by_device() == {"cpu": 300}
+    evicted, freed = buf.evict()
+    assert freed == 1500
+    assert not evicted.resident and evicted.staged is staged
+    assert evicted.nbytes_by_device() == {}
+    with pytest.raises(NotResidentError, match="evict"):
+        evicted.view()
+    assert evicted.evict()[1] == 0
+    assert len(evicted.allocate()) == 0
+
+
+def test_recomputable_follows_the_source_residency():
+    source = LatentBuffer.create().commit(np.ones(3))
+    derived = LatentBuffer.create(recompute_source=source)
+    assert derived.recomputable
+    assert not LatentBuffer.create(recompute_source=source.evict()[0]).recomputable
+    assert not LatentBuffer.create().recomputable
+
+
+@pytest.mark.parametrize("maxlen", [0, -1, 2.5, True, "3"])
+def test_bad_maxlen_raises(maxlen):
+    with pytest.raises(ValueError, match="maxlen"):
+        LatentBuffer.create(maxlen=maxlen)
+
+
+def test_is_a_keyed_pytree_with_array_leaves_and_static_config():
+    buf = LatentBuffer.create(maxlen=4).commit(jnp.ones(2)).stage(jnp.zeros(2))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(buf)[0]]
+    assert paths == [".items[0]", ".staged"]
+    doubled = jax.tree_util.tree_map(lambda x: x * 2, buf)
+    assert doubled.maxlen == 4 and float(doubled.view(include_staged=False)[0][0]) == 2.0
+    with pytest.raises(Exception):
+        buf.maxlen = 5  # frozen
+
+
+PURE_OPS = {
+    "allocate": lambda b: b.allocate(),
+    "stage": lambda b: b.stage(np.ones(2)),
+    "commit": lambda b: b.commit(np.ones(2)),
+    "commit_staged": lambda b: b.commit(),
+    "append": lambda b: b.append(np.ones(2)),
+    "discard": lambda b: b.discard(),
+    "view": lambda b: b.view(),
+    "reset": lambda b: b.reset(),
+    "evict": lambda b: b.evict(),
+    "nbytes": lambda b: b.nbytes_by_device(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PURE_OPS))
+def test_every_operation_is_pure(name):
+    buf = LatentBuffer.create(maxlen=3).commit(np.arange(2.0)).commit(torch.arange(3)).stage(jnp.ones(2))
+    snap = snapshot(buf)
+    PURE_OPS[name](buf)
+    assert_unchanged(buf, snap)
+    assert buf.resident and len(buf) == 2
