@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["nbytes_by_device", "total_nbytes", "register_alias"]
+__all__ = ["nbytes_by_device", "total_nbytes", "register_alias", "alias_owner"]
 
 # id(jax array) -> (weakref to it, owner). Filled by the torch bridge: an array imported from a torch tensor
 # reports only its own bytes, but keeps the whole torch storage alive, so the accounting counts the owner.
@@ -49,7 +49,8 @@ def register_alias(array: jax.Array, owner: Any) -> None:
         _ALIASES[key] = (weakref.ref(array, _forget), owner)
 
 
-def _alias_owner(array: Any) -> Any:
+def alias_owner(array: Any) -> Any:
+    """The owner recorded for ``array`` by `register_alias`, or None."""
     entry = _ALIASES.get(id(array))
     if entry is not None and entry[0]() is array:
         return entry[1]
@@ -129,7 +130,7 @@ def _numpy_extents(a: np.ndarray, out: list[tuple[str, int, int]]) -> None:
 
 
 def _jax_extents(a: jax.Array, out: list[tuple[str, int, int]]) -> None:
-    owner = _alias_owner(a)
+    owner = alias_owner(a)
     if owner is not None:
         _collect(owner, out, set())
         # Fall through: the owner covers this array's bytes, and the union makes the overlap free.

@@ -1,0 +1,27 @@
+"""torch_bridge: zero-copy DLPack exchange between PyTorch and JAX, and the model adapters."""
+
+from ._report import report as report
+from ._report import reset_report as reset_report
+from .bridge import AliasInvalidatedError as AliasInvalidatedError
+from .bridge import check_alias as check_alias
+from .bridge import copy_reason as copy_reason
+from .bridge import to_jax as to_jax
+from .bridge import to_torch as to_torch
+from .bridge import tree_to_jax as tree_to_jax
+from .bridge import tree_to_torch as tree_to_torch
+from .bridge import unwrap as unwrap
+from .bridge import wrap as wrap
+
+__all__ = [
+    "AliasInvalidatedError",
+    "check_alias",
+    "copy_reason",
+    "report",
+    "reset_report",
+    "to_jax",
+    "to_torch",
+    "tree_to_jax",
+    "tree_to_torch",
+    "unwrap",
+    "wrap",
+]

@@ -1,0 +1,247 @@
+import gc
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from functional_state import CopyRequiredError
+from torch_bridge import (
+    AliasInvalidatedError,
+    check_alias,
+    copy_reason,
+    report,
+    reset_report,
+    to_jax,
+    to_torch,
+    tree_to_jax,
+    tree_to_torch,
+    unwrap,
+    wrap,
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_report():
+    reset_report()
+
+
+def _bits(x):
+    t = to_torch(x) if isinstance(x, jax.Array) else x
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+ALIAS_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16,
+                torch.float32, torch.complex64]
+
+
+def _random(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, generator=g).to(dtype)
+
+
+LAYOUTS = {
+    "contiguous": lambda t: t,
+    "transposed": lambda t: t.transpose(0, 1),
+    "permuted": lambda t: t.permute(2, 0, 3, 1),
+    "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "row_slice": lambda t: t[2:],  # offset 2 * 3*4*8 elements: aligned for every dtype here
+}
+
+
+@pytest.mark.parametrize("dtype", ALIAS_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_alias_per_dtype_and_layout_is_zero_copy_and_bit_exact(dtype, layout):
+    t = LAYOUTS[layout](_random((4, 3, 4, 16), dtype))
+    assert copy_reason(t) is None
+    a = to_jax(t, strict=True)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert a.shape == tuple(t.shape) and str(a.dtype) == str(t.dtype).removeprefix("torch.")
+    assert _bits(a) == _bits(t)
+    assert report()["wrapped_count"] == 1 and report()["copied_count"] == 0
+
+
+@pytest.mark.parametrize("t", [torch.zeros(0, 3), torch.tensor(2.5), torch.zeros(1, 0, dtype=torch.bfloat16)], ids=["zero-size", "0-d", "zero-bf16"])
+def test_edge_shapes_alias(t):
+    a = to_jax(t, strict=True)
+    assert a.shape == tuple(t.shape) and str(a.dtype) == str(t.dtype).removeprefix("torch.")
+    if t.numel():
+        assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert _bits(a) == _bits(t)
+
+
+COPY_CASES = {
+    "misaligned": (lambda: torch.arange(64.0)[1:], "not 64-byte aligned"),
+    "column_slice": (lambda: torch.arange(64.0).reshape(8, 8)[:, :4], "non-compact"),
+    "step_slice": (lambda: torch.arange(64.0)[::2], "non-compact"),
+    "expand": (lambda: torch.arange(4.0).reshape(1, 4).expand(3, 4), "non-compact"),
+    "neg_view": (lambda: torch._neg_view(torch.arange(16.0)), "negative-bit"),
+    "conj_view": (lambda: torch.complex(torch.arange(16.0), torch.ones(16)).conj(), "conjugate-bit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COPY_CASES))
+def test_copy_cases_raise_in_strict_mode(case):
+    make, why = COPY_CASES[case]
+    with pytest.raises(CopyRequiredError, match=why):
+        to_jax(make(), strict=True)
+    assert report()["copied_count"] == 0
+
+
+@pytest.mark.parametrize("case", sorted(COPY_CASES))
+def test_copy_cases_copy_once_correctly_and_are_counted(case, caplog):
+    make, why = COPY_CASES[case]
+    t = make()
+    with caplog.at_level(logging.WARNING, logger="torch_bridge"):
+        a = to_jax(t)
+        to_jax(make())  # the same reason again: counted, not logged again
+    expected = t.resolve_conj().resolve_neg()
+    np.testing.assert_array_equal(np.asarray(a), expected.numpy())
+    r = report()
+    assert r["copied_count"] == 2 and r["copied_bytes"] == 2 * t.numel() * t.element_size()
+    assert sum(why in k for k in r if k.startswith("copied[")) == 1
+    assert len([rec for rec in caplog.records if why in rec.getMessage()]) == 1
+
+
+def test_neg_bit_view_gives_correct_values():
+    t = torch._neg_view(torch.arange(8.0))
+    assert t.is_neg()
+    np.testing.assert_array_equal(np.asarray(to_jax(t)), -np.arange(8.0))
+
+
+def test_requires_grad_is_detached_not_copied():
+    t = torch.ones(16, requires_grad=True)
+    a = to_jax(t, strict=True)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+
+
+@pytest.mark.parametrize("t", [torch.zeros(2, dtype=torch.float16).view(torch.complex32), torch.arange(4), torch.ones(2, dtype=torch.float64)], ids=["complex32", "int64", "float64"])
+def test_dtypes_jax_cannot_hold_stay_torch(t, caplog):
+    with caplog.at_level(logging.WARNING, logger="torch_bridge"):
+        out = to_jax(t)
+    assert out is t and report()["kept_torch_count"] == 1 and caplog.records
+    with pytest.raises(CopyRequiredError, match="no dtype|downcast"):
+        to_jax(t, strict=True)
+
+
+def test_int64_aliases_with_x64():
+    jax.config.update("jax_enable_x64", True)
+    try:
+        t = torch.arange(16)
+        a = to_jax(t, strict=True)
+        assert a.dtype == jnp.int64 and a.unsafe_buffer_pointer() == t.data_ptr()
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+def test_wrap_never_copies():
+    padded = torch.randn(4, 64, 8)
+    trimmed = padded[:, :10]  # K/V slice of a padded allocation: not aliasable
+    assert wrap(trimmed) is trimmed
+    whole = wrap(padded)
+    assert isinstance(whole, jax.Array) and whole.unsafe_buffer_pointer() == padded.data_ptr()
+    assert unwrap(trimmed) is trimmed
+    assert unwrap(whole).data_ptr() == padded.data_ptr()
+    r = report()
+    assert r["copied_count"] == 0 and r["kept_torch_count"] == 1 and r["wrapped_count"] == 1
+
+
+def test_round_trip_returns_the_same_storage():
+    t = torch.randn(8, 8).to(torch.bfloat16)
+    back = to_torch(to_jax(t))
+    assert back.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+    assert back.dtype == torch.bfloat16 and torch.equal(back, t)
+
+
+def test_jax_to_torch_aliases_and_is_writable():
+    a = jnp.arange(16.0) * 2
+    t = to_torch(a)
+    assert t.data_ptr() == a.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(t.numpy(), np.arange(16.0) * 2)
+
+
+def test_to_torch_refuses_deleted_and_sharded():
+    a = jnp.ones(8)
+    a.delete()
+    with pytest.raises(ValueError, match="deleted"):
+        to_torch(a)
+
+
+def test_source_deleted_and_collected_values_intact():
+    t = torch.arange(1024.0)
+    storage_ref = weakref.ref(t)
+    a = to_jax(t)
+    del t
+    gc.collect()
+    assert storage_ref() is None  # the user's tensor object is gone ...
+    np.testing.assert_array_equal(np.asarray(a), np.arange(1024.0))  # ... its memory is not
+    assert float(jnp.sum(a)) == float(np.arange(1024.0).sum())
+
+
+def test_resize_after_import_is_detected():
+    t = torch.arange(64.0)
+    a = to_jax(t)
+    check_alias(a)
+    t.resize_(1 << 20)  # reallocates the shared storage
+    with pytest.raises(AliasInvalidatedError, match="resize_"):
+        check_alias(a)
+    with pytest.raises(AliasInvalidatedError):
+        to_torch(a)
+
+
+def test_trees_convert_tensor_leaves_only():
+    tree = {"k": torch.ones(4), "meta": "text", "n": 3, "arr": np.ones(2), "nested": [torch.zeros(2, 2), None]}
+    j = tree_to_jax(tree)
+    assert isinstance(j["k"], jax.Array) and isinstance(j["nested"][0], jax.Array)
+    assert j["meta"] == "text" and j["n"] == 3 and j["arr"] is tree["arr"] and j["nested"][1] is None
+    back = tree_to_torch(j)
+    assert back["k"].data_ptr() == tree["k"].data_ptr() and back["arr"] is tree["arr"]
+
+
+def test_async_safety_waits_for_pending_jax_work():
+    x = jnp.ones((512, 512))
+    y = x @ x  # dispatched asynchronously
+    t = to_torch(y)
+    assert float(t[0, 0]) == 512.0
+
+
+def test_bad_inputs():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        to_jax(np.ones(3))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        wrap([1])
+    with pytest.raises(TypeError, match="jax.Array"):
+        to_torch(np.ones(3))
+
+
+def test_one_gib_wrap_is_zero_copy_in_rss():
+    script = textwrap.dedent(
+        """
+        import json, psutil, torch
+        from torch_bridge import to_jax
+        t = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, pages touched
+        proc = psutil.Process()
+        before = proc.memory_info().rss
+        a = to_jax(t, strict=True)
+        a.block_until_ready()
+        after = proc.memory_info().rss
+        print(json.dumps({"same_ptr": a.unsafe_buffer_pointer() == t.data_ptr(), "rss_delta": after - before}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["same_ptr"]
+    assert result["rss_delta"] < 16 * 2**20, result

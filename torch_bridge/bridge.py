@@ -1,0 +1,261 @@
+"""Zero-copy DLPack exchange between PyTorch and JAX that never copies behind your back.
+
+``to_jax`` imports a torch tensor as a JAX array over the same memory and checks the pointers after every
+import. When aliasing is impossible it either raises `CopyRequiredError` (``strict=True``) or makes one
+explicit, correct copy, counted in `report()` and logged once per reason. ``wrap`` never copies: it
+returns the alias when there is one and the tensor itself otherwise.
+
+While a JAX alias of a tensor is alive, do not write to the tensor in place, ``set_`` it, ``resize_`` it,
+or free its storage: JAX assumes immutable buffers (jitted code may even bake them in as constants).
+`check_alias` detects a storage that moved or shrank since the import.
+
+On CUDA, JAX asks torch to export on JAX's stream and torch orders it after the *current* torch stream
+only: work queued on other torch streams must be synchronized by the caller before ``to_jax``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import torch
+
+from functional_state import CopyRequiredError, SessionStateError, register_alias
+from functional_state.accounting import alias_owner
+
+from . import _report
+
+__all__ = [
+    "AliasInvalidatedError",
+    "check_alias",
+    "copy_reason",
+    "to_jax",
+    "to_torch",
+    "tree_to_jax",
+    "tree_to_torch",
+    "unwrap",
+    "wrap",
+]
+
+_64BIT = {torch.int64, torch.float64, torch.complex128, torch.uint64}
+# Dtypes JAX represents; anything else (complex32, quantized, ...) stays a torch tensor.
+_JAX_DTYPES = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32,
+    torch.float16, torch.bfloat16, torch.float32, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2,
+} | _64BIT
+_ALIGNMENT = {"cpu": 64, "cuda": 16}  # CPU: XLA copies below 64 B; GPU: executables need 16 B
+
+
+class AliasInvalidatedError(SessionStateError, RuntimeError):
+    """The torch storage behind a JAX alias moved or shrank after the import (``set_``/``resize_``)."""
+
+
+class _AliasRecord:
+    """What an alias keeps alive: the exported tensor, and its storage extent at import time."""
+
+    __slots__ = ("tensor", "storage_ptr", "storage_nbytes")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        storage = tensor.untyped_storage()
+        self.storage_ptr = storage.data_ptr()
+        self.storage_nbytes = storage.nbytes()
+
+    def _accounting_children(self) -> tuple[torch.Tensor]:
+        return (self.tensor,)
+
+
+def _x64() -> bool:
+    return bool(jax.config.read("jax_enable_x64"))
+
+
+def _is_compact(t: torch.Tensor) -> bool:
+    """True when the elements fill a dense block in some dim order (what JAX can describe as a layout)."""
+    if t.numel() == 0:
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _diagnose(t: torch.Tensor) -> tuple[str | None, bool]:
+    """``(reason, copyable)``: why JAX cannot alias ``t`` (None if it can), and whether a copy would help."""
+    if t.layout != torch.strided:
+        return f"{t.layout} tensors have no DLPack form", False
+    if t.device.type not in _ALIGNMENT:
+        return f"device {t.device} is not exchanged (cpu and cuda only)", False
+    if t.dtype not in _JAX_DTYPES:
+        return f"JAX has no dtype for {t.dtype}", False
+    if t.dtype in _64BIT and not _x64():
+        return f"{t.dtype} would be downcast to 32 bits (jax_enable_x64 is off)", False
+    if t.is_conj():
+        return "conjugate-bit view (torch refuses to export it)", True
+    if t.is_neg():
+        return "negative-bit view (it would export without its negation)", True
+    if not _is_compact(t):
+        return f"non-compact strides {tuple(t.stride())} for shape {tuple(t.shape)}", True
+    align = _ALIGNMENT[t.device.type]
+    if t.numel() and t.data_ptr() % align:
+        return f"start address not {align}-byte aligned (storage offset {t.storage_offset() * t.element_size()} B)", True
+    return None, True
+
+
+def copy_reason(t: torch.Tensor) -> str | None:
+    """Why ``t`` cannot be aliased by JAX, or None when it can.
+
+    Example:
+      >>> copy_reason(torch.zeros(4, 4)) is None, copy_reason(torch.zeros(4, 4)[:, :2])
+      (True, 'non-compact strides (4, 1) for shape (4, 2)')
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"`copy_reason`: expected a torch.Tensor, got {type(t).__name__}.")
+    return _diagnose(t)[0]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _import(t: torch.Tensor, count: bool = True) -> jax.Array:
+    """DLPack import of an aliasable tensor, with the pointer check that proves no copy happened."""
+    exported = t.detach()  # JAX keeps this object (and so the storage) alive; requires_grad is dropped
+    if exported.device.type == "cuda":
+        with torch.cuda.device(exported.device):  # torch exports only tensors of the current device
+            array = jax.dlpack.from_dlpack(exported)
+    else:
+        array = jax.dlpack.from_dlpack(exported)
+    if exported.numel() and array.unsafe_buffer_pointer() != exported.data_ptr():
+        raise CopyRequiredError(
+            f"`to_jax`: JAX copied a tensor the bridge judged aliasable (shape {tuple(t.shape)}, dtype {t.dtype}, "
+            f"strides {tuple(t.stride())}); please report this layout."
+        )
+    register_alias(array, _AliasRecord(exported))
+    if count:
+        _report.record("wrapped", _nbytes(t))
+    return array
+
+
+def to_jax(tensor: torch.Tensor, *, strict: bool = False) -> jax.Array | torch.Tensor:
+    """A JAX array over the tensor's memory, bit-exact and of the same dtype.
+
+    Args:
+      tensor: a CPU or CUDA torch tensor (``requires_grad`` is fine: it is detached, not copied).
+      strict: raise instead of copying when aliasing is impossible.
+
+    Returns:
+      The JAX alias; or, when aliasing is impossible and ``strict`` is False, a JAX alias of one explicit
+      copy (counted in `report()`); or, when JAX has no dtype for the tensor (complex32, 64-bit without
+      ``jax_enable_x64``), the tensor itself, with a warning logged once.
+
+    Raises:
+      CopyRequiredError: ``strict`` and the tensor cannot be aliased; the message names the reason.
+
+    Example:
+      >>> t = torch.arange(16, dtype=torch.float32)
+      >>> a = to_jax(t)
+      >>> a.unsafe_buffer_pointer() == t.data_ptr(), a.dtype
+      (True, dtype('float32'))
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"`to_jax`: expected a torch.Tensor, got {type(tensor).__name__}; use `tree_to_jax` for trees.")
+    reason, copyable = _diagnose(tensor)
+    if reason is None:
+        return _import(tensor)
+    if strict:
+        raise CopyRequiredError(
+            f"`to_jax(strict=True)`: cannot alias a tensor of shape {tuple(tensor.shape)}, dtype {tensor.dtype}: "
+            f"{reason}. Pass strict=False to copy explicitly, or use `wrap` to keep it a torch tensor."
+        )
+    if not copyable:
+        _report.record("kept_torch", _nbytes(tensor), reason)
+        return tensor
+    # One fresh contiguous allocation (aligned by the allocator) with conj/neg bits materialized.
+    copy = tensor.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
+    _report.record("copied", _nbytes(tensor), reason)
+    return _import(copy, count=False)
+
+
+def wrap(tensor: torch.Tensor) -> jax.Array | torch.Tensor:
+    """The JAX alias of ``tensor`` when one is possible, else ``tensor`` itself; never a copy.
+
+    For values a model only hands around (K/V that are strided slices of padded allocations), this moves
+    them by reference whatever their layout. `unwrap` gives back a torch tensor over the same storage.
+
+    Example:
+      >>> padded = torch.zeros(8, 16)
+      >>> wrap(padded[:, :4]) is not None and isinstance(wrap(padded[:, :4]), torch.Tensor)
+      True
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"`wrap`: expected a torch.Tensor, got {type(tensor).__name__}.")
+    reason = copy_reason(tensor)
+    if reason is None:
+        return _import(tensor)
+    _report.record("kept_torch", _nbytes(tensor), reason)
+    return tensor
+
+
+def check_alias(array: jax.Array) -> None:
+    """Raise if the torch storage behind a bridge alias moved or shrank since the import.
+
+    Raises:
+      AliasInvalidatedError: the storage was resized, replaced or freed; the JAX array reads stale memory.
+    """
+    record = alias_owner(array)
+    if not isinstance(record, _AliasRecord):
+        return
+    storage = record.tensor.untyped_storage()
+    if storage.data_ptr() != record.storage_ptr or storage.nbytes() < record.storage_nbytes:
+        raise AliasInvalidatedError(
+            f"the torch storage behind this JAX array changed after import (was {record.storage_nbytes} B at "
+            f"{record.storage_ptr:#x}, now {storage.nbytes()} B at {storage.data_ptr():#x}): a `resize_`, `set_` "
+            f"or `.data =` on the source tensor. Do not modify tensors while a JAX alias is alive."
+        )
+
+
+def to_torch(array: jax.Array | torch.Tensor) -> torch.Tensor:
+    """A torch tensor over the JAX array's memory (writable: in-place writes show in JAX).
+
+    Waits for pending JAX work on the array first. An array the bridge imported from torch comes back as
+    the exported tensor itself: the same storage, strides and dtype. A torch tensor is returned as is.
+
+    Raises:
+      AliasInvalidatedError: the array is a bridge alias whose torch storage changed since the import.
+      ValueError: the array is deleted (donated) or spans several devices.
+    """
+    if isinstance(array, torch.Tensor):
+        return array
+    if not isinstance(array, jax.Array):
+        raise TypeError(f"`to_torch`: expected a jax.Array or torch.Tensor, got {type(array).__name__}.")
+    if array.is_deleted():
+        raise ValueError("`to_torch`: the JAX array was deleted (donated to a jitted call); it has no memory left.")
+    if len(array.addressable_shards) != 1:
+        raise ValueError(
+            f"`to_torch`: the array spans {len(array.addressable_shards)} device buffers; gather it to one device "
+            f"first (e.g. `jax.device_put(a, jax.devices()[0])`)."
+        )
+    array.block_until_ready()  # never hand torch a buffer JAX is still writing
+    record = alias_owner(array)
+    if isinstance(record, _AliasRecord):
+        check_alias(array)
+        return record.tensor
+    return torch.from_dlpack(array)
+
+
+def unwrap(value: Any) -> Any:
+    """Inverse of `wrap` for one value: JAX arrays become torch tensors (same storage); others pass through."""
+    return to_torch(value) if isinstance(value, jax.Array) else value
+
+
+def tree_to_jax(tree: Any, *, strict: bool = False) -> Any:
+    """`to_jax` on every torch tensor leaf of ``tree``; every other leaf is returned untouched."""
+    return jax.tree_util.tree_map(lambda x: to_jax(x, strict=strict) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def tree_to_torch(tree: Any) -> Any:
+    """`to_torch` on every JAX array leaf of ``tree``; every other leaf is returned untouched."""
+    return jax.tree_util.tree_map(unwrap, tree)
