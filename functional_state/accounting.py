@@ -57,19 +57,30 @@ def alias_owner(array: Any) -> Any:
     return None
 
 
+_MISSING_KEY = object()
+_TORCH_KEYS: dict[Any, str | None] = {}  # torch.device -> key; devices are few, lookups are many
+
+
 def _torch_device_key(device: Any) -> str | None:
+    key = _TORCH_KEYS.get(device, _MISSING_KEY)
+    if key is not _MISSING_KEY:
+        return key
     if device.type == "meta":
-        return None
-    if device.type == "cuda":
+        key = None
+    elif device.type == "cuda":
         index = device.index
         if index is None:
             import torch
 
             index = torch.cuda.current_device()
-        return f"cuda:{index}"
-    if device.type == "cpu":
-        return "cpu"
-    return str(device)
+        key = f"cuda:{index}"
+    elif device.type == "cpu":
+        key = "cpu"
+    else:
+        key = str(device)
+    if device.index is not None or device.type != "cuda":  # "cuda" alone depends on the current device
+        _TORCH_KEYS[device] = key
+    return key
 
 
 def _jax_device_key(device: Any) -> str:
@@ -82,13 +93,18 @@ def _jax_device_key(device: Any) -> str:
     return f"{platform}:{device.id}"
 
 
+def _torch_tensor_type() -> type | None:
+    torch = sys.modules.get("torch")  # never import torch just to account: it may not be in use
+    return None if torch is None else torch.Tensor
+
+
 def _is_torch_tensor(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    cls = _torch_tensor_type()
+    return cls is not None and isinstance(x, cls)
 
 
 def _torch_extents(t: Any, out: list[tuple[str, int, int]]) -> None:
-    if getattr(t, "is_sparse", False) or t.layout != _torch_strided():
+    if t.layout is not sys.modules["torch"].strided:
         return  # Sparse layouts have no single storage; counted as unknown (zero).
     key = _torch_device_key(t.device)
     if key is None:
@@ -98,10 +114,6 @@ def _torch_extents(t: Any, out: list[tuple[str, int, int]]) -> None:
     if size:
         start = storage.data_ptr()
         out.append((key, start, start + size))
-
-
-def _torch_strided():
-    return sys.modules["torch"].strided
 
 
 def _numpy_extents(a: np.ndarray, out: list[tuple[str, int, int]]) -> None:
@@ -165,10 +177,17 @@ _SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None))
 
 
 def _collect(root: Any, out: list[tuple[str, int, int]], seen: set[int]) -> None:
+    tensor_type = _torch_tensor_type() or ()
     stack = [root]
     while stack:
         x = stack.pop()
         if isinstance(x, _SCALARS):
+            continue
+        if id(x) in seen:
+            continue  # Cycles, shared containers and repeated arrays are visited once.
+        seen.add(id(x))
+        if isinstance(x, tensor_type):
+            _torch_extents(x, out)
             continue
         if isinstance(x, jax.Array):
             if not isinstance(x, jax.core.Tracer):
@@ -177,12 +196,6 @@ def _collect(root: Any, out: list[tuple[str, int, int]], seen: set[int]) -> None
         if isinstance(x, np.ndarray):
             _numpy_extents(x, out)
             continue
-        if _is_torch_tensor(x):
-            _torch_extents(x, out)
-            continue
-        if id(x) in seen:
-            continue  # Cycles and shared containers are walked once.
-        seen.add(id(x))
         try:
             kids = _children(x)
         except Exception:  # An object we cannot look into counts zero; accounting never raises.

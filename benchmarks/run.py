@@ -1,0 +1,83 @@
+"""Run the benchmarks side by side and write BENCHMARKS.md. ``python benchmarks/run.py [name ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+BENCHES = ["encoder_window", "manager", "bridge", "accounting", "ring", "fork"]
+
+
+def _available() -> list[str]:
+    return [b for b in BENCHES if (HERE / f"bench_{b}.py").exists()]
+
+
+def _machine() -> str:
+    import jax
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        model = cpu
+    return (
+        f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+        f"jax {jax.__version__}"
+    )
+
+
+def _section(result: dict) -> str:
+    lines = [f"## {result['title']}", ""]
+    header = result["header"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for row in result["rows"]:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    lines.append("")
+    for label, value in [result["ratio"]] + result.get("extra_ratios", []):
+        lines.append(f"**{label}: {value:.3g}**  ")
+    lines.append("")
+    lines.append(result["notes"])
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run functional-state benchmarks and write BENCHMARKS.md.")
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {_available()})")
+    parser.add_argument("--output", default=str(HERE.parent / "BENCHMARKS.md"), help="where to write the report")
+    args = parser.parse_args(argv)
+    names = args.names or _available()
+    unknown = [n for n in names if n not in _available()]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {_available()}")
+    sections = []
+    for name in names:
+        print(f"[bench] {name} ...", flush=True)
+        result = importlib.import_module(f"bench_{name}").run()
+        print(_section(result), flush=True)
+        sections.append(_section(result))
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    text = (
+        "# Benchmarks\n\n"
+        f"Written by `make bench` on {now}.\n\nMachine: {_machine()}.\n\n"
+        "Every figure is a median of repeated runs, and every ratio compares two things measured side by side "
+        "in the same run (interleaved), because this machine is shared and noisy. Absolute times are for "
+        "orientation only; the ratios are the claims.\n\n" + "\n".join(sections)
+    )
+    Path(args.output).write_text(text)
+    print(f"[bench] wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

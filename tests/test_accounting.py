@@ -1,0 +1,158 @@
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import functional_state as fs
+from functional_state import LatentBuffer, ManagerState, SessionState, SessionStateManager, nbytes_by_device
+from functional_state.accounting import _jax_device_key, _torch_device_key
+from torch_bridge import to_jax, wrap
+
+
+def test_torch_slice_reports_its_whole_storage():
+    big = torch.zeros(1000, dtype=torch.float32)
+    assert nbytes_by_device(big[10:12]) == {"cpu": 4000}
+    assert nbytes_by_device(big.narrow(0, 0, 1)) == {"cpu": 4000}
+
+
+def test_views_of_one_storage_count_once():
+    big = torch.zeros(64, 64)
+    assert nbytes_by_device(big, big.t(), big[3], big[:, 1:5], big.view(-1)) == {"cpu": 64 * 64 * 4}
+
+
+def test_numpy_views_and_owner():
+    a = np.zeros(1000, np.uint8)
+    assert nbytes_by_device(a[::7]) == {"cpu": 1000}
+    assert nbytes_by_device([a[:10], a[500:], a.reshape(10, 100).T]) == {"cpu": 1000}
+
+
+def test_numpy_over_torch_belongs_to_the_torch_storage():
+    t = torch.zeros(256, dtype=torch.float64)
+    n = t.numpy()[5:9]
+    assert nbytes_by_device(n) == {"cpu": 2048}
+    assert nbytes_by_device(n, t, t.numpy()) == {"cpu": 2048}
+
+
+def test_jax_alias_of_torch_counts_once_whole_and_sliced():
+    t = torch.zeros(64, 64)  # 16 KiB
+    whole = jax.dlpack.from_dlpack(t)
+    rows = jax.dlpack.from_dlpack(t[16:32])  # aliases without the bridge: lies inside t's storage
+    assert rows.unsafe_buffer_pointer() == t[16:32].data_ptr()
+    assert nbytes_by_device(t, whole, rows) == {"cpu": 16384}
+    assert nbytes_by_device(rows) == {"cpu": 16 * 64 * 4}  # alone, a raw alias only knows its own bytes
+
+
+def test_bridge_alias_of_a_slice_reports_the_storage_it_keeps_alive():
+    t = torch.zeros(64, 64)
+    rows = to_jax(t[16:32])
+    del t  # JAX now keeps the whole storage alive; the accounting must say so
+    assert nbytes_by_device(rows) == {"cpu": 16384}
+
+
+def test_wrap_keeps_padded_kv_by_reference_and_counts_the_padded_allocation():
+    padded = torch.zeros(2, 128, 64, dtype=torch.bfloat16)  # 32 KiB
+    k = wrap(padded[:, :77])
+    assert isinstance(k, torch.Tensor)
+    assert nbytes_by_device(k) == {"cpu": 32768}
+
+
+def test_scalars_strings_none_count_zero():
+    assert nbytes_by_device(1, 2.5, "text", b"bytes", None, True, np.float32(3)) == {}
+
+
+def test_nested_containers_and_dataclasses():
+    @dataclasses.dataclass
+    class Holder:
+        x: object
+        y: object
+
+    a, b, c = np.zeros(100, np.uint8), torch.zeros(10), jnp.zeros(8, jnp.float32)
+    tree = {"l": [a, (b, {"deep": [c]})], "h": Holder(a, frozenset()), "s": {1, 2}}
+    assert nbytes_by_device(tree) == {"cpu": 100 + 40 + 32}
+
+
+def test_cycles_are_walked_once():
+    a = np.zeros(64, np.uint8)
+    cyclic = [a]
+    cyclic.append(cyclic)
+    d = {"self": None, "x": a}
+    d["self"] = d
+    assert nbytes_by_device(cyclic, d) == {"cpu": 64}
+
+
+def test_unknown_objects_count_zero_and_never_raise():
+    class Hostile:
+        def __getattr__(self, name):
+            raise RuntimeError("boom")
+
+    class Opaque:
+        def __init__(self):
+            self.hidden = np.zeros(10)
+
+    assert nbytes_by_device(Hostile(), Opaque(), object(), print) == {}
+
+
+def test_deleted_jax_array_counts_zero():
+    a = jnp.ones(1024)
+    a.delete()
+    assert nbytes_by_device(a) == {}
+
+
+def test_roots_share_one_dedup_scope():
+    t = torch.zeros(100)
+    assert nbytes_by_device([t], {"again": t[5:]}) == {"cpu": 400}
+
+
+def test_shared_tensor_across_sessions_counts_once():
+    shared = torch.zeros(1024)  # 4 KiB
+    state = ManagerState.create()
+    for sid in ("a", "b", "c"):
+        state, _ = fs.get_or_create(state, sid)
+        state = fs.set_attr(state, sid, "prompt", shared[: 10 * (ord(sid) - 96)])
+    s = fs.stats(state)
+    assert s["nbytes:cpu"] == 4096 and s["total_nbytes"] == 4096
+
+
+def test_attr_object_alias_counts_once_in_a_session():
+    t = torch.zeros(256)
+    session = SessionState.empty().put("buf", LatentBuffer.create().commit(t)).set_attr("alias", t[1:])
+    assert session.nbytes_by_device() == {"cpu": 1024}
+
+
+def test_session_counts_staged_and_committed_and_attrs():
+    session = (
+        SessionState.empty()
+        .put("buf", LatentBuffer.create().commit(np.zeros(10, np.uint8)).stage(np.zeros(20, np.uint8)))
+        .set_attr("feat_map", [np.zeros(30, np.uint8), None, [np.zeros(40, np.uint8)]])
+    )
+    assert session.nbytes_by_device() == {"cpu": 100}
+
+
+def test_evict_returns_exactly_what_leaves_the_accounting():
+    m = SessionStateManager()
+    h = m.get_or_create_session("s")
+    t = torch.zeros(1000, dtype=torch.uint8)
+    h.put("a", LatentBuffer.create().commit(t).commit(np.zeros(24, np.uint8)))
+    h.put("b", LatentBuffer.create().commit(t[100:]))  # the same storage, held by another object
+    before = m.stats()["total_nbytes"]
+    freed = h.evict("a")
+    assert freed == 24  # t stays alive through "b"
+    assert m.stats()["total_nbytes"] == before - freed
+    freed = h.evict("b")
+    assert freed == 1000 and m.stats()["total_nbytes"] == 0
+
+
+def test_stats_splits_devices_with_sorted_keys():
+    fake = types.SimpleNamespace
+    assert _jax_device_key(fake(platform="cpu", id=5)) == "cpu"
+    assert _jax_device_key(fake(platform="gpu", id=7, local_hardware_id=1)) == "cuda:1"
+    assert _jax_device_key(fake(platform="gpu", id=0, local_hardware_id=0)) == "cuda:0"
+    assert _jax_device_key(fake(platform="tpu", id=3)) == "tpu:3"
+    assert _torch_device_key(torch.device("cuda", 2)) == "cuda:2"
+    assert _torch_device_key(torch.device("cpu")) == "cpu"
+    assert _torch_device_key(torch.device("meta")) is None
+    assert nbytes_by_device(torch.zeros(10, device="meta")) == {}
