@@ -45,6 +45,7 @@ from .manager_state import (
     view as view,
 )
 from .session import SessionState as SessionState
+from .session_attr import SessionAttr as SessionAttr
 from .state_object import StateObject as StateObject
 from .state_object import SupportsResidency as SupportsResidency
 
@@ -60,6 +61,7 @@ __all__ = [
     "NothingStagedError",
     "ObjectNotFoundError",
     "SessionAdmissionError",
+    "SessionAttr",
     "SessionHandle",
     "SessionState",
     "SessionStateError",

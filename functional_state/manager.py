@@ -190,7 +190,8 @@ class SessionHandle:
         self._manager._write(self._cell, lambda s: (fn(s), None))
         return self
 
-    def _update_object(self, name: str, fn: Callable[[StateObject], StateObject]) -> "SessionHandle":
+    def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> "SessionHandle":
+        """Replace object ``name`` by ``fn(object)`` in one locked step (several commits, one swap)."""
         return self._update(lambda s: s.update(name, fn))
 
     # objects
@@ -206,16 +207,16 @@ class SessionHandle:
         return self._manager._write(self._cell, lambda s: s.get_or_create(name, factory, cls))
 
     def stage(self, name: str, payload: Any) -> "SessionHandle":
-        return self._update_object(name, lambda o: o.stage(payload))
+        return self.update(name, lambda o: o.stage(payload))
 
     def commit(self, name: str, payload: Any = MISSING) -> "SessionHandle":
-        return self._update_object(name, lambda o: o.commit(payload))
+        return self.update(name, lambda o: o.commit(payload))
 
     def append(self, name: str, payload: Any) -> "SessionHandle":
-        return self._update_object(name, lambda o: o.append(payload))
+        return self.update(name, lambda o: o.append(payload))
 
     def discard(self, name: str) -> "SessionHandle":
-        return self._update_object(name, lambda o: o.discard())
+        return self.update(name, lambda o: o.discard())
 
     def view(self, name: str, include_staged: bool = True) -> Any:
         return self.state.get(name).view(include_staged=include_staged)

@@ -1,0 +1,355 @@
+"""DreamZero: the adapter against the bespoke reference, method by method, plus sessions and accounting."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from functional_state import SessionStateManager, nbytes_by_device
+from torch_bridge import report, reset_report, unwrap
+from torch_bridge.adapters import BespokeDreamZeroCache, BespokeDreamZeroState, DreamZeroStateAdapter
+from torch_bridge.adapters import dreamzero_rollout as rollout
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (type(a), type(b))
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    else:
+        assert a == b
+
+
+def _pair(window=2, manager=None):
+    manager = manager or SessionStateManager()
+    return BespokeDreamZeroState(), DreamZeroStateAdapter("s", manager, vae_encoder_window=window), manager
+
+
+def _both(pair, fn):
+    out_a, out_b = fn(pair[0]), fn(pair[1])
+    _same(out_a, out_b)
+    return out_b
+
+
+def _frame(i, hw=(8, 16), dtype=torch.uint8):
+    return (torch.arange(hw[0] * hw[1] * 3).reshape(*hw, 3) + i).to(dtype)
+
+
+ATTRS = ["call_count", "current_start_frame", "clip_feas", "ys", "language", "prompt_embeds",
+         "vae_stream_initialized", "vae_enc_feat_map", "vae_pending_body_frames"]
+
+
+def _same_attrs(pair):
+    for name in ATTRS:
+        _same(getattr(pair[0], name), getattr(pair[1], name))
+    _same(pair[0].vae_encoder_out, pair[1].vae_encoder_out)
+    _same(pair[0].get_concatenated_video_latents(), pair[1].get_concatenated_video_latents())
+
+
+def test_defaults_match():
+    _same_attrs(_pair())
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+def test_frames_and_rollover(kind):
+    pair = _pair()
+    shapes = []
+    for i in range(7):
+        f = _frame(i)
+        f = f.numpy() if kind == "numpy" else f
+        out = _both(pair, lambda s: s.accumulate_frames(f))
+        shapes.append(out.shape[0])
+    assert shapes == [1, 4, 4, 4, 4, 4, 4]
+    # Padding repeats the oldest frame while fewer than 4 are held.
+    pair = _pair()
+    _both(pair, lambda s: s.accumulate_frames(_frame(0)))
+    out = _both(pair, lambda s: s.accumulate_frames(_frame(1)))
+    assert torch.equal(out[0], _frame(0)) and torch.equal(out[1], _frame(0)) and torch.equal(out[3], _frame(1))
+
+
+@pytest.mark.parametrize("t", [1, 2, 6])
+def test_four_d_clips(t):
+    pair = _pair()
+    clip = torch.stack([_frame(i) for i in range(t)])
+    first = _both(pair, lambda s: s.accumulate_frames(clip))
+    assert first.shape[0] == 1
+    second = _both(pair, lambda s: s.accumulate_frames(clip[:1] + 100))
+    assert second.shape[0] == 4
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(4, 4), torch.zeros(1, 2, 3, 4, 5), torch.zeros(3)])
+def test_frames_bad_ndim_raises_on_both(bad):
+    for state in _pair()[:2]:
+        with pytest.raises(ValueError, match=r"\(H, W, C\) or a clip \(T, H, W, C\)"):
+            state.accumulate_frames(bad)
+
+
+def test_video_latents_bf16_round_trip():
+    pair = _pair()
+    _both(pair, lambda s: s.get_concatenated_video_latents())
+    outs = [torch.randn(1, 2, 16, 4, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(3)]
+    _both(pair, lambda s: s.append_video_latents(outs[0]))
+    single = _both(pair, lambda s: s.get_concatenated_video_latents())
+    assert single.shape == (1, 16, 2, 4, 8) and single.dtype == torch.bfloat16
+    for o in outs[1:]:
+        _both(pair, lambda s: s.append_video_latents(o))
+    cat = _both(pair, lambda s: s.get_concatenated_video_latents())
+    assert cat.shape == (1, 16, 6, 4, 8)
+    _both(pair, lambda s: s.clear_video_latents())
+    assert pair[1].get_concatenated_video_latents() is None
+    for state in pair[:2]:
+        with pytest.raises(ValueError, match=r"\(B, T, C, H, W\)"):
+            state.append_video_latents(torch.zeros(2, 3))
+
+
+def _chunk(i, t=1):
+    return torch.full((1, 32, t, 4, 8), float(i), dtype=torch.bfloat16) + torch.arange(t, dtype=torch.bfloat16).reshape(1, 1, t, 1, 1)
+
+
+def test_encoder_ring_matches_bespoke_reads_within_the_window():
+    pair = _pair(window=3)
+    for i in range(10):
+        _both(pair, lambda s: s.append_vae_encoder_chunk(_chunk(i, t=1 + i % 3)))
+        for n in (1, 2, 3):
+            _both(pair, lambda s: s.observation_latents(n))
+    assert pair[0].vae_encoder_out.shape[2] == sum(1 + i % 3 for i in range(10))
+    assert pair[1].vae_encoder_out.shape[2] == 3
+    _same(pair[0].vae_encoder_out[:, :, -3:], pair[1].vae_encoder_out)
+
+
+def test_observation_beyond_the_window_raises():
+    _, adapter, _ = _pair(window=2)
+    adapter.append_vae_encoder_chunk(_chunk(0, t=4))
+    with pytest.raises(ValueError, match="retains 2"):
+        adapter.observation_latents(3)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="positive int"):
+            adapter.observation_latents(bad)
+
+
+def test_encoder_out_assignment_seeds_and_clears():
+    pair = _pair(window=2)
+    assert pair[1].observation_latents(2) is None and pair[0].observation_latents(2) is None
+    seed = _chunk(5, t=5)
+    for s in pair[:2]:
+        s.vae_encoder_out = seed
+    _both(pair, lambda s: s.observation_latents(2))
+    _both(pair, lambda s: s.append_vae_encoder_chunk(_chunk(9)))
+    _both(pair, lambda s: s.observation_latents(2))
+    for s in pair[:2]:
+        s.vae_encoder_out = None
+    assert pair[1].vae_encoder_out is None and pair[0].vae_encoder_out is None
+
+
+def test_vae_stream_fields_and_feat_map_identity():
+    pair = _pair()
+    feat_map, pending = [torch.zeros(4), None], []
+    for s in pair[:2]:
+        s.vae_stream_initialized = True
+        s.vae_enc_feat_map = feat_map
+        s.vae_pending_body_frames = pending
+    assert pair[1].vae_enc_feat_map is feat_map and pair[1].vae_pending_body_frames is pending
+    feat_map[1] = torch.ones(2)  # the encoder mutates its cache in place
+    assert pair[1].vae_enc_feat_map[1] is feat_map[1]
+    _both(pair, lambda s: s.append_vae_encoder_chunk(_chunk(1)))
+    _both(pair, lambda s: s.reset_vae_encoder_stream())
+    _same_attrs(pair)
+    assert pair[1].vae_stream_initialized is False and pair[1].vae_enc_feat_map is None
+
+
+def _populate(s):
+    s.accumulate_frames(_frame(0))
+    s.accumulate_frames(_frame(1))
+    s.append_video_latents(torch.ones(1, 1, 16, 4, 8, dtype=torch.bfloat16))
+    s.append_vae_encoder_chunk(_chunk(3))
+    s.vae_stream_initialized = True
+    s.vae_enc_feat_map = [torch.zeros(3)]
+    s.vae_pending_body_frames = [_frame(2)]
+    s.call_count = 5
+    s.current_start_frame = 9
+    s.clip_feas = torch.ones(4, dtype=torch.bfloat16)
+    s.ys = torch.ones(2, 2)
+    s.language = torch.arange(6)
+    s.prompt_embeds = torch.ones(6, 8, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("method", ["window", "inference", "session"])
+def test_resets_match(method):
+    pair = _pair()
+    feat = None
+    for s in pair[:2]:
+        _populate(s)
+        if feat is None:
+            feat = s.vae_enc_feat_map
+        s.vae_enc_feat_map = feat
+    for s in pair[:2]:
+        {"window": lambda: s.reset(clear_video_latents=False), "inference": s.reset_inference_state,
+         "session": s.reset}[method]()
+    _same_attrs(pair)
+    out = _both(pair, lambda s: s.accumulate_frames(_frame(7)))
+    assert out.shape[0] == 1  # the frame ring was cleared by both kinds of reset
+    if method != "session":
+        assert pair[1].language is not None and pair[1].get_concatenated_video_latents() is not None
+        assert pair[1].vae_stream_initialized and pair[1].vae_encoder_out is not None
+    else:
+        assert pair[1].language is None and pair[1].call_count == 0 and pair[1].vae_encoder_out is None
+
+
+@pytest.mark.parametrize(
+    "language, start, tokens, frames, attn, expected",
+    [
+        (None, 0, torch.arange(3), 1, 24, "session"),  # 1: nothing conditioned yet
+        (torch.arange(3), 0, torch.arange(3) + 1, 1, 24, "session"),  # 2: prompt changed (values)
+        (torch.arange(3), 0, torch.arange(4), 1, 24, "session"),  # 2: prompt changed (shape)
+        (torch.arange(3), 23, torch.arange(3), 2, 24, "inference"),  # 3: window overflows
+        (torch.arange(3), 22, torch.arange(3), 2, 24, None),  # 4: exactly fills
+        (torch.arange(3), 10_000, torch.arange(3), 2, -1, None),  # 4: unlimited attention
+        (torch.arange(3), 5, torch.arange(3), 1, 24, None),  # 4
+    ],
+)
+def test_reset_reason_and_should_reset(language, start, tokens, frames, attn, expected):
+    pair = _pair()
+    for s in pair[:2]:
+        s.language = language
+        s.current_start_frame = start
+    _both(pair, lambda s: s.reset_reason(tokens, frames, attn))
+    assert pair[1].reset_reason(tokens, frames, attn) == expected
+    assert pair[1].should_reset(tokens, frames, attn) is (expected is not None)
+
+
+def test_fresh_adapter_sees_the_same_session():
+    manager = SessionStateManager()
+    a = DreamZeroStateAdapter("s", manager)
+    _populate(a)
+    b = DreamZeroStateAdapter("s", manager)
+    assert b.call_count == 5 and b.vae_enc_feat_map is a.vae_enc_feat_map
+    _same(b.get_concatenated_video_latents(), a.get_concatenated_video_latents())
+    b.call_count += 1
+    assert a.call_count == 6
+
+
+def test_lru_cap_and_pinned_eviction():
+    manager = SessionStateManager(max_sessions=2)
+    first = DreamZeroStateAdapter("a", manager)
+    _populate(first)
+    DreamZeroStateAdapter("b", manager)
+    DreamZeroStateAdapter("c", manager)  # evicts "a" from the table
+    assert "a" not in manager and len(manager) == 2
+    assert first.call_count == 5 and first.get_concatenated_video_latents() is not None  # pinned: kept
+    first.append_video_latents(torch.ones(1, 1, 16, 4, 8, dtype=torch.bfloat16))
+    assert "a" not in manager  # writes never resurrect it
+    assert DreamZeroStateAdapter("a", manager).call_count == 0  # a new session starts empty
+    # The bespoke cache evicts the same way.
+    cache = BespokeDreamZeroCache(max_sessions=2)
+    for sid in "abc":
+        cache.get_or_create(sid)
+    assert "a" not in cache and len(cache) == 2
+
+
+def test_session_reset_leaves_a_fresh_adapter_with_defaults():
+    manager = SessionStateManager()
+    a = DreamZeroStateAdapter("s", manager)
+    _populate(a)
+    a.reset()
+    fresh = DreamZeroStateAdapter("s", manager)
+    _same_attrs((BespokeDreamZeroState(), fresh))
+
+
+def test_window_validation():
+    manager = SessionStateManager()
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="positive int"):
+            DreamZeroStateAdapter("s", manager, vae_encoder_window=bad)
+    DreamZeroStateAdapter("s", manager, vae_encoder_window=2)
+    with pytest.raises(ValueError, match="window of 2 frames; this adapter asks for 3"):
+        DreamZeroStateAdapter("s", manager, vae_encoder_window=3)
+
+
+def test_tensors_enter_by_reference_and_are_counted_once():
+    reset_report()
+    manager = SessionStateManager()
+    a = DreamZeroStateAdapter("s", manager)
+    video_out = torch.ones(1, 2, 16, 4, 8, dtype=torch.bfloat16)
+    a.append_video_latents(video_out)
+    frame = _frame(0)
+    a.accumulate_frames(frame)
+    chunk = _chunk(0)
+    a.append_vae_encoder_chunk(chunk)
+    a.prompt_embeds = torch.ones(64, dtype=torch.bfloat16)
+    session = manager.state.sessions["s"]
+    stored = session.get("video_latents").view()[0]
+    assert isinstance(stored, jax.Array) and stored.dtype == jax.numpy.bfloat16
+    assert stored.unsafe_buffer_pointer() == video_out.data_ptr()  # a permuted view, aliased
+    assert session.get("stitched_frames").view()[0].unsafe_buffer_pointer() == frame.data_ptr()
+    assert session.get("vae_encoder_out").view()[0].unsafe_buffer_pointer() == chunk.data_ptr()
+    assert report()["copied_count"] == 0
+    back = a.get_concatenated_video_latents()
+    assert back.untyped_storage().data_ptr() == video_out.untyped_storage().data_ptr()
+    expected = sum(nbytes_by_device(video_out, frame, chunk, torch.ones(64, dtype=torch.bfloat16)).values())
+    assert manager.stats()["total_nbytes"] == expected
+
+
+def test_deploy_shapes_encoder_growth_vs_constant_ring():
+    frame_bytes = 32 * 44 * 80 * 2  # one latent frame of encoder output, bf16: 0.215 MiB
+    assert abs(frame_bytes / 2**20 - 0.215) < 0.001
+    results = {}
+    for flag in ("0", "1"):
+        os.environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER"] = flag
+        try:
+            cfg = rollout.RolloutConfig(steps=21, sessions=1, feat_map_bytes=2**20, trace_bytes=True, prompt_every=10**6)
+            results[flag] = rollout.run_rollout(cfg)
+        finally:
+            del os.environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER"]
+    bespoke, managed = results["0"], results["1"]
+    assert (bespoke.path, managed.path) == ("bespoke", "manager") and bespoke.digest == managed.digest
+    enc_b = [t["vae_encoder_out"] for t in bespoke.bytes_trace]
+    enc_m = [t["vae_encoder_out"] for t in managed.bytes_trace]
+    assert enc_b[-1] == 6 * frame_bytes and enc_b[0] == frame_bytes  # 1 + 20 // 4 latent frames
+    assert enc_m[-1] == 2 * frame_bytes and max(enc_m) == 2 * frame_bytes  # the ring: constant 0.43 MiB
+    stitched = 352 * 640 * 3
+    assert bespoke.components["session-0"]["stitched_frames"] == managed.components["session-0"]["stitched_frames"] == 4 * stitched
+
+
+def test_harness_detects_a_broken_adapter(monkeypatch):
+    """The A/B digest must be able to fail: an adapter that silently returns a shorter window is caught."""
+    monkeypatch.setenv("OMNI_DIFFUSION_SESSION_STATE_MANAGER", "0")
+    good = rollout.run_rollout(rollout.small_config(steps=30, sessions=1))
+    monkeypatch.setenv("OMNI_DIFFUSION_SESSION_STATE_MANAGER", "1")
+    same = rollout.run_rollout(rollout.small_config(steps=30, sessions=1))
+
+    monkeypatch.setattr(
+        DreamZeroStateAdapter,
+        "observation_latents",
+        lambda self, n: unwrap(self._buffer("vae_encoder_out").view()[-1]),
+    )
+    broken = rollout.run_rollout(rollout.small_config(steps=30, sessions=1))
+    assert good.digest == same.digest != broken.digest
+
+
+def _rollout_in_fresh_process(flag):
+    env = dict(os.environ, OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch_bridge.adapters.dreamzero_rollout", "--steps", "400", "--sessions", "3", "--json"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_flag_flip_ab_400_steps_in_fresh_processes():
+    bespoke = _rollout_in_fresh_process("0")
+    managed = _rollout_in_fresh_process("1")
+    assert (bespoke["path"], managed["path"]) == ("bespoke", "manager")
+    assert bespoke["digest"] == managed["digest"]
+    assert bespoke["latents_shape"] == managed["latents_shape"]

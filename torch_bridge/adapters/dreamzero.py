@@ -1,0 +1,243 @@
+"""`DreamZeroStateAdapter`: DreamZero's session-state surface over the functional core.
+
+Same public surface as `BespokeDreamZeroState`, so a pipeline can use either. What the manager can act
+on is a `StateObject`; what it only carries is an attr, declared once with `SessionAttr`:
+
+=========================  ================================================  ===========================
+name                       bucket                                            why
+=========================  ================================================  ===========================
+``stitched_frames``        `LatentBuffer` ring of 4                          accumulated, reset per window
+``video_latents``          `LatentBuffer` append buffer (host memory)        accumulated over the session
+``vae_encoder_out``        `LatentBuffer` ring of ``vae_encoder_window``      bounded: the reader needs only
+                           latent frames                                     the last few frames
+counters, conditioning     attrs                                             assigned wholesale by the model
+``vae_enc_feat_map``       attr (603 MiB at deploy shapes)                   replaced wholesale, no recompute
+                                                                             source; only a session end frees it
+=========================  ================================================  ===========================
+
+Torch tensors enter through `torch_bridge.wrap` (a JAX alias when DLPack allows, the tensor itself
+otherwise; never a copy) and come back as torch tensors over the same storage, bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from functional_state import LatentBuffer, SessionAttr, SessionStateManager, nbytes_by_device
+
+from ..bridge import unwrap, wrap
+from ._dreamzero_rules import (
+    FRAMES_PER_CHUNK,
+    check_encoder_chunk,
+    check_num_frames,
+    check_video_out,
+    reset_reason,
+    split_frames,
+    window_frames,
+)
+
+__all__ = ["DreamZeroStateAdapter"]
+
+_FRAMES = "stitched_frames"
+_LATENTS = "video_latents"
+_ENCODER = "vae_encoder_out"
+
+
+def _to_state(value: Any) -> Any:
+    return wrap(value) if isinstance(value, torch.Tensor) else value
+
+
+def _tensor_attr(doc: str) -> SessionAttr:
+    return SessionAttr(default=None, coerce=_to_state, load=unwrap, doc=doc)
+
+
+def _cat_time(items: tuple[Any, ...]) -> torch.Tensor | None:
+    if not items:
+        return None
+    if len(items) == 1:
+        return unwrap(items[0])
+    return torch.cat([unwrap(x) for x in items], dim=2)
+
+
+class DreamZeroStateAdapter:
+    """DreamZero session state backed by a `SessionStateManager` session.
+
+    Args:
+      session_id: the session (None means ``"default"``).
+      manager: the manager holding the session.
+      vae_encoder_window: latent frames the encoder ring retains (>= the largest ``num_frames`` the
+        pipeline reads with `observation_latents`).
+
+    Raises:
+      ValueError: ``vae_encoder_window`` is not a positive int, or differs from the window the session
+        was created with.
+
+    Example:
+      >>> manager = SessionStateManager()
+      >>> state = DreamZeroStateAdapter("robot-0", manager, vae_encoder_window=2)
+      >>> for i in range(3):
+      ...     state.append_vae_encoder_chunk(torch.full((1, 32, 1, 4, 4), float(i)))
+      >>> state.observation_latents(2)[0, 0, :, 0, 0].tolist()
+      [1.0, 2.0]
+    """
+
+    FRAMES_PER_CHUNK = FRAMES_PER_CHUNK
+
+    call_count = SessionAttr(default=0, coerce=int, doc="model calls in the current window")
+    current_start_frame = SessionAttr(default=0, coerce=int, doc="first frame index of the current window")
+    clip_feas = _tensor_attr("image conditioning features")
+    ys = _tensor_attr("first-frame conditioning latents")
+    language = _tensor_attr("the prompt's text tokens")
+    prompt_embeds = _tensor_attr("encoded prompt")
+    vae_stream_initialized = SessionAttr(default=False, coerce=bool, doc="the encoder stream has started")
+    vae_enc_feat_map = SessionAttr(default=None, doc="the causal encoder's feature cache (mutated in place)")
+    vae_pending_body_frames = SessionAttr(default=None, doc="frames waiting for a full encoder chunk")
+
+    def __init__(self, session_id: str | None, manager: SessionStateManager, *, vae_encoder_window: int = 2):
+        if isinstance(vae_encoder_window, bool) or not isinstance(vae_encoder_window, int) or vae_encoder_window <= 0:
+            raise ValueError(f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {vae_encoder_window!r}.")
+        self._window = vae_encoder_window
+        self._session = manager.get_or_create_session(session_id)
+        existing = self._session.get(_ENCODER, None)
+        if existing is not None and existing.resident and existing.maxlen != vae_encoder_window:
+            raise ValueError(
+                f"`DreamZeroStateAdapter`: session {self._session.session_id!r} keeps a VAE encoder window of "
+                f"{existing.maxlen} frames; this adapter asks for {vae_encoder_window}. Use the same window for "
+                f"every adapter of a session."
+            )
+        for name in (_FRAMES, _LATENTS, _ENCODER):
+            self._buffer(name)
+
+    def _new_buffer(self, name: str) -> LatentBuffer:
+        maxlen = {_FRAMES: FRAMES_PER_CHUNK, _LATENTS: None, _ENCODER: self._window}[name]
+        return LatentBuffer.create(maxlen=maxlen)
+
+    def _buffer(self, name: str) -> LatentBuffer:
+        """The buffer ``name``, rebuilt empty if the session lost it (reset or eviction)."""
+        return self._session.get_or_create(name, lambda: self._new_buffer(name), LatentBuffer)
+
+    def _commit_all(self, name: str, items: list[Any]) -> None:
+        self._buffer(name)
+
+        def commit_all(buf: LatentBuffer) -> LatentBuffer:
+            for item in items:
+                buf = buf.commit(item)
+            return buf
+
+        self._session.update(name, commit_all)
+
+    @property
+    def session_id(self) -> str:
+        return self._session.session_id
+
+    @property
+    def vae_encoder_window(self) -> int:
+        return self._window
+
+    # frames
+    def accumulate_frames(self, stitched: Any) -> Any:
+        """Add stitched frame(s); return the model's window (1 frame on the first call, then 4)."""
+        new = split_frames(stitched)
+        first_call = len(self._buffer(_FRAMES)) == 0
+        self._commit_all(_FRAMES, [_to_state(f) for f in new])
+        return window_frames([unwrap(f) for f in self._buffer(_FRAMES).view()], first_call)
+
+    # video latents
+    def append_video_latents(self, video_out: torch.Tensor) -> None:
+        check_video_out(video_out)
+        self._commit_all(_LATENTS, [wrap(video_out.transpose(1, 2).detach().cpu())])
+
+    def get_concatenated_video_latents(self) -> torch.Tensor | None:
+        return _cat_time(self._buffer(_LATENTS).view())
+
+    def clear_video_latents(self) -> None:
+        self._session.put(_LATENTS, self._new_buffer(_LATENTS))
+
+    # VAE encoder ring
+    def _encoder_frames(self, chunk: torch.Tensor) -> list[Any]:
+        t = chunk.shape[2]
+        if t == 1:
+            return [wrap(chunk)]  # the steady state: one latent frame per chunk, moved by reference
+        # A multi-frame chunk is split, and only the frames the ring keeps are materialized: a view would keep
+        # the whole chunk alive and the ring would no longer bound memory.
+        keep = range(max(0, t - self._window), t)
+        return [wrap(chunk[:, :, i : i + 1].clone(memory_format=torch.contiguous_format)) for i in keep]
+
+    def append_vae_encoder_chunk(self, chunk: torch.Tensor) -> None:
+        """Append an encoded chunk (B, C, T, H, W); frames beyond the window are dropped, oldest first."""
+        check_encoder_chunk(chunk, "append_vae_encoder_chunk")
+        self._commit_all(_ENCODER, self._encoder_frames(chunk))
+
+    @property
+    def vae_encoder_out(self) -> torch.Tensor | None:
+        """The retained encoder frames concatenated along time (dim 2), or None."""
+        return _cat_time(self._buffer(_ENCODER).view())
+
+    @vae_encoder_out.setter
+    def vae_encoder_out(self, value: torch.Tensor | None) -> None:
+        """Replace the ring wholesale: None clears it, a tensor seeds it with its last frames."""
+        if value is not None:
+            check_encoder_chunk(value, "vae_encoder_out")
+            frames = self._encoder_frames(value)
+        self._session.put(_ENCODER, self._new_buffer(_ENCODER))
+        if value is not None:
+            self._commit_all(_ENCODER, frames)
+
+    def observation_latents(self, num_frames: int) -> torch.Tensor | None:
+        """The last ``num_frames`` latent frames (fewer if fewer were encoded), or None.
+
+        Raises:
+          ValueError: ``num_frames`` exceeds the window: the ring never returns a silently shorter window.
+        """
+        check_num_frames(num_frames)
+        if num_frames > self._window:
+            raise ValueError(
+                f"`observation_latents`: asked for {num_frames} latent frames but the encoder ring retains "
+                f"{self._window} (vae_encoder_window). Build the adapter with vae_encoder_window >= {num_frames}."
+            )
+        items = self._buffer(_ENCODER).view()
+        return _cat_time(items[-num_frames:])
+
+    def reset_vae_encoder_stream(self) -> None:
+        for name in ("vae_stream_initialized", "vae_enc_feat_map", "vae_pending_body_frames"):
+            self._session.del_attr(name)
+        self._session.put(_ENCODER, self._new_buffer(_ENCODER))
+
+    # resets
+    def reset(self, clear_video_latents: bool = True) -> None:
+        """Session reset (everything back to defaults) or, with ``clear_video_latents=False``, a window
+        reset that keeps the video latents, language, prompt_embeds and the VAE stream."""
+        if clear_video_latents:
+            self._session.reset()
+        else:
+            self._session.put(_FRAMES, self._new_buffer(_FRAMES))
+            for name in ("call_count", "current_start_frame", "clip_feas", "ys"):
+                self._session.del_attr(name)
+
+    def reset_inference_state(self) -> None:
+        self.reset(clear_video_latents=False)
+
+    def reset_reason(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> str | None:
+        return reset_reason(self.language, self.current_start_frame, text_tokens, num_video_frames, local_attn_size)
+
+    def should_reset(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> bool:
+        return self.reset_reason(text_tokens, num_video_frames, local_attn_size) is not None
+
+    # accounting
+    def component_nbytes(self) -> dict[str, int]:
+        """Bytes held per component (each allocation once within a component)."""
+        s = self._session.state
+        parts = {
+            "stitched_frames": s.get(_FRAMES, None),
+            "video_latents": s.get(_LATENTS, None),
+            "vae_encoder_out": s.get(_ENCODER, None),
+            "vae_enc_feat_map": s.get_attr("vae_enc_feat_map", None),
+            "vae_pending_body_frames": s.get_attr("vae_pending_body_frames", None),
+            "conditioning": [s.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
+        }
+        return {name: sum(nbytes_by_device(value).values()) for name, value in parts.items()}
+
+    def __repr__(self) -> str:
+        return f"DreamZeroStateAdapter({self.session_id!r}, window={self._window}, {self._session!r})"

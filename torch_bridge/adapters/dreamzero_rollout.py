@@ -1,0 +1,275 @@
+"""A deterministic synthetic DreamZero rollout: the A/B equivalence harness.
+
+It drives session state exactly as the pipeline does (frames in, a causal VAE encoder stream, an
+observation read, latents appended, window and session resets from ``local_attn_size`` and prompt
+changes) with stand-in networks built from elementwise ops only, so every result is bitwise reproducible
+whatever the tensor sizes. `resolve_session_state_config` picks the path: bespoke state, or the adapter
+over a `SessionStateManager`. The run prints one digest of every per-step output; the two paths must
+print the same one.
+
+``python -m torch_bridge.adapters.dreamzero_rollout --steps 400 --sessions 3``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+from typing import Any, Callable
+
+import torch
+
+from functional_state import SessionStateManager, resolve_session_state_config
+
+from .dreamzero import DreamZeroStateAdapter
+from .dreamzero_bespoke import BespokeDreamZeroCache, BespokeDreamZeroState
+
+MIB = 2**20
+DEPLOY_FEAT_MAP_BYTES = 603 * MIB
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Shapes and schedule of a rollout. The defaults are the shipped deploy shapes."""
+
+    steps: int = 400
+    sessions: int = 3
+    camera_hw: tuple[int, int] = (180, 320)  # three cameras, stitched two over one
+    latent_channels: int = 16
+    encoder_channels: int = 32
+    feat_map_bytes: int = DEPLOY_FEAT_MAP_BYTES
+    feat_map_entries: int = 30
+    local_attn_size: int = 24  # frames per attention window: an inference reset when it fills
+    num_frame_per_block: int = 2  # latent frames the observation read uses
+    prompt_every: int = 150  # a new prompt (session reset) every this many steps
+    vae_encoder_window: int = 2
+    enable_session_state_manager: bool | None = None  # the config value; the environment overrides it
+    trace_bytes: bool = False  # record session 0's bytes per component at every step
+
+    def __post_init__(self):
+        for name in ("steps", "sessions", "latent_channels", "encoder_channels", "feat_map_entries",
+                     "num_frame_per_block", "prompt_every", "vae_encoder_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"RolloutConfig.{name} must be a positive int, got {value!r}.")
+        if self.feat_map_bytes < 0:
+            raise ValueError(f"RolloutConfig.feat_map_bytes must be >= 0, got {self.feat_map_bytes}.")
+        if self.num_frame_per_block > self.vae_encoder_window:
+            raise ValueError(
+                f"RolloutConfig: num_frame_per_block={self.num_frame_per_block} exceeds vae_encoder_window="
+                f"{self.vae_encoder_window}; the encoder ring could not serve the observation read."
+            )
+
+    @property
+    def stitched_hw(self) -> tuple[int, int]:
+        h, w = self.camera_hw
+        return (2 * h) // 16 * 16, 2 * w  # 180x320 cameras -> 352x640
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        h, w = self.stitched_hw
+        return h // 8, w // 8  # 44x80 at deploy shapes
+
+
+class _Networks:
+    """Stand-in encoder, quant_conv, text encoder and generator: elementwise ops only (bitwise stable)."""
+
+    def __init__(self, cfg: RolloutConfig):
+        g = torch.Generator().manual_seed(1234)
+        self.cfg = cfg
+        self.enc_w = torch.randn(cfg.encoder_channels, 3, generator=g)
+        self.quant_w = torch.randn(cfg.latent_channels, cfg.encoder_channels, generator=g) / cfg.encoder_channels
+
+    def _mix(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A 1x1(x1) conv over dim 1 as a sum of scaled channels (pointwise in time and space)."""
+        out = None
+        for c in range(w.shape[1]):
+            term = w[:, c].reshape(1, -1, *([1] * (x.ndim - 2))) * x[:, c : c + 1]
+            out = term if out is None else out + term
+        return out
+
+    def encode(self, frames: list[torch.Tensor], feat_map: list) -> torch.Tensor:
+        """Frames (H, W, 3) uint8 -> one latent frame (1, C_enc, 1, h, w) bf16; touches the feat cache in place."""
+        x = torch.stack(frames).float().mean(0)  # (H, W, 3)
+        x = torch.nn.functional.avg_pool2d(x.permute(2, 0, 1).unsqueeze(0), 8)  # (1, 3, h, w)
+        out = self._mix(x / 255.0, self.enc_w).unsqueeze(2)
+        if feat_map:
+            slot = len(frames) % len(feat_map)
+            feat_map[slot] = feat_map[slot]  # the causal cache is updated in place, never replaced
+        return out.to(torch.bfloat16)
+
+    def quant(self, latents: torch.Tensor) -> torch.Tensor:
+        """quant_conv: kernel size 1, pointwise in time."""
+        return self._mix(latents.float(), self.quant_w).to(torch.bfloat16)
+
+    def text(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens.float().unsqueeze(-1) * torch.linspace(-1, 1, 8)).to(torch.bfloat16)
+
+    def generate(self, obs: torch.Tensor, window: torch.Tensor, prompt: torch.Tensor, call: int) -> torch.Tensor:
+        """(1, C_lat, T, h, w) observation -> video_out (1, T, C_lat, h, w) bf16."""
+        bias = window.float().mean() / 255.0 + prompt.float().mean() + call * 1e-3
+        return (obs.float() * 0.5 + bias).to(torch.bfloat16).transpose(1, 2).contiguous()
+
+
+def _frame(cfg: RolloutConfig, session: int, step: int) -> torch.Tensor:
+    h, w = cfg.camera_hw
+    cams = [
+        ((torch.arange(h * w, dtype=torch.int64).reshape(h, w, 1) * (3 + c) + step * 7 + session * 31 + torch.arange(3)) % 251)
+        .to(torch.uint8)
+        for c in range(3)
+    ]
+    top = torch.cat(cams[:2], dim=1)
+    bottom = torch.zeros_like(top)
+    bottom[:, w // 2 : w // 2 + w] = cams[2]
+    return torch.cat([top, bottom], dim=0)[: cfg.stitched_hw[0]].clone()  # its own allocation, cropped
+
+
+def _tokens(session: int, prompt_index: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * session + prompt_index)
+    return torch.randint(0, 32_000, (12,), generator=g)
+
+
+def _feat_map(cfg: RolloutConfig) -> list:
+    per = cfg.feat_map_bytes // (2 * cfg.feat_map_entries)
+    return [torch.zeros(per, dtype=torch.bfloat16) for _ in range(cfg.feat_map_entries)]
+
+
+def _hash(h: "hashlib._Hash", value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        h.update(f"{tuple(value.shape)}{value.dtype}".encode())
+        h.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        h.update(repr(value).encode())
+
+
+def _step(state: Any, nets: _Networks, cfg: RolloutConfig, session: int, step: int) -> list[Any]:
+    """One pipeline call on one session's state; returns the per-step outputs that the digest covers."""
+    tokens = _tokens(session, step // cfg.prompt_every)
+    reason = state.reset_reason(tokens, 1, cfg.local_attn_size)
+    if reason == "session":
+        state.reset(clear_video_latents=True)
+        state.language = tokens
+        state.prompt_embeds = nets.text(tokens)
+    elif reason == "inference":
+        state.reset_inference_state()
+    frame = _frame(cfg, session, step)
+    if state.clip_feas is None:
+        state.clip_feas = frame.float().mean(dim=(0, 1)).to(torch.bfloat16)
+        state.ys = frame[::8, ::8].float().mean(-1).to(torch.bfloat16)
+    window = state.accumulate_frames(frame)
+
+    new_latent = False
+    if not state.vae_stream_initialized:
+        state.vae_enc_feat_map = _feat_map(cfg)
+        state.vae_stream_initialized = True
+        state.vae_pending_body_frames = []
+        state.append_vae_encoder_chunk(nets.encode([frame], state.vae_enc_feat_map))
+        new_latent = True
+    else:
+        pending = state.vae_pending_body_frames
+        pending.append(frame)  # mutated in place: the list is carried by identity
+        if len(pending) == state.FRAMES_PER_CHUNK:
+            state.append_vae_encoder_chunk(nets.encode(pending, state.vae_enc_feat_map))
+            state.vae_pending_body_frames = []
+            new_latent = True
+
+    if isinstance(state, BespokeDreamZeroState):
+        # The bespoke reader quantises the whole history, then keeps the last frames.
+        obs = nets.quant(state.vae_encoder_out)[:, :, -cfg.num_frame_per_block :]
+    else:
+        obs = nets.quant(state.observation_latents(cfg.num_frame_per_block))
+    video_out = nets.generate(obs, window, state.prompt_embeds, state.call_count)
+    if new_latent:
+        state.append_video_latents(video_out)
+    state.call_count += 1
+    state.current_start_frame += 1
+    return [reason, window, obs, video_out, state.call_count, state.current_start_frame]
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    path: str  # "bespoke" or "manager"
+    digest: str
+    components: dict[str, dict[str, int]]  # session id -> component -> bytes, after the last step
+    bytes_trace: list[dict[str, int]]  # session 0's components per step (when traced)
+    latents_shape: tuple[int, ...] | None
+    stats: dict[str, Any] | None  # manager stats (manager path)
+
+
+def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = None) -> RolloutResult:
+    """Run ``cfg.steps`` steps on each of ``cfg.sessions`` interleaved sessions, on the configured path."""
+    enabled, cap = resolve_session_state_config(cfg.enable_session_state_manager)
+    nets = _Networks(cfg)
+    if enabled:
+        manager = SessionStateManager(max_sessions=cap)
+        adapters: dict[str, DreamZeroStateAdapter] = {}
+
+        def state_for(sid: str):
+            # A fresh adapter per call, as the pipeline builds one per request: state lives in the manager.
+            return DreamZeroStateAdapter(sid, manager, vae_encoder_window=cfg.vae_encoder_window)
+    else:
+        cache = BespokeDreamZeroCache()
+
+        def state_for(sid: str):
+            return cache.get_or_create(sid)
+
+    digest = hashlib.sha256()
+    trace: list[dict[str, int]] = []
+    for step in range(cfg.steps):
+        for session in range(cfg.sessions):
+            sid = f"session-{session}"
+            state = state_for(sid)
+            for value in _step(state, nets, cfg, session, step):
+                _hash(digest, value)
+            if cfg.trace_bytes and session == 0:
+                trace.append(state.component_nbytes())
+        if progress is not None:
+            progress(step)
+    final_states = {f"session-{s}": state_for(f"session-{s}") for s in range(cfg.sessions)}
+    for sid, state in final_states.items():
+        _hash(digest, sid)
+        _hash(digest, state.get_concatenated_video_latents())
+    latents = final_states["session-0"].get_concatenated_video_latents()
+    return RolloutResult(
+        path="manager" if enabled else "bespoke",
+        digest=digest.hexdigest(),
+        components={sid: s.component_nbytes() for sid, s in final_states.items()},
+        bytes_trace=trace,
+        latents_shape=None if latents is None else tuple(latents.shape),
+        stats=manager.stats() if enabled else None,
+    )
+
+
+def small_config(**overrides: Any) -> RolloutConfig:
+    """Test-sized shapes (same logic, tiny tensors): 24x40 cameras, a 64 KiB feat map."""
+    base = dict(camera_hw=(24, 40), feat_map_bytes=64 * 1024, feat_map_entries=8)
+    base.update(overrides)
+    return RolloutConfig(**base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Deterministic synthetic DreamZero rollout; prints one digest.")
+    parser.add_argument("--steps", type=int, default=400, help="steps per session (default 400)")
+    parser.add_argument("--sessions", type=int, default=3, help="interleaved sessions (default 3)")
+    parser.add_argument("--deploy-shapes", action="store_true", help="use the shipped 180x320 camera shapes")
+    parser.add_argument("--feat-map-mib", type=float, default=None, help="VAE feat map size (deploy: 603)")
+    parser.add_argument("--enable", action="store_true", help="config value of enable_session_state_manager")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    args = parser.parse_args(argv)
+    overrides: dict[str, Any] = dict(steps=args.steps, sessions=args.sessions, enable_session_state_manager=args.enable)
+    if args.feat_map_mib is not None:
+        overrides["feat_map_bytes"] = int(args.feat_map_mib * MIB)
+    cfg = RolloutConfig(**overrides) if args.deploy_shapes else small_config(**overrides)
+    result = run_rollout(cfg)
+    if args.json:
+        print(json.dumps({"path": result.path, "digest": result.digest, "components": result.components,
+                          "latents_shape": result.latents_shape}))
+    else:
+        print(f"path={result.path} digest={result.digest}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
