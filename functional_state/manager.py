@@ -186,13 +186,15 @@ class SessionHandle:
         """The session's current immutable `SessionState`."""
         return self._manager._read(self._cell)
 
-    def _update(self, fn: Callable[[SessionState], SessionState]) -> "SessionHandle":
+    def transact(self, fn: Callable[[SessionState], SessionState]) -> "SessionHandle":
+        """Replace the session by ``fn(session)`` in one locked step: all of fn's changes land, or none
+        (if fn raises, the session is unchanged)."""
         self._manager._write(self._cell, lambda s: (fn(s), None))
         return self
 
     def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> "SessionHandle":
         """Replace object ``name`` by ``fn(object)`` in one locked step (several commits, one swap)."""
-        return self._update(lambda s: s.update(name, fn))
+        return self.transact(lambda s: s.update(name, fn))
 
     # objects
     def get(self, name: str, default: Any = MISSING) -> Any:
@@ -200,7 +202,11 @@ class SessionHandle:
         return self.state.get(name, default)
 
     def put(self, name: str, obj: StateObject) -> "SessionHandle":
-        return self._update(lambda s: s.put(name, obj))
+        return self.transact(lambda s: s.put(name, obj))
+
+    def remove(self, name: str) -> "SessionHandle":
+        """Remove object ``name`` (a no-op if absent)."""
+        return self.transact(lambda s: s.remove(name))
 
     def get_or_create(self, name: str, factory: Callable[[], O], cls: type[O] | None = None) -> O:
         """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident."""
@@ -230,14 +236,14 @@ class SessionHandle:
         return self.state.get_attr(key, default)
 
     def set_attr(self, key: str, value: Any) -> "SessionHandle":
-        return self._update(lambda s: s.set_attr(key, value))
+        return self.transact(lambda s: s.set_attr(key, value))
 
     def del_attr(self, key: str) -> "SessionHandle":
-        return self._update(lambda s: s.del_attr(key))
+        return self.transact(lambda s: s.del_attr(key))
 
     def reset(self) -> "SessionHandle":
         """Reset every object and clear the attrs."""
-        return self._update(SessionState.reset)
+        return self.transact(SessionState.reset)
 
     def nbytes_by_device(self) -> dict[str, int]:
         return self.state.nbytes_by_device()

@@ -1,7 +1,25 @@
 """Model adapters: each model's bespoke session-state surface over the functional core."""
 
+from .cosmos3 import BranchStateError as BranchStateError
+from .cosmos3 import Cosmos3StateAdapter as Cosmos3StateAdapter
+from .cosmos3 import request_session as request_session
+from .cosmos3_bespoke import Cosmos3Shapes as Cosmos3Shapes
+from .cosmos3_bespoke import Cosmos3TransformerCache as Cosmos3TransformerCache
+from .cosmos3_footprint import Cosmos3Footprint as Cosmos3Footprint
+from .cosmos3_footprint import cosmos3_footprint as cosmos3_footprint
 from .dreamzero import DreamZeroStateAdapter as DreamZeroStateAdapter
 from .dreamzero_bespoke import BespokeDreamZeroCache as BespokeDreamZeroCache
 from .dreamzero_bespoke import BespokeDreamZeroState as BespokeDreamZeroState
 
-__all__ = ["BespokeDreamZeroCache", "BespokeDreamZeroState", "DreamZeroStateAdapter"]
+__all__ = [
+    "BespokeDreamZeroCache",
+    "BespokeDreamZeroState",
+    "BranchStateError",
+    "Cosmos3Footprint",
+    "Cosmos3Shapes",
+    "Cosmos3StateAdapter",
+    "Cosmos3TransformerCache",
+    "DreamZeroStateAdapter",
+    "cosmos3_footprint",
+    "request_session",
+]

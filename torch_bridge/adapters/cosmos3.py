@@ -1,0 +1,223 @@
+"""`Cosmos3StateAdapter`: per-session encode-once UND K/V and GEN M-RoPE tables over the functional core.
+
+Each (CFG branch, layer) pair is one `StateObject` holding that layer's fixed ``(K, V)``, written once and
+reread at every denoising step; the branch's ``(cos, sin)`` tables are stored beside them. Ownership moves
+by reference: nothing is cloned. Tensors go through `torch_bridge.wrap`: a JAX alias where DLPack allows,
+and otherwise (K/V are usually trimmed slices of padded allocations, with strides JAX cannot describe) the
+torch tensor itself. Either way the accounting counts the whole padded allocation, once.
+
+Sessions isolate requests: two requests with distinct ids never see each other's K/V, from any thread.
+`request_session` drops the session when the request ends, so completed requests never accumulate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from functional_state import LatentBuffer, SessionState, SessionStateError, SessionStateManager
+
+from ..bridge import unwrap, wrap
+
+__all__ = ["BranchStateError", "Cosmos3StateAdapter", "request_session"]
+
+
+class BranchStateError(SessionStateError, RuntimeError):
+    """A CFG branch is missing, half stored, or was given incomplete tensors."""
+
+
+def _branch(is_negative: bool) -> str:
+    return "uncond" if is_negative else "cond"
+
+
+def _kv_name(branch: str, layer: int) -> str:
+    return f"und_kv/{branch}/{layer:04d}"
+
+
+def _freqs_name(branch: str) -> str:
+    return f"freqs_gen/{branch}"
+
+
+def _layers_attr(branch: str) -> str:
+    return f"num_layers/{branch}"
+
+
+def _slot(value: Any) -> LatentBuffer:
+    """A one-item buffer holding ``value``: the fixed, written-once content of one state object."""
+    return LatentBuffer.create(maxlen=1).commit(value)
+
+
+def _check_pair(pair: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)):
+        raise BranchStateError(f"{what} must be a pair of torch tensors, got {type(pair).__name__}: {pair!r:.80}")
+    return pair[0], pair[1]
+
+
+class Cosmos3StateAdapter:
+    """Cosmos3's cond/uncond conditioning cache, one manager session per request.
+
+    Example:
+      >>> from torch_bridge.adapters.cosmos3_bespoke import Cosmos3Shapes, encode_und_kv, build_freqs_gen
+      >>> shapes = Cosmos3Shapes(num_layers=2)
+      >>> state = Cosmos3StateAdapter("req-1", SessionStateManager())
+      >>> kv, freqs = encode_und_kv(shapes, seed=0), build_freqs_gen(shapes)
+      >>> state.set_branch(False, kv, freqs)
+      >>> got_kv, (cos, sin) = state.get_branch(False)
+      >>> got_kv[0][0] is kv[0][0], state.is_branch_initialized(True)
+      (True, False)
+    """
+
+    def __init__(self, session_id: str | None, manager: SessionStateManager):
+        self._session = manager.get_or_create_session(session_id)
+
+    @property
+    def session_id(self) -> str:
+        return self._session.session_id
+
+    def _stored_layers(self, s: SessionState, branch: str) -> tuple[int | None, list[bool], bool]:
+        expected = s.get_attr(_layers_attr(branch), None)
+        prefix = f"und_kv/{branch}/"
+        present = [n for n in s.names if n.startswith(prefix)]
+        layers = [s.get(n).resident and len(s.get(n)) == 1 for n in present]
+        freqs = s.get(_freqs_name(branch), None)
+        has_freqs = freqs is not None and freqs.resident and len(freqs) == 1
+        return expected, layers, has_freqs
+
+    def _status(self, s: SessionState, is_negative: bool) -> bool:
+        """True when the branch is complete, False when nothing of it is stored; raises when partial."""
+        branch = _branch(is_negative)
+        expected, layers, has_freqs = self._stored_layers(s, branch)
+        if expected is None and not layers and not has_freqs:
+            return False
+        if expected is not None and len(layers) == expected and all(layers) and has_freqs:
+            return True
+        raise BranchStateError(
+            f"session {self.session_id!r}: the {branch} branch is only partly stored ({sum(layers)} of "
+            f"{expected} layers resident, freqs_gen {'present' if has_freqs else 'missing'}), e.g. after a "
+            f"layer was evicted. Its K/V cannot be trusted: call `reset()` and capture it again."
+        )
+
+    def is_branch_initialized(self, is_negative: bool) -> bool:
+        """Whether the branch's K/V and freqs are stored.
+
+        Raises:
+          BranchStateError: the branch is partly stored.
+        """
+        return self._status(self._session.state, is_negative)
+
+    def set_branch(
+        self, is_negative: bool, cached_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], freqs_gen: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Store a branch (replacing any stored one), by reference, in one atomic update.
+
+        Raises:
+          BranchStateError: ``cached_kv`` is empty or not a list of (K, V) tensor pairs, or ``freqs_gen``
+            is not a (cos, sin) pair. Nothing is written then.
+        """
+        if not isinstance(cached_kv, (list, tuple)) or not cached_kv:
+            raise BranchStateError(
+                f"`set_branch`: cached_kv must be a non-empty list of per-layer (K, V) pairs, got {cached_kv!r:.80}."
+            )
+        pairs = [_check_pair(p, f"`set_branch`: cached_kv[{i}]") for i, p in enumerate(cached_kv)]
+        cos, sin = _check_pair(freqs_gen, "`set_branch`: freqs_gen")
+        branch = _branch(is_negative)
+        objects = {_kv_name(branch, i): _slot((wrap(k), wrap(v))) for i, (k, v) in enumerate(pairs)}
+        objects[_freqs_name(branch)] = _slot((wrap(cos), wrap(sin)))
+
+        def write(s: SessionState) -> SessionState:
+            for name in s.names:
+                if name.startswith(f"und_kv/{branch}/") and name not in objects:
+                    s = s.remove(name)  # a replaced branch may have had more layers
+            for name, obj in objects.items():
+                s = s.put(name, obj)
+            return s.set_attr(_layers_attr(branch), len(pairs))
+
+        self._session.transact(write)
+
+    def get_branch(self, is_negative: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None:
+        """``(cached_kv, (cos, sin))`` as torch tensors over the stored storage, or None when not stored.
+
+        Raises:
+          BranchStateError: the branch is partly stored.
+        """
+        s = self._session.state
+        if not self._status(s, is_negative):
+            return None
+        branch = _branch(is_negative)
+        n = s.get_attr(_layers_attr(branch))
+        kv = [tuple(unwrap(t) for t in s.get(_kv_name(branch, i)).view()[0]) for i in range(n)]
+        cos, sin = (unwrap(t) for t in s.get(_freqs_name(branch)).view()[0])
+        return kv, (cos, sin)
+
+    def load_into_transformer(self, transformer: Any, is_negative: bool) -> None:
+        """Point ``transformer.cached_kv`` and ``transformer.freqs_gen`` at the stored branch.
+
+        Raises:
+          BranchStateError: the branch is not stored, or only partly.
+        """
+        got = self.get_branch(is_negative)
+        if got is None:
+            raise BranchStateError(
+                f"`load_into_transformer`: session {self.session_id!r} has no {_branch(is_negative)} branch; "
+                f"encode it and call `capture_from_transformer` first."
+            )
+        transformer.cached_kv, transformer.freqs_gen = got
+
+    def capture_from_transformer(self, transformer: Any, is_negative: bool) -> bool:
+        """Store the transformer's current K/V and freqs as this branch, once.
+
+        Returns:
+          True if stored now, False if the branch was already stored (a no-op: encode-once).
+
+        Raises:
+          BranchStateError: the transformer holds no K/V or no freqs; nothing is written.
+        """
+        if self.is_branch_initialized(is_negative):
+            return False
+        kv = getattr(transformer, "cached_kv", None)
+        freqs = getattr(transformer, "freqs_gen", None)
+        if not kv or freqs is None:
+            missing = [name for name, absent in (("cached_kv", not kv), ("freqs_gen", freqs is None)) if absent]
+            raise BranchStateError(
+                f"`capture_from_transformer`: the transformer holds no {' and no '.join(missing)}; run the UND encode for the "
+                f"{_branch(is_negative)} branch first. Nothing was stored."
+            )
+        self.set_branch(is_negative, kv, freqs)
+        return True
+
+    def reset(self) -> None:
+        """Forget both branches."""
+
+        def clear(s: SessionState) -> SessionState:
+            for name in s.names:
+                if name.startswith(("und_kv/", "freqs_gen/")):
+                    s = s.remove(name)
+            for branch in ("cond", "uncond"):
+                s = s.del_attr(_layers_attr(branch))
+            return s
+
+        self._session.transact(clear)
+
+    def __repr__(self) -> str:
+        return f"Cosmos3StateAdapter({self.session_id!r})"
+
+
+@contextlib.contextmanager
+def request_session(manager: SessionStateManager, request_id: str) -> Iterator[Cosmos3StateAdapter]:
+    """A `Cosmos3StateAdapter` for one request; its session is dropped when the block exits, also on error.
+
+    Example:
+      >>> manager = SessionStateManager()
+      >>> with request_session(manager, "req-7") as state:
+      ...     "req-7" in manager
+      True
+      >>> "req-7" in manager
+      False
+    """
+    adapter = Cosmos3StateAdapter(request_id, manager)
+    try:
+        yield adapter
+    finally:
+        manager.drop_session(request_id)
