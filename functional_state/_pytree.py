@@ -49,3 +49,16 @@ def pytree_dataclass(*, static: tuple[str, ...] = ()) -> Callable[[type[T]], typ
         return cls
 
     return wrap
+
+
+def replace(obj: T, **changes: Any) -> T:
+    """``dataclasses.replace`` for our frozen dataclasses, without re-running ``__init__``.
+
+    About 10x faster, which matters on the per-step path (every commit builds new objects). Only for
+    classes whose ``__init__`` does nothing beyond storing fields; ``changes`` must name existing fields.
+    """
+    new = object.__new__(type(obj))
+    fields = new.__dict__
+    fields.update(obj.__dict__)
+    fields.update(changes)
+    return new

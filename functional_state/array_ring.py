@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._pytree import pytree_dataclass
+from ._pytree import pytree_dataclass, replace
 from .errors import StateShapeError
 from .state_object import StateObject
 
@@ -94,7 +93,7 @@ class ArrayRing(StateObject):
 
     def _commit_payload(self, payload: Any) -> "ArrayRing":
         storage = self.storage.at[self.head].set(payload)
-        return dataclasses.replace(
+        return replace(
             self,
             storage=storage,
             head=(self.head + 1) % self.capacity,

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from ._pytree import pytree_dataclass
+from ._pytree import pytree_dataclass, replace
 from .state_object import StateObject
 
 __all__ = ["LatentBuffer"]
@@ -69,7 +68,7 @@ class LatentBuffer(StateObject):
         return items
 
     def _commit_payload(self, payload: Any) -> "LatentBuffer":
-        return dataclasses.replace(self, items=self._trim(self.items + (payload,)))
+        return replace(self, items=self._trim(self.items + (payload,)))
 
     def _committed_view(self) -> tuple[Any, ...]:
         return self.items

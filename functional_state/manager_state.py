@@ -15,7 +15,7 @@ import jax
 from pyrsistent import PMap, pmap
 
 from . import accounting
-from ._pytree import MISSING
+from ._pytree import MISSING, replace
 from .errors import ObjectNotFoundError, SessionAdmissionError, SessionStateLostError
 from .session import SessionState
 
@@ -121,10 +121,25 @@ class ManagerState:
         return MappingProxyType({sid: self._entries[sid].session for sid in self.session_ids})
 
     def _replace(self, **changes: Any) -> "ManagerState":
-        return dataclasses.replace(self, **changes)
+        return replace(self, **changes)
 
     def _accounting_children(self) -> list[SessionState]:
         return [e.session for e in self._entries.values()]
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        """Render as the table a user thinks of (sessions, LRU order, counters), not the internal maps."""
+        from treescope import repr_lib
+
+        attributes = {
+            "sessions": dict(self.sessions),
+            "max_sessions": self.max_sessions,
+            "byte_budget": self.byte_budget,
+            "evict_when_full": self.evict_when_full,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+        }
+        return repr_lib.render_object_constructor(type(self), attributes, path, subtree_renderer)
 
     def __repr__(self) -> str:
         return (
@@ -176,11 +191,13 @@ def _lookup(state: ManagerState, session_id: Any, what: str) -> tuple[str, _Entr
 
 
 def _touch(state: ManagerState, sid: str, entry: _Entry) -> ManagerState:
+    """Make ``sid`` most recently used and count the hit."""
     tick = state._next_tick
     return state._replace(
-        _entries=state._entries.set(sid, entry._replace(tick=tick)),
+        _entries=state._entries.set(sid, _Entry(entry.uid, tick, entry.session)),
         _order=state._order.remove(entry.tick).set(tick, sid),
         _next_tick=tick + 1,
+        hits=state.hits + 1,
     )
 
 
@@ -195,7 +212,7 @@ def _drop_lru(state: ManagerState) -> ManagerState:
     )
 
 
-def _insert(state: ManagerState, sid: str, session: SessionState, what: str) -> ManagerState:
+def _insert(state: ManagerState, sid: str, session: SessionState, what: str, misses: int = 0) -> ManagerState:
     if len(state._entries) >= state.max_sessions:
         if not state.evict_when_full:
             raise SessionAdmissionError(
@@ -209,6 +226,7 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str) -> 
         _entries=state._entries.set(sid, _Entry(tick, tick, session)),
         _order=state._order.set(tick, sid),
         _next_tick=tick + 1,
+        misses=state.misses + misses,
     )
 
 
@@ -245,9 +263,9 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
     sid = _resolve_id(session_id)
     entry = state._entries.get(sid)
     if entry is not None:
-        return _touch(state, sid, entry)._replace(hits=state.hits + 1), entry.session
+        return _touch(state, sid, entry), entry.session
     session = SessionState.empty()
-    return _insert(state, sid, session, "get_or_create")._replace(misses=state.misses + 1), session
+    return _insert(state, sid, session, "get_or_create", misses=1), session
 
 
 def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, SessionState]:
@@ -257,7 +275,7 @@ def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSta
       SessionStateLostError: unknown, evicted or dropped; nothing is created.
     """
     sid, entry = _lookup(state, session_id, "get_session")
-    return _touch(state, sid, entry)._replace(hits=state.hits + 1), entry.session
+    return _touch(state, sid, entry), entry.session
 
 
 def update_session(
@@ -272,7 +290,7 @@ def update_session(
     new = fn(entry.session)
     if not isinstance(new, SessionState):
         raise TypeError(f"`update_session`: fn must return a SessionState, got {type(new).__name__}.")
-    return state._replace(_entries=state._entries.set(sid, entry._replace(session=new)))
+    return state._replace(_entries=state._entries.set(sid, _Entry(entry.uid, entry.tick, new)))
 
 
 def _object_update(state, session_id, name, what, fn):

@@ -90,7 +90,7 @@ class SessionState:
             )
         objects = dict(self.objects)
         objects[name] = obj
-        return SessionState(objects, self.attrs)
+        return _session(objects, self.attrs)
 
     def remove(self, name: str) -> "SessionState":
         """Return a state without the object ``name`` (a no-op if absent)."""
@@ -98,7 +98,7 @@ class SessionState:
             return self
         objects = dict(self.objects)
         del objects[name]
-        return SessionState(objects, self.attrs)
+        return _session(objects, self.attrs)
 
     def get_or_create(
         self, name: str, factory: Callable[[], O], cls: type[O] | None = None
@@ -143,7 +143,7 @@ class SessionState:
         _check_name(key, "set_attr")
         attrs = dict(self.attrs)
         attrs[key] = value
-        return SessionState(self.objects, attrs)
+        return _session(self.objects, attrs)
 
     def del_attr(self, key: str) -> "SessionState":
         """Return a state without attr ``key`` (a no-op if absent)."""
@@ -151,7 +151,7 @@ class SessionState:
             return self
         attrs = dict(self.attrs)
         del attrs[key]
-        return SessionState(self.objects, attrs)
+        return _session(self.objects, attrs)
 
     # --- whole session -----------------------------------------------------------------------------
     def reset(self) -> "SessionState":
@@ -165,9 +165,23 @@ class SessionState:
     def _accounting_children(self) -> tuple[Any, ...]:
         return (*self.objects.values(), *self.attrs.values())
 
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        from treescope import repr_lib
+
+        attributes = {"objects": dict(sorted(self.objects.items())), "attrs": dict(sorted(self.attrs.items()))}
+        return repr_lib.render_object_constructor(type(self), attributes, path, subtree_renderer)
+
     def __repr__(self) -> str:
         objs = ", ".join(f"{n}={self.objects[n]!r}" for n in self.names)
         return f"SessionState(objects={{{objs}}}, attrs={sorted(self.attrs)})"
+
+
+def _session(objects: dict, attrs: Mapping[str, Any]) -> SessionState:
+    """Build a state from a dict this module just made (no defensive copy needed)."""
+    new = object.__new__(SessionState)
+    object.__setattr__(new, "objects", MappingProxyType(objects))
+    object.__setattr__(new, "attrs", attrs if isinstance(attrs, MappingProxyType) else MappingProxyType(attrs))
+    return new
 
 
 def _flatten_with_keys(s: SessionState):

@@ -15,11 +15,10 @@ neither counts nor frees them.
 from __future__ import annotations
 
 import abc
-import dataclasses
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from . import accounting
-from ._pytree import MISSING
+from ._pytree import MISSING, replace
 from .errors import NotAllocatedError, NothingStagedError, NotResidentError
 
 __all__ = ["StateObject", "SupportsResidency"]
@@ -94,13 +93,13 @@ class StateObject(abc.ABC):
 
     def allocate(self: S) -> S:
         """Return a resident object with empty committed storage (staged payload is kept)."""
-        return dataclasses.replace(self, allocated=True, resident=True, **self._allocated_storage())
+        return replace(self, allocated=True, resident=True, **self._allocated_storage())
 
     def stage(self: S, payload: Any) -> S:
         """Return a copy holding ``payload`` as the staged (uncommitted) payload, replacing any earlier one."""
         self._require_resident("stage")
         self._check_payload(payload)
-        return dataclasses.replace(self, staged=payload)
+        return replace(self, staged=payload)
 
     def commit(self: S, payload: Any = MISSING) -> S:
         """Return a copy with ``payload`` promoted to the committed context.
@@ -115,7 +114,7 @@ class StateObject(abc.ABC):
                     f"`{type(self).__name__}.commit()` with no payload needs a staged payload, but nothing is "
                     f"staged. Call `.stage(x)` first, or pass the payload: `.commit(x)`."
                 )
-            return dataclasses.replace(self._commit_payload(self.staged), staged=None)
+            return replace(self._commit_payload(self.staged), staged=None)
         self._check_payload(payload)
         return self._commit_payload(payload)
 
@@ -126,7 +125,7 @@ class StateObject(abc.ABC):
     def discard(self: S) -> S:
         """Return a copy with the staged payload dropped."""
         self._require_resident("discard")
-        return dataclasses.replace(self, staged=None)
+        return replace(self, staged=None)
 
     def view(self, include_staged: bool = True) -> Any:
         """The committed context, oldest first, and the staged payload after it when ``include_staged``."""
@@ -137,7 +136,7 @@ class StateObject(abc.ABC):
 
     def reset(self: S) -> S:
         """Return the object unallocated: no storage, nothing staged."""
-        return dataclasses.replace(
+        return replace(
             self, allocated=False, resident=False, staged=None, **self._released_storage()
         )
 
@@ -147,7 +146,7 @@ class StateObject(abc.ABC):
         if not (self.allocated and self.resident):
             return self, 0
         freed = accounting.total_nbytes(self._committed_roots())
-        return dataclasses.replace(self, resident=False, **self._released_storage()), freed
+        return replace(self, resident=False, **self._released_storage()), freed
 
     # --- accounting --------------------------------------------------------------------------------
     def nbytes_by_device(self) -> dict[str, int]:

@@ -258,3 +258,11 @@ def test_every_pure_function_leaves_its_input_bitwise_unchanged(name):
     PURE[name](state)
     assert_unchanged(state, snap)
     assert state.session_ids == ids and (state.hits, state.misses, state.evictions, state.max_sessions) == counters
+
+
+def test_treescope_renders_the_table_not_the_internal_maps():
+    import treescope
+
+    text = treescope.render_to_text(_populated())
+    assert "sessions={" in text and "'a': SessionState(" in text and "objects={" in text
+    assert "_entries" not in text and "_order" not in text

@@ -8,6 +8,7 @@ from .cosmos3_bespoke import Cosmos3TransformerCache as Cosmos3TransformerCache
 from .cosmos3_footprint import Cosmos3Footprint as Cosmos3Footprint
 from .cosmos3_footprint import cosmos3_footprint as cosmos3_footprint
 from .dreamzero import DreamZeroStateAdapter as DreamZeroStateAdapter
+from .dreamzero import dreamzero_component_nbytes as dreamzero_component_nbytes
 from .dreamzero_bespoke import BespokeDreamZeroCache as BespokeDreamZeroCache
 from .dreamzero_bespoke import BespokeDreamZeroState as BespokeDreamZeroState
 
@@ -21,5 +22,6 @@ __all__ = [
     "Cosmos3TransformerCache",
     "DreamZeroStateAdapter",
     "cosmos3_footprint",
+    "dreamzero_component_nbytes",
     "request_session",
 ]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from functional_state import LatentBuffer, SessionAttr, SessionStateManager, nbytes_by_device
+from functional_state import LatentBuffer, SessionAttr, SessionState, SessionStateManager, nbytes_by_device
 
 from ..bridge import unwrap, wrap
 from ._dreamzero_rules import (
@@ -38,7 +38,7 @@ from ._dreamzero_rules import (
     window_frames,
 )
 
-__all__ = ["DreamZeroStateAdapter"]
+__all__ = ["DreamZeroStateAdapter", "dreamzero_component_nbytes"]
 
 _FRAMES = "stitched_frames"
 _LATENTS = "video_latents"
@@ -59,6 +59,19 @@ def _cat_time(items: tuple[Any, ...]) -> torch.Tensor | None:
     if len(items) == 1:
         return unwrap(items[0])
     return torch.cat([unwrap(x) for x in items], dim=2)
+
+
+def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
+    """Bytes per DreamZero component of a session, read without touching the manager (no LRU hit)."""
+    parts = {
+        "stitched_frames": session.get(_FRAMES, None),
+        "video_latents": session.get(_LATENTS, None),
+        "vae_encoder_out": session.get(_ENCODER, None),
+        "vae_enc_feat_map": session.get_attr("vae_enc_feat_map", None),
+        "vae_pending_body_frames": session.get_attr("vae_pending_body_frames", None),
+        "conditioning": [session.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
+    }
+    return {name: sum(nbytes_by_device(value).values()) for name, value in parts.items()}
 
 
 class DreamZeroStateAdapter:
@@ -228,16 +241,7 @@ class DreamZeroStateAdapter:
     # accounting
     def component_nbytes(self) -> dict[str, int]:
         """Bytes held per component (each allocation once within a component)."""
-        s = self._session.state
-        parts = {
-            "stitched_frames": s.get(_FRAMES, None),
-            "video_latents": s.get(_LATENTS, None),
-            "vae_encoder_out": s.get(_ENCODER, None),
-            "vae_enc_feat_map": s.get_attr("vae_enc_feat_map", None),
-            "vae_pending_body_frames": s.get_attr("vae_pending_body_frames", None),
-            "conditioning": [s.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
-        }
-        return {name: sum(nbytes_by_device(value).values()) for name, value in parts.items()}
+        return dreamzero_component_nbytes(self._session.state)
 
     def __repr__(self) -> str:
         return f"DreamZeroStateAdapter({self.session_id!r}, window={self._window}, {self._session!r})"

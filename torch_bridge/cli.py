@@ -1,0 +1,318 @@
+"""The command line: ``functional-state {demo,ab,bench}`` (also ``python -m functional_state``).
+
+``demo`` (the default) runs concurrent DreamZero sessions and Cosmos3 requests through one manager at the
+deploy shapes, checks A/B equivalence in fresh processes, prints the memory picture and writes a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+MIB = 2**20
+
+# component -> (bucket, bounded or growing) for the DreamZero memory table
+_DREAMZERO_COMPONENTS = {
+    "stitched_frames": ("object: LatentBuffer ring(4)", "bounded"),
+    "video_latents": ("object: LatentBuffer append", "growing"),
+    "vae_encoder_out": ("object: LatentBuffer ring(window)", "bounded"),
+    "vae_enc_feat_map": ("attr", "bounded (fixed size)"),
+    "vae_pending_body_frames": ("attr", "bounded (< 4 frames)"),
+    "conditioning": ("attr", "bounded"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (and exit status 2) instead of usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+@contextlib.contextmanager
+def _flag(value: str) -> Iterator[None]:
+    """Set OMNI_DIFFUSION_SESSION_STATE_MANAGER for an in-process run, restoring it afterwards."""
+    from functional_state.config import ENV_ENABLE
+
+    old = os.environ.get(ENV_ENABLE)
+    os.environ[ENV_ENABLE] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_ENABLE]
+        else:
+            os.environ[ENV_ENABLE] = old
+
+
+# --- A/B ------------------------------------------------------------------------------------------------
+
+
+def _rollout_process(flag: str, extra: Sequence[str]) -> dict[str, Any]:
+    env = dict(os.environ, OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag)
+    cmd = [sys.executable, "-m", "torch_bridge.adapters.dreamzero_rollout", "--json", *extra]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode != 0:
+        raise RuntimeError(f"rollout (flag={flag}) failed:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _ab(runs: Sequence[tuple[str, list[str]]]) -> bool:
+    """Each run twice in fresh processes, flag 0 then 1; True when every digest matched."""
+    all_match = True
+    for label, extra in runs:
+        t0 = time.perf_counter()
+        a, b = _rollout_process("0", extra), _rollout_process("1", extra)
+        match = a["digest"] == b["digest"] and (a["path"], b["path"]) == ("bespoke", "manager")
+        all_match &= match
+        print(f"  {label:44s} bespoke {a['digest'][:16]}  manager {b['digest'][:16]}  "
+              f"{'MATCH' if match else 'DIFFER'}  ({time.perf_counter() - t0:.1f}s)")
+    return all_match
+
+
+def _ab_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
+    return [
+        (f"small shapes, {args.ab_steps} steps x 3 sessions", ["--steps", str(args.ab_steps), "--sessions", "3"]),
+        (f"deploy shapes, {args.ab_deploy_steps} steps x 2 sessions",
+         ["--steps", str(args.ab_deploy_steps), "--sessions", "2", "--deploy-shapes", "--feat-map-mib", str(args.feat_map_mib)]),
+    ]
+
+
+def _cmd_ab(args: argparse.Namespace) -> int:
+    print("A/B: the same rollout in fresh processes with only OMNI_DIFFUSION_SESSION_STATE_MANAGER flipped")
+    ok = _ab(_ab_runs(args))
+    print("every digest matched" if ok else "DIGESTS DIFFER: the manager-backed path is not bit-identical")
+    return 0 if ok else 1
+
+
+# --- demo -------------------------------------------------------------------------------------------------
+
+
+def _run_concurrent(args: argparse.Namespace):
+    import torch
+    from tqdm import tqdm
+
+    from functional_state import SessionStateManager
+    from torch_bridge.adapters import Cosmos3Shapes, Cosmos3TransformerCache, DreamZeroStateAdapter, request_session
+    from torch_bridge.adapters import dreamzero_rollout as dz
+    from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
+
+    manager = SessionStateManager()
+    cfg = dz.RolloutConfig(steps=args.steps, sessions=args.sessions, feat_map_bytes=int(args.feat_map_mib * MIB),
+                           prompt_every=10**9)
+    nets = dz._Networks(cfg)
+    shapes = Cosmos3Shapes(num_layers=28, num_heads=16, head_dim=128, text_len=300, padded_text_len=512,
+                           media_tokens=4096)
+    bar = tqdm(total=args.sessions * args.steps + args.requests, desc="sessions + requests", unit="step",
+               file=sys.stdout, dynamic_ncols=True, mininterval=0.5)
+    lock, errors, cosmos_peak = threading.Lock(), [], []
+
+    def dreamzero(session: int) -> None:
+        try:
+            for step in range(args.steps):
+                state = DreamZeroStateAdapter(f"dreamzero-{session}", manager, vae_encoder_window=cfg.vae_encoder_window)
+                dz._step(state, nets, cfg, session, step)
+                with lock:
+                    bar.update(1)
+        except Exception as e:  # reported after the join
+            errors.append(e)
+
+    def cosmos(request: int) -> None:
+        try:
+            transformer = Cosmos3TransformerCache()
+            with request_session(manager, f"cosmos3-req-{request}") as state:
+                for is_negative in (False, True):  # sequential CFG: both branches on this rank
+                    transformer.cached_kv = encode_und_kv(shapes, seed=2 * request + int(is_negative))
+                    transformer.freqs_gen = build_freqs_gen(shapes, offset=float(is_negative))
+                    state.capture_from_transformer(transformer, is_negative)
+                query = torch.randn(1, shapes.num_heads, 4, shapes.head_dim)
+                for is_negative in (False, True):
+                    state.load_into_transformer(transformer, is_negative)
+                    transformer.attend(query)
+                with lock:
+                    cosmos_peak.append(manager.stats()["total_nbytes"])
+            with lock:
+                bar.update(1)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=dreamzero, args=(i,)) for i in range(args.sessions)]
+    threads += [threading.Thread(target=cosmos, args=(i,)) for i in range(args.requests)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bar.close()
+    if errors:
+        raise errors[0]
+    return manager, time.perf_counter() - t0, max(cosmos_peak, default=0)
+
+
+def _memory_table(manager) -> None:
+    from torch_bridge.adapters.dreamzero import dreamzero_component_nbytes
+
+    for sid, session in sorted(manager.state.sessions.items()):
+        parts = dreamzero_component_nbytes(session)
+        held = ", ".join(f"{device} {n / MIB:.2f} MiB" for device, n in session.nbytes_by_device().items())
+        print(f"\n  session {sid!r}: {held} in all (each allocation once)")
+        print(f"    {'component':26s} {'bucket':34s} {'MiB':>9s}  kind")
+        for name, nbytes in parts.items():
+            bucket, kind = _DREAMZERO_COMPONENTS[name]
+            print(f"    {name:26s} {bucket:34s} {nbytes / MIB:9.3f}  {kind}")
+
+
+def _plot(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from torch_bridge.adapters import dreamzero_rollout as dz
+
+    cfg = dz.RolloutConfig(steps=args.plot_steps, sessions=1, feat_map_bytes=int(args.feat_map_mib * MIB),
+                           prompt_every=10**9, trace_bytes=True)
+    traces = {}
+    for flag, label in (("0", "bespoke"), ("1", "manager-backed")):
+        with _flag(flag):
+            traces[label] = dz.run_rollout(cfg).bytes_trace
+    fig, (ax_enc, ax_total) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, trace in traces.items():
+        steps = range(1, len(trace) + 1)
+        ax_enc.plot(steps, [t["vae_encoder_out"] / MIB for t in trace], label=label)
+        ax_total.plot(steps, [sum(t.values()) / MIB for t in trace], label=label)
+    ax_enc.set(title="VAE encoder output held", xlabel="step", ylabel="MiB")
+    ax_total.set(title=f"whole session (feat map {args.feat_map_mib:g} MiB)", xlabel="step", ylabel="MiB")
+    for ax in (ax_enc, ax_total):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle("DreamZero session bytes per step, deploy shapes (352x640 stitched, bf16 latents)")
+    fig.tight_layout()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "dreamzero_bytes_per_step.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    final = {label: trace[-1] for label, trace in traces.items()}
+    return path, final
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    print("functional-state demo: immutable per-session state behind DreamZero and Cosmos3 adapters\n")
+    print(f"1. {args.sessions} DreamZero sessions x {args.steps} steps and {args.requests} Cosmos3 requests, "
+          f"concurrently, through one SessionStateManager (deploy shapes; feat map {args.feat_map_mib:g} MiB)")
+    manager, seconds, cosmos_peak = _run_concurrent(args)
+    print(f"   done in {seconds:.1f}s; Cosmos3 requests retained up to {cosmos_peak / MIB:.0f} MiB while live "
+          f"(both CFG branches), and their sessions were dropped when each request ended")
+
+    print("\n2. A/B equivalence")
+    ok = _ab(_ab_runs(args))
+    print(f"   {'every digest matched' if ok else 'DIGESTS DIFFER'}")
+
+    print("\n3. Memory per DreamZero session (manager-backed)")
+    _memory_table(manager)
+    s = manager.stats()
+    print(f"\n   LRU: sessions {s['sessions']}/{s['max_sessions']}, hits {s['hits']}, misses {s['misses']}, "
+          f"evictions {s['evictions']}")
+    print(f"   stats(): {s}")
+
+    if not args.no_plot:
+        print(f"\n4. Bytes per step, bespoke vs manager-backed ({args.plot_steps} steps, one session)")
+        path, final = _plot(args)
+        b, m = final["bespoke"]["vae_encoder_out"], final["manager-backed"]["vae_encoder_out"]
+        print(f"   VAE encoder output after {args.plot_steps} steps: bespoke {b / MIB:.2f} MiB (growing, "
+              f"0.215 MiB per latent frame), ring {m / MIB:.2f} MiB (constant)")
+        print(f"   wrote {path.resolve()}")
+    print(f"\n{'OK' if ok else 'FAILED'}: demo finished in {time.perf_counter() - t_start:.0f}s")
+    return 0 if ok else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    script = ROOT / "benchmarks" / "run.py"
+    if not script.exists():
+        print(f"functional-state: error: {script} not found; `bench` runs from a source checkout", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.names])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="functional-state",
+        description="functional-state: immutable per-session state for world models. Run the demo (the "
+        "default), the A/B equivalence check, or the benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench}", parser_class=_Parser)
+
+    def add_common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--feat-map-mib", type=_non_negative_float, default=24.0,
+                       help="DreamZero VAE feat map size in MiB (deploy: 603; default 24 to stay light)")
+        p.add_argument("--ab-steps", type=_positive_int, default=400, help="steps of the small-shape A/B run")
+        p.add_argument("--ab-deploy-steps", type=_positive_int, default=48, help="steps of the deploy-shape A/B run")
+
+    demo = sub.add_parser(
+        "demo",
+        help="run the tour (default)",
+        description="Concurrent DreamZero sessions and Cosmos3 requests through one manager, the A/B check in "
+        "fresh processes, the per-session memory table, and a bytes-per-step plot. Exits 1 if any digest differs.",
+    )
+    add_common(demo)
+    demo.add_argument("--sessions", type=_positive_int, default=3, help="concurrent DreamZero sessions")
+    demo.add_argument("--steps", type=_positive_int, default=60, help="steps per DreamZero session")
+    demo.add_argument("--requests", type=_positive_int, default=4, help="concurrent Cosmos3 requests")
+    demo.add_argument("--plot-steps", type=_positive_int, default=240, help="steps of the bytes-per-step plot")
+    demo.add_argument("--out-dir", default="out", help="where the PNG goes (default ./out)")
+    demo.add_argument("--no-plot", action="store_true", help="skip the plot")
+    demo.set_defaults(func=_cmd_demo)
+
+    ab = sub.add_parser("ab", help="A/B: flag off vs on in fresh processes; exit 1 if any digest differs")
+    add_common(ab)
+    ab.set_defaults(func=_cmd_ab)
+
+    bench = sub.add_parser("bench", help="run benchmarks/ and write BENCHMARKS.md")
+    bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``functional-state`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["demo", *argv]
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
