@@ -8,23 +8,6 @@ import time
 from typing import Callable
 
 
-def median_seconds(fn: Callable[[], object], *, repeats: int = 7, number: int = 1) -> float:
-    """Median wall time of ``number`` calls of ``fn``, per call, over ``repeats`` runs (GC paused)."""
-    fn()  # warm up (jit compile, caches)
-    times = []
-    for _ in range(repeats):
-        gc.collect()
-        gc.disable()
-        try:
-            start = time.perf_counter()
-            for _ in range(number):
-                fn()
-            times.append((time.perf_counter() - start) / number)
-        finally:
-            gc.enable()
-    return statistics.median(times)
-
-
 def interleaved_medians(fns: dict[str, Callable[[], object]], *, repeats: int = 7, number: int = 1) -> dict[str, float]:
     """Median per-call time of each function, alternating them run by run so that noise hits all alike."""
     for fn in fns.values():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import chex
 import jax
 import numpy as np
 import torch
@@ -32,5 +33,6 @@ def assert_unchanged(tree: Any, snap: tuple) -> None:
     """Fail, naming the first differing leaf, if ``tree`` no longer matches ``snap``."""
     treedef, leaves = snapshot(tree)
     assert treedef == snap[0], f"tree structure changed:\n before {snap[0]}\n after  {treedef}"
+    chex.assert_trees_all_equal([p for p, _ in leaves], [p for p, _ in snap[1]])  # same leaf paths, same order
     for (path, before), (_, after) in zip(snap[1], leaves):
         assert before == after, f"leaf {path} changed: {before[:3]} -> {after[:3]}"

@@ -1,3 +1,4 @@
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +72,7 @@ def test_thousand_jitted_commits_trace_once():
     traces = []
 
     @jax.jit
+    @chex.assert_max_traces(n=1)
     def step(ring, frame):
         traces.append(1)
         return ring.commit(frame)

@@ -173,6 +173,17 @@ def test_jax_to_torch_aliases_and_is_writable():
     np.testing.assert_array_equal(t.numpy(), np.arange(16.0) * 2)
 
 
+@pytest.mark.parametrize("dtype", ["bool", "uint8", "int8", "float16", "bfloat16", "float32", "complex64"])
+def test_jax_to_torch_is_bit_exact_per_dtype(dtype):
+    a = jax.random.normal(jax.random.key(0), (4, 8)) * 50
+    a = a.astype(jnp.complex64) * (1 + 2j) if dtype == "complex64" else a.astype(dtype)
+    t = to_torch(a)
+    assert str(t.dtype) == f"torch.{dtype}" and t.data_ptr() == a.unsafe_buffer_pointer()
+    assert _bits(t) == np.asarray(a).tobytes()
+    back = to_jax(t, strict=True)
+    assert back.dtype == a.dtype and np.asarray(back).tobytes() == np.asarray(a).tobytes()
+
+
 def test_to_torch_refuses_deleted_and_sharded():
     a = jnp.ones(8)
     a.delete()

@@ -89,3 +89,25 @@ def reset_reason(
     if local_attn_size > 0 and current_start_frame + num_video_frames > local_attn_size:
         return "inference"
     return None
+
+
+class ResetRules:
+    """The reset-decision methods both DreamZero state classes expose, from their ``language``,
+    ``current_start_frame`` and ``reset``."""
+
+    language: Any
+    current_start_frame: int
+
+    def reset(self, clear_video_latents: bool = True) -> None:  # provided by the state class
+        raise NotImplementedError
+
+    def reset_inference_state(self) -> None:
+        """A window reset: ``reset(clear_video_latents=False)``."""
+        self.reset(clear_video_latents=False)
+
+    def reset_reason(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> str | None:
+        """``"session"``, ``"inference"`` or None (see `reset_reason` for the four rules)."""
+        return reset_reason(self.language, self.current_start_frame, text_tokens, num_video_frames, local_attn_size)
+
+    def should_reset(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> bool:
+        return self.reset_reason(text_tokens, num_video_frames, local_attn_size) is not None

@@ -33,7 +33,7 @@ from ._dreamzero_rules import (
     check_encoder_chunk,
     check_num_frames,
     check_video_out,
-    reset_reason,
+    ResetRules,
     split_frames,
     window_frames,
 )
@@ -74,7 +74,7 @@ def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
     return {name: sum(nbytes_by_device(value).values()) for name, value in parts.items()}
 
 
-class DreamZeroStateAdapter:
+class DreamZeroStateAdapter(ResetRules):
     """DreamZero session state backed by a `SessionStateManager` session.
 
     Args:
@@ -228,15 +228,6 @@ class DreamZeroStateAdapter:
             self._session.put(_FRAMES, self._new_buffer(_FRAMES))
             for name in ("call_count", "current_start_frame", "clip_feas", "ys"):
                 self._session.del_attr(name)
-
-    def reset_inference_state(self) -> None:
-        self.reset(clear_video_latents=False)
-
-    def reset_reason(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> str | None:
-        return reset_reason(self.language, self.current_start_frame, text_tokens, num_video_frames, local_attn_size)
-
-    def should_reset(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> bool:
-        return self.reset_reason(text_tokens, num_video_frames, local_attn_size) is not None
 
     # accounting
     def component_nbytes(self) -> dict[str, int]:

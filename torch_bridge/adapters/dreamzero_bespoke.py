@@ -19,7 +19,7 @@ from ._dreamzero_rules import (
     check_encoder_chunk,
     check_num_frames,
     check_video_out,
-    reset_reason,
+    ResetRules,
     split_frames,
     window_frames,
 )
@@ -27,7 +27,7 @@ from ._dreamzero_rules import (
 __all__ = ["BespokeDreamZeroState", "BespokeDreamZeroCache"]
 
 
-class BespokeDreamZeroState:
+class BespokeDreamZeroState(ResetRules):
     """One DreamZero session, kept in plain fields (the pre-manager code path)."""
 
     FRAMES_PER_CHUNK = FRAMES_PER_CHUNK
@@ -105,15 +105,6 @@ class BespokeDreamZeroState:
             self.language = None
             self.prompt_embeds = None
             self.reset_vae_encoder_stream()
-
-    def reset_inference_state(self) -> None:
-        self.reset(clear_video_latents=False)
-
-    def reset_reason(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> str | None:
-        return reset_reason(self.language, self.current_start_frame, text_tokens, num_video_frames, local_attn_size)
-
-    def should_reset(self, text_tokens: Any, num_video_frames: int, local_attn_size: int) -> bool:
-        return self.reset_reason(text_tokens, num_video_frames, local_attn_size) is not None
 
     # accounting
     def component_nbytes(self) -> dict[str, int]:
