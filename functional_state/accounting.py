@@ -144,7 +144,7 @@ def _numpy_extents(a: np.ndarray, out: list[tuple[str, int, int]]) -> None:
 def _jax_extents(a: jax.Array, out: list[tuple[str, int, int]]) -> None:
     owner = alias_owner(a)
     if owner is not None:
-        _collect(owner, out, set())
+        _collect(owner, out, {})
         # Fall through: the owner covers this array's bytes, and the union makes the overlap free.
     if a.is_deleted():
         return
@@ -176,7 +176,9 @@ def _children(x: Any) -> Iterable[Any] | None:
 _SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None))
 
 
-def _collect(root: Any, out: list[tuple[str, int, int]], seen: set[int]) -> None:
+def _collect(root: Any, out: list[tuple[str, int, int]], seen: dict[int, Any]) -> None:
+    # `seen` maps id -> object: holding the object keeps temporaries (children a pytree's flatten built)
+    # alive for the whole walk, so no later object can reuse their id and be skipped.
     tensor_type = _torch_tensor_type() or ()
     stack = [root]
     while stack:
@@ -185,7 +187,7 @@ def _collect(root: Any, out: list[tuple[str, int, int]], seen: set[int]) -> None
             continue
         if id(x) in seen:
             continue  # Cycles, shared containers and repeated arrays are visited once.
-        seen.add(id(x))
+        seen[id(x)] = x
         if isinstance(x, tensor_type):
             _torch_extents(x, out)
             continue
@@ -242,7 +244,7 @@ def nbytes_by_device(*roots: Any) -> dict[str, int]:
       {'cpu': 1024}
     """
     extents: list[tuple[str, int, int]] = []
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}
     for root in roots:
         _collect(root, extents, seen)
     return _union_by_device(extents)

@@ -210,6 +210,9 @@ class SessionHandle:
 
     def get_or_create(self, name: str, factory: Callable[[], O], cls: type[O] | None = None) -> O:
         """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident."""
+        obj = self.state._reusable(name, cls)
+        if obj is not None:
+            return obj  # the common case reads without taking the write path
         return self._manager._write(self._cell, lambda s: s.get_or_create(name, factory, cls))
 
     def stage(self, name: str, payload: Any) -> "SessionHandle":

@@ -109,8 +109,8 @@ class SessionState:
         Raises:
           TypeError: the factory built something that is not an instance of ``cls``.
         """
-        obj = self.objects.get(name)
-        if obj is not None and (cls is None or isinstance(obj, cls)) and obj.resident:
+        obj = self._reusable(name, cls)
+        if obj is not None:
             return self, obj
         new = factory()
         if cls is not None and not isinstance(new, cls):
@@ -119,6 +119,13 @@ class SessionState:
                 f"expected {cls.__name__}."
             )
         return self.put(name, new), new
+
+    def _reusable(self, name: str, cls: type | None) -> StateObject | None:
+        """The object ``name`` if `get_or_create` may return it as is (present, right type, resident)."""
+        obj = self.objects.get(name)
+        if obj is not None and (cls is None or isinstance(obj, cls)) and obj.resident:
+            return obj
+        return None
 
     def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> "SessionState":
         """Return a state with object ``name`` replaced by ``fn(object)``."""

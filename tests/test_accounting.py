@@ -156,3 +156,20 @@ def test_stats_splits_devices_with_sorted_keys():
     assert _torch_device_key(torch.device("cpu")) == "cpu"
     assert _torch_device_key(torch.device("meta")) is None
     assert nbytes_by_device(torch.zeros(10, device="meta")) == {}
+
+
+class _Bag:
+    """A user pytree whose flatten builds a fresh list every time (a temporary the walk must keep alive)."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+
+jax.tree_util.register_pytree_node(_Bag, lambda b: ([list(b.arrays)], None), lambda _, c: _Bag(c[0]))
+
+
+def test_temporaries_built_by_flatten_never_hide_later_buffers():
+    # Regression: the walk deduplicated by id() alone, so a temporary list freed mid-walk could hand its id
+    # to the next bag's temporary list, which was then skipped and its arrays went uncounted.
+    bags = [_Bag([np.zeros(100 + i, np.uint8)]) for i in range(200)]
+    assert nbytes_by_device(bags) == {"cpu": sum(100 + i for i in range(200))}
