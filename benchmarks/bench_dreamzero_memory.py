@@ -3,8 +3,7 @@ with the full 603 MiB VAE feat map."""
 
 from __future__ import annotations
 
-import os
-
+from functional_state.config import enable_override
 from torch_bridge.adapters import dreamzero_rollout as dz
 
 MIB = 2**20
@@ -14,16 +13,9 @@ STEPS = 400
 def run() -> dict:
     cfg = dz.RolloutConfig(steps=STEPS, sessions=1, prompt_every=10**9)  # deploy shapes, 603 MiB feat map
     results = {}
-    old = os.environ.get("OMNI_DIFFUSION_SESSION_STATE_MANAGER")
-    try:
-        for flag, label in (("0", "bespoke"), ("1", "manager")):
-            os.environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER"] = flag
+    for enabled, label in ((False, "bespoke"), (True, "manager")):
+        with enable_override(enabled):
             results[label] = dz.run_rollout(cfg)
-    finally:
-        if old is None:
-            os.environ.pop("OMNI_DIFFUSION_SESSION_STATE_MANAGER", None)
-        else:
-            os.environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER"] = old
     b, m = results["bespoke"].components["session-0"], results["manager"].components["session-0"]
     rows = [(name, f"{b[name] / MIB:.3f}", f"{m[name] / MIB:.3f}") for name in b]
     rows.append(("total", f"{sum(b.values()) / MIB:.3f}", f"{sum(m.values()) / MIB:.3f}"))

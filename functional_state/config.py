@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from typing import Iterator
 
 from .manager_state import DEFAULT_MAX_SESSIONS
 
-__all__ = ["ENV_ENABLE", "ENV_MAX_SESSIONS", "resolve_session_state_config"]
+__all__ = ["ENV_ENABLE", "ENV_MAX_SESSIONS", "enable_override", "resolve_session_state_config"]
 
 ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
 ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
@@ -78,3 +80,25 @@ def resolve_session_state_config(enable: bool | None = None, max_sessions: int |
         else:
             max_sessions = cap
     return enabled, max_sessions
+
+
+@contextlib.contextmanager
+def enable_override(enabled: bool) -> Iterator[None]:
+    """Set ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` for the block and restore it afterwards.
+
+    For in-process A/B comparisons and notebooks; the A/B proper runs fresh processes.
+
+    Example:
+      >>> with enable_override(True):
+      ...     resolve_session_state_config(enable=False)[0]
+      True
+    """
+    old = os.environ.get(ENV_ENABLE)
+    os.environ[ENV_ENABLE] = "1" if enabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV_ENABLE, None)
+        else:
+            os.environ[ENV_ENABLE] = old

@@ -63,3 +63,19 @@ def test_max_sessions_precedence(monkeypatch, caplog, env, arg, expected, warns)
 def test_bad_max_sessions_argument(bad):
     with pytest.raises(ValueError, match="max_sessions"):
         resolve_session_state_config(max_sessions=bad)
+
+
+@pytest.mark.parametrize("preset", [None, "0", "garbage"])
+def test_enable_override_sets_and_restores(monkeypatch, preset):
+    from functional_state.config import enable_override
+
+    if preset is not None:
+        monkeypatch.setenv(ENV_ENABLE, preset)
+    with enable_override(True):
+        assert resolve_session_state_config(enable=False)[0] is True
+        with enable_override(False):
+            assert resolve_session_state_config(enable=True)[0] is False
+        assert resolve_session_state_config(enable=False)[0] is True
+    import os
+
+    assert os.environ.get(ENV_ENABLE) == preset

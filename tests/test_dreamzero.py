@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from functional_state import SessionStateManager, nbytes_by_device
+from functional_state.config import enable_override
 from torch_bridge import report, reset_report, unwrap
 from torch_bridge.adapters import BespokeDreamZeroCache, BespokeDreamZeroState, DreamZeroStateAdapter
 from torch_bridge.adapters import dreamzero_rollout as rollout
@@ -304,13 +305,10 @@ def test_deploy_shapes_encoder_growth_vs_constant_ring():
     frame_bytes = 32 * 44 * 80 * 2  # one latent frame of encoder output, bf16: 0.215 MiB
     assert abs(frame_bytes / 2**20 - 0.215) < 0.001
     results = {}
+    cfg = rollout.RolloutConfig(steps=21, sessions=1, feat_map_bytes=2**20, trace_bytes=True, prompt_every=10**6)
     for flag in ("0", "1"):
-        os.environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER"] = flag
-        try:
-            cfg = rollout.RolloutConfig(steps=21, sessions=1, feat_map_bytes=2**20, trace_bytes=True, prompt_every=10**6)
+        with enable_override(flag == "1"):
             results[flag] = rollout.run_rollout(cfg)
-        finally:
-            del os.environ["OMNI_DIFFUSION_SESSION_STATE_MANAGER"]
     bespoke, managed = results["0"], results["1"]
     assert (bespoke.path, managed.path) == ("bespoke", "manager") and bespoke.digest == managed.digest
     enc_b = [t["vae_encoder_out"] for t in bespoke.bytes_trace]

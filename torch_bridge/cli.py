@@ -7,7 +7,6 @@ deploy shapes, checks A/B equivalence in fresh processes, prints the memory pict
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -15,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -56,22 +55,6 @@ def _non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
     return value
-
-
-@contextlib.contextmanager
-def _flag(value: str) -> Iterator[None]:
-    """Set OMNI_DIFFUSION_SESSION_STATE_MANAGER for an in-process run, restoring it afterwards."""
-    from functional_state.config import ENV_ENABLE
-
-    old = os.environ.get(ENV_ENABLE)
-    os.environ[ENV_ENABLE] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[ENV_ENABLE]
-        else:
-            os.environ[ENV_ENABLE] = old
 
 
 # --- A/B ------------------------------------------------------------------------------------------------
@@ -197,13 +180,14 @@ def _plot(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from functional_state.config import enable_override
     from torch_bridge.adapters import dreamzero_rollout as dz
 
     cfg = dz.RolloutConfig(steps=args.plot_steps, sessions=1, feat_map_bytes=int(args.feat_map_mib * MIB),
                            prompt_every=10**9, trace_bytes=True)
     traces = {}
-    for flag, label in (("0", "bespoke"), ("1", "manager-backed")):
-        with _flag(flag):
+    for enabled, label in ((False, "bespoke"), (True, "manager-backed")):
+        with enable_override(enabled):
             traces[label] = dz.run_rollout(cfg).bytes_trace
     fig, (ax_enc, ax_total) = plt.subplots(1, 2, figsize=(11, 4))
     for label, trace in traces.items():
