@@ -4,7 +4,6 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 import functional_state as fs

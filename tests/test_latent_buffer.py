@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,8 +111,8 @@ def test_is_a_keyed_pytree_with_array_leaves_and_static_config():
     assert paths == [".items[0]", ".staged"]
     doubled = jax.tree_util.tree_map(lambda x: x * 2, buf)
     assert doubled.maxlen == 4 and float(doubled.view(include_staged=False)[0][0]) == 2.0
-    with pytest.raises(Exception):
-        buf.maxlen = 5  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        buf.maxlen = 5
 
 
 PURE_OPS = {

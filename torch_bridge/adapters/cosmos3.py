@@ -79,8 +79,8 @@ class Cosmos3StateAdapter:
     def _stored_layers(self, s: SessionState, branch: str) -> tuple[int | None, list[bool], bool]:
         expected = s.get_attr(_layers_attr(branch), None)
         prefix = f"und_kv/{branch}/"
-        present = [n for n in s.names if n.startswith(prefix)]
-        layers = [s.get(n).resident and len(s.get(n)) == 1 for n in present]
+        slots = [s.get(n) for n in s.names if n.startswith(prefix)]
+        layers = [slot.resident and len(slot) == 1 for slot in slots]
         freqs = s.get(_freqs_name(branch), None)
         has_freqs = freqs is not None and freqs.resident and len(freqs) == 1
         return expected, layers, has_freqs

@@ -204,7 +204,6 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
     nets = _Networks(cfg)
     if enabled:
         manager = SessionStateManager(max_sessions=cap)
-        adapters: dict[str, DreamZeroStateAdapter] = {}
 
         def state_for(sid: str):
             # A fresh adapter per call, as the pipeline builds one per request: state lives in the manager.
