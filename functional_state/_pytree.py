@@ -1,9 +1,9 @@
-"""Private helpers for declaring frozen, key-registered pytree dataclasses."""
+"""Private helpers: one way to declare frozen, key-registered pytree dataclasses, and a fast ``replace``."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, dataclass_transform
 
 import jax
 
@@ -13,9 +13,9 @@ T = TypeVar("T")
 class _Missing:
     """Sentinel type for 'argument not given' where ``None`` is a legitimate value."""
 
-    _instance = None
+    _instance: "_Missing | None" = None
 
-    def __new__(cls):
+    def __new__(cls) -> "_Missing":
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -23,42 +23,55 @@ class _Missing:
     def __repr__(self) -> str:
         return "MISSING"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_Missing, ())
 
 
 MISSING: Any = _Missing()
+_KEEP = object()  # "field unchanged" marker of the generated replace functions
 
 
+def _make_replace(cls: type, names: list[str]) -> Callable[..., Any]:
+    """Build ``replace(obj, *, field=...)`` for ``cls``: keyword-only, so a misspelt field is a TypeError.
+
+    Generated code (one line per field) because it runs on every commit: it is about 4x faster than
+    ``dataclasses.replace`` and does not re-run ``__init__`` (which validates, and may not run on tracers).
+    """
+    params = ", ".join(f"{n}=_KEEP" for n in names)
+    # Each slot's own descriptor sets it directly, past the frozen class's __setattr__ (which refuses).
+    body = "".join(f"    _set_{n}(new, obj.{n} if {n} is _KEEP else {n})\n" for n in names)
+    src = f"def replace(obj, *, {params}):\n    new = _new(cls)\n{body}    return new\n"
+    namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__, "cls": cls}
+    namespace.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
+    exec(src, namespace)  # noqa: S102 - the source is built from dataclass field names only
+    fn = namespace["replace"]
+    fn.__qualname__ = f"{cls.__name__}._replace"
+    return fn
+
+
+@dataclass_transform(frozen_default=True, eq_default=False)
 def pytree_dataclass(*, static: tuple[str, ...] = ()) -> Callable[[type[T]], type[T]]:
-    """Make ``cls`` a frozen dataclass registered with JAX, with ``static`` fields as aux data.
+    """Make ``cls`` a frozen, slotted dataclass registered with JAX, with ``static`` fields as aux data.
 
-    Equality and hashing are by identity: instances hold arrays, whose ``==`` is elementwise, and JAX
-    compares aux data with ``==``. The registration goes through ``jax.tree_util.register_dataclass``,
-    so key paths name fields (``.items[0]``) and unflatten does no validation (it runs on tracers).
+    Equality and hashing are by identity: instances hold arrays, whose ``==`` is elementwise. Static fields
+    must be stable config (names, capacities, dtypes, a lifecycle status): JAX compares aux data on every
+    jit call, and a change means a new trace. Unflatten does no validation (it runs on tracers).
     """
 
     def wrap(cls: type[T]) -> type[T]:
-        cls = dataclasses.dataclass(frozen=True, eq=False, repr=False)(cls)
-        names = [f.name for f in dataclasses.fields(cls)]
+        cls = dataclasses.dataclass(frozen=True, eq=False, repr=False, slots=True)(cls)
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         unknown = set(static) - set(names)
         if unknown:
             raise TypeError(f"{cls.__name__}: static fields {sorted(unknown)} are not dataclass fields")
         data = [n for n in names if n not in static]
         jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(static))
+        cls._replace = _make_replace(cls, names)  # type: ignore[attr-defined]
         return cls
 
     return wrap
 
 
 def replace(obj: T, **changes: Any) -> T:
-    """``dataclasses.replace`` for our frozen dataclasses, without re-running ``__init__``.
-
-    About 10x faster, which matters on the per-step path (every commit builds new objects). Only for
-    classes whose ``__init__`` does nothing beyond storing fields; ``changes`` must name existing fields.
-    """
-    new = object.__new__(type(obj))
-    fields = new.__dict__
-    fields.update(obj.__dict__)
-    fields.update(changes)
-    return new
+    """A copy of pytree dataclass ``obj`` with ``changes``; an unknown field name raises TypeError."""
+    return type(obj)._replace(obj, **changes)  # type: ignore[attr-defined]

@@ -5,13 +5,18 @@ reachable from its roots, per device, so two views of one storage, an alias betw
 state object, a tensor shared by several sessions, and a JAX array that aliases a torch tensor through
 DLPack all count once. Sizes are those of the *allocation* a value keeps alive, never
 ``numel * element_size``: a narrow slice of a large tensor reports the whole storage.
+
+The walk never raises: what it cannot read is counted in its report (``unaccounted_objects``), and a JAX
+array that was deleted (donated) is reported as ``deleted_arrays`` instead of silently counting zero.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -19,12 +24,14 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["nbytes_by_device", "total_nbytes", "register_alias", "alias_owner"]
+__all__ = ["WalkReport", "alias_owner", "nbytes_by_device", "register_alias", "total_nbytes"]
 
 # id(jax array) -> (weakref to it, owner). Filled by the torch bridge: an array imported from a torch tensor
 # reports only its own bytes, but keeps the whole torch storage alive, so the accounting counts the owner.
 _ALIASES: dict[int, tuple[weakref.ref, Any]] = {}
-_ALIASES_LOCK = threading.Lock()
+# Re-entrant: the weakref callback that forgets an alias can run while this thread holds the lock (a
+# collection triggered inside `register_alias`).
+_ALIASES_LOCK = threading.RLock()
 
 
 def register_alias(array: jax.Array, owner: Any) -> None:
@@ -39,10 +46,10 @@ def register_alias(array: jax.Array, owner: Any) -> None:
     """
     key = id(array)
 
-    def _forget(_ref, key=key):
+    def _forget(ref: weakref.ref, key: int = key) -> None:
         with _ALIASES_LOCK:
             entry = _ALIASES.get(key)
-            if entry is not None and entry[0] is _ref:
+            if entry is not None and entry[0] is ref:
                 del _ALIASES[key]
 
     with _ALIASES_LOCK:
@@ -57,6 +64,11 @@ def alias_owner(array: Any) -> Any:
     return None
 
 
+def _torch_module() -> Any:
+    """The torch module if something already imported it, else None (never import torch just to account)."""
+    return sys.modules.get("torch")
+
+
 _MISSING_KEY = object()
 _TORCH_KEYS: dict[Any, str | None] = {}  # torch.device -> key; devices are few, lookups are many
 
@@ -64,15 +76,13 @@ _TORCH_KEYS: dict[Any, str | None] = {}  # torch.device -> key; devices are few,
 def _torch_device_key(device: Any) -> str | None:
     key = _TORCH_KEYS.get(device, _MISSING_KEY)
     if key is not _MISSING_KEY:
-        return key
+        return key  # type: ignore[return-value]
     if device.type == "meta":
         key = None
     elif device.type == "cuda":
         index = device.index
         if index is None:
-            import torch
-
-            index = torch.cuda.current_device()
+            index = _torch_module().cuda.current_device()
         key = f"cuda:{index}"
     elif device.type == "cpu":
         key = "cpu"
@@ -80,7 +90,7 @@ def _torch_device_key(device: Any) -> str | None:
         key = str(device)
     if device.index is not None or device.type != "cuda":  # "cuda" alone depends on the current device
         _TORCH_KEYS[device] = key
-    return key
+    return key  # type: ignore[return-value]
 
 
 def _jax_device_key(device: Any) -> str:
@@ -93,18 +103,19 @@ def _jax_device_key(device: Any) -> str:
     return f"{platform}:{device.id}"
 
 
-def _torch_tensor_type() -> type | None:
-    torch = sys.modules.get("torch")  # never import torch just to account: it may not be in use
-    return None if torch is None else torch.Tensor
+Extents = list[tuple[str, int, int]]
 
 
-def _is_torch_tensor(x: Any) -> bool:
-    cls = _torch_tensor_type()
-    return cls is not None and isinstance(x, cls)
+@dataclasses.dataclass
+class WalkReport:
+    """What a walk could not count: deleted (donated) JAX arrays, and objects it could not look into."""
+
+    deleted_arrays: int = 0
+    unaccounted_objects: int = 0
 
 
-def _torch_extents(t: Any, out: list[tuple[str, int, int]]) -> None:
-    if t.layout is not sys.modules["torch"].strided:
+def _torch_extents(t: Any, out: Extents) -> None:
+    if t.layout is not _torch_module().strided:
         return  # Sparse layouts have no single storage; counted as unknown (zero).
     key = _torch_device_key(t.device)
     if key is None:
@@ -116,22 +127,22 @@ def _torch_extents(t: Any, out: list[tuple[str, int, int]]) -> None:
         out.append((key, start, start + size))
 
 
-def _numpy_extents(a: np.ndarray, out: list[tuple[str, int, int]]) -> None:
+def _numpy_extents(a: np.ndarray, out: Extents) -> None:
     owner = a
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
     base = owner.base
-    if _is_torch_tensor(base):
+    torch = _torch_module()
+    if torch is not None and isinstance(base, torch.Tensor):
         _torch_extents(base, out)
         return
     if owner.size == 0:
         return
+    start = owner.__array_interface__["data"][0]
     if base is None:
-        start = owner.__array_interface__["data"][0]
         out.append(("cpu", start, start + owner.nbytes))
         return
     # Memory owned by some other object (bytes, mmap, a foreign buffer): count the span this array covers.
-    start = owner.__array_interface__["data"][0]
     lo = hi = 0
     for n, s in zip(owner.shape, owner.strides):
         if s >= 0:
@@ -141,12 +152,13 @@ def _numpy_extents(a: np.ndarray, out: list[tuple[str, int, int]]) -> None:
     out.append(("cpu", start + lo, start + hi + owner.itemsize))
 
 
-def _jax_extents(a: jax.Array, out: list[tuple[str, int, int]]) -> None:
+def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any]) -> None:
     owner = alias_owner(a)
     if owner is not None:
-        _collect(owner, out, {})
+        _collect(owner, out, seen, report)
         # Fall through: the owner covers this array's bytes, and the union makes the overlap free.
     if a.is_deleted():
+        report.deleted_arrays += 1
         return
     for shard in a.addressable_shards:
         data = shard.data
@@ -156,57 +168,100 @@ def _jax_extents(a: jax.Array, out: list[tuple[str, int, int]]) -> None:
             out.append((_jax_device_key(shard.device), start, start + size))
 
 
-def _children(x: Any) -> Iterable[Any] | None:
-    """The values below ``x`` that may hold buffers, or None when ``x`` is a leaf."""
+# Objects never walked into: they reach the whole program (modules, classes, functions) or hold no data.
+_OPAQUE = (
+    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType,
+    types.FrameType, types.GeneratorType, weakref.ref, property, staticmethod, classmethod,
+)
+_SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None), memoryview, range, slice)
+_SCALAR_TYPES = frozenset(_SCALARS)
+_MAX_OBJECT_DEPTH = 16  # plain objects nested deeper than this (attribute chains) count as unaccounted
+
+
+def _object_fields(x: Any) -> list[Any] | None:
+    """The attribute values of a plain object (``__dict__`` and ``__slots__``), or None if it has none."""
+    values: list[Any] = []
+    found = False
+    d = getattr(x, "__dict__", None)
+    if isinstance(d, dict):
+        values.extend(d.values())
+        found = True
+    for cls in type(x).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        if isinstance(slots, str):
+            slots = (slots,)
+        for name in slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            found = True
+            value = getattr(x, name, None)
+            if value is not None:
+                values.append(value)
+    return values if found else None
+
+
+def _children(x: Any) -> tuple[Iterable[Any] | None, bool]:
+    """``(values below x that may hold buffers, is_plain_object)``; ``(None, False)`` for a leaf."""
     own = getattr(type(x), "_accounting_children", None)
     if own is not None:
-        return own(x)
+        return own(x), False
     if isinstance(x, Mapping):
-        return x.values()
-    if isinstance(x, (list, tuple, set, frozenset)):
-        return x
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        return [getattr(x, f.name) for f in dataclasses.fields(x)]
+        return list(x.values()), False
+    if isinstance(x, (list, tuple, set, frozenset, collections.deque, types.MappingProxyType)):
+        return list(x), False
+    if isinstance(x, (collections.abc.KeysView, collections.abc.ValuesView, collections.abc.ItemsView)):
+        return list(x), False
+    if isinstance(x, _OPAQUE):
+        return None, False
+    if dataclasses.is_dataclass(x):
+        return [getattr(x, f.name, None) for f in dataclasses.fields(x)], False
     leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is x:
-        return None
-    return leaves
+    if not (treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is x):
+        return leaves, False
+    return _object_fields(x), True
 
 
-_SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None))
-
-
-def _collect(root: Any, out: list[tuple[str, int, int]], seen: dict[int, Any]) -> None:
+def _collect(root: Any, out: Extents, seen: dict[int, Any], report: WalkReport) -> None:
     # `seen` maps id -> object: holding the object keeps temporaries (children a pytree's flatten built)
     # alive for the whole walk, so no later object can reuse their id and be skipped.
-    tensor_type = _torch_tensor_type() or ()
-    stack = [root]
+    torch = _torch_module()
+    tensor_type = torch.Tensor if torch is not None else ()
+    stack: list[tuple[Any, int]] = [(root, 0)]
     while stack:
-        x = stack.pop()
-        if isinstance(x, _SCALARS):
-            continue
-        if id(x) in seen:
+        x, depth = stack.pop()
+        if type(x) in _SCALAR_TYPES or id(x) in seen:
             continue  # Cycles, shared containers and repeated arrays are visited once.
         seen[id(x)] = x
-        if isinstance(x, tensor_type):
-            _torch_extents(x, out)
+        try:  # isinstance itself may raise (an object whose __class__ raises)
+            if isinstance(x, _SCALARS):
+                continue
+            if isinstance(x, tensor_type):
+                _torch_extents(x, out)
+                continue
+            if isinstance(x, jax.Array):
+                if not isinstance(x, jax.core.Tracer):
+                    _jax_extents(x, out, report, seen)
+                continue
+            if isinstance(x, np.ndarray):
+                _numpy_extents(x, out)
+                continue
+            kids, plain = _children(x)
+        except Exception:  # Anything we cannot look into is reported, never raised: stats() must not crash.
+            report.unaccounted_objects += 1
             continue
-        if isinstance(x, jax.Array):
-            if not isinstance(x, jax.core.Tracer):
-                _jax_extents(x, out)
+        if kids is None:
             continue
-        if isinstance(x, np.ndarray):
-            _numpy_extents(x, out)
+        child_depth = depth + 1 if plain else depth
+        if child_depth > _MAX_OBJECT_DEPTH:
+            report.unaccounted_objects += 1
             continue
         try:
-            kids = _children(x)
-        except Exception:  # An object we cannot look into counts zero; accounting never raises.
-            kids = None
-        if kids is not None:
-            stack.extend(kids)
+            stack.extend((k, child_depth) for k in kids)
+        except Exception:  # an iterator that fails part-way: keep what it gave
+            report.unaccounted_objects += 1
 
 
-def _union_by_device(extents: list[tuple[str, int, int]]) -> dict[str, int]:
+def _union_by_device(extents: Extents) -> dict[str, int]:
     totals: dict[str, int] = {}
     extents.sort()
     cur_key, cur_start, cur_end = None, 0, 0
@@ -223,13 +278,25 @@ def _union_by_device(extents: list[tuple[str, int, int]]) -> dict[str, int]:
     return dict(sorted(totals.items()))
 
 
+def walk(*roots: Any) -> tuple[dict[str, int], WalkReport]:
+    """`nbytes_by_device` plus the report of what could not be counted."""
+    extents: Extents = []
+    seen: dict[int, Any] = {}
+    report = WalkReport()
+    for root in roots:
+        _collect(root, extents, seen, report)
+    return _union_by_device(extents), report
+
+
 def nbytes_by_device(*roots: Any) -> dict[str, int]:
     """Bytes held by everything reachable from ``roots``, per device, each allocation counted once.
 
-    Walks manager and session states, state objects, dicts, lists, tuples, sets, dataclasses and registered
-    pytrees. Scalars, strings and ``None`` count zero; so does any object it cannot look into (it never
-    raises). One deduplication scope spans all roots, so passing a manager state together with the fields
-    of a model that may still alias its tensors reports what the process really holds.
+    Walks manager and session states, state objects, dicts, lists, tuples, sets, deques, dict views,
+    namespaces, dataclasses, registered pytrees and plain objects (``__dict__``/``__slots__``). Scalars,
+    strings and ``None`` count zero. It never raises: an object it cannot read counts zero (and
+    `functional_state.stats` reports how many there were). One deduplication scope spans all roots, so
+    passing a manager state together with the fields of a model that may still alias its tensors reports
+    what the process really holds.
 
     Args:
       *roots: anything.
@@ -243,11 +310,7 @@ def nbytes_by_device(*roots: Any) -> dict[str, int]:
       >>> nbytes_by_device([x, x[:10]], {"again": x})
       {'cpu': 1024}
     """
-    extents: list[tuple[str, int, int]] = []
-    seen: dict[int, Any] = {}
-    for root in roots:
-        _collect(root, extents, seen)
-    return _union_by_device(extents)
+    return walk(*roots)[0]
 
 
 def total_nbytes(*roots: Any) -> int:

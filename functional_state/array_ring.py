@@ -8,24 +8,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._pytree import pytree_dataclass, replace
-from .errors import StateShapeError
-from .state_object import StateObject
+from ._pytree import pytree_dataclass
+from ._repr import short
+from .errors import InvalidArgumentError, InvalidTypeError, StateShapeError
+from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, _check_source
 
 __all__ = ["ArrayRing"]
 
 
-@pytree_dataclass(
-    static=("capacity", "frame_shape", "dtype", "allocated", "resident", "recompute_source")
-)
+def _raise_short_window(size: Any, k: int, capacity: int) -> None:
+    raise ValueError(
+        f"`ArrayRing.latest`: asked for k={k} frames but the ring holds only {int(size)} (capacity {capacity}). "
+        f"A shorter window is never returned, and never zero-filled: commit more frames first or ask for fewer."
+    )
+
+
+@pytree_dataclass(static=("capacity", "frame_shape", "dtype", "status", "recompute_source"))
 class ArrayRing(StateObject):
     """The last ``capacity`` frames of shape ``frame_shape``, in one ``[capacity, *frame_shape]`` array.
 
     A commit writes the slot at ``head`` with ``.at[head].set(frame)``: under ``jax.jit`` the shapes never
-    change, so a loop of commits traces once, and with ``donate_argnums`` the write reuses the buffer.
-    A frame of another shape or dtype is refused (never cast, never retraced).
-
-    Do not donate a ring that a forked session still shares: donation deletes the buffer both hold.
+    change, so a loop of commits traces once. A frame of another shape or dtype is refused (never cast,
+    never retraced). To donate the ring's buffer to a jitted step safely (never a buffer a fork or another
+    session still holds), use `functional_state.step` or `SessionHandle.step`.
 
     Example:
       >>> ring = ArrayRing.create(capacity=3, frame_shape=(2,), dtype=jnp.float32)
@@ -34,18 +39,19 @@ class ArrayRing(StateObject):
       ...     ring = step(ring, jnp.full((2,), i, jnp.float32))
       >>> ring.latest(2)[:, 0].tolist()
       [3.0, 4.0]
+      >>> ring
+      ArrayRing(storage=f32[3,2], size=i32[], capacity=3)
     """
 
-    storage: jax.Array | None  # [capacity, *frame_shape] dtype; None when unallocated or evicted
-    head: jax.Array  # int32 scalar: the slot the next commit writes
-    size: jax.Array  # int32 scalar: frames held, saturating at capacity
+    storage: jax.Array | None  # [capacity, *frame_shape] dtype; None unless resident
+    head: jax.Array  # i32[]: the slot the next commit writes
+    size: jax.Array  # i32[]: frames held, saturating at capacity
     staged: jax.Array | None  # [*frame_shape] dtype, or None
     capacity: int
     frame_shape: tuple[int, ...]
     dtype: np.dtype
-    allocated: bool
-    resident: bool
-    recompute_source: Any
+    status: Status
+    recompute_source: str | None
 
     @classmethod
     def create(
@@ -55,18 +61,37 @@ class ArrayRing(StateObject):
         dtype: Any = jnp.float32,
         *,
         allocate: bool = True,
-        recompute_source: Any = None,
+        recompute_source: str | None = None,
     ) -> "ArrayRing":
         """Build a ring of ``capacity`` frames; allocated storage is zero-filled.
 
         Raises:
-          ValueError: ``capacity`` is not a positive int, or ``frame_shape`` has a negative dimension.
+          InvalidArgumentError: ``capacity`` is not a positive int, ``frame_shape`` has a negative
+            dimension, or ``dtype`` is a 64-bit type while ``jax_enable_x64`` is off (JAX would store it in
+            32 bits, and the ring never casts).
+          InvalidTypeError: ``frame_shape`` is not a tuple or list of ints.
         """
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise ValueError(f"`ArrayRing.create`: capacity must be a positive int, got {capacity!r}.")
+            raise InvalidArgumentError(f"`ArrayRing.create`: capacity must be a positive int, got {capacity!r}.")
+        if not isinstance(frame_shape, (tuple, list)) or not all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in frame_shape
+        ):
+            raise InvalidTypeError(
+                f"`ArrayRing.create`: frame_shape must be a tuple of ints (e.g. (16,) for 16-vectors), got "
+                f"{frame_shape!r}."
+            )
         shape = tuple(int(d) for d in frame_shape)
         if any(d < 0 for d in shape):
-            raise ValueError(f"`ArrayRing.create`: frame_shape must be non-negative, got {tuple(frame_shape)}.")
+            raise InvalidArgumentError(f"`ArrayRing.create`: frame_shape must be non-negative, got {shape}.")
+        dt = np.dtype(dtype)
+        stored = np.dtype(jax.dtypes.canonicalize_dtype(dt))
+        if stored != dt:
+            raise InvalidArgumentError(
+                f"`ArrayRing.create`: dtype {dt} is not available with jax_enable_x64 off: JAX would store "
+                f"{stored}, and a ring that reports one dtype and stores another would cast every frame. Pass "
+                f"dtype={stored.name!r}, or enable x64 (`jax.config.update('jax_enable_x64', True)`)."
+            )
+        _check_source(recompute_source, "ArrayRing.create")
         ring = cls(
             storage=None,
             head=jnp.zeros((), jnp.int32),
@@ -74,9 +99,8 @@ class ArrayRing(StateObject):
             staged=None,
             capacity=capacity,
             frame_shape=shape,
-            dtype=np.dtype(dtype),
-            allocated=False,
-            resident=False,
+            dtype=dt,
+            status=UNALLOCATED,
             recompute_source=recompute_source,
         )
         return ring.allocate() if allocate else ring
@@ -84,18 +108,22 @@ class ArrayRing(StateObject):
     def _check_payload(self, payload: Any) -> None:
         shape = tuple(getattr(payload, "shape", ()))
         dtype = getattr(payload, "dtype", None)
-        if shape != self.frame_shape or dtype != self.dtype:
+        if shape != self.frame_shape:
             raise StateShapeError(
-                f"`ArrayRing.commit`: frame mismatch: expected shape {self.frame_shape} dtype {self.dtype}, "
-                f"got shape {shape} dtype {dtype}. The ring never casts or reshapes (that would recompile); "
-                f"convert the frame first, e.g. `frame.astype({self.dtype.name!r})`."
+                f"`ArrayRing.commit`: frame shape mismatch: expected {self.frame_shape} (dtype {self.dtype}), got "
+                f"{shape} (dtype {dtype}). The ring never reshapes a frame: a different shape would recompile "
+                f"every jitted step. Build a ring with frame_shape={shape} for frames of that shape."
+            )
+        if dtype != self.dtype:
+            raise StateShapeError(
+                f"`ArrayRing.commit`: frame dtype mismatch: expected {self.dtype}, got {dtype} (shape {shape} "
+                f"matches). The ring never casts; convert the frame first: `frame.astype({self.dtype.name!r})`."
             )
 
     def _commit_payload(self, payload: Any) -> "ArrayRing":
-        storage = self.storage.at[self.head].set(payload)
-        return replace(
-            self,
-            storage=storage,
+        assert self.storage is not None  # resident, checked by commit
+        return self._replace(  # type: ignore[attr-defined, no-any-return]
+            storage=self.storage.at[self.head].set(payload),
             head=(self.head + 1) % self.capacity,
             size=jnp.minimum(self.size + 1, self.capacity).astype(jnp.int32),
         )
@@ -107,22 +135,31 @@ class ArrayRing(StateObject):
         """The last ``k`` committed frames, oldest first, shape ``[k, *frame_shape]``.
 
         Raises:
-          ValueError: ``k`` is not an int in ``[0, capacity]``, or (outside jit, where ``size`` is known)
-            the ring holds fewer than ``k`` frames. A shorter window is never returned silently. Inside
-            jit only the capacity bound can be checked: the caller must know ``k <= size`` there.
+          ValueError: ``k`` is not an int in ``[0, capacity]``, or the ring holds fewer than ``k`` frames.
+            Outside jit this raises at the call. Inside jit ``size`` is only known when the computation
+            runs, so the check runs there and the error surfaces as a ``JaxRuntimeError`` carrying this
+            message when the result is computed: never a zero-filled frame.
         """
         self._require_resident("latest")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= self.capacity:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`ArrayRing.latest`: k={k!r} is outside [0, capacity={self.capacity}]; this ring never "
                 f"retains more than {self.capacity} frames. Build it with a larger capacity."
             )
-        if not isinstance(self.size, jax.core.Tracer) and int(k) > int(self.size):
-            raise ValueError(
-                f"`ArrayRing.latest`: asked for k={k} frames but the ring holds only {int(self.size)} "
-                f"(capacity {self.capacity}). Commit more frames first or ask for fewer."
-            )
-        return self.storage[self._indices(int(k))]
+        k = int(k)
+        assert self.storage is not None
+        if isinstance(self.size, jax.core.Tracer):
+            if k:
+                capacity = self.capacity
+                jax.lax.cond(
+                    self.size < k,
+                    lambda s: jax.debug.callback(lambda v: _raise_short_window(v, k, capacity), s),
+                    lambda s: None,
+                    self.size,
+                )
+        elif k > int(self.size):
+            _raise_short_window(self.size, k, self.capacity)
+        return self.storage[self._indices(k)]
 
     def __len__(self) -> int:
         self._require_resident("__len__")
@@ -148,9 +185,16 @@ class ArrayRing(StateObject):
         return self.storage
 
     def __repr__(self) -> str:
-        state = "resident" if self.resident else ("evicted" if self.allocated else "unallocated")
-        size = "?" if isinstance(self.size, jax.core.Tracer) else int(self.size)
-        return (
-            f"ArrayRing(capacity={self.capacity}, frame_shape={self.frame_shape}, dtype={self.dtype}, "
-            f"{state}, size={size})"
-        )
+        if self.storage is None:
+            storage = f"{short(np.zeros(0, self.dtype)).split('[')[0]}[{self.capacity},{','.join(map(str, self.frame_shape))}]"
+            storage = f"None ({storage} when resident)"
+        else:
+            storage = short(self.storage)
+        parts = [f"storage={storage}", f"size={short(self.size)}", f"capacity={self.capacity}"]
+        if self.staged is not None:
+            parts.append(f"staged={short(self.staged)}")
+        if self.status != RESIDENT:
+            parts.append(f"status={self.status!r}")
+        if self.recompute_source is not None:
+            parts.append(f"recompute_source={self.recompute_source!r}")
+        return f"ArrayRing({', '.join(parts)})"

@@ -1,21 +1,27 @@
 """The error hierarchy of functional-state.
 
-Every error derives from :class:`SessionStateError` and also from the builtin it refines (``KeyError``,
-``ValueError``, ...), so code that already catches the builtin keeps working.
+Every error the library raises derives from :class:`SessionStateError`, and also from the builtin it refines
+(``KeyError``, ``ValueError``, ``TypeError``, ``RuntimeError``), so code that already catches the builtin keeps
+working and code that wants only our errors can catch the base class.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "SessionStateError",
-    "SessionStateLostError",
-    "SessionAdmissionError",
-    "ObjectNotFoundError",
+    "AttrNotFoundError",
+    "CopyRequiredError",
+    "InvalidArgumentError",
+    "InvalidTypeError",
     "NotAllocatedError",
     "NotResidentError",
-    "StateShapeError",
     "NothingStagedError",
-    "CopyRequiredError",
+    "ObjectNotFoundError",
+    "SessionAdmissionError",
+    "SessionExistsError",
+    "SessionStateError",
+    "SessionStateLostError",
+    "StateConsumedError",
+    "StateShapeError",
 ]
 
 
@@ -23,22 +29,39 @@ class SessionStateError(Exception):
     """Base class of every error raised by functional-state."""
 
 
-class SessionStateLostError(SessionStateError, KeyError):
+class _KeyMessage(KeyError):
+    """A KeyError whose str() is its message (KeyError would show the repr of the message)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidArgumentError(SessionStateError, ValueError):
+    """An argument has the right type but a value the call cannot accept (a negative size, an unknown key)."""
+
+
+class InvalidTypeError(SessionStateError, TypeError):
+    """An argument has the wrong type (a session id that is not a str, a value that is not a StateObject)."""
+
+
+class SessionStateLostError(SessionStateError, _KeyMessage):
     """A continuation asked for a session that is not in the table (never created, evicted or dropped)."""
 
-    def __str__(self) -> str:  # KeyError would repr() the message.
-        return str(self.args[0]) if self.args else ""
+
+class SessionExistsError(SessionStateError, ValueError):
+    """A call that creates a session under a given id found that id already in the table."""
 
 
 class SessionAdmissionError(SessionStateError, RuntimeError):
     """The table is full and the manager was built with ``evict_when_full=False``."""
 
 
-class ObjectNotFoundError(SessionStateError, KeyError):
+class ObjectNotFoundError(SessionStateError, _KeyMessage):
     """A session holds no state object under the requested name."""
 
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
+
+class AttrNotFoundError(SessionStateError, _KeyMessage):
+    """A session carries no attr under the requested key."""
 
 
 class NotAllocatedError(SessionStateError, RuntimeError):
@@ -55,6 +78,10 @@ class StateShapeError(SessionStateError, ValueError):
 
 class NothingStagedError(SessionStateError, ValueError):
     """``commit()`` without a payload was called while nothing is staged."""
+
+
+class StateConsumedError(SessionStateError, RuntimeError):
+    """A `ManagerState` was used after ``step(..., donate=True)`` consumed it (its buffers may be deleted)."""
 
 
 class CopyRequiredError(SessionStateError, ValueError):

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._pytree import pytree_dataclass, replace
-from .state_object import StateObject
+from ._pytree import pytree_dataclass
+from ._repr import short
+from .errors import InvalidArgumentError
+from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, _check_source
 
 __all__ = ["LatentBuffer"]
 
 
-@pytree_dataclass(static=("maxlen", "allocated", "resident", "recompute_source"))
+@pytree_dataclass(static=("maxlen", "status", "recompute_source"))
 class LatentBuffer(StateObject):
     """Items in commit order; unbounded, or a ring of ``maxlen`` that drops the oldest.
 
@@ -24,37 +26,40 @@ class LatentBuffer(StateObject):
       ...     ring = ring.commit(np.full((2,), i))
       >>> [int(x[0]) for x in ring.view()]
       [1, 2]
+      >>> ring
+      LatentBuffer(items=(i64[2], i64[2]), maxlen=2, status='resident')
     """
 
     items: tuple[Any, ...]  # committed items, oldest first
     staged: Any  # the staged item, or None
     maxlen: int | None  # ring capacity; None for an unbounded append buffer
-    allocated: bool
-    resident: bool
-    recompute_source: Any
+    status: Status
+    recompute_source: str | None  # name of an object of the same session this buffer can be rebuilt from
 
     @classmethod
     def create(
-        cls, maxlen: int | None = None, *, allocate: bool = True, recompute_source: Any = None
+        cls, maxlen: int | None = None, *, allocate: bool = True, recompute_source: str | None = None
     ) -> "LatentBuffer":
         """Build an empty buffer.
 
         Args:
           maxlen: ring capacity (a positive int), or None for an unbounded append buffer.
           allocate: start resident (True) or unallocated (False).
-          recompute_source: an object with a ``resident`` property this buffer can be rebuilt from.
+          recompute_source: the name of another object of the same session this buffer can be rebuilt
+            from (checked when the buffer is put into a session).
 
         Raises:
-          ValueError: ``maxlen`` is not a positive int or None.
+          InvalidArgumentError: ``maxlen`` is not a positive int or None, or ``recompute_source`` is not a
+            non-empty str or None.
         """
         if maxlen is not None and (isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0):
-            raise ValueError(f"`LatentBuffer.create`: maxlen must be a positive int or None, got {maxlen!r}.")
+            raise InvalidArgumentError(f"`LatentBuffer.create`: maxlen must be a positive int or None, got {maxlen!r}.")
+        _check_source(recompute_source, "LatentBuffer.create")
         return cls(
             items=(),
             staged=None,
             maxlen=maxlen,
-            allocated=allocate,
-            resident=allocate,
+            status=RESIDENT if allocate else UNALLOCATED,
             recompute_source=recompute_source,
         )
 
@@ -62,19 +67,20 @@ class LatentBuffer(StateObject):
         self._require_resident("__len__")
         return len(self.items)
 
-    def _trim(self, items: tuple[Any, ...]) -> tuple[Any, ...]:
-        if self.maxlen is not None and len(items) > self.maxlen:
-            return items[len(items) - self.maxlen :]
-        return items
-
     def _commit_payload(self, payload: Any) -> "LatentBuffer":
-        return replace(self, items=self._trim(self.items + (payload,)))
+        items = self.items + (payload,)
+        if self.maxlen is not None and len(items) > self.maxlen:
+            items = items[len(items) - self.maxlen :]
+        return self._replace(items=items)  # type: ignore[attr-defined, no-any-return]
 
     def _committed_view(self) -> tuple[Any, ...]:
         return self.items
 
     def _view_with(self, payload: Any) -> tuple[Any, ...]:
-        return self._trim(self.items + (payload,))
+        items = self.items + (payload,)
+        if self.maxlen is not None and len(items) > self.maxlen:
+            items = items[len(items) - self.maxlen :]
+        return items
 
     def _allocated_storage(self) -> dict[str, Any]:
         return {"items": ()}
@@ -86,7 +92,9 @@ class LatentBuffer(StateObject):
         return self.items
 
     def __repr__(self) -> str:
-        kind = "append" if self.maxlen is None else f"ring(maxlen={self.maxlen})"
-        state = "resident" if self.resident else ("evicted" if self.allocated else "unallocated")
-        staged = ", staged" if self.staged is not None else ""
-        return f"LatentBuffer({kind}, {state}, items={len(self.items)}{staged})"
+        parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]
+        if self.staged is not None:
+            parts.insert(1, f"staged={short(self.staged)}")
+        if self.recompute_source is not None:
+            parts.append(f"recompute_source={self.recompute_source!r}")
+        return f"LatentBuffer({', '.join(parts)})"

@@ -1,7 +1,12 @@
 """`SessionStateManager`: a thread-safe imperative shell over the pure `ManagerState` functions.
 
-The shell holds one immutable `ManagerState` and swaps it under a lock; every operation is one of the pure
-functions. Session handles give the object API the bespoke caches had:
+The shell holds one immutable `ManagerState` and swaps it under a lock. Every operation is one of the
+public pure functions; the lock is held only while a new value is computed by library code and swapped
+in, never while user code runs: a ``transact`` function or a ``get_or_create`` factory runs on the
+immutable value outside the lock, and its result is swapped in only if the session did not change
+meanwhile (compare and retry). So user code may read the manager, or write to *other* sessions, freely.
+
+Session handles give the object API the bespoke caches had:
 
 * writes through any handle of a session that is in the table are seen by every handle of it;
 * a handle whose session left the table (LRU eviction, drop) keeps working on its own copy, so nothing is
@@ -15,16 +20,22 @@ import threading
 import weakref
 from typing import Any, Callable, ContextManager, TypeVar
 
-from . import accounting
 from . import manager_state as ms
 from ._pytree import MISSING
+from .errors import SessionStateError
 from .manager_state import ManagerState
-from .session import SessionState
+from .session import ForkPolicy, SessionState
 from .state_object import StateObject
+from .step import _step
 
-__all__ = ["SessionStateManager", "SessionHandle"]
+__all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
 O = TypeVar("O", bound=StateObject)
+_Result = TypeVar("_Result")
+
+
+class ReentrantWriteError(SessionStateError, RuntimeError):
+    """A ``transact`` function (or a factory) wrote to the very session it is computing a new state for."""
 
 
 class _Cell:
@@ -61,21 +72,56 @@ class SessionStateManager:
     ):
         self._state = ManagerState.create(max_sessions, byte_budget, evict_when_full)
         self._lock = lock_factory()
-        self._cells: weakref.WeakValueDictionary[int, _Cell] = weakref.WeakValueDictionary()
+        # Cells of sessions in the table, by incarnation: kept while the session is in the table, so handles
+        # made per call share one cell. A cell leaves this dict when its session leaves the table; handles
+        # still holding it then work on its own copy (and `_detached` tracks it for `step`).
+        self._cells: dict[int, _Cell] = {}
+        self._detached: weakref.WeakSet[_Cell] = weakref.WeakSet()
+        self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
+        self._writing = threading.local()  # uids whose transaction this thread is computing
 
     # --- the immutable value -----------------------------------------------------------------------
     @property
     def state(self) -> ManagerState:
         """The current immutable `ManagerState` (a snapshot: later calls never change it)."""
-        return self._state
+        state = self._state
+        self._published.add(state)  # `step` never donates a buffer a snapshot handed out may still read
+        return state
 
-    def _cell(self, session_id: str, session: SessionState) -> _Cell:
-        uid = ms._entry_uid(self._state, session_id)
+    def __bool__(self) -> bool:
+        return True  # an empty manager is still a manager
+
+    def _swap(self, op: Callable[[ManagerState], tuple[ManagerState, _Result]]) -> _Result:
+        """Apply library code ``op`` to the table under the lock (no user code may run inside)."""
+        with self._lock:
+            self._state, out = op(self._state)
+        return out
+
+    def _cell(self, state: ManagerState, sid: str) -> _Cell:
+        uid = ms.incarnation(state, sid)
+        assert uid is not None
         cell = self._cells.get(uid)
         if cell is None:
-            cell = _Cell(uid, session_id, session)
+            cell = _Cell(uid, sid, ms.lookup(state, sid))
             self._cells[uid] = cell
         return cell
+
+    def _detach(self, state: ManagerState, sid: str | None) -> None:
+        """Before ``sid`` leaves the table: its live handles keep its last state as their own copy.
+
+        Handles of a session in the table read and write the table; only on leaving does the copy matter,
+        so writes never pay for keeping it current."""
+        uid = ms.incarnation(state, sid) if sid is not None else None
+        cell = self._cells.pop(uid, None) if uid is not None else None
+        if cell is not None:
+            cell.session = ms.lookup(state, sid)
+            self._detached.add(cell)
+
+    def _insertion(self, state: ManagerState, sid: str, insert: Callable[[ManagerState], ManagerState]) -> ManagerState:
+        """Run ``insert`` (which adds ``sid``), detaching the least recent session first if it will be evicted."""
+        if sid not in state and len(state) >= state.max_sessions and state.evict_when_full:
+            self._detach(state, state.least_recent)
+        return insert(state)
 
     # --- sessions ----------------------------------------------------------------------------------
     def get_or_create_session(self, session_id: str | None = None) -> "SessionHandle":
@@ -84,9 +130,20 @@ class SessionStateManager:
         Raises:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
+        sid = ms._resolve_id(session_id, "get_or_create_session")
+
         with self._lock:
-            self._state, session = ms.get_or_create(self._state, session_id)
-            return SessionHandle(self, self._cell(ms._resolve_id(session_id), session))
+            state = self._state
+            uid = ms.incarnation(state, sid)
+            if uid is not None:  # a hit: the common case, kept short
+                self._state = state = ms.get_or_create(state, sid)[0]
+                cell = self._cells.get(uid)
+                if cell is None:
+                    cell = self._cell(state, sid)
+            else:
+                self._state = state = self._insertion(state, sid, lambda s: ms.get_or_create(s, sid)[0])
+                cell = self._cell(state, sid)
+        return SessionHandle(self, cell)
 
     def get_session(self, session_id: str | None = None) -> "SessionHandle":
         """A handle on an existing session, for continuations.
@@ -94,26 +151,41 @@ class SessionStateManager:
         Raises:
           SessionStateLostError: the session is unknown, evicted or dropped; nothing is created.
         """
-        with self._lock:
-            self._state, session = ms.get_session(self._state, session_id)
-            return SessionHandle(self, self._cell(ms._resolve_id(session_id), session))
+        sid = ms._resolve_id(session_id, "get_session")
 
-    def fork_session(self, source_id: str | None, new_id: str) -> "SessionHandle":
-        """Copy-on-write fork (see `functional_state.fork_session`); returns a handle on the fork."""
-        with self._lock:
-            self._state = ms.fork_session(self._state, source_id, new_id)
-            return SessionHandle(self, self._cell(new_id, self._state._entries[new_id].session))
+        def op(state: ManagerState) -> tuple[ManagerState, _Cell]:
+            state, _ = ms.get_session(state, sid)
+            return state, self._cell(state, sid)
+
+        return SessionHandle(self, self._swap(op))
+
+    def fork_session(self, source_id: str | None, new_id: str | None) -> "SessionHandle":
+        """Fork a session (see `functional_state.fork_session`); returns a handle on the fork.
+
+        Raises:
+          SessionStateLostError, SessionExistsError, SessionAdmissionError: as the pure function; the
+            table is unchanged then.
+        """
+        nid = ms._resolve_id(new_id, "fork_session")
+
+        def op(state: ManagerState) -> tuple[ManagerState, _Cell]:
+            state = self._insertion(state, nid, lambda s: ms.fork_session(s, source_id, nid))
+            return state, self._cell(state, nid)
+
+        return SessionHandle(self, self._swap(op))
 
     def drop_session(self, session_id: str | None) -> bool:
         """Remove a session from the table; True if it was there. Live handles keep their state."""
-        with self._lock:
-            self._state, existed = ms.drop_session(self._state, session_id)
-            return existed
+        return self._swap(lambda state: self._drop(state, session_id))
+
+    def _drop(self, state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
+        if session_id in state:
+            self._detach(state, ms._resolve_id(session_id, "drop_session"))
+        return ms.drop_session(state, session_id)
 
     def raise_max_sessions(self, n: int) -> None:
         """Raise the count cap (see `functional_state.raise_max_sessions`)."""
-        with self._lock:
-            self._state = ms.raise_max_sessions(self._state, n)
+        self._swap(lambda state: (ms.raise_max_sessions(state, n), None))
 
     def stats(self) -> dict[str, Any]:
         """Counters and per-device bytes of the current state (see `functional_state.stats`)."""
@@ -121,42 +193,113 @@ class SessionStateManager:
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes per device held by all sessions in the table, each allocation once."""
-        return accounting.nbytes_by_device(self._state)
+        return {k[len("nbytes:"):]: v for k, v in self.stats().items() if k.startswith("nbytes:")}
+
+    def step(self, session_id: str | None, name: str, fn: Callable[..., StateObject], *args: Any,
+             donate: bool = False) -> None:
+        """Run ``jax.jit(fn)(object, *args)`` on object ``name`` and store the result (see
+        `functional_state.step`). With ``donate=True`` a buffer is donated only if no other session, fork,
+        snapshot this manager handed out (``.state``) or detached handle still references it; otherwise
+        it is copied first. The jitted call runs under the lock (it is library code over immutable values).
+        """
+        sid = ms._resolve_id(session_id, "step")
+
+        def op(state: ManagerState) -> tuple[ManagerState, None]:
+            uid = ms.incarnation(state, sid)
+            if uid is not None and uid in self._writing_set():
+                raise ReentrantWriteError(f"session {sid!r}: `step` inside a transaction on the same session.")
+            # Snapshots handed out (this very state included) and detached handles still read their buffers.
+            retained: list[Any] = list(self._published)
+            retained += [c.session for c in list(self._detached)]
+            return _step(state, sid, name, fn, args, donate, retained, consume=False), None
+
+        self._swap(op)
 
     def __len__(self) -> int:
         return len(self._state)
 
-    def __contains__(self, session_id: Any) -> bool:
+    def __contains__(self, session_id: object) -> bool:
         return session_id in self._state
 
     def __repr__(self) -> str:
         return f"SessionStateManager({self._state!r})"
 
     # --- handle plumbing ---------------------------------------------------------------------------
-    def _in_table(self, cell: _Cell) -> bool:
-        return ms._entry_uid(self._state, cell.session_id) == cell.uid
+    @staticmethod
+    def _in_table(state: ManagerState, cell: _Cell) -> bool:
+        return ms.incarnation(state, cell.session_id) == cell.uid
 
     def _read(self, cell: _Cell) -> SessionState:
+        state = self._state  # one atomic read: a consistent snapshot
+        if self._in_table(state, cell):
+            return ms.lookup(state, cell.session_id)  # type: ignore[no-any-return]
+        return cell.session
+
+    def _store(self, state: ManagerState, cell: _Cell, session: SessionState) -> ManagerState:
+        """Under the lock: make ``session`` the cell's state, in the table if the cell is still there."""
+        if self._in_table(state, cell):
+            return ms.update_session(state, cell.session_id, lambda _: session)
+        cell.session = session
+        return state
+
+    def _apply(self, cell: _Cell, op: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
+        """Apply library code ``op`` to the cell's session under the lock."""
+        self._check_not_reentrant(cell)
         with self._lock:
-            if self._in_table(cell):
-                return self._state._entries[cell.session_id].session
-            return cell.session
+            state = self._state
+            if self._in_table(state, cell):
+                new, out = op(ms.lookup(state, cell.session_id))
+                self._state = ms.update_session(state, cell.session_id, lambda _: new)
+            else:
+                cell.session, out = op(cell.session)
+        return out
 
-    def _write(self, cell: _Cell, fn: Callable[[SessionState], tuple[SessionState, Any]]) -> Any:
+    def _commit(self, cell: _Cell, name: str, payload: Any) -> None:
+        """`SessionHandle.commit`: the per-step write, one pure call under the lock."""
+        if cell.uid in self._writing_set():
+            self._check_not_reentrant(cell)
         with self._lock:
-            if self._in_table(cell):
-                result: list[Any] = []
+            state = self._state
+            if self._in_table(state, cell):
+                self._state = ms.commit(state, cell.session_id, name, payload)
+            else:
+                session = cell.session
+                cell.session = session._with_object(name, session.get(name).commit(payload))
 
-                def apply(session: SessionState) -> SessionState:
-                    new, out = fn(session)
-                    result.append(out)
-                    return new
+    def _transact(self, cell: _Cell, fn: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
+        """Run user code ``fn`` on the cell's session outside the lock; swap its result in if the session is
+        unchanged, else run it again on the newer session (compare and retry)."""
+        self._check_not_reentrant(cell)
+        writing = self._writing_set()
+        while True:
+            current = self._read(cell)
+            writing.add(cell.uid)
+            try:
+                new, out = fn(current)
+            finally:
+                writing.discard(cell.uid)
+            if not isinstance(new, SessionState):
+                raise ms.InvalidTypeError(f"a transaction must return a SessionState, got {type(new).__name__}.")
+            with self._lock:
+                state = self._state
+                latest = ms.lookup(state, cell.session_id) if self._in_table(state, cell) else cell.session
+                if latest is current:
+                    self._state = self._store(state, cell, new)
+                    return out
 
-                self._state = ms.update_session(self._state, cell.session_id, apply)
-                cell.session = self._state._entries[cell.session_id].session
-                return result[0]
-            cell.session, out = fn(cell.session)
-            return out
+    def _writing_set(self) -> set[int]:
+        writing = getattr(self._writing, "uids", None)
+        if writing is None:
+            writing = self._writing.uids = set()
+        return writing  # type: ignore[no-any-return]
+
+    def _check_not_reentrant(self, cell: _Cell) -> None:
+        if cell.uid in self._writing_set():
+            raise ReentrantWriteError(
+                f"session {cell.session_id!r}: a transaction function (or get_or_create factory) wrote to the "
+                f"session it is computing a new state for. Return the new state from the function instead "
+                f"(e.g. `s.set_attr(...)` on the SessionState it receives); reads through handles are fine."
+            )
 
 
 class SessionHandle:
@@ -178,22 +321,30 @@ class SessionHandle:
     @property
     def in_table(self) -> bool:
         """False once this incarnation was evicted or dropped from the manager's table."""
-        with self._manager._lock:
-            return self._manager._in_table(self._cell)
+        return self._manager._in_table(self._manager._state, self._cell)
 
     @property
     def state(self) -> SessionState:
         """The session's current immutable `SessionState`."""
         return self._manager._read(self._cell)
 
+    def __bool__(self) -> bool:
+        return True
+
     def transact(self, fn: Callable[[SessionState], SessionState]) -> "SessionHandle":
-        """Replace the session by ``fn(session)`` in one locked step: all of fn's changes land, or none
-        (if fn raises, the session is unchanged)."""
-        self._manager._write(self._cell, lambda s: (fn(s), None))
+        """Replace the session by ``fn(session)``: all of fn's changes land, or none (if fn raises, the
+        session is unchanged).
+
+        ``fn`` runs outside the manager's lock, so it may read through handles and use the manager; if
+        another thread changed the session meanwhile, ``fn`` runs again on the newer session. So ``fn`` must
+        be a function of the session it receives (no side effects it cannot repeat), and must not write
+        to this session through a handle (`ReentrantWriteError`).
+        """
+        self._manager._transact(self._cell, lambda s: (fn(s), None))
         return self
 
     def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> "SessionHandle":
-        """Replace object ``name`` by ``fn(object)`` in one locked step (several commits, one swap)."""
+        """Replace object ``name`` by ``fn(object)`` in one step (several commits, one swap)."""
         return self.transact(lambda s: s.update(name, fn))
 
     # objects
@@ -202,51 +353,68 @@ class SessionHandle:
         return self.state.get(name, default)
 
     def put(self, name: str, obj: StateObject) -> "SessionHandle":
-        return self.transact(lambda s: s.put(name, obj))
+        self._manager._apply(self._cell, lambda s: (s.put(name, obj), None))
+        return self
 
     def remove(self, name: str) -> "SessionHandle":
         """Remove object ``name`` (a no-op if absent)."""
-        return self.transact(lambda s: s.remove(name))
+        self._manager._apply(self._cell, lambda s: (s.remove(name), None))
+        return self
 
     def get_or_create(self, name: str, factory: Callable[[], O], cls: type[O] | None = None) -> O:
-        """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident."""
+        """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident.
+
+        The factory runs outside the manager's lock (it may use the manager); if two threads race, one
+        object wins and both get it.
+        """
         obj = self.state._reusable(name, cls)
         if obj is not None:
-            return obj  # the common case reads without taking the write path
-        return self._manager._write(self._cell, lambda s: s.get_or_create(name, factory, cls))
+            return obj  # type: ignore[no-any-return]
+        return self._manager._transact(self._cell, lambda s: s.get_or_create(name, factory, cls))  # type: ignore[return-value]
 
     def stage(self, name: str, payload: Any) -> "SessionHandle":
-        return self.update(name, lambda o: o.stage(payload))
+        self._manager._apply(self._cell, lambda s: (s._with_object(name, s.get(name).stage(payload)), None))
+        return self
 
     def commit(self, name: str, payload: Any = MISSING) -> "SessionHandle":
-        return self.update(name, lambda o: o.commit(payload))
+        self._manager._commit(self._cell, name, payload)
+        return self
 
     def append(self, name: str, payload: Any) -> "SessionHandle":
-        return self.update(name, lambda o: o.append(payload))
+        return self.commit(name, payload)
 
     def discard(self, name: str) -> "SessionHandle":
-        return self.update(name, lambda o: o.discard())
+        self._manager._apply(self._cell, lambda s: (s._with_object(name, s.get(name).discard()), None))
+        return self
 
     def view(self, name: str, include_staged: bool = True) -> Any:
         return self.state.get(name).view(include_staged=include_staged)
 
     def evict(self, name: str) -> int:
         """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""
-        return self._manager._write(self._cell, lambda s: ms._evict_object(s, name))
+        return self._manager._apply(self._cell, lambda s: s.evict(name))
+
+    def step(self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False) -> "SessionHandle":
+        """`SessionStateManager.step` on this session (which must be in the table)."""
+        self._manager.step(self.session_id, name, fn, *args, donate=donate)
+        return self
 
     # attrs
     def get_attr(self, key: str, default: Any = MISSING) -> Any:
         return self.state.get_attr(key, default)
 
-    def set_attr(self, key: str, value: Any) -> "SessionHandle":
-        return self.transact(lambda s: s.set_attr(key, value))
+    def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> "SessionHandle":
+        self._manager._apply(self._cell, lambda s: (s.set_attr(key, value, on_fork=on_fork), None))
+        return self
 
     def del_attr(self, key: str) -> "SessionHandle":
-        return self.transact(lambda s: s.del_attr(key))
+        self._manager._apply(self._cell, lambda s: (s.del_attr(key), None))
+        return self
 
     def reset(self) -> "SessionHandle":
         """Reset every object and clear the attrs."""
-        return self.transact(SessionState.reset)
+        self._manager._apply(self._cell, lambda s: (s.reset(), None))
+        return self
 
     def nbytes_by_device(self) -> dict[str, int]:
         return self.state.nbytes_by_device()

@@ -1,80 +1,107 @@
 """`ManagerState` and the pure functions over it: a count-capped LRU table of sessions.
 
 Every function takes a `ManagerState` and returns a new one (with a result where there is one); the
-input is never changed. The table is a persistent hash map, so a step costs O(log n) in the number of
-sessions and a fork shares everything it does not change.
+input is never changed. The table is one persistent hash map (``immutables.Map``, a C-backed HAMT)
+``session_id -> (session, previous id, next id, incarnation)``: the recency order is a doubly linked list
+threaded through the map, so a hit, a miss, an insertion that evicts, a drop and a fork each rewrite a
+handful of entries, O(log n) in the number of sessions whatever the history, from any state, old or new.
+
+`ManagerState` is host-side bookkeeping, not a pytree: recency and counters change on every lookup, and a
+jitted function over them would retrace each time. `sessions` gives the ``{session_id: SessionState}``
+pytree to map or jit over, and `with_sessions` puts a mapped tree back (Flax NNX's split/merge idea).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from types import MappingProxyType
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
+import immutables
 import jax
-from pyrsistent import PMap, pmap
 
 from . import accounting
-from ._pytree import MISSING, replace
-from .errors import ObjectNotFoundError, SessionAdmissionError, SessionStateLostError
-from .session import SessionState
+from ._pytree import MISSING
+from .errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    ObjectNotFoundError,
+    SessionAdmissionError,
+    SessionExistsError,
+    SessionStateLostError,
+    StateConsumedError,
+)
+from .session import SessionState, _no_object
+from .state_object import StateObject
 
 __all__ = [
-    "DEFAULT_SESSION_ID",
     "DEFAULT_MAX_SESSIONS",
+    "DEFAULT_SESSION_ID",
     "ManagerState",
+    "commit",
+    "del_attr",
+    "discard",
+    "drop_session",
+    "evict",
+    "fork_session",
+    "get_attr",
     "get_or_create",
     "get_session",
-    "update_session",
+    "incarnation",
+    "lookup",
     "put",
-    "stage",
-    "commit",
-    "discard",
-    "view",
-    "set_attr",
-    "get_attr",
-    "reset_session",
-    "evict",
-    "drop_session",
-    "fork_session",
     "raise_max_sessions",
+    "reset_session",
+    "sessions",
+    "set_attr",
+    "stage",
     "stats",
+    "update_session",
+    "view",
+    "with_sessions",
 ]
 
 DEFAULT_SESSION_ID = "default"
 DEFAULT_MAX_SESSIONS = 64  # mirrors the bespoke MAX_DREAMZERO_SESSIONS
 
+# A node of the table: (session, id of the previous (less recent) session, id of the next, incarnation).
+# Plain tuples, because one is built on every write: about 5x cheaper than a NamedTuple.
+_S, _P, _N, _U = 0, 1, 2, 3
+Node = tuple[SessionState, "str | None", "str | None", int]
+# The table's other fields, one tuple so that a write to a session copies two references, not eight:
+# (head: least recent id, tail: most recent id, next incarnation, config, hits, misses, evictions).
+_HEAD, _TAIL, _UID, _CFG, _HITS, _MISSES, _EVICTIONS = range(7)
+Meta = tuple[Any, ...]
+_EMPTY: immutables.Map = immutables.Map()
+_new = object.__new__
 
-class _Entry(NamedTuple):
-    uid: int  # incarnation: a session re-created under the same id gets a new uid
-    tick: int  # LRU recency: larger is more recent
-    session: SessionState
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    max_sessions: int
+    byte_budget: int | None
+    evict_when_full: bool
 
 
 def _check_positive(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what} must be a positive int, got {value!r}.")
+        raise InvalidArgumentError(f"{what} must be a positive int, got {value!r}.")
     return value
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class ManagerState:
     """An immutable LRU table ``session_id -> SessionState`` with a count cap and hit/miss counters.
 
-    Build it with `ManagerState.create`. JAX sees the sessions as children (keyed by id, least recently
-    used first); ids, recency, counters and config are aux data.
+    Build it with `ManagerState.create`; change it only through the pure functions of this module, which
+    return new states. Read it with ``len(state)``, ``sid in state``, ``state.session_ids`` (least recently
+    used first), the counter properties, `sessions`, `lookup` and `stats`.
     """
 
-    _entries: PMap  # session_id -> _Entry
-    _order: PMap  # tick -> session_id
-    _next_tick: int
-    _low: int  # no live tick is below this
-    max_sessions: int
-    byte_budget: int | None  # recorded, not enforced
-    evict_when_full: bool
-    hits: int
-    misses: int
-    evictions: int
+    __slots__ = ("_nodes", "_meta", "__weakref__")
+    _nodes: immutables.Map  # session_id -> Node
+    _meta: Meta
+
+    def __init__(self) -> None:
+        raise InvalidTypeError("build a ManagerState with `ManagerState.create(...)`.")
 
     @classmethod
     def create(
@@ -89,49 +116,95 @@ class ManagerState:
           evict_when_full: LRU eviction (True) or admission control (False).
 
         Raises:
-          ValueError: ``max_sessions`` is not a positive int, or ``byte_budget`` is negative.
+          InvalidArgumentError: ``max_sessions`` is not a positive int, or ``byte_budget`` is negative.
 
         Example:
           >>> state = ManagerState.create(max_sessions=2)
           >>> state, session = get_or_create(state, "a")
-          >>> stats(state)["sessions"], stats(state)["misses"]
+          >>> len(state), state.misses
           (1, 1)
         """
         _check_positive(max_sessions, "`ManagerState.create`: max_sessions")
         if byte_budget is not None and (
             isinstance(byte_budget, bool) or not isinstance(byte_budget, int) or byte_budget < 0
         ):
-            raise ValueError(f"`ManagerState.create`: byte_budget must be None or an int >= 0, got {byte_budget!r}.")
-        return cls(pmap(), pmap(), 0, 0, max_sessions, byte_budget, bool(evict_when_full), 0, 0, 0)
+            raise InvalidArgumentError(
+                f"`ManagerState.create`: byte_budget must be None or an int >= 0, got {byte_budget!r}."
+            )
+        return _state(_EMPTY, (None, None, 0, _Config(max_sessions, byte_budget, bool(evict_when_full)), 0, 0, 0))
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    # --- reads -------------------------------------------------------------------------------------
+    @property
+    def _config(self) -> _Config:
+        return self._meta[_CFG]  # type: ignore[no-any-return]
 
-    def __contains__(self, session_id: Any) -> bool:
-        return session_id in self._entries
+    @property
+    def max_sessions(self) -> int:
+        return self._meta[_CFG].max_sessions  # type: ignore[no-any-return]
+
+    @property
+    def byte_budget(self) -> int | None:
+        return self._meta[_CFG].byte_budget  # type: ignore[no-any-return]
+
+    @property
+    def evict_when_full(self) -> bool:
+        return self._meta[_CFG].evict_when_full  # type: ignore[no-any-return]
+
+    @property
+    def hits(self) -> int:
+        """Lookups (`get_or_create`, `get_session`) that found their session."""
+        return self._meta[_HITS]  # type: ignore[no-any-return]
+
+    @property
+    def misses(self) -> int:
+        """`get_or_create` calls that created their session."""
+        return self._meta[_MISSES]  # type: ignore[no-any-return]
+
+    @property
+    def evictions(self) -> int:
+        """Sessions dropped to make room under the count cap."""
+        return self._meta[_EVICTIONS]  # type: ignore[no-any-return]
+
+    @property
+    def least_recent(self) -> str | None:
+        """The id an insertion into a full table would evict next (None when empty). O(1)."""
+        return self._meta[_HEAD]  # type: ignore[no-any-return]
+
+    @property
+    def most_recent(self) -> str | None:
+        """The most recently used id (None when empty). O(1)."""
+        return self._meta[_TAIL]  # type: ignore[no-any-return]
 
     @property
     def session_ids(self) -> tuple[str, ...]:
         """Session ids, least recently used first."""
-        return tuple(self._order[t] for t in sorted(self._order))
+        out = []
+        nodes, sid = self._nodes, self._meta[_HEAD]
+        while sid is not None:
+            out.append(sid)
+            sid = nodes[sid][_N]
+        return tuple(out)
 
-    @property
-    def sessions(self) -> Mapping[str, SessionState]:
-        """A read-only ``{session_id: SessionState}``, least recently used first. Does not touch recency."""
-        return MappingProxyType({sid: self._entries[sid].session for sid in self.session_ids})
+    def __len__(self) -> int:
+        return len(self._nodes)
 
-    def _replace(self, **changes: Any) -> "ManagerState":
-        return replace(self, **changes)
+    def __bool__(self) -> bool:
+        return True  # an empty table is still a table: `if state:` must not mean "has sessions"
+
+    def __contains__(self, session_id: object) -> bool:
+        if session_id is None:
+            session_id = DEFAULT_SESSION_ID
+        return isinstance(session_id, str) and session_id in self._nodes
 
     def _accounting_children(self) -> list[SessionState]:
-        return [e.session for e in self._entries.values()]
+        return [node[_S] for node in self._nodes.values()]
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        """Render as the table a user thinks of (sessions, LRU order, counters), not the internal maps."""
+        """Render as the table a user thinks of (sessions in LRU order, counters), not the internal map."""
         from treescope import repr_lib
 
         attributes = {
-            "sessions": dict(self.sessions),
+            "sessions": sessions(self),
             "max_sessions": self.max_sessions,
             "byte_budget": self.byte_budget,
             "evict_when_full": self.evict_when_full,
@@ -142,102 +215,184 @@ class ManagerState:
         return repr_lib.render_object_constructor(type(self), attributes, path, subtree_renderer)
 
     def __repr__(self) -> str:
+        ids = list(self.session_ids[-8:])
+        more = f"... {len(self) - 8} more, " if len(self) > 8 else ""
         return (
             f"ManagerState(sessions={len(self)}/{self.max_sessions}, hits={self.hits}, misses={self.misses}, "
-            f"evictions={self.evictions}, ids={list(self.session_ids)})"
+            f"evictions={self.evictions}, ids=[{more}{', '.join(map(repr, ids))}])"
         )
 
 
-def _flatten_with_keys(state: ManagerState):
-    ids = state.session_ids
-    children = [(jax.tree_util.DictKey(sid), state._entries[sid].session) for sid in ids]
-    meta = tuple((sid, state._entries[sid].uid, state._entries[sid].tick) for sid in ids)
-    aux = (meta, state._next_tick, state._low, state.max_sessions, state.byte_budget, state.evict_when_full,
-           state.hits, state.misses, state.evictions)
-    return children, aux
+class _ConsumedManagerState(ManagerState):
+    """The class a state takes once a donating `step` consumed it: every function then refuses it."""
+
+    __slots__ = ()
 
 
-def _unflatten(aux, children) -> ManagerState:
-    meta, next_tick, low, *rest = aux
-    entries = pmap({sid: _Entry(uid, tick, s) for (sid, uid, tick), s in zip(meta, children)})
-    order = pmap({tick: sid for sid, _, tick in meta})
-    return ManagerState(entries, order, next_tick, low, *rest)
+def _state(nodes: immutables.Map, meta: Meta) -> ManagerState:
+    new = _new(ManagerState)
+    new._nodes = nodes
+    new._meta = meta
+    return new
 
 
-jax.tree_util.register_pytree_with_keys(ManagerState, _flatten_with_keys, _unflatten)
+def _not_a_pytree(state: ManagerState) -> Any:
+    raise InvalidTypeError(
+        "a ManagerState is host-side bookkeeping (recency, counters), not a pytree: jitting or mapping over it "
+        "would retrace on every lookup. Map or jit over `fs.sessions(state)` (a {session_id: SessionState} "
+        "pytree) and put the result back with `fs.with_sessions(state, tree)`."
+    )
 
 
-# --- internals -------------------------------------------------------------------------------------
+jax.tree_util.register_pytree_node(ManagerState, _not_a_pytree, lambda aux, children: _not_a_pytree(None))  # type: ignore[arg-type]
+jax.tree_util.register_pytree_node(
+    _ConsumedManagerState, _not_a_pytree, lambda aux, children: _not_a_pytree(None)  # type: ignore[arg-type]
+)
 
 
-def _resolve_id(session_id: Any) -> str:
+# --- argument checks -------------------------------------------------------------------------------------
+
+
+def _check_state(state: Any, what: str) -> None:
+    """Called when ``type(state) is not ManagerState``: raise the error that says what to pass instead."""
+    if isinstance(state, _ConsumedManagerState):
+        raise StateConsumedError(
+            f"`{what}`: this ManagerState was consumed by `step(..., donate=True)`, which may have deleted its "
+            f"buffers. Use the state that call returned."
+        )
+    if isinstance(state, ManagerState):
+        return
+    if type(state).__name__ == "SessionStateManager" and hasattr(state, "state"):
+        raise InvalidTypeError(
+            f"`{what}` takes a ManagerState, got a SessionStateManager: pass `manager.state` to the pure "
+            f"function, or call the manager's own method."
+        )
+    raise InvalidTypeError(f"`{what}` takes a ManagerState (from `ManagerState.create`), got {type(state).__name__}.")
+
+
+def _resolve_id(session_id: Any, what: str) -> str:
+    """The table key for ``session_id``: None means ``"default"``; anything but a non-empty str raises."""
     if session_id is None:
         return DEFAULT_SESSION_ID
     if not isinstance(session_id, str) or not session_id:
-        raise TypeError(f"session_id must be a non-empty str or None (for {DEFAULT_SESSION_ID!r}), got {session_id!r}.")
+        raise InvalidTypeError(
+            f"`{what}`: session_id must be a non-empty str or None (for {DEFAULT_SESSION_ID!r}), got {session_id!r}."
+        )
     return session_id
 
 
-def _lookup(state: ManagerState, session_id: Any, what: str) -> tuple[str, _Entry]:
-    sid = _resolve_id(session_id)
-    entry = state._entries.get(sid)
-    if entry is None:
-        raise SessionStateLostError(
-            f"`{what}`: session {sid!r} is not in the table: it was never created, or it was evicted "
-            f"(LRU cap {state.max_sessions}) or dropped. A continuation cannot resume it; start a new "
-            f"session with `get_or_create`."
-        )
-    return sid, entry
-
-
-def _touch(state: ManagerState, sid: str, entry: _Entry) -> ManagerState:
-    """Make ``sid`` most recently used and count the hit."""
-    tick = state._next_tick
-    return state._replace(
-        _entries=state._entries.set(sid, _Entry(entry.uid, tick, entry.session)),
-        _order=state._order.remove(entry.tick).set(tick, sid),
-        _next_tick=tick + 1,
-        hits=state.hits + 1,
+def _lost(state: ManagerState, sid: str, what: str) -> SessionStateLostError:
+    return SessionStateLostError(
+        f"`{what}`: session {sid!r} is not in the table: it was never created, or it was evicted "
+        f"(LRU cap {state.max_sessions}) or dropped. A continuation cannot resume it; start a new "
+        f"session with `get_or_create`."
     )
 
 
-def _drop_lru(state: ManagerState) -> ManagerState:
-    tick = state._low
-    while tick not in state._order:
-        tick += 1
-    sid = state._order[tick]
-    return state._replace(
-        _entries=state._entries.remove(sid), _order=state._order.remove(tick), _low=tick + 1,
-        evictions=state.evictions + 1,
-    )
+def _node(state: ManagerState, session_id: Any, what: str) -> tuple[str, Node]:
+    """``(sid, node)`` of an existing session, with every argument check the public functions need."""
+    if type(state) is not ManagerState:
+        _check_state(state, what)
+    sid = session_id if type(session_id) is str and session_id else _resolve_id(session_id, what)
+    node = state._nodes.get(sid)
+    if node is None:
+        raise _lost(state, sid, what)
+    return sid, node
 
 
-def _insert(state: ManagerState, sid: str, session: SessionState, what: str, misses: int = 0) -> ManagerState:
-    if len(state._entries) >= state.max_sessions:
-        if not state.evict_when_full:
+def _object(node: Node, name: str, what: str) -> StateObject:
+    obj = node[_S]._objects.get(name)
+    if obj is None:
+        raise ObjectNotFoundError(_no_object(node[_S], name, what))
+    return obj  # type: ignore[no-any-return]
+
+
+# --- the recency list (each helper works on a map mutation, so one write builds one new map) -------------
+
+
+def _unlink(mm: Any, node: Node, head: str | None, tail: str | None) -> tuple[str | None, str | None]:
+    prev, nxt = node[_P], node[_N]
+    if prev is None:
+        head = nxt
+    else:
+        p = mm[prev]
+        mm[prev] = (p[_S], p[_P], nxt, p[_U])
+    if nxt is None:
+        tail = prev
+    else:
+        n = mm[nxt]
+        mm[nxt] = (n[_S], prev, n[_N], n[_U])
+    return head, tail
+
+
+def _append(mm: Any, sid: str, session: SessionState, uid: int, head: str | None, tail: str | None) -> str | None:
+    """Link ``sid`` in as the most recent session; returns the new head."""
+    if tail is None:
+        mm[sid] = (session, None, None, uid)
+        return sid
+    t = mm[tail]
+    mm[tail] = (t[_S], t[_P], sid, t[_U])
+    mm[sid] = (session, tail, None, uid)
+    return head
+
+
+def _touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
+    """Make ``sid`` the most recently used session, adding ``hits`` to the hit counter."""
+    head, tail, uid, config, n_hits, misses, evictions = state._meta
+    if sid == tail:
+        if not hits:
+            return state
+        return _state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions))
+    # The general unlink + append, written out for a node that is not the tail (so it has a next): the hit
+    # path, rewriting at most four entries, each read from the unchanged map.
+    nodes = state._nodes
+    prev, nxt = node[_P], node[_N]
+    mm = nodes.mutate()
+    if prev is None:
+        head = nxt
+    else:
+        p = nodes[prev]
+        mm[prev] = (p[_S], p[_P], nxt, p[_U])
+    n = nodes[nxt]
+    if nxt == tail:
+        mm[nxt] = (n[_S], prev, sid, n[_U])
+    else:
+        mm[nxt] = (n[_S], prev, n[_N], n[_U])
+        t = nodes[tail]
+        mm[tail] = (t[_S], t[_P], sid, t[_U])
+    mm[sid] = (node[_S], tail, None, node[_U])
+    new = _new(ManagerState)
+    new._nodes = mm.finish()
+    new._meta = (head, sid, uid, config, n_hits + hits, misses, evictions)
+    return new
+
+
+def _insert(state: ManagerState, sid: str, session: SessionState, what: str, misses: int) -> ManagerState:
+    """Add a new session as the most recent, dropping the least recent one when the table is full."""
+    head, tail, uid, config, hits, n_misses, evictions = state._meta
+    mm = state._nodes.mutate()
+    if len(state._nodes) >= config.max_sessions:
+        if not config.evict_when_full:
             raise SessionAdmissionError(
-                f"`{what}`: the table is full ({len(state._entries)}/{state.max_sessions} sessions) and "
+                f"`{what}`: the table is full ({len(state._nodes)}/{config.max_sessions} sessions) and "
                 f"evict_when_full=False, so session {sid!r} is refused. Drop a finished session "
                 f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
             )
-        state = _drop_lru(state)
-    tick = state._next_tick
-    return state._replace(
-        _entries=state._entries.set(sid, _Entry(tick, tick, session)),
-        _order=state._order.set(tick, sid),
-        _next_tick=tick + 1,
-        misses=state.misses + misses,
-    )
+        victim = mm[head]
+        del mm[head]
+        head = victim[_N]
+        if head is None:
+            tail = None
+        else:
+            h = mm[head]
+            mm[head] = (h[_S], None, h[_N], h[_U])
+        evictions += 1
+    head = _append(mm, sid, session, uid, head, tail)
+    return _state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions))
 
 
-def _evict_object(session: SessionState, name: str) -> tuple[SessionState, int]:
-    new_session = session.put(name, session.get(name).evict()[0])
-    return new_session, accounting.total_nbytes(session) - accounting.total_nbytes(new_session)
-
-
-def _entry_uid(state: ManagerState, session_id: Any) -> int | None:
-    entry = state._entries.get(_resolve_id(session_id))
-    return None if entry is None else entry.uid
+def _set_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
+    return _state(state._nodes.set(sid, (session, node[_P], node[_N], node[_U])), state._meta)
 
 
 # --- public pure functions ---------------------------------------------------------------------------
@@ -251,7 +406,7 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
 
     Raises:
       SessionAdmissionError: full table with ``evict_when_full=False``.
-      TypeError: ``session_id`` is not a str or None.
+      InvalidTypeError: ``session_id`` is not a non-empty str or None.
 
     Example:
       >>> s0 = ManagerState.create(max_sessions=1)
@@ -260,12 +415,20 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
       >>> s2.session_ids, s2.evictions, s1.session_ids
       (('b',), 1, ('a',))
     """
-    sid = _resolve_id(session_id)
-    entry = state._entries.get(sid)
-    if entry is not None:
-        return _touch(state, sid, entry), entry.session
+    if type(state) is not ManagerState:
+        _check_state(state, "get_or_create")
+    sid = session_id if type(session_id) is str and session_id else _resolve_id(session_id, "get_or_create")
+    node = state._nodes.get(sid)
+    if node is not None:
+        meta = state._meta
+        if sid == meta[_TAIL]:  # already the most recent: only the hit counter moves
+            new = _new(ManagerState)
+            new._nodes = state._nodes
+            new._meta = (meta[_HEAD], sid, meta[_UID], meta[_CFG], meta[_HITS] + 1, meta[_MISSES], meta[_EVICTIONS])
+            return new, node[_S]
+        return _touch(state, sid, node, 1), node[_S]
     session = SessionState.empty()
-    return _insert(state, sid, session, "get_or_create", misses=1), session
+    return _insert(state, sid, session, "get_or_create", 1), session
 
 
 def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, SessionState]:
@@ -274,8 +437,88 @@ def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSta
     Raises:
       SessionStateLostError: unknown, evicted or dropped; nothing is created.
     """
-    sid, entry = _lookup(state, session_id, "get_session")
-    return _touch(state, sid, entry), entry.session
+    sid, node = _node(state, session_id, "get_session")
+    return _touch(state, sid, node, 1), node[_S]
+
+
+def lookup(state: ManagerState, session_id: str | None, default: Any = MISSING) -> Any:
+    """The `SessionState` of ``session_id`` without using it: recency and counters are unchanged.
+
+    Raises:
+      SessionStateLostError: the session is not in the table and no ``default`` was given.
+    """
+    try:
+        return _node(state, session_id, "lookup")[1][_S]
+    except SessionStateLostError:
+        if default is MISSING:
+            raise
+        return default
+
+
+def incarnation(state: ManagerState, session_id: str | None) -> int | None:
+    """A number that identifies this life of ``session_id`` in the table, or None when it is absent.
+
+    A session dropped (or evicted) and created again under the same id gets a new number, so a holder of
+    the old number can tell that the id now names another session.
+    """
+    if type(state) is not ManagerState:
+        _check_state(state, "incarnation")
+    node = state._nodes.get(_resolve_id(session_id, "incarnation"))
+    return None if node is None else node[_U]
+
+
+def sessions(state: ManagerState) -> dict[str, SessionState]:
+    """The sessions as a ``{session_id: SessionState}`` pytree (least recently used first).
+
+    This is what to map or jit over: two tables that differ only in recency or counters give equal tree
+    structures. Put a mapped tree back with `with_sessions`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functional_state import ArrayRing
+      >>> s, _ = get_or_create(ManagerState.create(), "a")
+      >>> s = commit(put(s, "a", "ring", ArrayRing.create(2, (3,))), "a", "ring", jnp.ones(3))
+      >>> advance = jax.jit(lambda tree: {k: v.update("ring", lambda r: r.commit(jnp.full(3, 2.0))) for k, v in tree.items()})
+      >>> view(with_sessions(s, advance(sessions(s))), "a", "ring")[:, 0].tolist()
+      [1.0, 2.0]
+    """
+    if type(state) is not ManagerState:
+        _check_state(state, "sessions")
+    out = {}
+    nodes, sid = state._nodes, state._meta[_HEAD]
+    while sid is not None:
+        node = nodes[sid]
+        out[sid] = node[_S]
+        sid = node[_N]
+    return out
+
+
+def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> ManagerState:
+    """``state`` with every session replaced by ``tree[session_id]``; recency and counters are unchanged.
+
+    Raises:
+      InvalidTypeError: ``tree`` is not a mapping of `SessionState`.
+      InvalidArgumentError: ``tree`` does not hold exactly the ids of ``state``.
+    """
+    if type(state) is not ManagerState:
+        _check_state(state, "with_sessions")
+    if not isinstance(tree, Mapping):
+        raise InvalidTypeError(f"`with_sessions`: expected a mapping {{session_id: SessionState}}, got {type(tree).__name__}.")
+    missing = sorted(set(state._nodes.keys()) - set(tree))
+    extra = sorted(set(tree) - set(state._nodes.keys()))
+    if missing or extra:
+        raise InvalidArgumentError(
+            f"`with_sessions`: the tree must hold exactly the table's session ids; missing {missing}, unknown {extra}. "
+            f"Add or drop sessions with `get_or_create`/`drop_session`, not through the tree."
+        )
+    bad = sorted(sid for sid, s in tree.items() if not isinstance(s, SessionState))
+    if bad:
+        raise InvalidTypeError(f"`with_sessions`: values must be SessionState; not so for {bad}.")
+    mm = state._nodes.mutate()
+    for sid, session in tree.items():
+        n = mm[sid]
+        mm[sid] = (session, n[_P], n[_N], n[_U])
+    return _state(mm.finish(), state._meta)
 
 
 def update_session(
@@ -285,32 +528,30 @@ def update_session(
 
     Raises:
       SessionStateLostError: the session is not in the table.
+      InvalidTypeError: ``fn`` did not return a `SessionState`.
     """
-    sid, entry = _lookup(state, session_id, "update_session")
-    new = fn(entry.session)
+    sid, node = _node(state, session_id, "update_session")
+    new = fn(node[_S])
     if not isinstance(new, SessionState):
-        raise TypeError(f"`update_session`: fn must return a SessionState, got {type(new).__name__}.")
-    return state._replace(_entries=state._entries.set(sid, _Entry(entry.uid, entry.tick, new)))
+        raise InvalidTypeError(f"`update_session`: fn must return a SessionState, got {type(new).__name__}.")
+    return _set_session(state, sid, node, new)
 
 
-def _object_update(state, session_id, name, what, fn):
-    def apply(session: SessionState) -> SessionState:
-        return session.put(name, fn(session.get(name)))
-
-    try:
-        return update_session(state, session_id, apply)
-    except ObjectNotFoundError as e:
-        raise ObjectNotFoundError(f"`{what}`: {e}") from None
+def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
+    """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
+    sid, node = _node(state, session_id, "put")
+    return _set_session(state, sid, node, node[_S].put(name, obj))
 
 
-def put(state: ManagerState, session_id: str | None, name: str, obj: Any) -> ManagerState:
-    """Store state object ``obj`` under ``name`` in a session."""
-    return update_session(state, session_id, lambda s: s.put(name, obj))
+def _object_op(state: ManagerState, session_id: Any, name: str, what: str, op: Callable[[StateObject], StateObject]) -> ManagerState:
+    sid, node = _node(state, session_id, what)
+    session = node[_S]
+    return _set_session(state, sid, node, session._with_object(name, op(_object(node, name, what))))
 
 
 def stage(state: ManagerState, session_id: str | None, name: str, payload: Any) -> ManagerState:
     """Stage ``payload`` in object ``name`` of a session (see `StateObject.stage`)."""
-    return _object_update(state, session_id, name, "stage", lambda o: o.stage(payload))
+    return _object_op(state, session_id, name, "stage", lambda o: o.stage(payload))
 
 
 def commit(state: ManagerState, session_id: str | None, name: str, payload: Any = MISSING) -> ManagerState:
@@ -324,34 +565,68 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
       >>> view(s, "a", "frames")
       (2, 3)
     """
-    return _object_update(state, session_id, name, "commit", lambda o: o.commit(payload))
+    # Written out, with every helper inlined: this is the per-step path.
+    if type(state) is not ManagerState:
+        _check_state(state, "commit")
+    sid = session_id if type(session_id) is str and session_id else _resolve_id(session_id, "commit")
+    nodes = state._nodes
+    node = nodes.get(sid)
+    if node is None:
+        raise _lost(state, sid, "commit")
+    session = node[_S]
+    objects = session._objects
+    obj = objects.get(name)
+    if obj is None:
+        raise ObjectNotFoundError(_no_object(session, name, "commit"))
+    new_session = _new(SessionState)
+    new_session._objects = objects.set(name, obj.commit(payload))
+    new_session._attrs = session._attrs
+    new_session._policies = session._policies
+    new = _new(ManagerState)
+    new._nodes = nodes.set(sid, (new_session, node[_P], node[_N], node[_U]))
+    new._meta = state._meta
+    return new
 
 
 def discard(state: ManagerState, session_id: str | None, name: str) -> ManagerState:
     """Drop the staged payload of object ``name`` in a session."""
-    return _object_update(state, session_id, name, "discard", lambda o: o.discard())
+    return _object_op(state, session_id, name, "discard", lambda o: o.discard())
 
 
 def view(state: ManagerState, session_id: str | None, name: str, include_staged: bool = True) -> Any:
     """Read object ``name`` of a session (see `StateObject.view`). Recency is unchanged."""
-    _, entry = _lookup(state, session_id, "view")
-    return entry.session.get(name).view(include_staged=include_staged)
+    _, node = _node(state, session_id, "view")
+    return _object(node, name, "view").view(include_staged=include_staged)
 
 
-def set_attr(state: ManagerState, session_id: str | None, key: str, value: Any) -> ManagerState:
-    """Carry ``value`` (by reference) under ``key`` in a session."""
-    return update_session(state, session_id, lambda s: s.set_attr(key, value))
+def set_attr(
+    state: ManagerState, session_id: str | None, key: str, value: Any, *, on_fork: Any = None
+) -> ManagerState:
+    """Carry ``value`` (by reference) under ``key`` in a session (see `SessionState.set_attr`)."""
+    sid, node = _node(state, session_id, "set_attr")
+    return _set_session(state, sid, node, node[_S].set_attr(key, value, on_fork=on_fork))
 
 
 def get_attr(state: ManagerState, session_id: str | None, key: str, default: Any = MISSING) -> Any:
-    """The carried value ``key`` of a session: the very object stored."""
-    _, entry = _lookup(state, session_id, "get_attr")
-    return entry.session.get_attr(key, default)
+    """The carried value ``key`` of a session: the very object stored. Recency is unchanged.
+
+    Raises:
+      AttrNotFoundError: absent and no default given.
+    """
+    _, node = _node(state, session_id, "get_attr")
+    return node[_S].get_attr(key, default)
+
+
+def del_attr(state: ManagerState, session_id: str | None, key: str) -> ManagerState:
+    """Remove attr ``key`` from a session (a no-op if absent)."""
+    sid, node = _node(state, session_id, "del_attr")
+    return _set_session(state, sid, node, node[_S].del_attr(key))
 
 
 def reset_session(state: ManagerState, session_id: str | None) -> ManagerState:
     """Reset every object of a session and clear its attrs; the session stays in the table."""
-    return update_session(state, session_id, SessionState.reset)
+    sid, node = _node(state, session_id, "reset_session")
+    return _set_session(state, sid, node, node[_S].reset())
 
 
 def evict(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, int]:
@@ -362,60 +637,92 @@ def evict(state: ManagerState, session_id: str | None, name: str) -> tuple[Manag
       a buffer still reachable from another object or an attr of the session is not freed, and neither
       are staged bytes.
     """
-    sid, entry = _lookup(state, session_id, "evict")
-    new_session, freed = _evict_object(entry.session, name)
-    return state._replace(_entries=state._entries.set(sid, entry._replace(session=new_session))), freed
+    sid, node = _node(state, session_id, "evict")
+    _object(node, name, "evict")
+    new_session, freed = node[_S].evict(name)
+    return _set_session(state, sid, node, new_session), freed
 
 
 def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
     """Remove a session from the table. Returns ``(state, existed)``; not counted as an eviction."""
-    sid = _resolve_id(session_id)
-    entry = state._entries.get(sid)
-    if entry is None:
+    if type(state) is not ManagerState:
+        _check_state(state, "drop_session")
+    sid = _resolve_id(session_id, "drop_session")
+    node = state._nodes.get(sid)
+    if node is None:
         return state, False
-    return state._replace(_entries=state._entries.remove(sid), _order=state._order.remove(entry.tick)), True
+    head, tail, *rest = state._meta
+    mm = state._nodes.mutate()
+    head, tail = _unlink(mm, node, head, tail)
+    del mm[sid]
+    return _state(mm.finish(), (head, tail, *rest)), True
 
 
-def fork_session(state: ManagerState, source_id: str | None, new_id: str) -> ManagerState:
-    """Copy-on-write fork: ``new_id`` starts as the very same immutable `SessionState` as ``source_id``.
+def fork_session(state: ManagerState, source_id: str | None, new_id: str | None) -> ManagerState:
+    """Fork: ``new_id`` starts as a snapshot of ``source_id``.
 
-    O(1) in what the session holds: no array is copied, both ids share every leaf, and since states are
-    immutable a later commit to either builds a new state that the other never sees. Carried attrs are
-    shared *by reference*: the manager never copies what it only carries, so an attr value mutated in
-    place (a list, a tensor written in place) is seen by both forks. The new session is most recently
-    used; inserting it may drop the least recently used one (or be refused, without ``evict_when_full``).
+    Objects are immutable, so both sessions share every buffer (O(1) in what the session holds) and a
+    later commit to either builds a new state that the other never sees. Attrs follow their fork policy
+    (`SessionState.forked`): a list the model assigns into should be declared ``"copy_container"``, or one
+    fork's writes would show in the other.
+
+    A fork is a use of the source: the source becomes most recently used first, then the fork is
+    inserted as the most recent, so inserting into a full table drops the least recently used *other*
+    session (or is refused without ``evict_when_full``), never the source.
 
     Raises:
       SessionStateLostError: ``source_id`` is not in the table.
-      ValueError: ``new_id`` is already in the table.
+      SessionExistsError: ``new_id`` is already in the table.
+      SessionAdmissionError: the table is full and cannot evict, or holds only the source (cap 1).
     """
-    _, entry = _lookup(state, source_id, "fork_session")
-    nid = _resolve_id(new_id)
-    if nid in state._entries:
-        raise ValueError(f"`fork_session`: target session {nid!r} already exists; drop it first or pick another id.")
-    return _insert(state, nid, entry.session, "fork_session")
+    sid, node = _node(state, source_id, "fork_session")
+    nid = _resolve_id(new_id, "fork_session")
+    if nid in state._nodes:
+        raise SessionExistsError(
+            f"`fork_session`: target session {nid!r} already exists; drop it first or pick another id."
+        )
+    if state.max_sessions == 1:
+        raise SessionAdmissionError(
+            f"`fork_session`: the table holds at most 1 session, so a fork of {sid!r} could only replace it. "
+            f"Raise the cap (`raise_max_sessions`) to keep both."
+        )
+    touched = _touch(state, sid, node, 0)
+    return _insert(touched, nid, node[_S].forked(), "fork_session", 0)
 
 
 def raise_max_sessions(state: ManagerState, n: int) -> ManagerState:
     """Raise the count cap to ``n``.
 
     Raises:
-      ValueError: ``n`` is not a positive int, or is below the current cap (lowering is refused: it would
-        have to drop sessions without a request asking for it).
+      InvalidArgumentError: ``n`` is not a positive int, or is below the current cap (lowering is refused:
+        it would have to drop sessions without a request asking for it).
     """
+    if type(state) is not ManagerState:
+        _check_state(state, "raise_max_sessions")
     _check_positive(n, "`raise_max_sessions`: n")
     if n < state.max_sessions:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"`raise_max_sessions`: n={n} is below the current cap {state.max_sessions}; the cap can only be raised."
         )
-    return state._replace(max_sessions=n)
+    if n == state.max_sessions:
+        return state
+    meta = list(state._meta)
+    meta[_CFG] = dataclasses.replace(state._config, max_sessions=n)
+    return _state(state._nodes, tuple(meta))
 
 
 def stats(state: ManagerState) -> dict[str, Any]:
-    """Counters and bytes: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``,
-    ``misses``, ``evictions``, then one ``nbytes:<device>`` key per device, sorted. Each allocation is
-    counted once across all sessions."""
-    per_device = accounting.nbytes_by_device(state)
+    """Counters and bytes of the table.
+
+    Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
+    ``evictions``, ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they hold no
+    bytes, and a non-zero count means some state reads freed memory), ``unaccounted_objects`` (objects the
+    walk could not read), then one ``nbytes:<device>`` key per device, sorted. Each allocation is counted
+    once across all sessions.
+    """
+    if type(state) is not ManagerState:
+        _check_state(state, "stats")
+    per_device, report = accounting.walk(*(node[_S] for node in state._nodes.values()))
     out: dict[str, Any] = {
         "sessions": len(state),
         "max_sessions": state.max_sessions,
@@ -424,6 +731,8 @@ def stats(state: ManagerState) -> dict[str, Any]:
         "hits": state.hits,
         "misses": state.misses,
         "evictions": state.evictions,
+        "deleted_arrays": report.deleted_arrays,
+        "unaccounted_objects": report.unaccounted_objects,
     }
     out.update({f"nbytes:{device}": n for device, n in per_device.items()})
     return out

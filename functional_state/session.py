@@ -2,35 +2,52 @@
 
 from __future__ import annotations
 
-import dataclasses
-from types import MappingProxyType
-from typing import Any, Callable, Mapping, TypeVar
+import collections
+import types
+from typing import Any, Callable, Iterable, Literal, Mapping, TypeVar
+
+import immutables
+import jax
+import numpy as np
 
 from . import accounting
-import jax
-
 from ._pytree import MISSING
-from .errors import ObjectNotFoundError
-from .state_object import StateObject
+from ._repr import short
+from .errors import AttrNotFoundError, InvalidArgumentError, InvalidTypeError, ObjectNotFoundError
+from .state_object import RESIDENT, StateObject
 
-__all__ = ["SessionState"]
+__all__ = ["FORK_POLICIES", "ForkPolicy", "SessionState"]
 
 O = TypeVar("O", bound=StateObject)
 
+ForkPolicy = Literal["share", "copy_container", "clone"]
+FORK_POLICIES: tuple[str, ...] = ("share", "copy_container", "clone")
 
-def _check_name(name: Any, what: str) -> None:
+_EMPTY: immutables.Map = immutables.Map()
+
+
+def _check_name(name: Any, what: str) -> str:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"`SessionState.{what}`: names must be non-empty str, got {name!r}.")
+        raise InvalidTypeError(f"`SessionState.{what}`: names must be non-empty str, got {name!r}.")
+    return name
 
 
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+def _check_policy(policy: Any, what: str) -> str:
+    if policy not in FORK_POLICIES:
+        raise InvalidArgumentError(f"`{what}`: on_fork must be one of {FORK_POLICIES}, got {policy!r}.")
+    return policy  # type: ignore[no-any-return]
+
+
 class SessionState:
     """Named `StateObject`s (``objects``) and carried values (``attrs``), immutable.
 
     Objects are what the manager can act on (stage, commit, evict, reset). Attrs are values the manager
     only carries: counters, conditioning tensors, lists a model mutates in place. Attrs are stored by
-    reference: ``get_attr`` returns the very object ``set_attr`` stored. Both maps flatten in sorted key
-    order, so equal states have equal tree structures.
+    reference: ``get_attr`` returns the very object ``set_attr`` stored. What a fork does with each attr is
+    its *fork policy* (``"share"``, ``"copy_container"`` or ``"clone"``, see `forked`).
+
+    Both maps are persistent (a write costs O(log n) in the number of entries, whatever the session
+    holds) and flatten in sorted key order, so equal states have equal tree structures.
 
     Example:
       >>> from functional_state import LatentBuffer
@@ -40,29 +57,71 @@ class SessionState:
       (0, 1, 3)
     """
 
-    objects: Mapping[str, StateObject]  # read-only mapping
-    attrs: Mapping[str, Any]  # read-only mapping
+    __slots__ = ("_objects", "_attrs", "_policies")
+    _objects: immutables.Map
+    _attrs: immutables.Map
+    _policies: immutables.Map
 
-    def __post_init__(self):
-        # Read-only views keep the frozen contract honest: `state.attrs["k"] = v` raises TypeError.
-        for field in ("objects", "attrs"):
-            value = getattr(self, field)
-            if not isinstance(value, MappingProxyType):
-                object.__setattr__(self, field, MappingProxyType(dict(value)))
+    def __init__(
+        self,
+        objects: Mapping[str, StateObject] | None = None,
+        attrs: Mapping[str, Any] | None = None,
+        attr_policies: Mapping[str, str] | None = None,
+    ):
+        """Build a session from mappings (always copied: later changes to them are never seen).
+
+        Raises:
+          InvalidTypeError: a name is not a non-empty str, or an object is not a `StateObject`.
+          InvalidArgumentError: an unknown fork policy, or a recompute source that is unknown or cyclic.
+        """
+        objs = dict(objects or {})
+        for name, obj in objs.items():
+            _check_name(name, "__init__")
+            _check_object(name, obj, "SessionState")
+        attr_map = dict(attrs or {})
+        for key in attr_map:
+            _check_name(key, "__init__")
+        policies = {k: _check_policy(p, "SessionState") for k, p in dict(attr_policies or {}).items() if p != "share"}
+        object_map = immutables.Map(objs)
+        for name in objs:
+            _check_source_graph(object_map, name, "SessionState")
+        # Immutable by construction: the public fields are read-only properties over private slots.
+        self._objects = object_map
+        self._attrs = immutables.Map(attr_map)
+        self._policies = immutables.Map(policies)
 
     @classmethod
     def empty(cls) -> "SessionState":
         """A session with no objects and no attrs."""
-        return cls(objects={}, attrs={})
+        return _session(_EMPTY, _EMPTY, _EMPTY)
+
+    # --- read-only views ---------------------------------------------------------------------------
+    @property
+    def objects(self) -> Mapping[str, StateObject]:
+        """The objects by name: an immutable mapping."""
+        return self._objects
+
+    @property
+    def attrs(self) -> Mapping[str, Any]:
+        """The carried attrs by key: an immutable mapping (the values are the very objects stored)."""
+        return self._attrs
+
+    @property
+    def attr_policies(self) -> Mapping[str, str]:
+        """The fork policy of every attr whose policy is not ``"share"``."""
+        return self._policies
+
+    def __bool__(self) -> bool:
+        return True  # a session is a value; an empty one is still a session
 
     # --- objects -----------------------------------------------------------------------------------
     @property
     def names(self) -> tuple[str, ...]:
         """Object names, sorted."""
-        return tuple(sorted(self.objects))
+        return tuple(sorted(self._objects))
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.objects
+    def __contains__(self, name: object) -> bool:
+        return name in self._objects
 
     def get(self, name: str, default: Any = MISSING) -> Any:
         """The object named ``name``; ``default`` if given and absent.
@@ -70,35 +129,46 @@ class SessionState:
         Raises:
           ObjectNotFoundError: absent and no default given.
         """
-        obj = self.objects.get(name, MISSING)
+        obj = self._objects.get(name, MISSING)
         if obj is MISSING:
             if default is not MISSING:
                 return default
-            raise ObjectNotFoundError(
-                f"session holds no state object named {name!r}; it holds {list(self.names)}. "
-                f"Create it with `put(name, obj)` or `get_or_create(name, factory, cls)`."
-            )
+            raise ObjectNotFoundError(_no_object(self, name, "SessionState.get"))
         return obj
 
     def put(self, name: str, obj: StateObject) -> "SessionState":
-        """Return a state with ``obj`` stored under ``name`` (replacing any object there)."""
+        """Return a state with ``obj`` stored under ``name`` (replacing any object there).
+
+        Raises:
+          InvalidTypeError: ``name`` is not a non-empty str, or ``obj`` is not a `StateObject`.
+          InvalidArgumentError: ``obj.recompute_source`` names no object of this session, or makes a cycle.
+        """
         _check_name(name, "put")
-        if not isinstance(obj, StateObject):
-            raise TypeError(
-                f"`SessionState.put({name!r}, ...)`: expected a StateObject (e.g. LatentBuffer, ArrayRing), "
-                f"got {type(obj).__name__}. Carried values belong in attrs: use `set_attr`."
-            )
-        objects = dict(self.objects)
-        objects[name] = obj
-        return _session(objects, self.attrs)
+        _check_object(name, obj, "put")
+        objects = self._objects.set(name, obj)
+        if obj.recompute_source is not None:
+            _check_source_graph(objects, name, "put")
+        return _session(objects, self._attrs, self._policies)
+
+    def _with_object(self, name: str, obj: StateObject) -> "SessionState":
+        """`put` without checks, for an object derived from the one under ``name`` (same static config)."""
+        return _session(self._objects.set(name, obj), self._attrs, self._policies)
 
     def remove(self, name: str) -> "SessionState":
-        """Return a state without the object ``name`` (a no-op if absent)."""
-        if name not in self.objects:
+        """Return a state without the object ``name`` (a no-op if absent).
+
+        Raises:
+          InvalidArgumentError: another object names ``name`` as its recompute source.
+        """
+        if name not in self._objects:
             return self
-        objects = dict(self.objects)
-        del objects[name]
-        return _session(objects, self.attrs)
+        dependents = sorted(n for n, o in self._objects.items() if o.recompute_source == name)
+        if dependents:
+            raise InvalidArgumentError(
+                f"`SessionState.remove({name!r})`: {dependents} name it as their recompute source; remove them "
+                f"first, or put a replacement under {name!r}."
+            )
+        return _session(self._objects.delete(name), self._attrs, self._policies)
 
     def get_or_create(
         self, name: str, factory: Callable[[], O], cls: type[O] | None = None
@@ -107,23 +177,22 @@ class SessionState:
         instance of ``cls`` (if given), or is not resident.
 
         Raises:
-          TypeError: the factory built something that is not an instance of ``cls``.
+          InvalidTypeError: the factory built something that is not an instance of ``cls``.
         """
         obj = self._reusable(name, cls)
         if obj is not None:
             return self, obj
         new = factory()
         if cls is not None and not isinstance(new, cls):
-            raise TypeError(
-                f"`SessionState.get_or_create({name!r})`: factory built {type(new).__name__}, "
-                f"expected {cls.__name__}."
+            raise InvalidTypeError(
+                f"`SessionState.get_or_create({name!r})`: factory built {type(new).__name__}, expected {cls.__name__}."
             )
         return self.put(name, new), new
 
-    def _reusable(self, name: str, cls: type | None) -> StateObject | None:
+    def _reusable(self, name: str, cls: type | None) -> Any:
         """The object ``name`` if `get_or_create` may return it as is (present, right type, resident)."""
-        obj = self.objects.get(name)
-        if obj is not None and (cls is None or isinstance(obj, cls)) and obj.resident:
+        obj = self._objects.get(name)
+        if obj is not None and (cls is None or isinstance(obj, cls)) and obj.status == RESIDENT:
             return obj
         return None
 
@@ -131,74 +200,213 @@ class SessionState:
         """Return a state with object ``name`` replaced by ``fn(object)``."""
         return self.put(name, fn(self.get(name)))
 
+    def evict(self, name: str) -> tuple["SessionState", int]:
+        """Release object ``name``'s committed storage.
+
+        Returns:
+          ``(state, freed_bytes)``: the bytes that leave this session's accounting. A buffer another object
+          or an attr of the session still holds is not freed, and staged bytes never are.
+
+        Raises:
+          ObjectNotFoundError: no object named ``name``.
+        """
+        obj = self._objects.get(name)
+        if obj is None:
+            raise ObjectNotFoundError(_no_object(self, name, "evict"))
+        new_obj, own = obj.evict()
+        if not own:
+            return (self if new_obj is obj else self._with_object(name, new_obj)), 0
+        new = self._with_object(name, new_obj)
+        return new, accounting.total_nbytes(self) - accounting.total_nbytes(new)
+
+    def recomputable(self, name: str) -> bool:
+        """True when object ``name`` declares a recompute source and that source is resident now."""
+        source = self.get(name).recompute_source
+        return source is not None and source in self._objects and self._objects[source].status == RESIDENT
+
     # --- attrs -------------------------------------------------------------------------------------
     def get_attr(self, key: str, default: Any = MISSING) -> Any:
         """The carried value ``key`` (the very object stored); ``default`` if given and absent.
 
         Raises:
-          KeyError: absent and no default given.
+          AttrNotFoundError: absent and no default given (also a ``KeyError``).
         """
-        value = self.attrs.get(key, MISSING)
+        value = self._attrs.get(key, MISSING)
         if value is MISSING:
             if default is not MISSING:
                 return default
-            raise KeyError(f"session carries no attr {key!r}; it carries {sorted(self.attrs)}.")
+            raise AttrNotFoundError(f"session carries no attr {key!r}; it carries {sorted(self._attrs)}.")
         return value
 
-    def set_attr(self, key: str, value: Any) -> "SessionState":
-        """Return a state carrying ``value`` under ``key``, by reference (never copied)."""
+    def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> "SessionState":
+        """Return a state carrying ``value`` under ``key``, by reference (never copied).
+
+        Args:
+          key: the attr's name.
+          value: anything; stored as is.
+          on_fork: what `forked` does with the value: ``"share"`` (the same object in both forks),
+            ``"copy_container"`` (a shallow copy of a list/dict/set/deque, so item assignment in one fork
+            is never seen by the other) or ``"clone"`` (containers copied and arrays cloned). None keeps the
+            policy the key already has (``"share"`` for a new key).
+        """
         _check_name(key, "set_attr")
-        attrs = dict(self.attrs)
-        attrs[key] = value
-        return _session(self.objects, attrs)
+        policies = self._policies
+        if on_fork is not None:
+            _check_policy(on_fork, "SessionState.set_attr")
+            if on_fork == "share":
+                if key in policies:
+                    policies = policies.delete(key)
+            elif policies.get(key) != on_fork:
+                policies = policies.set(key, on_fork)
+        return _session(self._objects, self._attrs.set(key, value), policies)
 
     def del_attr(self, key: str) -> "SessionState":
         """Return a state without attr ``key`` (a no-op if absent)."""
-        if key not in self.attrs:
+        if key not in self._attrs:
             return self
-        attrs = dict(self.attrs)
-        del attrs[key]
-        return _session(self.objects, attrs)
+        policies = self._policies.delete(key) if key in self._policies else self._policies
+        return _session(self._objects, self._attrs.delete(key), policies)
 
     # --- whole session -----------------------------------------------------------------------------
     def reset(self) -> "SessionState":
         """Return a state whose every object is reset (unallocated) and whose attrs are cleared."""
-        return SessionState(objects={n: o.reset() for n, o in self.objects.items()}, attrs={})
+        objects = immutables.Map({n: o.reset() for n, o in self._objects.items()})
+        return _session(objects, _EMPTY, _EMPTY)
+
+    def forked(self) -> "SessionState":
+        """The session as a fork starts it: objects shared (they are immutable), attrs per fork policy.
+
+        ``"share"`` attrs are the same objects; ``"copy_container"`` attrs are shallow copies (lists,
+        dicts, sets, deques, namespaces; other values are shared); ``"clone"`` attrs are copied
+        recursively, with torch tensors, numpy and JAX arrays cloned into new storage.
+        """
+        if not self._policies:
+            return self
+        attrs = self._attrs.mutate()
+        for key, policy in self._policies.items():
+            if key in attrs:
+                attrs[key] = _copy_container(attrs[key]) if policy == "copy_container" else _clone(attrs[key])
+        return _session(self._objects, attrs.finish(), self._policies)
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Every byte the session holds, in objects (committed and staged) and attrs, each allocation once."""
         return accounting.nbytes_by_device(self)
 
     def _accounting_children(self) -> tuple[Any, ...]:
-        return (*self.objects.values(), *self.attrs.values())
+        return (*self._objects.values(), *self._attrs.values())
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         from treescope import repr_lib
 
-        attributes = {"objects": dict(sorted(self.objects.items())), "attrs": dict(sorted(self.attrs.items()))}
+        attributes = {"objects": dict(sorted(self._objects.items())), "attrs": dict(sorted(self._attrs.items()))}
         return repr_lib.render_object_constructor(type(self), attributes, path, subtree_renderer)
 
     def __repr__(self) -> str:
-        objs = ", ".join(f"{n}={self.objects[n]!r}" for n in self.names)
-        return f"SessionState(objects={{{objs}}}, attrs={sorted(self.attrs)})"
+        objs = ", ".join(f"{n!r}: {self._objects[n]!r}" for n in self.names)
+        attrs = ", ".join(f"{k!r}: {short(self._attrs[k])}" for k in sorted(self._attrs))
+        return f"SessionState(objects={{{objs}}}, attrs={{{attrs}}})"
 
 
-def _session(objects: dict, attrs: Mapping[str, Any]) -> SessionState:
-    """Build a state from a dict this module just made (no defensive copy needed)."""
-    new = object.__new__(SessionState)
-    object.__setattr__(new, "objects", MappingProxyType(objects))
-    object.__setattr__(new, "attrs", attrs if isinstance(attrs, MappingProxyType) else MappingProxyType(attrs))
+def _session(objects: immutables.Map, attrs: immutables.Map, policies: immutables.Map) -> SessionState:
+    """Build a state from maps this module made (no copy, no validation: the hot path)."""
+    new = _new(SessionState)
+    new._objects = objects
+    new._attrs = attrs
+    new._policies = policies
     return new
 
 
-def _flatten_with_keys(s: SessionState):
+_new = object.__new__
+
+
+def _check_object(name: str, obj: Any, what: str) -> None:
+    if not isinstance(obj, StateObject):
+        raise InvalidTypeError(
+            f"`{what}({name!r}, ...)`: expected a StateObject (e.g. LatentBuffer, ArrayRing), got "
+            f"{type(obj).__name__}. Carried values belong in attrs: use `set_attr`."
+        )
+
+
+def _check_source_graph(objects: immutables.Map, name: str, what: str) -> None:
+    """Raise unless following recompute sources from ``name`` ends at an object without one."""
+    seen = [name]
+    current = objects[name].recompute_source
+    while current is not None:
+        if current not in objects:
+            raise InvalidArgumentError(
+                f"`{what}({name!r}, ...)`: recompute source {current!r} (reached via {' -> '.join(seen)}) is not an "
+                f"object of this session; it holds {sorted(objects)}. Put the source first."
+            )
+        if current in seen:
+            raise InvalidArgumentError(
+                f"`{what}({name!r}, ...)`: recompute sources form a cycle: {' -> '.join([*seen, current])}. An "
+                f"object cannot be rebuilt from itself."
+            )
+        seen.append(current)
+        current = objects[current].recompute_source
+
+
+def _no_object(session: SessionState, name: str, what: str) -> str:
+    return (
+        f"`{what}`: the session holds no state object named {name!r}; it holds {list(session.names)}. "
+        f"Create it with `put(name, obj)`."
+    )
+
+
+_CONTAINERS = (list, dict, set, collections.deque, types.SimpleNamespace, bytearray)
+
+
+def _copy_container(value: Any) -> Any:
+    if isinstance(value, types.SimpleNamespace):
+        return types.SimpleNamespace(**vars(value))
+    if isinstance(value, collections.deque):
+        return collections.deque(value, maxlen=value.maxlen)
+    if isinstance(value, (list, dict, set, bytearray)):
+        return value.copy()
+    return value
+
+
+def _clone(value: Any) -> Any:
+    torch = accounting._torch_module()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, jax.Array):
+        return jax.numpy.array(value, copy=True)
+    if isinstance(value, dict):
+        new = value.copy()  # keeps the dict's type (OrderedDict, defaultdict)
+        for k, v in value.items():
+            new[k] = _clone(v)
+        return new
+    if isinstance(value, list):
+        return [_clone(v) for v in value]
+    if isinstance(value, tuple):
+        cloned = [_clone(v) for v in value]
+        return type(value)(*cloned) if hasattr(value, "_fields") else tuple(cloned)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(_clone(v) for v in value)
+    if isinstance(value, collections.deque):
+        return collections.deque((_clone(v) for v in value), maxlen=value.maxlen)
+    if isinstance(value, types.SimpleNamespace):
+        return types.SimpleNamespace(**{k: _clone(v) for k, v in vars(value).items()})
+    return value
+
+
+def _flatten_with_keys(s: SessionState) -> tuple[Iterable[tuple[Any, Any]], Any]:
     keys = jax.tree_util.GetAttrKey
-    return ((keys("objects"), dict(s.objects)), (keys("attrs"), dict(s.attrs))), None
+    aux = tuple(sorted(s._policies.items()))
+    return ((keys("objects"), dict(s._objects)), (keys("attrs"), dict(s._attrs))), aux
+
+
+def _unflatten(aux: Any, children: Any) -> SessionState:
+    objects, attrs = children
+    return _session(immutables.Map(objects), immutables.Map(attrs), immutables.Map(aux))
 
 
 jax.tree_util.register_pytree_with_keys(
     SessionState,
     _flatten_with_keys,
-    lambda _, children: SessionState(*children),
-    flatten_func=lambda s: ((dict(s.objects), dict(s.attrs)), None),
+    _unflatten,
+    flatten_func=lambda s: ((dict(s._objects), dict(s._attrs)), tuple(sorted(s._policies.items()))),
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Generic, TypeVar
 
+from .session import ForkPolicy, _check_policy
 
 __all__ = ["SessionAttr"]
 
@@ -19,10 +20,20 @@ class SessionAttr(Generic[T]):
     writing stores ``coerce(value)`` (``None`` is stored as is). Without ``load``, reading returns the very
     object stored, so lists a model mutates in place keep their identity.
 
+    Args:
+      default: what reading returns while the session carries no value.
+      coerce: applied to every non-None value written.
+      load: applied to every non-None value read.
+      on_fork: what a fork of the session does with the value (see `SessionState.set_attr`): ``"share"``
+        (default), ``"copy_container"`` for a list or dict the model assigns into, ``"clone"`` for arrays
+        the model writes in place.
+      doc: the attribute's docstring.
+
     Example:
       >>> from functional_state import SessionStateManager
       >>> class Counters:
       ...     steps = SessionAttr(default=0, coerce=int)
+      ...     history = SessionAttr(default=None, on_fork="copy_container")
       ...     def __init__(self, handle):
       ...         self._session = handle
       >>> c = Counters(SessionStateManager().get_or_create_session("s"))
@@ -38,11 +49,13 @@ class SessionAttr(Generic[T]):
         default: T | None = None,
         coerce: Callable[[Any], Any] | None = None,
         load: Callable[[Any], T] | None = None,
+        on_fork: ForkPolicy = "share",
         doc: str | None = None,
     ):
         self.default = default
         self.coerce = coerce
         self.load = load
+        self.on_fork: ForkPolicy = _check_policy(on_fork, "SessionAttr")  # type: ignore[assignment]
         self.name = ""
         self.__doc__ = doc
 
@@ -60,7 +73,7 @@ class SessionAttr(Generic[T]):
     def __set__(self, obj: Any, value: Any) -> None:
         if value is not None and self.coerce is not None:
             value = self.coerce(value)
-        obj._session.set_attr(self.name, value)
+        obj._session.set_attr(self.name, value, on_fork=self.on_fork)
 
     def __repr__(self) -> str:
-        return f"SessionAttr({self.name!r}, default={self.default!r})"
+        return f"SessionAttr({self.name!r}, default={self.default!r}, on_fork={self.on_fork!r})"

@@ -1,4 +1,4 @@
-"""Shared test helpers: deep bitwise snapshots of pytrees, for purity checks."""
+"""Shared test helpers: deep bitwise snapshots of pytrees and tables, for purity checks."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import chex
 import jax
 import numpy as np
 import torch
+
+import functional_state as fs
 
 
 def _leaf_fingerprint(leaf: Any) -> tuple:
@@ -23,14 +25,31 @@ def _leaf_fingerprint(leaf: Any) -> tuple:
     return ("object", type(leaf).__name__, id(leaf))
 
 
+def _table_meta(state: fs.ManagerState) -> tuple:
+    ids = state.session_ids
+    return (
+        ids,
+        tuple(fs.incarnation(state, sid) for sid in ids),
+        (state.hits, state.misses, state.evictions, state.max_sessions, state.byte_budget, state.evict_when_full),
+    )
+
+
 def snapshot(tree: Any) -> tuple:
-    """A deep, bitwise snapshot of ``tree``: structure (incl. aux data) and every leaf's bytes or identity."""
+    """A deep, bitwise snapshot: structure (incl. aux data), every leaf's bytes or identity, and for a
+    `ManagerState` its recency order, incarnations, counters and config."""
+    if isinstance(tree, fs.ManagerState):
+        return ("ManagerState", _table_meta(tree), snapshot(fs.sessions(tree)))
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return treedef, [(jax.tree_util.keystr(p), _leaf_fingerprint(x)) for p, x in leaves_with_paths]
 
 
 def assert_unchanged(tree: Any, snap: tuple) -> None:
-    """Fail, naming the first differing leaf, if ``tree`` no longer matches ``snap``."""
+    """Fail, naming the first difference, if ``tree`` no longer matches ``snap``."""
+    if snap[0] == "ManagerState":
+        assert isinstance(tree, fs.ManagerState)
+        assert _table_meta(tree) == snap[1], f"table changed: {snap[1]} -> {_table_meta(tree)}"
+        assert_unchanged(fs.sessions(tree), snap[2])
+        return
     treedef, leaves = snapshot(tree)
     assert treedef == snap[0], f"tree structure changed:\n before {snap[0]}\n after  {treedef}"
     chex.assert_trees_all_equal([p for p, _ in leaves], [p for p, _ in snap[1]])  # same leaf paths, same order

@@ -1,4 +1,7 @@
+import collections
 import dataclasses
+import gc
+import threading
 import types
 
 import jax
@@ -7,8 +10,16 @@ import numpy as np
 import torch
 
 import functional_state as fs
-from functional_state import LatentBuffer, ManagerState, SessionState, SessionStateManager, nbytes_by_device
-from functional_state.accounting import _jax_device_key, _torch_device_key
+from functional_state import (
+    LatentBuffer,
+    ManagerState,
+    SessionState,
+    SessionStateManager,
+    nbytes_by_device,
+    register_alias,
+)
+from functional_state import accounting
+from functional_state.accounting import _jax_device_key, _torch_device_key, walk
 from torch_bridge import to_jax, wrap
 
 
@@ -83,22 +94,83 @@ def test_cycles_are_walked_once():
     assert nbytes_by_device(cyclic, d) == {"cpu": 64}
 
 
-def test_unknown_objects_count_zero_and_never_raise():
+def test_plain_objects_deques_views_and_namespaces_are_walked():
+    # Regression: a deque of tensors, dict views, namespaces and plain objects in an attr counted 0 bytes.
+    class Plain:
+        def __init__(self):
+            self.hidden = np.zeros(10)  # 80 B
+
+    class Slotted:
+        __slots__ = ("a", "b")
+
+        def __init__(self):
+            self.a = torch.zeros(5)  # 20 B
+            self.b = None
+
+    d = {"k": np.zeros(3, np.uint8)}  # 3 B
+    roots = [
+        collections.deque([torch.zeros(4)], maxlen=3),  # 16 B
+        d.values(), d.items(), d.keys(),
+        types.SimpleNamespace(x=np.zeros(7, np.uint8)),  # 7 B
+        Plain(), Slotted(), print, object(), np,
+    ]
+    assert nbytes_by_device(*roots) == {"cpu": 16 + 3 + 7 + 80 + 20}
+
+
+def test_what_cannot_be_read_is_reported_never_raised():
     class Hostile:
-        def __getattr__(self, name):
+        @property
+        def __class__(self):
             raise RuntimeError("boom")
 
-    class Opaque:
-        def __init__(self):
-            self.hidden = np.zeros(10)
+    class BadMapping(collections.abc.Mapping):
+        def __getitem__(self, k):
+            raise RuntimeError("boom")
 
-    assert nbytes_by_device(Hostile(), Opaque(), object(), print) == {}
+        def __iter__(self):
+            raise RuntimeError("boom")
+
+        def __len__(self):
+            return 1
+
+    totals, report = walk([Hostile(), BadMapping(), np.zeros(4, np.uint8)])
+    assert totals == {"cpu": 4}
+    assert report.unaccounted_objects == 2
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.set_attr(fs.set_attr(state, "a", "bad", BadMapping()), "a", "ok", np.zeros(8, np.uint8))
+    s = fs.stats(state)  # never crashes
+    assert s["unaccounted_objects"] == 1 and s["total_nbytes"] == 8
 
 
-def test_deleted_jax_array_counts_zero():
+def test_deep_object_chains_are_bounded_and_reported():
+    class Link:
+        def __init__(self, nxt):
+            self.nxt = nxt
+            self.payload = np.zeros(1, np.uint8)
+
+    chain = None
+    for _ in range(100):
+        chain = Link(chain)
+    totals, report = walk(chain)
+    assert 0 < totals["cpu"] < 100 and report.unaccounted_objects == 1
+
+
+def test_deleted_jax_array_counts_zero_and_is_reported():
     a = jnp.ones(1024)
     a.delete()
-    assert nbytes_by_device(a) == {}
+    totals, report = walk(a)
+    assert totals == {} and report.deleted_arrays == 1
+
+
+def test_alias_registry_lock_is_reentrant():
+    # The weakref callback that forgets an alias takes the registry lock; a collection triggered while the
+    # lock is held (inside register_alias) runs that callback on the same thread.
+    assert isinstance(accounting._ALIASES_LOCK, type(threading.RLock()))
+    with accounting._ALIASES_LOCK:
+        a = jnp.ones(4)
+        register_alias(a, np.zeros(4))
+        del a
+        gc.collect()
 
 
 def test_roots_share_one_dedup_scope():

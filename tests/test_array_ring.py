@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from functional_state import ArrayRing, NotAllocatedError, StateShapeError
+from functional_state import ArrayRing, InvalidArgumentError, InvalidTypeError, NotAllocatedError, StateShapeError
 from helpers import assert_unchanged, snapshot
 
 
@@ -52,12 +52,56 @@ def test_shape_or_dtype_mismatch_raises_and_never_recompiles(bad):
         return out
 
     ring = step(ArrayRing.create(2, (4, 3)), _frame(0))
-    with pytest.raises(StateShapeError, match=r"expected shape \(4, 3\) dtype float32"):
+    with pytest.raises(StateShapeError, match=r"expected \(4, 3\)|expected float32"):
         step(ring, bad)
     with pytest.raises(StateShapeError):
         ring.commit(bad)
     ring = step(ring, _frame(1))
     assert len(compiled) == 1
+
+
+def test_mismatch_messages_say_what_differs():
+    ring = ArrayRing.create(2, (4, 3))
+    with pytest.raises(StateShapeError, match=r"shape mismatch: expected \(4, 3\).*got \(4, 2\)") as e:
+        ring.commit(jnp.zeros((4, 2)))
+    assert "astype" not in str(e.value)  # a cast cannot fix a shape
+    with pytest.raises(StateShapeError, match=r"dtype mismatch: expected float32, got bfloat16.*astype\('float32'\)"):
+        ring.commit(jnp.zeros((4, 3), jnp.bfloat16))
+
+
+def test_frame_shape_must_be_a_tuple():
+    with pytest.raises(InvalidTypeError, match="frame_shape must be a tuple of ints"):
+        ArrayRing.create(4, 16)
+    with pytest.raises(InvalidTypeError, match="frame_shape"):
+        ArrayRing.create(4, (2.5,))
+
+
+def test_64_bit_dtypes_are_refused_while_x64_is_off():
+    # Regression: create(dtype=float64) reported float64, stored float32, and cast float64 frames silently.
+    assert not jax.config.read("jax_enable_x64")
+    for dt in (np.float64, jnp.int64, "complex128"):
+        with pytest.raises(InvalidArgumentError, match="not available with jax_enable_x64 off"):
+            ArrayRing.create(2, (3,), dt)
+    ring = ArrayRing.create(2, (3,), np.float32)
+    with pytest.raises(StateShapeError, match="dtype mismatch"):
+        ring.commit(np.zeros(3, np.float64))
+
+
+def test_latest_beyond_what_is_held_fails_loudly_under_jit():
+    # Regression: under jit, latest(k) with k above the frames held returned zero-filled slots.
+    ring = ArrayRing.create(4, (2,)).commit(jnp.ones(2))
+    read = jax.jit(lambda r: r.latest(3))
+    with pytest.raises(Exception, match="asked for k=3 frames but the ring holds only 1"):
+        jax.block_until_ready(read(ring))
+    ring = ring.commit(jnp.ones(2) * 2).commit(jnp.ones(2) * 3)
+    np.testing.assert_array_equal(read(ring)[:, 0], [1, 2, 3])  # the same compiled read, now valid
+
+
+def test_repr_shows_shapes_and_bool_is_true():
+    ring = ArrayRing.create(4, (16,))
+    assert repr(ring) == "ArrayRing(storage=f32[4,16], size=i32[], capacity=4)"
+    assert repr(ring.evict()[0]) == "ArrayRing(storage=None (f32[4,16] when resident), size=i32[], capacity=4, status='evicted')"
+    assert bool(ArrayRing.create(4, (16,), allocate=False))
 
 
 def test_mismatch_leaves_the_ring_unchanged():
@@ -120,7 +164,7 @@ def test_evict_reset_allocate():
 
 @pytest.mark.parametrize("capacity", [0, -2, 1.5, None])
 def test_bad_capacity(capacity):
-    with pytest.raises(ValueError, match="capacity"):
+    with pytest.raises(InvalidArgumentError, match="capacity"):
         ArrayRing.create(capacity, (2,))
 
 

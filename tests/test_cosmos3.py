@@ -1,5 +1,7 @@
 """Cosmos3: the bespoke clobber bug, the per-session adapter, request-scoped cleanup, footprint model."""
 
+import functional_state as fs
+import sys
 import threading
 
 import jax
@@ -74,7 +76,7 @@ def test_contiguous_kv_is_stored_as_jax_aliases():
     adapter = Cosmos3StateAdapter("r", manager)
     kv = encode_und_kv(shapes, 0)  # text_len == padded: the slices are whole, contiguous tensors
     adapter.set_branch(True, kv, build_freqs_gen(shapes))
-    stored = manager.state.sessions["r"].get("und_kv/uncond/0000").view()[0]
+    stored = fs.sessions(manager.state)["r"].get("und_kv/uncond/0000").view()[0]
     assert isinstance(stored[0], jax.Array) and stored[0].unsafe_buffer_pointer() == kv[0][0].data_ptr()
     assert stored[0].dtype == jax.numpy.bfloat16
     back = adapter.get_branch(True)[0][0][0]
@@ -113,10 +115,10 @@ def test_capture_without_kv_or_freqs_raises_before_writing(missing):
         transformer.freqs_gen = None
     if missing in ("kv", "both"):
         transformer.cached_kv = []
-    before = manager.state.sessions["r"]
+    before = fs.sessions(manager.state)["r"]
     with pytest.raises(BranchStateError, match="holds no .*Nothing was stored"):
         adapter.capture_from_transformer(transformer, False)
-    assert manager.state.sessions["r"] is before and not adapter.is_branch_initialized(False)
+    assert fs.sessions(manager.state)["r"] is before and not adapter.is_branch_initialized(False)
 
 
 @pytest.mark.parametrize(
@@ -130,10 +132,10 @@ def test_capture_without_kv_or_freqs_raises_before_writing(missing):
 def test_set_branch_validates_before_writing(kv, freqs, match):
     manager = SessionStateManager()
     adapter = Cosmos3StateAdapter("r", manager)
-    before = manager.state.sessions["r"]
+    before = fs.sessions(manager.state)["r"]
     with pytest.raises(BranchStateError, match=match):
         adapter.set_branch(False, kv, freqs)
-    assert manager.state.sessions["r"] is before
+    assert fs.sessions(manager.state)["r"] is before
 
 
 def test_partially_stored_branch_raises_on_read():
@@ -178,31 +180,47 @@ def test_fresh_adapter_sees_prior_state_and_state_survives_lru_eviction():
     assert not Cosmos3StateAdapter("a", manager).is_branch_initialized(False)
 
 
-def test_two_sessions_from_eight_threads_never_clobber():
-    manager = SessionStateManager()
+def _eight_threads_of_requests(manager, reps=30):
+    """8 threads, each running ``reps`` requests through `request_session`; returns the errors they hit."""
     errors, barrier = [], threading.Barrier(8)
 
     def request(i):
         try:
             barrier.wait()
             transformer = Cosmos3TransformerCache()
-            for rep in range(10):
+            for rep in range(reps):
                 with request_session(manager, f"req-{i}-{rep}") as state:
                     kv, _ = _encoded(transformer, seed=1000 * i + rep)
                     state.capture_from_transformer(transformer, False)
-                    for _ in range(3):
-                        got = state.get_branch(False)[0]
-                        assert all(g[0] is k[0] and g[1] is k[1] for g, k in zip(got, kv))
-        except Exception as e:  # surfaced below
+                    state.capture_from_transformer(transformer, True)
+                    for is_negative in (False, True):
+                        got = state.get_branch(is_negative)
+                        assert got is not None, "a stored branch was lost"
+                        assert all(g[0] is k[0] and g[1] is k[1] for g, k in zip(got[0], kv))
+        except Exception as e:  # surfaced by the caller
             errors.append(e)
 
-    threads = [threading.Thread(target=request, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert len(manager) == 0
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up within a few requests
+    try:
+        threads = [threading.Thread(target=request, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    return errors
+
+
+def test_eight_threads_of_requests_never_clobber_or_lose_a_write():
+    # With the manager's lock replaced by a no-op (lock_factory=contextlib.nullcontext) this fails: two
+    # threads swap tables computed from the same old one, so a stored branch or a drop is lost.
+    for _ in range(3):  # without the lock one round fails about 4 times in 5; three rounds, >99%
+        manager = SessionStateManager()
+        errors = _eight_threads_of_requests(manager)
+        assert not errors, errors[:3]
+        assert len(manager) == 0 and manager.stats()["total_nbytes"] == 0
 
 
 def test_request_session_drops_on_success_and_on_exception():

@@ -1,5 +1,7 @@
 """DreamZero: the adapter against the bespoke reference, method by method, plus sessions and accounting."""
 
+import functional_state as fs
+import hashlib
 import json
 import os
 import subprocess
@@ -13,7 +15,9 @@ import torch
 from functional_state import SessionStateManager, nbytes_by_device
 from functional_state.config import enable_override
 from torch_bridge import report, reset_report, unwrap
-from torch_bridge.adapters import BespokeDreamZeroCache, BespokeDreamZeroState, DreamZeroStateAdapter
+from torch_bridge.adapters import BespokeDreamZeroCache, BespokeDreamZeroState, Cosmos3Shapes, DreamZeroStateAdapter
+from torch_bridge.adapters import request_session
+from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
 from torch_bridge.adapters import dreamzero_rollout as rollout
 
 
@@ -288,7 +292,7 @@ def test_tensors_enter_by_reference_and_are_counted_once():
     chunk = _chunk(0)
     a.append_vae_encoder_chunk(chunk)
     a.prompt_embeds = torch.ones(64, dtype=torch.bfloat16)
-    session = manager.state.sessions["s"]
+    session = fs.sessions(manager.state)["s"]
     stored = session.get("video_latents").view()[0]
     assert isinstance(stored, jax.Array) and stored.dtype == jax.numpy.bfloat16
     assert stored.unsafe_buffer_pointer() == video_out.data_ptr()  # a permuted view, aliased
@@ -351,3 +355,92 @@ def test_flag_flip_ab_400_steps_in_fresh_processes():
     assert (bespoke["path"], managed["path"]) == ("bespoke", "manager")
     assert bespoke["digest"] == managed["digest"]
     assert bespoke["latents_shape"] == managed["latents_shape"]
+
+
+def _replay_digest(cfg, nets, streams, adapter_steps=None):
+    """Digest of the outputs of the steps whose index is in ``adapter_steps``, on a fresh, unforked session fed
+    frame stream ``streams[step]`` at each step; the bespoke and the manager-backed path must agree."""
+    digests = []
+    for state in (BespokeDreamZeroState(), DreamZeroStateAdapter("replay", SessionStateManager(), vae_encoder_window=cfg.vae_encoder_window)):
+        h = hashlib.sha256()
+        for step, stream in enumerate(streams):
+            out = rollout._step(state, nets, cfg, 0, step, frame_stream=stream)
+            if step in adapter_steps:
+                for v in out:
+                    rollout._hash(h, v)
+        digests.append(h.hexdigest())
+    assert digests[0] == digests[1]
+    return digests[0]
+
+
+@pytest.mark.parametrize("policy", ["declared", "share"])
+def test_a_fork_is_a_real_snapshot_of_a_dreamzero_session(policy, monkeypatch):
+    """Fork at step 100, feed the forks different frames for 50 steps: each equals an unforked replay.
+
+    With the feat map and pending-frame lists shared between forks (policy "share", the old behaviour), one
+    fork's encoder writes leak into the other and the digests differ: the control shows the check can fail.
+    """
+    if policy == "share":
+        for name in ("vae_enc_feat_map", "vae_pending_body_frames"):
+            monkeypatch.setattr(DreamZeroStateAdapter.__dict__[name], "on_fork", "share")
+    cfg = rollout.small_config(prompt_every=10**6)
+    nets = rollout._Networks(cfg)
+    manager = SessionStateManager()
+
+    def adapter(sid):
+        return DreamZeroStateAdapter(sid, manager, vae_encoder_window=cfg.vae_encoder_window)
+
+    for step in range(100):
+        rollout._step(adapter("s"), nets, cfg, 0, step)
+    manager.fork_session("s", "s/fork")
+    streams = {"s": 0, "s/fork": 7}
+    digests = {sid: hashlib.sha256() for sid in streams}
+    for step in range(100, 150):
+        for sid, stream in streams.items():
+            for v in rollout._step(adapter(sid), nets, cfg, 0, step, frame_stream=stream):
+                rollout._hash(digests[sid], v)
+    later = set(range(100, 150))
+    replays = {sid: _replay_digest(cfg, nets, [0] * 100 + [stream] * 50, later) for sid, stream in streams.items()}
+    assert replays["s"] != replays["s/fork"]  # the inputs matter
+    matches = {sid: digests[sid].hexdigest() == replays[sid] for sid in streams}
+    if policy == "declared":
+        assert matches == {"s": True, "s/fork": True}
+    else:
+        assert not all(matches.values())
+
+
+def test_commit_all_is_one_transaction():
+    # Regression: the adapter rebuilt a missing buffer under one lock and committed under another, so a reset
+    # from another adapter of the session in between made the append raise NotAllocatedError.
+    manager = SessionStateManager()
+    a, b = DreamZeroStateAdapter("s", manager), DreamZeroStateAdapter("s", manager)
+    calls = []
+    original = a._session.transact
+
+    def transact(fn):
+        calls.append(fn)
+        b.reset()  # another adapter of the session resets just before the transaction runs
+        return original(fn)
+
+    a._session = type("H", (), {"transact": staticmethod(transact), "__getattr__": lambda self, n: getattr(b._session, n)})()
+    a.append_vae_encoder_chunk(_chunk(1))
+    assert len(calls) == 1 and len(b._buffer("vae_encoder_out").view()) == 1
+
+
+def test_a_thousand_begin_close_cycles_reclaim_every_slot_and_byte():
+    manager = SessionStateManager(max_sessions=4, evict_when_full=False)  # a leaked slot would refuse
+    shapes = Cosmos3Shapes(num_layers=2, num_heads=2, head_dim=8, text_len=5, padded_text_len=8, media_tokens=4)
+    for i in range(1000):
+        sid = f"robot-{i % 8}"
+        state = DreamZeroStateAdapter(sid, manager)
+        state.accumulate_frames(_frame(i))
+        state.append_vae_encoder_chunk(_chunk(i))
+        state.vae_enc_feat_map = [torch.zeros(16)]
+        with request_session(manager, f"req-{i}") as kv:
+            kv.set_branch(False, encode_und_kv(shapes, i), build_freqs_gen(shapes))
+            assert len(manager) == 2
+        assert manager.stats()["total_nbytes"] > 0
+        assert manager.drop_session(sid) and not manager.drop_session(sid)  # release is idempotent
+        assert len(manager) == 0 and manager.stats()["total_nbytes"] == 0
+    s = manager.stats()
+    assert s["misses"] == 2000 and s["evictions"] == 0

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from functional_state import LatentBuffer, NotAllocatedError, NothingStagedError, NotResidentError
+from functional_state import InvalidArgumentError, LatentBuffer, NotAllocatedError, NothingStagedError, NotResidentError
 from helpers import assert_unchanged, snapshot
 
 
@@ -91,17 +91,37 @@ def test_evict_frees_committed_bytes_only_and_keeps_staged():
     assert len(evicted.allocate()) == 0
 
 
-def test_recomputable_follows_the_source_residency():
-    source = LatentBuffer.create().commit(np.ones(3))
-    derived = LatentBuffer.create(recompute_source=source)
-    assert derived.recomputable
-    assert not LatentBuffer.create(recompute_source=source.evict()[0]).recomputable
-    assert not LatentBuffer.create().recomputable
+def test_recompute_source_is_a_name():
+    assert LatentBuffer.create(recompute_source="latents").recompute_source == "latents"
+    for bad in ("", 3, LatentBuffer.create()):
+        with pytest.raises(InvalidArgumentError, match="recompute_source must be the name"):
+            LatentBuffer.create(recompute_source=bad)
+
+
+def test_allocate_on_a_resident_buffer_is_a_no_op():
+    # Regression: allocate() on a resident object silently emptied it.
+    buf = LatentBuffer.create().commit(1).commit(2)
+    assert buf.allocate() is buf and buf.allocate().view() == (1, 2)
+    assert buf.reset().allocate().view() == ()
+
+
+def test_bool_never_depends_on_residency():
+    # Regression: bool() of an unallocated buffer raised (through __len__), and an empty one was falsy.
+    assert bool(LatentBuffer.create(allocate=False)) and bool(LatentBuffer.create())
+    assert bool(LatentBuffer.create().commit(1).evict()[0])
+
+
+def test_repr_shows_shapes_not_values():
+    buf = LatentBuffer.create(maxlen=4).commit(np.zeros((2, 3), np.float32)).stage(torch.zeros(5, dtype=torch.bfloat16))
+    assert repr(buf) == "LatentBuffer(items=(f32[2,3],), staged=bf16[5], maxlen=4, status='resident')"
+    assert repr(LatentBuffer.create(allocate=False, recompute_source="x")) == (
+        "LatentBuffer(items=(), maxlen=None, status='unallocated', recompute_source='x')"
+    )
 
 
 @pytest.mark.parametrize("maxlen", [0, -1, 2.5, True, "3"])
 def test_bad_maxlen_raises(maxlen):
-    with pytest.raises(ValueError, match="maxlen"):
+    with pytest.raises(InvalidArgumentError, match="maxlen"):
         LatentBuffer.create(maxlen=maxlen)
 
 

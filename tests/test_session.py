@@ -3,7 +3,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from functional_state import ArrayRing, LatentBuffer, ObjectNotFoundError, SessionState
+from types import MappingProxyType
+
+import torch
+
+from functional_state import (
+    ArrayRing,
+    AttrNotFoundError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    LatentBuffer,
+    ObjectNotFoundError,
+    SessionState,
+)
 from helpers import assert_unchanged, snapshot
 
 
@@ -24,7 +36,9 @@ def test_attrs_are_carried_by_identity():
     feat_map.append("mutated in place")
     assert s.get_attr("feat_map")[-1] == "mutated in place"
     assert s.get_attr("missing", None) is None
-    with pytest.raises(KeyError, match="carries no attr 'missing'"):
+    with pytest.raises(AttrNotFoundError, match="carries no attr 'missing'"):
+        s.get_attr("missing")
+    with pytest.raises(KeyError):  # still a KeyError for callers that catch the builtin
         s.get_attr("missing")
 
 
@@ -51,14 +65,14 @@ def test_get_or_create_rebuilds_when_absent_wrong_type_or_not_resident():
     s4, obj = evicted.get_or_create("frames", factory, LatentBuffer)  # not resident
     assert obj.resident and s4.get("frames") is obj
     assert len(built) == 3
-    with pytest.raises(TypeError, match="expected ArrayRing"):
+    with pytest.raises(InvalidTypeError, match="expected ArrayRing"):
         s.get_or_create("x", factory, ArrayRing)
 
 
 def test_reset_resets_objects_and_clears_attrs():
     s, _ = _session()
     r = s.reset()
-    assert r.attrs == {} and r.names == ("frames", "ring")
+    assert len(r.attrs) == 0 and r.names == ("frames", "ring")
     assert all(not r.get(n).allocated for n in r.names)
 
 
@@ -68,13 +82,26 @@ def test_mappings_are_read_only():
         s.attrs["x"] = 1
     with pytest.raises(TypeError):
         s.objects["x"] = LatentBuffer.create()
+    with pytest.raises(AttributeError, match="no setter"):
+        s.attrs = {}
+
+
+def test_construction_always_copies_its_mappings():
+    # Regression: a SessionState built from a MappingProxyType kept the proxy, so it changed with its dict.
+    backing = {"step": 1}
+    s = SessionState(attrs=MappingProxyType(backing), objects={"b": LatentBuffer.create()})
+    backing["step"] = 2
+    backing["new"] = 3
+    assert s.get_attr("step") == 1 and "new" not in s.attrs
 
 
 def test_put_rejects_non_state_objects():
-    with pytest.raises(TypeError, match="set_attr"):
+    with pytest.raises(InvalidTypeError, match="set_attr"):
         SessionState.empty().put("x", np.zeros(3))
-    with pytest.raises(TypeError, match="non-empty str"):
+    with pytest.raises(InvalidTypeError, match="non-empty str"):
         SessionState.empty().put("", LatentBuffer.create())
+    with pytest.raises(InvalidTypeError, match="expected a StateObject"):
+        SessionState(objects={"x": 1})
 
 
 def test_pytree_keys_are_sorted_and_deterministic():
@@ -89,6 +116,81 @@ def test_pytree_keys_are_sorted_and_deterministic():
     assert float(rebuilt.get("b").view()[0][0]) == 2.0
 
 
+def test_recompute_sources_are_names_checked_on_put():
+    s = SessionState.empty().put("latents", LatentBuffer.create().commit(np.ones(4)))
+    derived = LatentBuffer.create(recompute_source="latents")
+    s2 = s.put("quantised", derived)
+    assert s2.recomputable("quantised") and not s2.recomputable("latents")
+    evicted, _ = s2.evict("latents")
+    assert not evicted.recomputable("quantised")  # the source is no longer resident
+    with pytest.raises(InvalidArgumentError, match="recompute source 'nope'.*is not an object"):
+        s.put("q", LatentBuffer.create(recompute_source="nope"))
+    with pytest.raises(InvalidArgumentError, match="cycle: a -> a"):
+        s.put("a", LatentBuffer.create(recompute_source="a"))
+    s3 = s2.put("latents", LatentBuffer.create())
+    with pytest.raises(InvalidArgumentError, match="cycle: latents -> quantised -> latents"):
+        s3.put("latents", LatentBuffer.create(recompute_source="quantised"))
+    with pytest.raises(InvalidArgumentError, match=r"\['quantised'\] name it as their recompute source"):
+        s2.remove("latents")
+    with pytest.raises(InvalidArgumentError, match="cycle"):
+        SessionState(objects={"a": LatentBuffer.create(recompute_source="b"), "b": LatentBuffer.create(recompute_source="a")})
+
+
+def test_recompute_source_is_static_data_and_stable_under_jit():
+    # Regression: the source was an object compared by identity in aux data, so rings with different
+    # sources compiled separately and the jit cache kept the sources alive.
+    traces = []
+
+    @jax.jit
+    def step(session):
+        traces.append(1)
+        return session.update("ring", lambda r: r.commit(jnp.ones(3)))
+
+    for i in range(3):
+        s = SessionState.empty().put("src", LatentBuffer.create()).put(
+            "ring", ArrayRing.create(2, (3,), recompute_source="src")
+        )
+        step(s)
+    assert len(traces) == 1
+
+
+def test_set_attr_records_fork_policies_and_forked_applies_them():
+    t = torch.zeros(4)
+    s = SessionState.empty().set_attr("l", [t], on_fork="copy_container").set_attr("c", [t], on_fork="clone")
+    s = s.set_attr("plain", [t])
+    assert dict(s.attr_policies) == {"l": "copy_container", "c": "clone"}
+    assert dict(s.set_attr("l", [t]).attr_policies)["l"] == "copy_container"  # None keeps the policy
+    assert "l" not in s.set_attr("l", [t], on_fork="share").attr_policies
+    assert "l" not in s.del_attr("l").attr_policies
+    f = s.forked()
+    assert f.get_attr("plain") is s.get_attr("plain")
+    assert f.get_attr("l") is not s.get_attr("l") and f.get_attr("l")[0] is t
+    assert f.get_attr("c")[0] is not t and torch.equal(f.get_attr("c")[0], t)
+    assert SessionState.empty().set_attr("x", 1).forked().get_attr("x") == 1
+    with pytest.raises(InvalidArgumentError, match="on_fork must be one of"):
+        s.set_attr("x", 1, on_fork="deep")
+
+
+def test_session_evict_reports_marginal_bytes():
+    t = torch.zeros(100, dtype=torch.uint8)
+    s = SessionState.empty().put("a", LatentBuffer.create().commit(t)).put("b", LatentBuffer.create().commit(t[1:]))
+    s2, freed = s.evict("a")
+    assert freed == 0 and not s2.get("a").resident
+    _, freed = s2.evict("b")
+    assert freed == 100
+    with pytest.raises(ObjectNotFoundError, match="`evict`"):
+        s.evict("zzz")
+
+
+def test_bool_and_repr():
+    s, _ = _session()
+    assert bool(SessionState.empty())
+    assert repr(s) == (
+        "SessionState(objects={'frames': LatentBuffer(items=(f64[3],), maxlen=4, status='resident'), "
+        "'ring': ArrayRing(storage=f32[2,3], size=i32[], capacity=2)}, attrs={'feat_map': [f64[4], None], 'step': 7})"
+    )
+
+
 OPS = {
     "get": lambda s: s.get("frames"),
     "put": lambda s: s.put("x", LatentBuffer.create()),
@@ -99,6 +201,8 @@ OPS = {
     "del_attr": lambda s: s.del_attr("step"),
     "reset": lambda s: s.reset(),
     "nbytes": lambda s: s.nbytes_by_device(),
+    "evict": lambda s: s.evict("frames"),
+    "forked": lambda s: s.set_attr("feat_map", s.get_attr("feat_map"), on_fork="clone").forked(),
 }
 
 

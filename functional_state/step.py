@@ -1,0 +1,178 @@
+"""`step`: run a jitted update of one state object, donating its buffers only where that is safe.
+
+Donation lets XLA write a step's output into its input's buffer (no second copy of a large ring), and
+deletes the input. In a table of immutable states that is dangerous: a fork shares every buffer of its
+source, an attr or another object may hold the same array, and any earlier state still reads it. `step`
+donates a buffer only when nothing else in the table holds it; any other buffer is copied first and the
+copy donated, so the others keep reading valid memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+
+from . import accounting
+from .errors import InvalidTypeError
+from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session
+from .state_object import StateObject
+
+__all__ = ["step"]
+
+_JITTED: "weakref.WeakKeyDictionary[Callable[..., Any], dict[bool, Callable[..., Any]]]" = weakref.WeakKeyDictionary()
+_JITTED_LOCK = threading.Lock()
+
+
+def _jitted(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
+    """One jitted wrapper per (fn, donate): jit caches traces per wrapper, so reuse keeps it at one trace."""
+    with _JITTED_LOCK:
+        per_fn = _JITTED.setdefault(fn, {})
+        jitted = per_fn.get(donate)
+        if jitted is None:
+            jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
+            per_fn[donate] = jitted
+        return jitted
+
+
+def _buffer_keys(tree: Any) -> set[tuple[str, int]]:
+    """Every (device, start address) of the buffers reachable from ``tree``: those the byte accounting
+    counts, and every array leaf of its pytrees (ring positions and other small leaves the accounting
+    leaves out are buffers a donation could delete too)."""
+    extents: accounting.Extents = []
+    seen: dict[int, Any] = {}
+    report = accounting.WalkReport()
+    accounting._collect(tree, extents, seen, report)
+    try:
+        leaves = jax.tree_util.tree_leaves(tree)
+    except Exception:  # an attr JAX cannot flatten: its arrays were found by the walk above
+        leaves = []
+    for leaf in leaves:
+        if id(leaf) not in seen:
+            accounting._collect(leaf, extents, seen, report)
+    return {(key, start) for key, start, _ in extents}
+
+
+# References to a leaf array while `_donation_copies` inspects it: the object's field, the leaves list, the
+# loop variable and getrefcount's argument. One more means someone outside the table holds the array.
+_LEAF_REFS = 4
+# References to the object itself there: the session's map, the caller's local, this function's argument
+# and getrefcount's argument.
+_OBJECT_REFS = 4
+
+
+def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObject, int]:
+    """``obj`` with every JAX array that anything else may read replaced by a copy; and how many.
+
+    "Anything else" is ``others`` (compared by buffer address, so aliases and views count), and any Python
+    reference to the object or the array from outside the table (a variable holding ``h.get(name)``):
+    CPython reference counts show those, and a copy is the safe answer to any doubt.
+    """
+    held = _buffer_keys(list(others))
+    outside = sys.getrefcount(obj) > _OBJECT_REFS
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    new_leaves = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted() and (
+            outside or sys.getrefcount(leaf) > _LEAF_REFS or _buffer_keys(leaf) & held
+        ):
+            new_leaves.append(jnp.array(leaf, copy=True))
+        else:
+            new_leaves.append(leaf)
+    del leaf
+    copied = sum(a is not b for a, b in zip(leaves, new_leaves))
+    return jax.tree_util.tree_unflatten(treedef, new_leaves), copied
+
+
+def _others(state: ManagerState, sid: str, name: str) -> list[Any]:
+    """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch."""
+    out: list[Any] = []
+    for other_sid, node in state._nodes.items():
+        session = node[_S]
+        if other_sid != sid:
+            out.append(session)
+            continue
+        out.extend(o for n, o in session._objects.items() if n != name)
+        out.extend(session._attrs.values())
+    return out
+
+
+def _table_values(value: Any) -> list[Any]:
+    if isinstance(value, ManagerState):
+        return [node[_S] for node in value._nodes.values()]
+    return [value]
+
+
+def step(
+    state: ManagerState,
+    session_id: str | None,
+    name: str,
+    fn: Callable[..., StateObject],
+    *args: Any,
+    donate: bool = False,
+    retained: Iterable[Any] = (),
+) -> ManagerState:
+    """Replace object ``name`` of a session by ``jax.jit(fn)(object, *args)``, optionally donating it.
+
+    Args:
+      state: the table.
+      session_id: the session (None means ``"default"``).
+      name: the object to update, e.g. an `ArrayRing`.
+      fn: a pure function ``(object, *args) -> object`` of the same structure, e.g. ``ArrayRing.commit``.
+        Pass the same function every step: it is jitted once and traced once per structure.
+      *args: the step's other inputs (traced, never baked in as constants).
+      donate: let XLA reuse the object's buffers for the result. A buffer that any other object, attr,
+        session or fork in ``state`` (or anything in ``retained``) also references is copied first and the
+        copy donated, so nothing but the object itself ever loses a buffer. With ``donate=True`` the input
+        ``state`` is *consumed*, as with ``jax.jit(..., donate_argnums=...)``: it may read deleted buffers,
+        so every function refuses it afterwards with `StateConsumedError`. Keep using the returned state.
+      retained: other values the caller still reads (older states, views): their buffers are protected
+        too. `SessionStateManager.step` fills this in with its snapshots and detached handles.
+
+    Returns:
+      The new table.
+
+    Raises:
+      SessionStateLostError, ObjectNotFoundError: no such session or object.
+      InvalidTypeError: ``fn`` returned something that is not a state object of the same type.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functional_state import ArrayRing, ManagerState, get_or_create, put, view, fork_session
+      >>> s, _ = get_or_create(ManagerState.create(), "a")
+      >>> s = put(s, "a", "ring", ArrayRing.create(2, (3,)))
+      >>> s = fork_session(s, "a", "b")            # "b" shares the ring's buffer
+      >>> s = step(s, "a", "ring", ArrayRing.commit, jnp.ones(3), donate=True)
+      >>> view(s, "a", "ring").shape, view(s, "b", "ring").shape   # "b" still reads its buffer
+      ((1, 3), (0, 3))
+    """
+    return _step(state, session_id, name, fn, args, donate, list(retained), consume=donate)
+
+
+def _step(state: ManagerState, session_id: Any, name: str, fn: Callable[..., StateObject], args: tuple[Any, ...],
+          donate: bool, retained: list[Any], consume: bool) -> ManagerState:
+    sid, node = _node(state, session_id, "step")
+    obj = _object(node, name, "step")
+    if donate:
+        protected = _others(state, sid, name)
+        for value in retained:  # snapshots of the table are protected through their sessions
+            protected.extend(_table_values(value))
+        obj, _ = _donation_copies(obj, protected)
+    with warnings.catch_warnings():
+        # Scalars (head, size) often cannot be reused in place; JAX says so each call. Nothing is lost.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        new_obj = _jitted(fn, donate)(obj, *args)
+    if type(new_obj) is not type(obj):
+        raise InvalidTypeError(
+            f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got "
+            f"{type(new_obj).__name__}."
+        )
+    new_state = _set_session(state, sid, node, node[_S]._with_object(name, new_obj))
+    if consume:
+        state.__class__ = _ConsumedManagerState
+    return new_state

@@ -1,0 +1,111 @@
+"""`step`: jitted updates of one object, donating only buffers nothing else holds."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functional_state as fs
+from functional_state import ArrayRing, InvalidTypeError, LatentBuffer, ManagerState, StateConsumedError
+
+
+def _table():
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "ring", ArrayRing.create(4, (128,)))
+    return fs.step(state, "a", "ring", ArrayRing.commit, jnp.ones(128))  # a jitted, JAX-owned buffer
+
+
+def _ptr(state, sid="a"):
+    return fs.lookup(state, sid).get("ring").storage.unsafe_buffer_pointer()
+
+
+def test_donation_reuses_the_buffer_when_nothing_else_holds_it():
+    state = _table()
+    ptr = _ptr(state)
+    new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True)
+    assert _ptr(new) == ptr
+    np.testing.assert_array_equal(fs.view(new, "a", "ring")[:, 0], [1.0, 2.0])
+    assert fs.stats(new)["deleted_arrays"] == 0
+
+
+def test_donation_after_a_fork_leaves_the_other_fork_intact():
+    # Regression: a donated jitted commit into one fork deleted the buffer both forks share; the other
+    # fork then raised "Array has been deleted" and stats() reported 0 bytes for it.
+    state = fs.fork_session(_table(), "a", "b")
+    before = fs.stats(state)["total_nbytes"]
+    new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True)
+    np.testing.assert_array_equal(fs.view(new, "b", "ring")[:, 0], [1.0])
+    np.testing.assert_array_equal(fs.view(new, "a", "ring")[:, 0], [1.0, 2.0])
+    s = fs.stats(new)
+    assert s["deleted_arrays"] == 0 and s["total_nbytes"] == 2 * before  # the forks no longer share
+
+
+def test_donation_never_deletes_a_buffer_an_attr_or_another_object_holds():
+    state = _table()
+    ring = fs.lookup(state, "a").get("ring")
+    state = fs.set_attr(state, "a", "alias", ring.storage)
+    state = fs.put(state, "a", "copy", ring)
+    del ring
+    new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True)
+    assert not fs.get_attr(new, "a", "alias").is_deleted()
+    np.testing.assert_array_equal(fs.view(new, "a", "copy")[:, 0], [1.0])
+
+
+def test_retained_values_are_protected():
+    earlier = _table()
+    state = fs.set_attr(earlier, "a", "step", 1)  # shares the ring with `earlier`
+    new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True, retained=[earlier])
+    np.testing.assert_array_equal(fs.view(earlier, "a", "ring")[:, 0], [1.0])
+    np.testing.assert_array_equal(fs.view(new, "a", "ring")[:, 0], [1.0, 2.0])
+
+
+def test_a_donating_step_consumes_its_input_state():
+    state = _table()
+    new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True)
+    with pytest.raises(StateConsumedError, match="consumed by `step\\(..., donate=True\\)`"):
+        fs.view(state, "a", "ring")
+    with pytest.raises(StateConsumedError):
+        fs.stats(state)
+    assert fs.stats(new)["sessions"] == 1
+
+
+def test_a_user_reference_to_the_object_or_its_array_is_never_donated():
+    state = _table()
+    held = fs.lookup(state, "a").get("ring")
+    new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True)
+    np.testing.assert_array_equal(held.latest(1)[:, 0], [1.0])
+    array = fs.lookup(new, "a").get("ring").storage
+    newer = fs.step(new, "a", "ring", ArrayRing.commit, jnp.full((128,), 3.0), donate=True)
+    assert not array.is_deleted()
+    np.testing.assert_array_equal(fs.view(newer, "a", "ring")[:, 0], [1.0, 2.0, 3.0])
+
+
+def test_without_donation_step_is_pure_and_traces_once():
+    traces = []
+
+    def commit(ring, frame):
+        traces.append(1)
+        return ring.commit(frame)
+
+    state = _table()
+    for i in range(50):
+        state = fs.step(state, "a", "ring", commit, jnp.full((128,), float(i)))
+        state, _ = fs.get_or_create(state, f"other{i % 3}")  # host-side bookkeeping between steps
+        state = fs.step(state, "a", "ring", commit, jnp.full((128,), float(i)), donate=True)
+    assert len(traces) <= 2  # at most one trace per (function, donate), not one per step
+    np.testing.assert_array_equal(fs.view(state, "a", "ring")[:, 0], [48, 48, 49, 49])
+
+
+def test_step_checks_what_fn_returns():
+    state = _table()
+    with pytest.raises(InvalidTypeError, match="fn must return a ArrayRing"):
+        fs.step(state, "a", "ring", lambda ring: ring.storage)
+    assert fs.view(state, "a", "ring").shape == (1, 128)  # refused, nothing consumed
+
+
+def test_step_on_a_latent_buffer_of_jax_arrays():
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "buf", LatentBuffer.create(maxlen=2).commit(jnp.zeros(3)))
+    state = fs.step(state, "a", "buf", lambda b, x: b.commit(x), jnp.ones(3), donate=True)
+    assert [float(x[0]) for x in fs.view(state, "a", "buf")] == [0.0, 1.0]
