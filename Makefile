@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules --nbmake functional_state torch_bridge tests notebooks
 
 bench: $(STAMP)
-	$(PY) benchmarks/run.py
+	$(PY) benchmarks/run.py $(BENCH)
 
 ab: $(STAMP)
 	$(PY) -m functional_state ab

@@ -162,9 +162,10 @@ def _run_concurrent(args: argparse.Namespace):
 
 
 def _memory_table(manager) -> None:
+    from functional_state import sessions as fs_sessions
     from torch_bridge.adapters.dreamzero import dreamzero_component_nbytes
 
-    for sid, session in sorted(manager.state.sessions.items()):
+    for sid, session in sorted(fs_sessions(manager.state).items()):
         parts = dreamzero_component_nbytes(session)
         held = ", ".join(f"{device} {n / MIB:.2f} MiB" for device, n in session.nbytes_by_device().items())
         print(f"\n  session {sid!r}: {held} in all (each allocation once)")

@@ -105,8 +105,13 @@ class DreamZeroStateAdapter(ResetRules):
     language = _tensor_attr("the prompt's text tokens")
     prompt_embeds = _tensor_attr("encoded prompt")
     vae_stream_initialized = SessionAttr(default=False, coerce=bool, doc="the encoder stream has started")
-    vae_enc_feat_map = SessionAttr(default=None, doc="the causal encoder's feature cache (mutated in place)")
-    vae_pending_body_frames = SessionAttr(default=None, doc="frames waiting for a full encoder chunk")
+    # Lists the model assigns into: a fork copies the list (not the tensors), so its writes stay its own.
+    vae_enc_feat_map = SessionAttr(
+        default=None, on_fork="copy_container", doc="the causal encoder's feature cache (items replaced in place)"
+    )
+    vae_pending_body_frames = SessionAttr(
+        default=None, on_fork="copy_container", doc="frames waiting for a full encoder chunk (appended in place)"
+    )
 
     def __init__(self, session_id: str | None, manager: SessionStateManager, *, vae_encoder_window: int = 2):
         if isinstance(vae_encoder_window, bool) or not isinstance(vae_encoder_window, int) or vae_encoder_window <= 0:
@@ -132,14 +137,16 @@ class DreamZeroStateAdapter(ResetRules):
         return self._session.get_or_create(name, lambda: self._new_buffer(name), LatentBuffer)
 
     def _commit_all(self, name: str, items: list[Any]) -> None:
-        self._buffer(name)
+        """Commit ``items`` into buffer ``name`` (rebuilt empty if the session lost it) in one transaction, so a
+        reset from another adapter of the session can never land between the rebuild and the commits."""
 
-        def commit_all(buf: LatentBuffer) -> LatentBuffer:
+        def commit_all(s: SessionState) -> SessionState:
+            s, buf = s.get_or_create(name, lambda: self._new_buffer(name), LatentBuffer)
             for item in items:
                 buf = buf.commit(item)
-            return buf
+            return s._with_object(name, buf)
 
-        self._session.update(name, commit_all)
+        self._session.transact(commit_all)
 
     @property
     def session_id(self) -> str:

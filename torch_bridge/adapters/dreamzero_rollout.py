@@ -91,13 +91,22 @@ class _Networks:
         return out
 
     def encode(self, frames: list[torch.Tensor], feat_map: list) -> torch.Tensor:
-        """Frames (H, W, 3) uint8 -> one latent frame (1, C_enc, 1, h, w) bf16; touches the feat cache in place."""
+        """Frames (H, W, 3) uint8 -> one latent frame (1, C_enc, 1, h, w) bf16.
+
+        Like the causal VAE encoder, it reads its feature cache and replaces one cached tensor with a new one
+        (``feat_map[i] = ...``: the list is mutated item by item, never reassigned), so the output depends on
+        every chunk encoded before.
+        """
         x = torch.stack(frames).float().mean(0)  # (H, W, 3)
         x = torch.nn.functional.avg_pool2d(x.permute(2, 0, 1).unsqueeze(0), 8)  # (1, 3, h, w)
         out = self._mix(x / 255.0, self.enc_w).unsqueeze(2)
         if feat_map:
-            slot = len(frames) % len(feat_map)
-            feat_map[slot] = feat_map[slot]  # the causal cache is updated in place, never replaced
+            slot = int(frames[-1][0, 0, 0]) % len(feat_map)
+            cached = feat_map[slot]
+            out = out + cached[:1].float()  # the causal context
+            fresh = cached.clone()
+            fresh[:1] = (x.mean() / 255.0).to(fresh.dtype)
+            feat_map[slot] = fresh
         return out.to(torch.bfloat16)
 
     def quant(self, latents: torch.Tensor) -> torch.Tensor:
@@ -144,8 +153,14 @@ def _hash(h: "hashlib._Hash", value: Any) -> None:
         h.update(repr(value).encode())
 
 
-def _step(state: Any, nets: _Networks, cfg: RolloutConfig, session: int, step: int) -> list[Any]:
-    """One pipeline call on one session's state; returns the per-step outputs that the digest covers."""
+def _step(
+    state: Any, nets: _Networks, cfg: RolloutConfig, session: int, step: int, frame_stream: int | None = None
+) -> list[Any]:
+    """One pipeline call on one session's state; returns the per-step outputs that the digest covers.
+
+    ``frame_stream`` picks the camera input (default: ``session``'s), so a fork can be fed other frames
+    under the same prompt.
+    """
     tokens = _tokens(session, step // cfg.prompt_every)
     reason = state.reset_reason(tokens, 1, cfg.local_attn_size)
     if reason == "session":
@@ -154,7 +169,7 @@ def _step(state: Any, nets: _Networks, cfg: RolloutConfig, session: int, step: i
         state.prompt_embeds = nets.text(tokens)
     elif reason == "inference":
         state.reset_inference_state()
-    frame = _frame(cfg, session, step)
+    frame = _frame(cfg, session if frame_stream is None else frame_stream, step)
     if state.clip_feas is None:
         state.clip_feas = frame.float().mean(dim=(0, 1)).to(torch.bfloat16)
         state.ys = frame[::8, ::8].float().mean(-1).to(torch.bfloat16)
