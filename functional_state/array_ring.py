@@ -17,7 +17,7 @@ __all__ = ["ArrayRing"]
 
 
 def _raise_short_window(size: Any, k: int, capacity: int) -> None:
-    raise ValueError(
+    raise InvalidArgumentError(
         f"`ArrayRing.latest`: asked for k={k} frames but the ring holds only {int(size)} (capacity {capacity}). "
         f"A shorter window is never returned, and never zero-filled: commit more frames first or ask for fewer."
     )

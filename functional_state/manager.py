@@ -26,7 +26,7 @@ from .errors import SessionStateError
 from .manager_state import ManagerState
 from .session import ForkPolicy, SessionState
 from .state_object import StateObject
-from .step import _step
+from .step import step as _pure_step
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
@@ -130,7 +130,7 @@ class SessionStateManager:
         Raises:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
-        sid = ms._resolve_id(session_id, "get_or_create_session")
+        sid = ms.resolve_session_id(session_id)
 
         with self._lock:
             state = self._state
@@ -151,7 +151,7 @@ class SessionStateManager:
         Raises:
           SessionStateLostError: the session is unknown, evicted or dropped; nothing is created.
         """
-        sid = ms._resolve_id(session_id, "get_session")
+        sid = ms.resolve_session_id(session_id)
 
         def op(state: ManagerState) -> tuple[ManagerState, _Cell]:
             state, _ = ms.get_session(state, sid)
@@ -166,7 +166,7 @@ class SessionStateManager:
           SessionStateLostError, SessionExistsError, SessionAdmissionError: as the pure function; the
             table is unchanged then.
         """
-        nid = ms._resolve_id(new_id, "fork_session")
+        nid = ms.resolve_session_id(new_id)
 
         def op(state: ManagerState) -> tuple[ManagerState, _Cell]:
             state = self._insertion(state, nid, lambda s: ms.fork_session(s, source_id, nid))
@@ -180,7 +180,7 @@ class SessionStateManager:
 
     def _drop(self, state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
         if session_id in state:
-            self._detach(state, ms._resolve_id(session_id, "drop_session"))
+            self._detach(state, ms.resolve_session_id(session_id))
         return ms.drop_session(state, session_id)
 
     def raise_max_sessions(self, n: int) -> None:
@@ -202,16 +202,19 @@ class SessionStateManager:
         snapshot this manager handed out (``.state``) or detached handle still references it; otherwise
         it is copied first. The jitted call runs under the lock (it is library code over immutable values).
         """
-        sid = ms._resolve_id(session_id, "step")
+        sid = ms.resolve_session_id(session_id)
 
         def op(state: ManagerState) -> tuple[ManagerState, None]:
             uid = ms.incarnation(state, sid)
             if uid is not None and uid in self._writing_set():
                 raise ReentrantWriteError(f"session {sid!r}: `step` inside a transaction on the same session.")
-            # Snapshots handed out (this very state included) and detached handles still read their buffers.
-            retained: list[Any] = list(self._published)
-            retained += [c.session for c in list(self._detached)]
-            return _step(state, sid, name, fn, args, donate, retained, consume=False), None
+            if state in self._published:
+                # A caller holds this very table: nothing in it may be donated, and it must stay usable.
+                return _pure_step(state, sid, name, fn, *args, donate=False), None
+            # Other snapshots handed out and detached handles may still read this table's buffers. The
+            # donating step consumes `state`, which only this shell held.
+            retained: list[Any] = [*self._published, *(c.session for c in list(self._detached))]
+            return _pure_step(state, sid, name, fn, *args, donate=donate, retained=retained), None
 
         self._swap(op)
 
@@ -263,8 +266,7 @@ class SessionStateManager:
             if self._in_table(state, cell):
                 self._state = ms.commit(state, cell.session_id, name, payload)
             else:
-                session = cell.session
-                cell.session = session._with_object(name, session.get(name).commit(payload))
+                cell.session = cell.session.update(name, lambda obj: obj.commit(payload))
 
     def _transact(self, cell: _Cell, fn: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
         """Run user code ``fn`` on the cell's session outside the lock; swap its result in if the session is
@@ -373,7 +375,7 @@ class SessionHandle:
         return self._manager._transact(self._cell, lambda s: s.get_or_create(name, factory, cls))  # type: ignore[return-value]
 
     def stage(self, name: str, payload: Any) -> "SessionHandle":
-        self._manager._apply(self._cell, lambda s: (s._with_object(name, s.get(name).stage(payload)), None))
+        self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.stage(payload)), None))
         return self
 
     def commit(self, name: str, payload: Any = MISSING) -> "SessionHandle":
@@ -384,7 +386,7 @@ class SessionHandle:
         return self.commit(name, payload)
 
     def discard(self, name: str) -> "SessionHandle":
-        self._manager._apply(self._cell, lambda s: (s._with_object(name, s.get(name).discard()), None))
+        self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.discard()), None))
         return self
 
     def view(self, name: str, include_staged: bool = True) -> Any:

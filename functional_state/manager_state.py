@@ -51,6 +51,7 @@ __all__ = [
     "put",
     "raise_max_sessions",
     "reset_session",
+    "resolve_session_id",
     "sessions",
     "set_attr",
     "stage",
@@ -279,6 +280,19 @@ def _resolve_id(session_id: Any, what: str) -> str:
             f"`{what}`: session_id must be a non-empty str or None (for {DEFAULT_SESSION_ID!r}), got {session_id!r}."
         )
     return session_id
+
+
+def resolve_session_id(session_id: str | None) -> str:
+    """The table key every function uses for ``session_id``: None means ``"default"``.
+
+    Raises:
+      InvalidTypeError: ``session_id`` is neither a non-empty str nor None.
+
+    Example:
+      >>> resolve_session_id(None), resolve_session_id("robot-0")
+      ('default', 'robot-0')
+    """
+    return _resolve_id(session_id, "resolve_session_id")
 
 
 def _lost(state: ManagerState, sid: str, what: str) -> SessionStateLostError:

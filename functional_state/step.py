@@ -151,13 +151,10 @@ def step(
       >>> view(s, "a", "ring").shape, view(s, "b", "ring").shape   # "b" still reads its buffer
       ((1, 3), (0, 3))
     """
-    return _step(state, session_id, name, fn, args, donate, list(retained), consume=donate)
-
-
-def _step(state: ManagerState, session_id: Any, name: str, fn: Callable[..., StateObject], args: tuple[Any, ...],
-          donate: bool, retained: list[Any], consume: bool) -> ManagerState:
     sid, node = _node(state, session_id, "step")
     obj = _object(node, name, "step")
+    jitted = _jitted(fn, donate)
+    _check_returns_same_type(jitted, obj, args)  # before anything is donated: a refusal changes nothing
     if donate:
         protected = _others(state, sid, name)
         for value in retained:  # snapshots of the table are protected through their sessions
@@ -166,13 +163,28 @@ def _step(state: ManagerState, session_id: Any, name: str, fn: Callable[..., Sta
     with warnings.catch_warnings():
         # Scalars (head, size) often cannot be reused in place; JAX says so each call. Nothing is lost.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        new_obj = _jitted(fn, donate)(obj, *args)
-    if type(new_obj) is not type(obj):
+        new_obj = jitted(obj, *args)
+    if donate:
+        state.__class__ = _ConsumedManagerState
+    return _set_session(state, sid, node, node[_S]._with_object(name, new_obj))
+
+
+_CHECKED: "weakref.WeakKeyDictionary[Callable[..., Any], set[Any]]" = weakref.WeakKeyDictionary()
+
+
+def _check_returns_same_type(jitted: Callable[..., Any], obj: StateObject, args: tuple[Any, ...]) -> None:
+    """Raise unless ``jitted(obj, *args)`` returns an object of ``obj``'s type; checked once per input
+    structure with an abstract evaluation (no computation, no donation)."""
+    key = jax.tree_util.tree_structure((obj, args))
+    with _JITTED_LOCK:
+        checked = _CHECKED.setdefault(jitted, set())
+        if key in checked:
+            return
+    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
+    if type(out) is not type(obj):
         raise InvalidTypeError(
             f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got "
-            f"{type(new_obj).__name__}."
+            f"{type(out).__name__}."
         )
-    new_state = _set_session(state, sid, node, node[_S]._with_object(name, new_obj))
-    if consume:
-        state.__class__ = _ConsumedManagerState
-    return new_state
+    with _JITTED_LOCK:
+        checked.add(key)

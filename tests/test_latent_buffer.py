@@ -156,3 +156,13 @@ def test_every_operation_is_pure(name):
     PURE_OPS[name](buf)
     assert_unchanged(buf, snap)
     assert buf.resident and len(buf) == 2
+
+
+def test_private_replace_rejects_misspelt_fields():
+    # Regression: the fast replace helper accepted any keyword and silently added an attribute.
+    from functional_state._pytree import replace
+
+    buf = LatentBuffer.create()
+    with pytest.raises(TypeError, match="itmes"):
+        replace(buf, itmes=(1,))
+    assert replace(buf, items=(1,)).view() == (1,)

@@ -8,6 +8,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import ArrayRing, InvalidTypeError, LatentBuffer, ManagerState, StateConsumedError
+from helpers import assert_unchanged, snapshot
 
 
 def _table():
@@ -97,11 +98,13 @@ def test_without_donation_step_is_pure_and_traces_once():
     np.testing.assert_array_equal(fs.view(state, "a", "ring")[:, 0], [48, 48, 49, 49])
 
 
-def test_step_checks_what_fn_returns():
+@pytest.mark.parametrize("donate", [False, True])
+def test_step_checks_what_fn_returns_before_donating_anything(donate):
     state = _table()
+    snap = snapshot(state)
     with pytest.raises(InvalidTypeError, match="fn must return a ArrayRing"):
-        fs.step(state, "a", "ring", lambda ring: ring.storage)
-    assert fs.view(state, "a", "ring").shape == (1, 128)  # refused, nothing consumed
+        fs.step(state, "a", "ring", lambda ring: ring.storage, donate=donate)
+    assert_unchanged(state, snap)  # refused: nothing donated, nothing consumed
 
 
 def test_step_on_a_latent_buffer_of_jax_arrays():

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import torch
 
-from functional_state import CopyRequiredError, SessionStateError, register_alias
+from functional_state import CopyRequiredError, InvalidArgumentError, InvalidTypeError, SessionStateError, register_alias
 from functional_state.accounting import alias_owner
 
 from . import _report
@@ -112,7 +112,7 @@ def copy_reason(t: torch.Tensor) -> str | None:
       (True, 'non-compact strides (4, 1) for shape (4, 2)')
     """
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"`copy_reason`: expected a torch.Tensor, got {type(t).__name__}.")
+        raise InvalidTypeError(f"`copy_reason`: expected a torch.Tensor, got {type(t).__name__}.")
     return _diagnose(t)[0]
 
 
@@ -161,7 +161,7 @@ def to_jax(tensor: torch.Tensor, *, strict: bool = False) -> jax.Array | torch.T
       (True, dtype('float32'))
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"`to_jax`: expected a torch.Tensor, got {type(tensor).__name__}; use `tree_to_jax` for trees.")
+        raise InvalidTypeError(f"`to_jax`: expected a torch.Tensor, got {type(tensor).__name__}; use `tree_to_jax` for trees.")
     reason, copyable = _diagnose(tensor)
     if reason is None:
         return _import(tensor)
@@ -191,7 +191,7 @@ def wrap(tensor: torch.Tensor) -> jax.Array | torch.Tensor:
       True
     """
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"`wrap`: expected a torch.Tensor, got {type(tensor).__name__}.")
+        raise InvalidTypeError(f"`wrap`: expected a torch.Tensor, got {type(tensor).__name__}.")
     reason = copy_reason(tensor)
     if reason is None:
         return _import(tensor)
@@ -230,11 +230,11 @@ def to_torch(array: jax.Array | torch.Tensor) -> torch.Tensor:
     if isinstance(array, torch.Tensor):
         return array
     if not isinstance(array, jax.Array):
-        raise TypeError(f"`to_torch`: expected a jax.Array or torch.Tensor, got {type(array).__name__}.")
+        raise InvalidTypeError(f"`to_torch`: expected a jax.Array or torch.Tensor, got {type(array).__name__}.")
     if array.is_deleted():
-        raise ValueError("`to_torch`: the JAX array was deleted (donated to a jitted call); it has no memory left.")
+        raise InvalidArgumentError("`to_torch`: the JAX array was deleted (donated to a jitted call); it has no memory left.")
     if len(array.addressable_shards) != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"`to_torch`: the array spans {len(array.addressable_shards)} device buffers; gather it to one device "
             f"first (e.g. `jax.device_put(a, jax.devices()[0])`)."
         )

@@ -11,6 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from functional_state import InvalidArgumentError
+
 FRAMES_PER_CHUNK = 4  # stitched frames the encoder consumes per latent frame
 MAX_DREAMZERO_SESSIONS = 64  # the bespoke session cache's fixed cap
 
@@ -22,7 +24,7 @@ def split_frames(stitched: Any) -> list[Any]:
         return [stitched]
     if ndim == 4:
         return [stitched[i] for i in range(stitched.shape[0])]
-    raise ValueError(
+    raise InvalidArgumentError(
         f"`accumulate_frames`: expected a stitched frame (H, W, C) or a clip (T, H, W, C), got shape "
         f"{tuple(getattr(stitched, 'shape', ()))} ({ndim} dims)."
     )
@@ -43,7 +45,7 @@ def window_frames(frames: Sequence[Any], first_call: bool) -> Any:
 
 def check_video_out(video_out: Any) -> None:
     if not isinstance(video_out, torch.Tensor) or video_out.ndim != 5:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"`append_video_latents`: expected a torch tensor (B, T, C, H, W), got "
             f"{type(video_out).__name__} of shape {tuple(getattr(video_out, 'shape', ()))}."
         )
@@ -51,7 +53,7 @@ def check_video_out(video_out: Any) -> None:
 
 def check_encoder_chunk(chunk: Any, what: str) -> None:
     if not isinstance(chunk, torch.Tensor) or chunk.ndim != 5:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"`{what}`: expected a torch tensor (B, C, T, H, W) of encoder output, got "
             f"{type(chunk).__name__} of shape {tuple(getattr(chunk, 'shape', ()))}."
         )
@@ -59,7 +61,7 @@ def check_encoder_chunk(chunk: Any, what: str) -> None:
 
 def check_num_frames(num_frames: Any) -> int:
     if isinstance(num_frames, bool) or not isinstance(num_frames, int) or num_frames <= 0:
-        raise ValueError(f"`observation_latents`: num_frames must be a positive int, got {num_frames!r}.")
+        raise InvalidArgumentError(f"`observation_latents`: num_frames must be a positive int, got {num_frames!r}.")
     return num_frames
 
 

@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from functional_state import InvalidArgumentError
+
 __all__ = ["CFG_MODES", "Cosmos3Footprint", "cosmos3_footprint"]
 
 CFG_MODES = ("none", "sequential", "parallel")
@@ -75,12 +77,12 @@ def cosmos3_footprint(
       (2, 232.0)
     """
     if cfg not in CFG_MODES:
-        raise ValueError(f"`cosmos3_footprint`: cfg must be one of {CFG_MODES}, got {cfg!r}.")
+        raise InvalidArgumentError(f"`cosmos3_footprint`: cfg must be one of {CFG_MODES}, got {cfg!r}.")
     sizes = dict(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, padded_text_len=padded_text_len,
                  media_tokens=media_tokens, text_batch=text_batch, sp_degree=sp_degree)
     bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0}
     if bad:
-        raise ValueError(f"`cosmos3_footprint`: sizes must be positive ints, got {bad}.")
+        raise InvalidArgumentError(f"`cosmos3_footprint`: sizes must be positive ints, got {bad}.")
     kv_one = text_batch * num_heads * padded_text_len * head_dim * _itemsize(dtype)
     kv_branch = num_layers * 2 * kv_one
     freqs_branch = 2 * media_tokens * head_dim * _itemsize(freqs_dtype)

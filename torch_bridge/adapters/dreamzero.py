@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from functional_state import LatentBuffer, SessionAttr, SessionState, SessionStateManager, nbytes_by_device
+from functional_state import (
+    InvalidArgumentError,
+    LatentBuffer,
+    SessionAttr,
+    SessionState,
+    SessionStateManager,
+    nbytes_by_device,
+)
 
 from ..bridge import unwrap, wrap
 from ._dreamzero_rules import (
@@ -115,12 +122,12 @@ class DreamZeroStateAdapter(ResetRules):
 
     def __init__(self, session_id: str | None, manager: SessionStateManager, *, vae_encoder_window: int = 2):
         if isinstance(vae_encoder_window, bool) or not isinstance(vae_encoder_window, int) or vae_encoder_window <= 0:
-            raise ValueError(f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {vae_encoder_window!r}.")
+            raise InvalidArgumentError(f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {vae_encoder_window!r}.")
         self._window = vae_encoder_window
         self._session = manager.get_or_create_session(session_id)
         existing = self._session.get(_ENCODER, None)
         if existing is not None and existing.resident and existing.maxlen != vae_encoder_window:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`DreamZeroStateAdapter`: session {self._session.session_id!r} keeps a VAE encoder window of "
                 f"{existing.maxlen} frames; this adapter asks for {vae_encoder_window}. Use the same window for "
                 f"every adapter of a session."
@@ -144,7 +151,7 @@ class DreamZeroStateAdapter(ResetRules):
             s, buf = s.get_or_create(name, lambda: self._new_buffer(name), LatentBuffer)
             for item in items:
                 buf = buf.commit(item)
-            return s._with_object(name, buf)
+            return s.put(name, buf)
 
         self._session.transact(commit_all)
 
@@ -213,7 +220,7 @@ class DreamZeroStateAdapter(ResetRules):
         """
         check_num_frames(num_frames)
         if num_frames > self._window:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"`observation_latents`: asked for {num_frames} latent frames but the encoder ring retains "
                 f"{self._window} (vae_encoder_window). Build the adapter with vae_encoder_window >= {num_frames}."
             )

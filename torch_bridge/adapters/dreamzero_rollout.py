@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from functional_state import SessionStateManager, resolve_session_state_config
+from functional_state import InvalidArgumentError, SessionStateManager, resolve_session_state_config
 
 from .dreamzero import DreamZeroStateAdapter
 from .dreamzero_bespoke import BespokeDreamZeroCache, BespokeDreamZeroState
@@ -53,11 +53,11 @@ class RolloutConfig:
                      "num_frame_per_block", "prompt_every", "vae_encoder_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"RolloutConfig.{name} must be a positive int, got {value!r}.")
+                raise InvalidArgumentError(f"RolloutConfig.{name} must be a positive int, got {value!r}.")
         if self.feat_map_bytes < 0:
-            raise ValueError(f"RolloutConfig.feat_map_bytes must be >= 0, got {self.feat_map_bytes}.")
+            raise InvalidArgumentError(f"RolloutConfig.feat_map_bytes must be >= 0, got {self.feat_map_bytes}.")
         if self.num_frame_per_block > self.vae_encoder_window:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"RolloutConfig: num_frame_per_block={self.num_frame_per_block} exceeds vae_encoder_window="
                 f"{self.vae_encoder_window}; the encoder ring could not serve the observation read."
             )
