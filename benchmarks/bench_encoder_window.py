@@ -26,7 +26,7 @@ def run() -> dict:
         bespoke = BespokeDreamZeroState()
         bespoke.vae_encoder_out = torch.randn(1, 32, k, 44, 80).to(torch.bfloat16)
         adapter = DreamZeroStateAdapter(f"s{k}", SessionStateManager(), vae_encoder_window=N_OBS)
-        for _ in range(min(k, N_OBS)):
+        for _ in range(k):  # the same k chunks the bespoke history holds: the ring keeps the last N_OBS
             adapter.append_vae_encoder_chunk(torch.randn(SHAPE).to(torch.bfloat16))
         history = bespoke.vae_encoder_out
 
@@ -58,9 +58,10 @@ def run() -> dict:
         "extra_ratios": [("bespoke(800) / bespoke(8)", t["bespoke@800"] / t["bespoke@8"])],
         "notes": (
             "One step = append one encoded latent frame, then read the 2-frame observation and quantise it "
-            "(a 1x1 quant_conv). The bespoke path concatenates onto its whole history and quantises all of it "
-            "before slicing, as its reader does; the adapter keeps a 2-frame ring. Ring memory stays at "
-            "2 x 0.215 MiB; the bespoke history grows 0.215 MiB per latent frame (172 MiB at 800)."
+            "(a 1x1 quant_conv). Before timing, both paths received the same k chunks: the bespoke path holds "
+            "all k in one tensor, concatenates onto it and quantises the whole history before slicing, as its "
+            "reader does; the adapter committed all k into its 2-frame ring, which kept the last 2. Ring memory "
+            "stays at 2 x 0.215 MiB; the bespoke history grows 0.215 MiB per latent frame (172 MiB at 800)."
         ),
         "figures": t,
     }

@@ -132,7 +132,8 @@ def _miss_after_hits(hits: int = 400_000) -> dict[str, float]:
         worn, _ = fs.get_or_create(worn, "ab"[i % 2])
     return interleaved_medians(
         {"fresh": lambda: fs.get_or_create(fresh, "c"), "worn": lambda: fs.get_or_create(worn, "c")},
-        repeats=9, number=200,
+        repeats=9,
+        number=200,
     )
 
 
@@ -158,25 +159,45 @@ def run() -> dict:
     rows = []
     for n in SIZES:
         p, sh, m = on[f"pure@{n}"], on[f"shell@{n}"], on[f"mutable@{n}"]
-        rows.append((
-            f"{n:,}", fmt_time(p), fmt_time(sh), fmt_time(m), f"{p / m:.2f}x", f"{sh / m:.2f}x",
-            f"{fmt_time(off[f'pure@{n}'])} / {fmt_time(off[f'mutable@{n}'])} ({off[f'pure@{n}'] / off[f'mutable@{n}']:.2f}x)",
-        ))
+        rows.append(
+            (
+                f"{n:,}",
+                fmt_time(p),
+                fmt_time(sh),
+                fmt_time(m),
+                f"{p / m:.2f}x",
+                f"{sh / m:.2f}x",
+                f"{fmt_time(off[f'pure@{n}'])} / {fmt_time(off[f'mutable@{n}'])} ({off[f'pure@{n}'] / off[f'mutable@{n}']:.2f}x)",
+            )
+        )
     miss = _miss_after_hits()
     objects = _commit_by_object_count()
     return {
         "title": "Manager op: functional table vs locked mutable OrderedDict (GC on)",
-        "header": ("sessions", "pure + lock", "shell", "mutable + lock", "pure / mutable", "shell / mutable",
-                   "GC off: pure / mutable"),
+        "header": (
+            "sessions",
+            "pure + lock",
+            "shell",
+            "mutable + lock",
+            "pure / mutable",
+            "shell / mutable",
+            "GC off: pure / mutable",
+        ),
         "rows": rows,
         "ratio": ("pure + lock / mutable + lock at 64 sessions (goal <= 3)", on["pure@64"] / on["mutable@64"]),
         "extra_ratios": [
             ("pure + lock / mutable + lock at 1,000 sessions (goal <= 3)", on["pure@1000"] / on["mutable@1000"]),
             ("pure + lock / mutable + lock at 100,000 sessions (goal <= 3)", on["pure@100000"] / on["mutable@100000"]),
-            (f"miss after 400k hits / miss on a fresh table (goal <= 2; {fmt_time(miss['worn'])} vs "
-             f"{fmt_time(miss['fresh'])})", miss["worn"] / miss["fresh"]),
-            (f"commit into a session of 10,000 objects / of 10 (goal <= 2; {fmt_time(objects[10_000])} vs "
-             f"{fmt_time(objects[10])})", objects[10_000] / objects[10]),
+            (
+                f"miss after 400k hits / miss on a fresh table (goal <= 2; {fmt_time(miss['worn'])} vs "
+                f"{fmt_time(miss['fresh'])})",
+                miss["worn"] / miss["fresh"],
+            ),
+            (
+                f"commit into a session of 10,000 objects / of 10 (goal <= 2; {fmt_time(objects[10_000])} vs "
+                f"{fmt_time(objects[10])})",
+                objects[10_000] / objects[10],
+            ),
         ],
         "notes": (
             f"One op = get_or_create (a hit on a random live session, or a new session for {MISS_RATE:.0%} of ops, "

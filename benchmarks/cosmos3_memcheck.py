@@ -31,8 +31,14 @@ def _child(args: argparse.Namespace) -> dict:
     from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = Cosmos3Shapes(num_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
-                           text_len=args.text_len, padded_text_len=args.padded_text_len, media_tokens=args.media_tokens)
+    shapes = Cosmos3Shapes(
+        num_layers=args.layers,
+        num_heads=args.heads,
+        head_dim=args.head_dim,
+        text_len=args.text_len,
+        padded_text_len=args.padded_text_len,
+        media_tokens=args.media_tokens,
+    )
     branches = {"none": [False], "sequential": [False, True]}[args.cfg]
     proc = psutil.Process()
     transformer = Cosmos3TransformerCache()
@@ -52,7 +58,9 @@ def _child(args: argparse.Namespace) -> dict:
             for is_negative in branches:
                 seed = 2 * request + int(is_negative)
                 if args.mode == "cache-off":  # recompute the conditioning at every step
-                    transformer.cached_kv, transformer.freqs_gen = to_device(encode_und_kv(shapes, seed), build_freqs_gen(shapes))
+                    transformer.cached_kv, transformer.freqs_gen = to_device(
+                        encode_und_kv(shapes, seed), build_freqs_gen(shapes)
+                    )
                 elif args.mode == "bespoke":  # encode once into the shared instance's branch cache
                     if is_negative not in transformer.branch_cache:
                         kv, freqs = to_device(encode_und_kv(shapes, seed), build_freqs_gen(shapes))
@@ -60,7 +68,9 @@ def _child(args: argparse.Namespace) -> dict:
                     transformer.use_branch(is_negative)
                 else:  # flag-on: encode once into the request's manager session
                     if not state.is_branch_initialized(is_negative):
-                        transformer.cached_kv, transformer.freqs_gen = to_device(encode_und_kv(shapes, seed), build_freqs_gen(shapes))
+                        transformer.cached_kv, transformer.freqs_gen = to_device(
+                            encode_und_kv(shapes, seed), build_freqs_gen(shapes)
+                        )
                         state.capture_from_transformer(transformer, is_negative)
                     else:
                         state.load_into_transformer(transformer, is_negative)
@@ -122,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     results = {}
     for mode in MODES:
-        out = subprocess.run([sys.executable, __file__, *passthrough, "--mode", mode], capture_output=True, text=True, env=env)
+        out = subprocess.run(
+            [sys.executable, __file__, *passthrough, "--mode", mode], capture_output=True, text=True, env=env
+        )
         if out.returncode != 0:
             print(out.stderr, file=sys.stderr)
             return 1
@@ -131,15 +143,21 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results))
         return 0
     mib = lambda b: f"{b / 2**20:.1f}"
-    print(f"{'mode':10s} {'peak RSS MiB':>13s} {'RSS after last req':>19s} {'RSS between (last)':>19s} "
-          f"{'mgr sessions':>12s} {'transformer-held MiB':>21s}")
+    print(
+        f"{'mode':10s} {'peak RSS MiB':>13s} {'RSS after last req':>19s} {'RSS between (last)':>19s} "
+        f"{'mgr sessions':>12s} {'transformer-held MiB':>21s}"
+    )
     for mode, r in results.items():
-        print(f"{mode:10s} {mib(r['peak_rss']):>13s} {mib(r['rss_after_request'][-1]):>19s} "
-              f"{mib(r['rss_between_requests'][-1]):>19s} {r['manager_sessions_after']:>12d} "
-              f"{mib(r['transformer_still_holds']):>21s}")
+        print(
+            f"{mode:10s} {mib(r['peak_rss']):>13s} {mib(r['rss_after_request'][-1]):>19s} "
+            f"{mib(r['rss_between_requests'][-1]):>19s} {r['manager_sessions_after']:>12d} "
+            f"{mib(r['transformer_still_holds']):>21s}"
+        )
     if results["flag-on"]["device"] == "cuda":
         for mode, r in results.items():
-            print(f"{mode:10s} CUDA peak allocated {mib(r['cuda_peak_allocated'])} MiB, reserved {mib(r['cuda_peak_reserved'])} MiB")
+            print(
+                f"{mode:10s} CUDA peak allocated {mib(r['cuda_peak_allocated'])} MiB, reserved {mib(r['cuda_peak_reserved'])} MiB"
+            )
     else:
         print("(no CUDA here: process RSS only)")
     return 0

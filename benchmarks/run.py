@@ -26,7 +26,8 @@ def _machine() -> str:
 
     cpu = platform.processor() or platform.machine()
     try:
-        model = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         model = cpu
     return (
@@ -35,15 +36,21 @@ def _machine() -> str:
     )
 
 
-def _section(result: dict) -> str:
-    lines = [f"## {result['title']}", ""]
+def _section(name: str, result: dict) -> str:
+    lines = [
+        _MARKER.format(name),
+        f"## {result['title']}",
+        "",
+        f"Reproduce: `make bench BENCH={name}` (or `python benchmarks/run.py {name}`).",
+        "",
+    ]
     header = result["header"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for row in result["rows"]:
         lines.append("| " + " | ".join(str(c) for c in row) + " |")
     lines.append("")
-    for label, value in [result["ratio"]] + result.get("extra_ratios", []):
+    for label, value in [result["ratio"], *result.get("extra_ratios", [])]:
         lines.append(f"**{label}: {value:.3g}**  ")
     lines.append("")
     lines.append(result["notes"])
@@ -60,23 +67,41 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in _available()]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {_available()}")
-    sections = []
+    sections = _existing_sections(Path(args.output)) if args.names else {}
     for name in names:
         print(f"[bench] {name} ...", flush=True)
         result = importlib.import_module(f"bench_{name}").run()
-        print(_section(result), flush=True)
-        sections.append(_section(result))
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        text = _section(name, result)
+        print(text, flush=True)
+        sections[name] = text
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    ordered = [sections[n] for n in _available() if n in sections]
     text = (
         "# Benchmarks\n\n"
-        f"Written by `make bench` on {now}.\n\nMachine: {_machine()}.\n\n"
-        "Every figure is a median of repeated runs, and every ratio compares two things measured side by side "
-        "in the same run (interleaved), because this machine is shared and noisy. Absolute times are for "
-        "orientation only; the ratios are the claims.\n\n" + "\n".join(sections)
+        f"Written by `make bench` on {now}{' (sections: ' + ', '.join(names) + ')' if args.names else ''}.\n\n"
+        f"Machine: {_machine()}.\n\n"
+        "Every figure is a median of repeated runs, timed with the garbage collector on, as in a server, and "
+        "every ratio compares two things measured side by side in the same run (interleaved), because this "
+        "machine is shared and noisy. Absolute times are for orientation only; the ratios are the claims. "
+        "Each section names the command that reproduces it.\n\n" + "\n".join(ordered)
     )
     Path(args.output).write_text(text)
     print(f"[bench] wrote {args.output}")
     return 0
+
+
+_MARKER = "<!-- bench: {} -->"
+
+
+def _existing_sections(path: Path) -> dict[str, str]:
+    """The sections of an earlier report, by benchmark name, so a partial run replaces only its own."""
+    if not path.exists():
+        return {}
+    out: dict[str, str] = {}
+    for chunk in path.read_text().split("<!-- bench: ")[1:]:
+        name, _, _ = chunk.partition(" -->")
+        out[name] = "<!-- bench: " + chunk.rstrip() + "\n"
+    return out
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, TypeVar, dataclass_transform
+from collections.abc import Callable
+from typing import Any, TypeVar, dataclass_transform
 
 import jax
 
@@ -13,9 +14,9 @@ T = TypeVar("T")
 class _Missing:
     """Sentinel type for 'argument not given' where ``None`` is a legitimate value."""
 
-    _instance: "_Missing | None" = None
+    _instance: _Missing | None = None
 
-    def __new__(cls) -> "_Missing":
+    def __new__(cls) -> _Missing:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -43,7 +44,7 @@ def _make_replace(cls: type, names: list[str]) -> Callable[..., Any]:
     src = f"def replace(obj, *, {params}):\n    new = _new(cls)\n{body}    return new\n"
     namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__, "cls": cls}
     namespace.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
-    exec(src, namespace)  # noqa: S102 - the source is built from dataclass field names only
+    exec(src, namespace)
     fn = namespace["replace"]
     fn.__qualname__ = f"{cls.__name__}._replace"
     return fn

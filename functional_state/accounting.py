@@ -90,7 +90,7 @@ def _torch_device_key(device: Any) -> str | None:
         key = str(device)
     if device.index is not None or device.type != "cuda":  # "cuda" alone depends on the current device
         _TORCH_KEYS[device] = key
-    return key  # type: ignore[return-value]
+    return key
 
 
 def _jax_device_key(device: Any) -> str:
@@ -170,8 +170,18 @@ def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int,
 
 # Objects never walked into: they reach the whole program (modules, classes, functions) or hold no data.
 _OPAQUE = (
-    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType,
-    types.FrameType, types.GeneratorType, weakref.ref, property, staticmethod, classmethod,
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.CodeType,
+    types.FrameType,
+    types.GeneratorType,
+    weakref.ref,
+    property,
+    staticmethod,
+    classmethod,
 )
 _SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None), memoryview, range, slice)
 _SCALAR_TYPES = frozenset(_SCALARS)
@@ -216,7 +226,7 @@ def _children(x: Any) -> tuple[Iterable[Any] | None, bool]:
     if dataclasses.is_dataclass(x):
         return [getattr(x, f.name, None) for f in dataclasses.fields(x)], False
     leaves, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
-    if not (treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is x):
+    if not (treedef.num_nodes == 1 and treedef.num_leaves == 1 and leaves and leaves[0] is x):  # type: ignore[attr-defined]
         return leaves, False
     return _object_fields(x), True
 

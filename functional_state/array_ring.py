@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,7 @@ class ArrayRing(StateObject):
         *,
         allocate: bool = True,
         recompute_source: str | None = None,
-    ) -> "ArrayRing":
+    ) -> ArrayRing:
         """Build a ring of ``capacity`` frames; allocated storage is zero-filled.
 
         Raises:
@@ -120,9 +121,9 @@ class ArrayRing(StateObject):
                 f"matches). The ring never casts; convert the frame first: `frame.astype({self.dtype.name!r})`."
             )
 
-    def _commit_payload(self, payload: Any) -> "ArrayRing":
+    def _commit_payload(self, payload: Any) -> ArrayRing:
         assert self.storage is not None  # resident, checked by commit
-        return self._replace(  # type: ignore[attr-defined, no-any-return]
+        return self._replace(
             storage=self.storage.at[self.head].set(payload),
             head=(self.head + 1) % self.capacity,
             size=jnp.minimum(self.size + 1, self.capacity).astype(jnp.int32),

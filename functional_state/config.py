@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 from .errors import InvalidArgumentError
 from .manager_state import DEFAULT_MAX_SESSIONS
@@ -57,7 +57,9 @@ def resolve_session_state_config(enable: bool | None = None, max_sessions: int |
     if max_sessions is None:
         max_sessions = DEFAULT_MAX_SESSIONS
     elif isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
-        raise InvalidArgumentError(f"`resolve_session_state_config`: max_sessions must be a positive int, got {max_sessions!r}.")
+        raise InvalidArgumentError(
+            f"`resolve_session_state_config`: max_sessions must be a positive int, got {max_sessions!r}."
+        )
     enabled = bool(enable)
 
     raw = os.environ.get(ENV_ENABLE)

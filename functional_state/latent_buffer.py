@@ -39,7 +39,7 @@ class LatentBuffer(StateObject):
     @classmethod
     def create(
         cls, maxlen: int | None = None, *, allocate: bool = True, recompute_source: str | None = None
-    ) -> "LatentBuffer":
+    ) -> LatentBuffer:
         """Build an empty buffer.
 
         Args:
@@ -67,11 +67,11 @@ class LatentBuffer(StateObject):
         self._require_resident("__len__")
         return len(self.items)
 
-    def _commit_payload(self, payload: Any) -> "LatentBuffer":
+    def _commit_payload(self, payload: Any) -> LatentBuffer:
         items = self.items + (payload,)
         if self.maxlen is not None and len(items) > self.maxlen:
             items = items[len(items) - self.maxlen :]
-        return self._replace(items=items)  # type: ignore[attr-defined, no-any-return]
+        return self._replace(items=items)
 
     def _committed_view(self) -> tuple[Any, ...]:
         return self.items

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, ContextManager, TypeVar
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
 
 from . import manager_state as ms
 from ._pytree import MISSING
@@ -30,7 +32,7 @@ from .step import step as _pure_step
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
-O = TypeVar("O", bound=StateObject)
+ObjectT = TypeVar("ObjectT", bound=StateObject)
 _Result = TypeVar("_Result")
 
 
@@ -41,7 +43,7 @@ class ReentrantWriteError(SessionStateError, RuntimeError):
 class _Cell:
     """The latest state of one session incarnation, shared by all of its handles."""
 
-    __slots__ = ("uid", "session_id", "session", "__weakref__")
+    __slots__ = ("__weakref__", "session", "session_id", "uid")
 
     def __init__(self, uid: int, session_id: str, session: SessionState):
         self.uid = uid
@@ -68,7 +70,7 @@ class SessionStateManager:
         max_sessions: int = ms.DEFAULT_MAX_SESSIONS,
         byte_budget: int | None = None,
         evict_when_full: bool = True,
-        lock_factory: Callable[[], ContextManager[Any]] = threading.Lock,
+        lock_factory: Callable[[], AbstractContextManager[Any]] = threading.Lock,
     ):
         self._state = ManagerState.create(max_sessions, byte_budget, evict_when_full)
         self._lock = lock_factory()
@@ -124,7 +126,7 @@ class SessionStateManager:
         return insert(state)
 
     # --- sessions ----------------------------------------------------------------------------------
-    def get_or_create_session(self, session_id: str | None = None) -> "SessionHandle":
+    def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on session ``session_id`` (None means ``"default"``), created on a miss.
 
         Raises:
@@ -145,7 +147,7 @@ class SessionStateManager:
                 cell = self._cell(state, sid)
         return SessionHandle(self, cell)
 
-    def get_session(self, session_id: str | None = None) -> "SessionHandle":
+    def get_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on an existing session, for continuations.
 
         Raises:
@@ -159,7 +161,7 @@ class SessionStateManager:
 
         return SessionHandle(self, self._swap(op))
 
-    def fork_session(self, source_id: str | None, new_id: str | None) -> "SessionHandle":
+    def fork_session(self, source_id: str | None, new_id: str | None) -> SessionHandle:
         """Fork a session (see `functional_state.fork_session`); returns a handle on the fork.
 
         Raises:
@@ -193,10 +195,11 @@ class SessionStateManager:
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes per device held by all sessions in the table, each allocation once."""
-        return {k[len("nbytes:"):]: v for k, v in self.stats().items() if k.startswith("nbytes:")}
+        return {k[len("nbytes:") :]: v for k, v in self.stats().items() if k.startswith("nbytes:")}
 
-    def step(self, session_id: str | None, name: str, fn: Callable[..., StateObject], *args: Any,
-             donate: bool = False) -> None:
+    def step(
+        self, session_id: str | None, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False
+    ) -> None:
         """Run ``jax.jit(fn)(object, *args)`` on object ``name`` and store the result (see
         `functional_state.step`). With ``donate=True`` a buffer is donated only if no other session, fork,
         snapshot this manager handed out (``.state``) or detached handle still references it; otherwise
@@ -235,7 +238,7 @@ class SessionStateManager:
     def _read(self, cell: _Cell) -> SessionState:
         state = self._state  # one atomic read: a consistent snapshot
         if self._in_table(state, cell):
-            return ms.lookup(state, cell.session_id)  # type: ignore[no-any-return]
+            return ms.lookup(state, cell.session_id)
         return cell.session
 
     def _store(self, state: ManagerState, cell: _Cell, session: SessionState) -> ManagerState:
@@ -293,7 +296,7 @@ class SessionStateManager:
         writing = getattr(self._writing, "uids", None)
         if writing is None:
             writing = self._writing.uids = set()
-        return writing  # type: ignore[no-any-return]
+        return writing
 
     def _check_not_reentrant(self, cell: _Cell) -> None:
         if cell.uid in self._writing_set():
@@ -310,7 +313,7 @@ class SessionHandle:
     Write methods return the handle, so calls chain: ``h.put("x", buf).commit("x", item)``.
     """
 
-    __slots__ = ("_manager", "_cell")
+    __slots__ = ("_cell", "_manager")
 
     def __init__(self, manager: SessionStateManager, cell: _Cell):
         self._manager = manager
@@ -333,7 +336,7 @@ class SessionHandle:
     def __bool__(self) -> bool:
         return True
 
-    def transact(self, fn: Callable[[SessionState], SessionState]) -> "SessionHandle":
+    def transact(self, fn: Callable[[SessionState], SessionState]) -> SessionHandle:
         """Replace the session by ``fn(session)``: all of fn's changes land, or none (if fn raises, the
         session is unchanged).
 
@@ -345,7 +348,7 @@ class SessionHandle:
         self._manager._transact(self._cell, lambda s: (fn(s), None))
         return self
 
-    def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> "SessionHandle":
+    def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> SessionHandle:
         """Replace object ``name`` by ``fn(object)`` in one step (several commits, one swap)."""
         return self.transact(lambda s: s.update(name, fn))
 
@@ -354,16 +357,16 @@ class SessionHandle:
         """The state object ``name`` (immutable snapshot)."""
         return self.state.get(name, default)
 
-    def put(self, name: str, obj: StateObject) -> "SessionHandle":
+    def put(self, name: str, obj: StateObject) -> SessionHandle:
         self._manager._apply(self._cell, lambda s: (s.put(name, obj), None))
         return self
 
-    def remove(self, name: str) -> "SessionHandle":
+    def remove(self, name: str) -> SessionHandle:
         """Remove object ``name`` (a no-op if absent)."""
         self._manager._apply(self._cell, lambda s: (s.remove(name), None))
         return self
 
-    def get_or_create(self, name: str, factory: Callable[[], O], cls: type[O] | None = None) -> O:
+    def get_or_create(self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None) -> ObjectT:
         """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident.
 
         The factory runs outside the manager's lock (it may use the manager); if two threads race, one
@@ -371,21 +374,21 @@ class SessionHandle:
         """
         obj = self.state._reusable(name, cls)
         if obj is not None:
-            return obj  # type: ignore[no-any-return]
-        return self._manager._transact(self._cell, lambda s: s.get_or_create(name, factory, cls))  # type: ignore[return-value]
+            return obj
+        return self._manager._transact(self._cell, lambda s: s.get_or_create(name, factory, cls))
 
-    def stage(self, name: str, payload: Any) -> "SessionHandle":
+    def stage(self, name: str, payload: Any) -> SessionHandle:
         self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.stage(payload)), None))
         return self
 
-    def commit(self, name: str, payload: Any = MISSING) -> "SessionHandle":
+    def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
         self._manager._commit(self._cell, name, payload)
         return self
 
-    def append(self, name: str, payload: Any) -> "SessionHandle":
+    def append(self, name: str, payload: Any) -> SessionHandle:
         return self.commit(name, payload)
 
-    def discard(self, name: str) -> "SessionHandle":
+    def discard(self, name: str) -> SessionHandle:
         self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.discard()), None))
         return self
 
@@ -396,7 +399,7 @@ class SessionHandle:
         """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""
         return self._manager._apply(self._cell, lambda s: s.evict(name))
 
-    def step(self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False) -> "SessionHandle":
+    def step(self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False) -> SessionHandle:
         """`SessionStateManager.step` on this session (which must be in the table)."""
         self._manager.step(self.session_id, name, fn, *args, donate=donate)
         return self
@@ -405,15 +408,15 @@ class SessionHandle:
     def get_attr(self, key: str, default: Any = MISSING) -> Any:
         return self.state.get_attr(key, default)
 
-    def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> "SessionHandle":
+    def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> SessionHandle:
         self._manager._apply(self._cell, lambda s: (s.set_attr(key, value, on_fork=on_fork), None))
         return self
 
-    def del_attr(self, key: str) -> "SessionHandle":
+    def del_attr(self, key: str) -> SessionHandle:
         self._manager._apply(self._cell, lambda s: (s.del_attr(key), None))
         return self
 
-    def reset(self) -> "SessionHandle":
+    def reset(self) -> SessionHandle:
         """Reset every object and clear the attrs."""
         self._manager._apply(self._cell, lambda s: (s.reset(), None))
         return self

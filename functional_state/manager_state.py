@@ -14,13 +14,15 @@ pytree to map or jit over, and `with_sessions` puts a mapped tree back (Flax NNX
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 import immutables
 import jax
 
 from . import accounting
 from ._pytree import MISSING
+from ._repr import repr_html
 from .errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -66,11 +68,20 @@ DEFAULT_MAX_SESSIONS = 64  # mirrors the bespoke MAX_DREAMZERO_SESSIONS
 
 # A node of the table: (session, id of the previous (less recent) session, id of the next, incarnation).
 # Plain tuples, because one is built on every write: about 5x cheaper than a NamedTuple.
-_S, _P, _N, _U = 0, 1, 2, 3
+_S: Final = 0
+_P: Final = 1
+_N: Final = 2
+_U: Final = 3
 Node = tuple[SessionState, "str | None", "str | None", int]
 # The table's other fields, one tuple so that a write to a session copies two references, not eight:
 # (head: least recent id, tail: most recent id, next incarnation, config, hits, misses, evictions).
-_HEAD, _TAIL, _UID, _CFG, _HITS, _MISSES, _EVICTIONS = range(7)
+_HEAD: Final = 0
+_TAIL: Final = 1
+_UID: Final = 2
+_CFG: Final = 3
+_HITS: Final = 4
+_MISSES: Final = 5
+_EVICTIONS: Final = 6
 Meta = tuple[Any, ...]
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -97,7 +108,7 @@ class ManagerState:
     used first), the counter properties, `sessions`, `lookup` and `stats`.
     """
 
-    __slots__ = ("_nodes", "_meta", "__weakref__")
+    __slots__ = ("__weakref__", "_meta", "_nodes")
     _nodes: immutables.Map  # session_id -> Node
     _meta: Meta
 
@@ -107,7 +118,7 @@ class ManagerState:
     @classmethod
     def create(
         cls, max_sessions: int = DEFAULT_MAX_SESSIONS, byte_budget: int | None = None, evict_when_full: bool = True
-    ) -> "ManagerState":
+    ) -> ManagerState:
         """An empty table.
 
         Args:
@@ -137,44 +148,44 @@ class ManagerState:
     # --- reads -------------------------------------------------------------------------------------
     @property
     def _config(self) -> _Config:
-        return self._meta[_CFG]  # type: ignore[no-any-return]
+        return self._meta[_CFG]
 
     @property
     def max_sessions(self) -> int:
-        return self._meta[_CFG].max_sessions  # type: ignore[no-any-return]
+        return self._meta[_CFG].max_sessions
 
     @property
     def byte_budget(self) -> int | None:
-        return self._meta[_CFG].byte_budget  # type: ignore[no-any-return]
+        return self._meta[_CFG].byte_budget
 
     @property
     def evict_when_full(self) -> bool:
-        return self._meta[_CFG].evict_when_full  # type: ignore[no-any-return]
+        return self._meta[_CFG].evict_when_full
 
     @property
     def hits(self) -> int:
         """Lookups (`get_or_create`, `get_session`) that found their session."""
-        return self._meta[_HITS]  # type: ignore[no-any-return]
+        return self._meta[_HITS]
 
     @property
     def misses(self) -> int:
         """`get_or_create` calls that created their session."""
-        return self._meta[_MISSES]  # type: ignore[no-any-return]
+        return self._meta[_MISSES]
 
     @property
     def evictions(self) -> int:
         """Sessions dropped to make room under the count cap."""
-        return self._meta[_EVICTIONS]  # type: ignore[no-any-return]
+        return self._meta[_EVICTIONS]
 
     @property
     def least_recent(self) -> str | None:
         """The id an insertion into a full table would evict next (None when empty). O(1)."""
-        return self._meta[_HEAD]  # type: ignore[no-any-return]
+        return self._meta[_HEAD]
 
     @property
     def most_recent(self) -> str | None:
         """The most recently used id (None when empty). O(1)."""
-        return self._meta[_TAIL]  # type: ignore[no-any-return]
+        return self._meta[_TAIL]
 
     @property
     def session_ids(self) -> tuple[str, ...]:
@@ -191,6 +202,9 @@ class ManagerState:
 
     def __bool__(self) -> bool:
         return True  # an empty table is still a table: `if state:` must not mean "has sessions"
+
+    def _repr_html_(self) -> str | None:
+        return repr_html(self)
 
     def __contains__(self, session_id: object) -> bool:
         if session_id is None:
@@ -247,7 +261,9 @@ def _not_a_pytree(state: ManagerState) -> Any:
 
 jax.tree_util.register_pytree_node(ManagerState, _not_a_pytree, lambda aux, children: _not_a_pytree(None))  # type: ignore[arg-type]
 jax.tree_util.register_pytree_node(
-    _ConsumedManagerState, _not_a_pytree, lambda aux, children: _not_a_pytree(None)  # type: ignore[arg-type]
+    _ConsumedManagerState,
+    _not_a_pytree,
+    lambda aux, children: _not_a_pytree(None),  # type: ignore[arg-type]
 )
 
 
@@ -318,7 +334,7 @@ def _object(node: Node, name: str, what: str) -> StateObject:
     obj = node[_S]._objects.get(name)
     if obj is None:
         raise ObjectNotFoundError(_no_object(node[_S], name, what))
-    return obj  # type: ignore[no-any-return]
+    return obj
 
 
 # --- the recency list (each helper works on a map mutation, so one write builds one new map) -------------
@@ -517,7 +533,9 @@ def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> Mana
     if type(state) is not ManagerState:
         _check_state(state, "with_sessions")
     if not isinstance(tree, Mapping):
-        raise InvalidTypeError(f"`with_sessions`: expected a mapping {{session_id: SessionState}}, got {type(tree).__name__}.")
+        raise InvalidTypeError(
+            f"`with_sessions`: expected a mapping {{session_id: SessionState}}, got {type(tree).__name__}."
+        )
     missing = sorted(set(state._nodes.keys()) - set(tree))
     extra = sorted(set(tree) - set(state._nodes.keys()))
     if missing or extra:
@@ -557,7 +575,9 @@ def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject
     return _set_session(state, sid, node, node[_S].put(name, obj))
 
 
-def _object_op(state: ManagerState, session_id: Any, name: str, what: str, op: Callable[[StateObject], StateObject]) -> ManagerState:
+def _object_op(
+    state: ManagerState, session_id: Any, name: str, what: str, op: Callable[[StateObject], StateObject]
+) -> ManagerState:
     sid, node = _node(state, session_id, what)
     session = node[_S]
     return _set_session(state, sid, node, session._with_object(name, op(_object(node, name, what))))
@@ -613,9 +633,7 @@ def view(state: ManagerState, session_id: str | None, name: str, include_staged:
     return _object(node, name, "view").view(include_staged=include_staged)
 
 
-def set_attr(
-    state: ManagerState, session_id: str | None, key: str, value: Any, *, on_fork: Any = None
-) -> ManagerState:
+def set_attr(state: ManagerState, session_id: str | None, key: str, value: Any, *, on_fork: Any = None) -> ManagerState:
     """Carry ``value`` (by reference) under ``key`` in a session (see `SessionState.set_attr`)."""
     sid, node = _node(state, session_id, "set_attr")
     return _set_session(state, sid, node, node[_S].set_attr(key, value, on_fork=on_fork))

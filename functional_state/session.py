@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import collections
 import types
-from typing import Any, Callable, Iterable, Literal, Mapping, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal, TypeVar
 
 import immutables
 import jax
@@ -12,13 +13,13 @@ import numpy as np
 
 from . import accounting
 from ._pytree import MISSING
-from ._repr import short
+from ._repr import repr_html, short
 from .errors import AttrNotFoundError, InvalidArgumentError, InvalidTypeError, ObjectNotFoundError
 from .state_object import RESIDENT, StateObject
 
 __all__ = ["FORK_POLICIES", "ForkPolicy", "SessionState"]
 
-O = TypeVar("O", bound=StateObject)
+ObjectT = TypeVar("ObjectT", bound=StateObject)
 
 ForkPolicy = Literal["share", "copy_container", "clone"]
 FORK_POLICIES: tuple[str, ...] = ("share", "copy_container", "clone")
@@ -35,7 +36,7 @@ def _check_name(name: Any, what: str) -> str:
 def _check_policy(policy: Any, what: str) -> str:
     if policy not in FORK_POLICIES:
         raise InvalidArgumentError(f"`{what}`: on_fork must be one of {FORK_POLICIES}, got {policy!r}.")
-    return policy  # type: ignore[no-any-return]
+    return policy
 
 
 class SessionState:
@@ -57,7 +58,7 @@ class SessionState:
       (0, 1, 3)
     """
 
-    __slots__ = ("_objects", "_attrs", "_policies")
+    __slots__ = ("_attrs", "_objects", "_policies")
     _objects: immutables.Map
     _attrs: immutables.Map
     _policies: immutables.Map
@@ -91,7 +92,7 @@ class SessionState:
         self._policies = immutables.Map(policies)
 
     @classmethod
-    def empty(cls) -> "SessionState":
+    def empty(cls) -> SessionState:
         """A session with no objects and no attrs."""
         return _session(_EMPTY, _EMPTY, _EMPTY)
 
@@ -113,6 +114,9 @@ class SessionState:
 
     def __bool__(self) -> bool:
         return True  # a session is a value; an empty one is still a session
+
+    def _repr_html_(self) -> str | None:
+        return repr_html(self)
 
     # --- objects -----------------------------------------------------------------------------------
     @property
@@ -136,7 +140,7 @@ class SessionState:
             raise ObjectNotFoundError(_no_object(self, name, "SessionState.get"))
         return obj
 
-    def put(self, name: str, obj: StateObject) -> "SessionState":
+    def put(self, name: str, obj: StateObject) -> SessionState:
         """Return a state with ``obj`` stored under ``name`` (replacing any object there).
 
         Raises:
@@ -150,11 +154,11 @@ class SessionState:
             _check_source_graph(objects, name, "put")
         return _session(objects, self._attrs, self._policies)
 
-    def _with_object(self, name: str, obj: StateObject) -> "SessionState":
+    def _with_object(self, name: str, obj: StateObject) -> SessionState:
         """`put` without checks, for an object derived from the one under ``name`` (same static config)."""
         return _session(self._objects.set(name, obj), self._attrs, self._policies)
 
-    def remove(self, name: str) -> "SessionState":
+    def remove(self, name: str) -> SessionState:
         """Return a state without the object ``name`` (a no-op if absent).
 
         Raises:
@@ -171,8 +175,8 @@ class SessionState:
         return _session(self._objects.delete(name), self._attrs, self._policies)
 
     def get_or_create(
-        self, name: str, factory: Callable[[], O], cls: type[O] | None = None
-    ) -> tuple["SessionState", O]:
+        self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None
+    ) -> tuple[SessionState, ObjectT]:
         """Return ``(state, obj)``, building ``obj = factory()`` when ``name`` is absent, is not an
         instance of ``cls`` (if given), or is not resident.
 
@@ -196,11 +200,11 @@ class SessionState:
             return obj
         return None
 
-    def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> "SessionState":
+    def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> SessionState:
         """Return a state with object ``name`` replaced by ``fn(object)``."""
         return self.put(name, fn(self.get(name)))
 
-    def evict(self, name: str) -> tuple["SessionState", int]:
+    def evict(self, name: str) -> tuple[SessionState, int]:
         """Release object ``name``'s committed storage.
 
         Returns:
@@ -238,7 +242,7 @@ class SessionState:
             raise AttrNotFoundError(f"session carries no attr {key!r}; it carries {sorted(self._attrs)}.")
         return value
 
-    def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> "SessionState":
+    def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> SessionState:
         """Return a state carrying ``value`` under ``key``, by reference (never copied).
 
         Args:
@@ -260,7 +264,7 @@ class SessionState:
                 policies = policies.set(key, on_fork)
         return _session(self._objects, self._attrs.set(key, value), policies)
 
-    def del_attr(self, key: str) -> "SessionState":
+    def del_attr(self, key: str) -> SessionState:
         """Return a state without attr ``key`` (a no-op if absent)."""
         if key not in self._attrs:
             return self
@@ -268,12 +272,12 @@ class SessionState:
         return _session(self._objects, self._attrs.delete(key), policies)
 
     # --- whole session -----------------------------------------------------------------------------
-    def reset(self) -> "SessionState":
+    def reset(self) -> SessionState:
         """Return a state whose every object is reset (unallocated) and whose attrs are cleared."""
         objects = immutables.Map({n: o.reset() for n, o in self._objects.items()})
         return _session(objects, _EMPTY, _EMPTY)
 
-    def forked(self) -> "SessionState":
+    def forked(self) -> SessionState:
         """The session as a fork starts it: objects shared (they are immutable), attrs per fork policy.
 
         ``"share"`` attrs are the same objects; ``"copy_container"`` attrs are shallow copies (lists,

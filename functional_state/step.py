@@ -13,7 +13,8 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ from .state_object import StateObject
 
 __all__ = ["step"]
 
-_JITTED: "weakref.WeakKeyDictionary[Callable[..., Any], dict[bool, Callable[..., Any]]]" = weakref.WeakKeyDictionary()
+_JITTED: weakref.WeakKeyDictionary[Callable[..., Any], dict[bool, Callable[..., Any]]] = weakref.WeakKeyDictionary()
 _JITTED_LOCK = threading.Lock()
 
 
@@ -78,8 +79,10 @@ def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObje
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     new_leaves = []
     for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted() and (
-            outside or sys.getrefcount(leaf) > _LEAF_REFS or _buffer_keys(leaf) & held
+        if (
+            isinstance(leaf, jax.Array)
+            and not leaf.is_deleted()
+            and (outside or sys.getrefcount(leaf) > _LEAF_REFS or _buffer_keys(leaf) & held)
         ):
             new_leaves.append(jnp.array(leaf, copy=True))
         else:
@@ -169,7 +172,7 @@ def step(
     return _set_session(state, sid, node, node[_S]._with_object(name, new_obj))
 
 
-_CHECKED: "weakref.WeakKeyDictionary[Callable[..., Any], set[Any]]" = weakref.WeakKeyDictionary()
+_CHECKED: weakref.WeakKeyDictionary[Callable[..., Any], set[Any]] = weakref.WeakKeyDictionary()
 
 
 def _check_returns_same_type(jitted: Callable[..., Any], obj: StateObject, args: tuple[Any, ...]) -> None:

@@ -15,10 +15,10 @@ from functional_state import (
     ManagerState,
     SessionState,
     SessionStateManager,
+    accounting,
     nbytes_by_device,
     register_alias,
 )
-from functional_state import accounting
 from functional_state.accounting import _jax_device_key, _torch_device_key, walk
 from torch_bridge import to_jax, wrap
 
@@ -110,9 +110,15 @@ def test_plain_objects_deques_views_and_namespaces_are_walked():
     d = {"k": np.zeros(3, np.uint8)}  # 3 B
     roots = [
         collections.deque([torch.zeros(4)], maxlen=3),  # 16 B
-        d.values(), d.items(), d.keys(),
+        d.values(),
+        d.items(),
+        d.keys(),
         types.SimpleNamespace(x=np.zeros(7, np.uint8)),  # 7 B
-        Plain(), Slotted(), print, object(), np,
+        Plain(),
+        Slotted(),
+        print,
+        object(),
+        np,
     ]
     assert nbytes_by_device(*roots) == {"cpu": 16 + 3 + 7 + 80 + 20}
 

@@ -100,7 +100,10 @@ def test_latest_beyond_what_is_held_fails_loudly_under_jit():
 def test_repr_shows_shapes_and_bool_is_true():
     ring = ArrayRing.create(4, (16,))
     assert repr(ring) == "ArrayRing(storage=f32[4,16], size=i32[], capacity=4)"
-    assert repr(ring.evict()[0]) == "ArrayRing(storage=None (f32[4,16] when resident), size=i32[], capacity=4, status='evicted')"
+    assert (
+        repr(ring.evict()[0])
+        == "ArrayRing(storage=None (f32[4,16] when resident), size=i32[], capacity=4, status='evicted')"
+    )
     assert bool(ArrayRing.create(4, (16,), allocate=False))
 
 

@@ -1,9 +1,9 @@
 import gc
 import json
-import logging
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
 
 import jax
@@ -15,6 +15,9 @@ import torch
 from functional_state import CopyRequiredError
 from torch_bridge import (
     AliasInvalidatedError,
+    BridgeCopyWarning,
+    BridgeKeptTorchWarning,
+    BridgeWarning,
     check_alias,
     copy_reason,
     report,
@@ -38,8 +41,17 @@ def _bits(x):
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-ALIAS_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.float16, torch.bfloat16,
-                torch.float32, torch.complex64]
+ALIAS_DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.complex64,
+]
 
 
 def _random(shape, dtype, seed=0):
@@ -74,7 +86,11 @@ def test_alias_per_dtype_and_layout_is_zero_copy_and_bit_exact(dtype, layout):
     assert report()["wrapped_count"] == 1 and report()["copied_count"] == 0
 
 
-@pytest.mark.parametrize("t", [torch.zeros(0, 3), torch.tensor(2.5), torch.zeros(1, 0, dtype=torch.bfloat16)], ids=["zero-size", "0-d", "zero-bf16"])
+@pytest.mark.parametrize(
+    "t",
+    [torch.zeros(0, 3), torch.tensor(2.5), torch.zeros(1, 0, dtype=torch.bfloat16)],
+    ids=["zero-size", "0-d", "zero-bf16"],
+)
 def test_edge_shapes_alias(t):
     a = to_jax(t, strict=True)
     assert a.shape == tuple(t.shape) and str(a.dtype) == str(t.dtype).removeprefix("torch.")
@@ -84,42 +100,70 @@ def test_edge_shapes_alias(t):
 
 
 COPY_CASES = {
-    "misaligned": (lambda: torch.arange(64.0)[1:], "not 64-byte aligned"),
-    "column_slice": (lambda: torch.arange(64.0).reshape(8, 8)[:, :4], "non-compact"),
-    "step_slice": (lambda: torch.arange(64.0)[::2], "non-compact"),
-    "expand": (lambda: torch.arange(4.0).reshape(1, 4).expand(3, 4), "non-compact"),
-    "neg_view": (lambda: torch._neg_view(torch.arange(16.0)), "negative-bit"),
-    "conj_view": (lambda: torch.complex(torch.arange(16.0), torch.ones(16)).conj(), "conjugate-bit"),
+    "misaligned": (lambda: torch.arange(64.0)[1:], "not 64-byte aligned", "alignment"),
+    "column_slice": (lambda: torch.arange(64.0).reshape(8, 8)[:, :4], "non-compact", "strides"),
+    "step_slice": (lambda: torch.arange(64.0)[::2], "non-compact", "strides"),
+    "expand": (lambda: torch.arange(4.0).reshape(1, 4).expand(3, 4), "non-compact", "strides"),
+    "neg_view": (lambda: torch._neg_view(torch.arange(16.0)), "negative-bit", "neg"),
+    "conj_view": (lambda: torch.complex(torch.arange(16.0), torch.ones(16)).conj(), "conjugate-bit", "conj"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(COPY_CASES))
 def test_copy_cases_raise_in_strict_mode(case):
-    make, why = COPY_CASES[case]
+    make, why, _ = COPY_CASES[case]
     with pytest.raises(CopyRequiredError, match=why):
         to_jax(make(), strict=True)
     assert report()["copied_count"] == 0
 
 
 @pytest.mark.parametrize("case", sorted(COPY_CASES))
-def test_copy_cases_copy_once_correctly_and_are_counted(case, caplog):
-    make, why = COPY_CASES[case]
+def test_copy_cases_copy_once_correctly_and_warn_once_per_category(case):
+    make, why, category = COPY_CASES[case]
     t = make()
-    with caplog.at_level(logging.WARNING, logger="torch_bridge"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         a = to_jax(t)
-        to_jax(make())  # the same reason again: counted, not logged again
+        to_jax(make())  # the same reason again: counted, not announced again
     expected = t.resolve_conj().resolve_neg()
     np.testing.assert_array_equal(np.asarray(a), expected.numpy())
     r = report()
     assert r["copied_count"] == 2 and r["copied_bytes"] == 2 * t.numel() * t.element_size()
-    assert sum(why in k for k in r if k.startswith("copied[")) == 1
-    assert len([rec for rec in caplog.records if why in rec.getMessage()]) == 1
+    assert r[f"copied[{category}]"] == 2
+    assert [w.category for w in caught] == [BridgeCopyWarning] and why in str(caught[0].message)
+
+
+def test_report_keys_stay_bounded_by_category():
+    # Regression: every distinct shape/stride/offset made a new report key and a new "once" message.
+    base = torch.arange(4096.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(1, 201):
+            to_jax(base[i : i + 8])  # 200 distinct misaligned slices
+    keys = [k for k in report() if "[" in k]
+    assert keys == ["copied[alignment]"] and report()["copied[alignment]"] == 200 - 200 // 16
+    assert len(caught) == 1
+
+
+def test_bridge_warnings_are_filterable_and_wrap_never_warns():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=BridgeWarning)
+        to_jax(torch.arange(64.0)[1:])
+    assert caught == []
+    reset_report()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = wrap(torch.zeros(8, 8)[:, :2])
+    assert isinstance(kept, torch.Tensor) and caught == [] and report()["kept_torch[strides]"] == 1
 
 
 def test_neg_bit_view_gives_correct_values():
     t = torch._neg_view(torch.arange(8.0))
     assert t.is_neg()
-    np.testing.assert_array_equal(np.asarray(to_jax(t)), -np.arange(8.0))
+    with pytest.warns(BridgeCopyWarning, match="negative-bit"):
+        a = to_jax(t)
+    np.testing.assert_array_equal(np.asarray(a), -np.arange(8.0))
 
 
 def test_requires_grad_is_detached_not_copied():
@@ -128,11 +172,15 @@ def test_requires_grad_is_detached_not_copied():
     assert a.unsafe_buffer_pointer() == t.data_ptr()
 
 
-@pytest.mark.parametrize("t", [torch.zeros(2, dtype=torch.float16).view(torch.complex32), torch.arange(4), torch.ones(2, dtype=torch.float64)], ids=["complex32", "int64", "float64"])
-def test_dtypes_jax_cannot_hold_stay_torch(t, caplog):
-    with caplog.at_level(logging.WARNING, logger="torch_bridge"):
+@pytest.mark.parametrize(
+    "t",
+    [torch.zeros(2, dtype=torch.float16).view(torch.complex32), torch.arange(4), torch.ones(2, dtype=torch.float64)],
+    ids=["complex32", "int64", "float64"],
+)
+def test_dtypes_jax_cannot_hold_stay_torch(t):
+    with pytest.warns(BridgeKeptTorchWarning, match="returned the torch tensor itself"):
         out = to_jax(t)
-    assert out is t and report()["kept_torch_count"] == 1 and caplog.records
+    assert out is t and report()["kept_torch_count"] == 1
     with pytest.raises(CopyRequiredError, match="no dtype|downcast"):
         to_jax(t, strict=True)
 

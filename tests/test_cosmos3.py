@@ -1,6 +1,5 @@
 """Cosmos3: the bespoke clobber bug, the per-session adapter, request-scoped cleanup, footprint model."""
 
-import functional_state as fs
 import sys
 import threading
 
@@ -8,6 +7,7 @@ import jax
 import pytest
 import torch
 
+import functional_state as fs
 from functional_state import SessionStateManager, nbytes_by_device
 from torch_bridge import report, reset_report
 from torch_bridge.adapters import (
@@ -144,8 +144,11 @@ def test_partially_stored_branch_raises_on_read():
     adapter.set_branch(False, encode_und_kv(SHAPES, 0), build_freqs_gen(SHAPES))
     freed = manager.get_session("r").evict("und_kv/cond/0001")
     assert freed == 2 * (1 * 2 * 32 * 16 * 2)  # K and V: (batch, heads, padded_len, head_dim) bf16 each
-    for read in (lambda: adapter.get_branch(False), lambda: adapter.is_branch_initialized(False),
-                 lambda: adapter.load_into_transformer(Cosmos3TransformerCache(), False)):
+    for read in (
+        lambda: adapter.get_branch(False),
+        lambda: adapter.is_branch_initialized(False),
+        lambda: adapter.load_into_transformer(Cosmos3TransformerCache(), False),
+    ):
         with pytest.raises(BranchStateError, match="2 of 3 layers"):
             read()
     adapter.reset()
@@ -229,10 +232,9 @@ def test_request_session_drops_on_success_and_on_exception():
         state.set_branch(False, encode_und_kv(SHAPES, 0), build_freqs_gen(SHAPES))
         assert "ok" in manager
     assert "ok" not in manager
-    with pytest.raises(RuntimeError, match="denoiser failed"):
-        with request_session(manager, "bad") as state:
-            state.set_branch(False, encode_und_kv(SHAPES, 0), build_freqs_gen(SHAPES))
-            raise RuntimeError("denoiser failed")
+    with pytest.raises(RuntimeError, match="denoiser failed"), request_session(manager, "bad") as state:
+        state.set_branch(False, encode_und_kv(SHAPES, 0), build_freqs_gen(SHAPES))
+        raise RuntimeError("denoiser failed")
     assert "bad" not in manager and len(manager) == 0
 
 
@@ -264,10 +266,19 @@ def _simulate_rank(shapes, branches):
 @pytest.mark.parametrize("sp_degree", [1, 2])
 @pytest.mark.parametrize("padded", [7, 32])
 def test_footprint_model_matches_measured_accounting(cfg, sp_degree, padded):
-    shapes = Cosmos3Shapes(num_layers=3, num_heads=2, head_dim=16, text_len=7, padded_text_len=padded,
-                           media_tokens=24, text_batch=2)
-    predicted = cosmos3_footprint(num_layers=3, num_heads=2, head_dim=16, padded_text_len=padded, media_tokens=24,
-                                  text_batch=2, cfg=cfg, sp_degree=sp_degree)
+    shapes = Cosmos3Shapes(
+        num_layers=3, num_heads=2, head_dim=16, text_len=7, padded_text_len=padded, media_tokens=24, text_batch=2
+    )
+    predicted = cosmos3_footprint(
+        num_layers=3,
+        num_heads=2,
+        head_dim=16,
+        padded_text_len=padded,
+        media_tokens=24,
+        text_batch=2,
+        cfg=cfg,
+        sp_degree=sp_degree,
+    )
     placement = {"none": [[False]], "sequential": [[False, True]], "parallel": [[False], [True]]}[cfg]
     ranks = [branches for branches in placement for _ in range(sp_degree)]  # SP replicates UND K/V
     assert len(ranks) == predicted.ranks
@@ -275,8 +286,10 @@ def test_footprint_model_matches_measured_accounting(cfg, sp_degree, padded):
         assert _simulate_rank(shapes, branches) == predicted.per_rank_bytes
 
 
-@pytest.mark.parametrize("kwargs, match", [({"cfg": "both"}, "cfg must be"), ({"num_layers": 0}, "num_layers"),
-                                           ({"sp_degree": 1.5}, "sp_degree")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"cfg": "both"}, "cfg must be"), ({"num_layers": 0}, "num_layers"), ({"sp_degree": 1.5}, "sp_degree")],
+)
 def test_footprint_rejects_bad_config(kwargs, match):
     base = dict(num_layers=2, num_heads=2, head_dim=8, padded_text_len=8, media_tokens=8)
     with pytest.raises(ValueError, match=match):
@@ -290,8 +303,27 @@ def test_memcheck_script_runs_each_mode_in_a_fresh_process_and_reports_rss():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cosmos3_memcheck.py"
-    args = ["--requests", "2", "--steps", "2", "--layers", "2", "--heads", "2", "--head-dim", "16", "--text-len", "7",
-            "--padded-text-len", "32", "--media-tokens", "24", "--gap-s", "0", "--json"]
+    args = [
+        "--requests",
+        "2",
+        "--steps",
+        "2",
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--text-len",
+        "7",
+        "--padded-text-len",
+        "32",
+        "--media-tokens",
+        "24",
+        "--gap-s",
+        "0",
+        "--json",
+    ]
     out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     results = json.loads(out.stdout.strip().splitlines()[-1])
@@ -301,5 +333,7 @@ def test_memcheck_script_runs_each_mode_in_a_fresh_process_and_reports_rss():
     flag_on = results["flag-on"]
     assert flag_on["manager_sessions_after"] == 0 and flag_on["manager_total_nbytes_after"] == 0
     # The last loaded branch stays on the transformer until the next reset_cache(): one branch of K/V + RoPE.
-    one_branch = cosmos3_footprint(num_layers=2, num_heads=2, head_dim=16, padded_text_len=32, media_tokens=24, cfg="none")
+    one_branch = cosmos3_footprint(
+        num_layers=2, num_heads=2, head_dim=16, padded_text_len=32, media_tokens=24, cfg="none"
+    )
     assert flag_on["transformer_still_holds"] == one_branch.per_rank_bytes

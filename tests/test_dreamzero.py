@@ -1,6 +1,5 @@
 """DreamZero: the adapter against the bespoke reference, method by method, plus sessions and accounting."""
 
-import functional_state as fs
 import hashlib
 import json
 import os
@@ -12,20 +11,29 @@ import numpy as np
 import pytest
 import torch
 
+import functional_state as fs
 from functional_state import SessionStateManager, nbytes_by_device
 from functional_state.config import enable_override
 from torch_bridge import report, reset_report, unwrap
-from torch_bridge.adapters import BespokeDreamZeroCache, BespokeDreamZeroState, Cosmos3Shapes, DreamZeroStateAdapter
-from torch_bridge.adapters import request_session
-from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
+from torch_bridge.adapters import (
+    BespokeDreamZeroCache,
+    BespokeDreamZeroState,
+    Cosmos3Shapes,
+    DreamZeroStateAdapter,
+    request_session,
+)
 from torch_bridge.adapters import dreamzero_rollout as rollout
+from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
 
 
 def _same(a, b):
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (type(a), type(b))
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() == b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert (
+            a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            == b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b)
         for x, y in zip(a, b):
@@ -51,8 +59,17 @@ def _frame(i, hw=(8, 16), dtype=torch.uint8):
     return (torch.arange(hw[0] * hw[1] * 3).reshape(*hw, 3) + i).to(dtype)
 
 
-ATTRS = ["call_count", "current_start_frame", "clip_feas", "ys", "language", "prompt_embeds",
-         "vae_stream_initialized", "vae_enc_feat_map", "vae_pending_body_frames"]
+ATTRS = [
+    "call_count",
+    "current_start_frame",
+    "clip_feas",
+    "ys",
+    "language",
+    "prompt_embeds",
+    "vae_stream_initialized",
+    "vae_enc_feat_map",
+    "vae_pending_body_frames",
+]
 
 
 def _same_attrs(pair):
@@ -103,7 +120,9 @@ def test_frames_bad_ndim_raises_on_both(bad):
 def test_video_latents_bf16_round_trip():
     pair = _pair()
     _both(pair, lambda s: s.get_concatenated_video_latents())
-    outs = [torch.randn(1, 2, 16, 4, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(3)]
+    outs = [
+        torch.randn(1, 2, 16, 4, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16) for i in range(3)
+    ]
     _both(pair, lambda s: s.append_video_latents(outs[0]))
     single = _both(pair, lambda s: s.get_concatenated_video_latents())
     assert single.shape == (1, 16, 2, 4, 8) and single.dtype == torch.bfloat16
@@ -119,7 +138,9 @@ def test_video_latents_bf16_round_trip():
 
 
 def _chunk(i, t=1):
-    return torch.full((1, 32, t, 4, 8), float(i), dtype=torch.bfloat16) + torch.arange(t, dtype=torch.bfloat16).reshape(1, 1, t, 1, 1)
+    return torch.full((1, 32, t, 4, 8), float(i), dtype=torch.bfloat16) + torch.arange(t, dtype=torch.bfloat16).reshape(
+        1, 1, t, 1, 1
+    )
 
 
 def test_encoder_ring_matches_bespoke_reads_within_the_window():
@@ -199,8 +220,11 @@ def test_resets_match(method):
             feat = s.vae_enc_feat_map
         s.vae_enc_feat_map = feat
     for s in pair[:2]:
-        {"window": lambda: s.reset(clear_video_latents=False), "inference": s.reset_inference_state,
-         "session": s.reset}[method]()
+        {
+            "window": lambda: s.reset(clear_video_latents=False),
+            "inference": s.reset_inference_state,
+            "session": s.reset,
+        }[method]()
     _same_attrs(pair)
     out = _both(pair, lambda s: s.accumulate_frames(_frame(7)))
     assert out.shape[0] == 1  # the frame ring was cleared by both kinds of reset
@@ -320,7 +344,11 @@ def test_deploy_shapes_encoder_growth_vs_constant_ring():
     assert enc_b[-1] == 6 * frame_bytes and enc_b[0] == frame_bytes  # 1 + 20 // 4 latent frames
     assert enc_m[-1] == 2 * frame_bytes and max(enc_m) == 2 * frame_bytes  # the ring: constant 0.43 MiB
     stitched = 352 * 640 * 3
-    assert bespoke.components["session-0"]["stitched_frames"] == managed.components["session-0"]["stitched_frames"] == 4 * stitched
+    assert (
+        bespoke.components["session-0"]["stitched_frames"]
+        == managed.components["session-0"]["stitched_frames"]
+        == 4 * stitched
+    )
 
 
 def test_harness_detects_a_broken_adapter(monkeypatch):
@@ -342,8 +370,20 @@ def test_harness_detects_a_broken_adapter(monkeypatch):
 def _rollout_in_fresh_process(flag):
     env = dict(os.environ, OMNI_DIFFUSION_SESSION_STATE_MANAGER=flag)
     out = subprocess.run(
-        [sys.executable, "-m", "torch_bridge.adapters.dreamzero_rollout", "--steps", "400", "--sessions", "3", "--json"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch_bridge.adapters.dreamzero_rollout",
+            "--steps",
+            "400",
+            "--sessions",
+            "3",
+            "--json",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -361,7 +401,10 @@ def _replay_digest(cfg, nets, streams, adapter_steps=None):
     """Digest of the outputs of the steps whose index is in ``adapter_steps``, on a fresh, unforked session fed
     frame stream ``streams[step]`` at each step; the bespoke and the manager-backed path must agree."""
     digests = []
-    for state in (BespokeDreamZeroState(), DreamZeroStateAdapter("replay", SessionStateManager(), vae_encoder_window=cfg.vae_encoder_window)):
+    for state in (
+        BespokeDreamZeroState(),
+        DreamZeroStateAdapter("replay", SessionStateManager(), vae_encoder_window=cfg.vae_encoder_window),
+    ):
         h = hashlib.sha256()
         for step, stream in enumerate(streams):
             out = rollout._step(state, nets, cfg, 0, step, frame_stream=stream)
@@ -422,7 +465,9 @@ def test_commit_all_is_one_transaction():
         b.reset()  # another adapter of the session resets just before the transaction runs
         return original(fn)
 
-    a._session = type("H", (), {"transact": staticmethod(transact), "__getattr__": lambda self, n: getattr(b._session, n)})()
+    a._session = type(
+        "H", (), {"transact": staticmethod(transact), "__getattr__": lambda self, n: getattr(b._session, n)}
+    )()
     a.append_vae_encoder_chunk(_chunk(1))
     assert len(calls) == 1 and len(b._buffer("vae_encoder_out").view()) == 1
 

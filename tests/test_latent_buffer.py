@@ -59,7 +59,9 @@ def test_commit_without_staged_raises_and_names_the_fix():
         buf.commit()
 
 
-@pytest.mark.parametrize("op", [lambda b: b.view(), lambda b: b.commit(1), lambda b: b.stage(1), len, lambda b: b.discard()])
+@pytest.mark.parametrize(
+    "op", [lambda b: b.view(), lambda b: b.commit(1), lambda b: b.stage(1), len, lambda b: b.discard()]
+)
 def test_use_before_allocate_raises(op):
     buf = LatentBuffer.create(allocate=False)
     with pytest.raises(NotAllocatedError, match="allocate"):

@@ -117,8 +117,11 @@ def test_fork_onto_none_resolves_like_the_pure_function_and_failures_change_noth
     f = m.fork_session("a", None)
     assert f.session_id == "default" and m.state.session_ids == ("a", "default")
     before = snapshot(m.state)
-    for bad in (lambda: m.fork_session("a", "default"), lambda: m.fork_session("zzz", "c"),
-                lambda: m.fork_session("a", 7)):
+    for bad in (
+        lambda: m.fork_session("a", "default"),
+        lambda: m.fork_session("zzz", "c"),
+        lambda: m.fork_session("a", 7),
+    ):
         with pytest.raises(fs.SessionStateError):
             bad()
         assert_unchanged(m.state, before)

@@ -156,7 +156,9 @@ def test_lost_session_errors_name_the_function_called(name):
 
 @pytest.mark.parametrize("name", sorted(PER_SESSION))
 def test_a_manager_passed_to_a_pure_function_says_to_use_its_state(name):
-    with pytest.raises(InvalidTypeError, match=rf"`{name}` takes a ManagerState, got a SessionStateManager: pass `manager.state`"):
+    with pytest.raises(
+        InvalidTypeError, match=rf"`{name}` takes a ManagerState, got a SessionStateManager: pass `manager.state`"
+    ):
         PER_SESSION[name](fs.SessionStateManager())
     with pytest.raises(InvalidTypeError, match="takes a ManagerState"):
         PER_SESSION[name]({"x": 1})
@@ -325,7 +327,9 @@ def test_raise_max_sessions():
     assert state.max_sessions == 2
 
 
-@pytest.mark.parametrize("kwargs", [{"max_sessions": 0}, {"max_sessions": -1}, {"max_sessions": 1.5}, {"byte_budget": -1}])
+@pytest.mark.parametrize(
+    "kwargs", [{"max_sessions": 0}, {"max_sessions": -1}, {"max_sessions": 1.5}, {"byte_budget": -1}]
+)
 def test_create_rejects_bad_config(kwargs):
     with pytest.raises(InvalidArgumentError, match=next(iter(kwargs))):
         ManagerState.create(**kwargs)
@@ -345,8 +349,16 @@ def test_stats_keys_and_counts():
     state = fs.set_attr(state, "a", "t", torch.zeros(10))
     s = fs.stats(state)
     assert list(s) == [
-        "sessions", "max_sessions", "byte_budget", "total_nbytes", "hits", "misses", "evictions", "deleted_arrays",
-        "unaccounted_objects", "nbytes:cpu",
+        "sessions",
+        "max_sessions",
+        "byte_budget",
+        "total_nbytes",
+        "hits",
+        "misses",
+        "evictions",
+        "deleted_arrays",
+        "unaccounted_objects",
+        "nbytes:cpu",
     ]
     assert s["nbytes:cpu"] == 40 and s["total_nbytes"] == 40 and s["byte_budget"] == 1 << 30
 

@@ -94,7 +94,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(src=IDS, dst=IDS)
     def fork(self, src, dst):
-        fork = lambda s: fs.fork_session(s, src, dst)  # noqa: E731
+        fork = lambda s: fs.fork_session(s, src, dst)
         if src not in self.model:
             self._refused(SessionStateLostError, fork)
             return
@@ -149,7 +149,11 @@ class ManagerMachine(RuleBasedStateMachine):
             assert [int(x) for x in fs.view(self.state, sid, "buf")] == values
         s = fs.stats(self.state)
         assert (s["sessions"], s["hits"], s["misses"], s["evictions"], s["max_sessions"]) == (
-            len(self.model), self.hits, self.misses, self.evictions, self.cap,
+            len(self.model),
+            self.hits,
+            self.misses,
+            self.evictions,
+            self.cap,
         )
         distinct = {v for values in self.model.values() for v in values}  # a fork's buffers count once
         assert s["total_nbytes"] == ITEM_BYTES * len(distinct)

@@ -1,10 +1,9 @@
+from types import MappingProxyType
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from types import MappingProxyType
-
 import torch
 
 from functional_state import (
@@ -61,6 +60,7 @@ def test_get_or_create_rebuilds_when_absent_wrong_type_or_not_resident():
     s2, obj = s.get_or_create("ring", factory, LatentBuffer)  # wrong type
     assert isinstance(obj, LatentBuffer) and s2.get("ring") is obj
     s3, _ = s.get_or_create("new", factory)  # absent
+    assert "new" in s3 and "new" not in s
     evicted = s.put("frames", s.get("frames").evict()[0])
     s4, obj = evicted.get_or_create("frames", factory, LatentBuffer)  # not resident
     assert obj.resident and s4.get("frames") is obj
@@ -109,8 +109,12 @@ def test_pytree_keys_are_sorted_and_deterministic():
     s = s.set_attr("z", jnp.zeros(1)).set_attr("c", jnp.zeros(1))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]]
     assert paths == [
-        ".objects['a'].storage", ".objects['a'].head", ".objects['a'].size",
-        ".objects['b'].items[0]", ".attrs['c']", ".attrs['z']",
+        ".objects['a'].storage",
+        ".objects['a'].head",
+        ".objects['a'].size",
+        ".objects['b'].items[0]",
+        ".attrs['c']",
+        ".attrs['z']",
     ]
     rebuilt = jax.tree_util.tree_map(lambda x: x + 1, s)
     assert float(rebuilt.get("b").view()[0][0]) == 2.0
@@ -133,7 +137,9 @@ def test_recompute_sources_are_names_checked_on_put():
     with pytest.raises(InvalidArgumentError, match=r"\['quantised'\] name it as their recompute source"):
         s2.remove("latents")
     with pytest.raises(InvalidArgumentError, match="cycle"):
-        SessionState(objects={"a": LatentBuffer.create(recompute_source="b"), "b": LatentBuffer.create(recompute_source="a")})
+        SessionState(
+            objects={"a": LatentBuffer.create(recompute_source="b"), "b": LatentBuffer.create(recompute_source="a")}
+        )
 
 
 def test_recompute_source_is_static_data_and_stable_under_jit():
@@ -146,9 +152,11 @@ def test_recompute_source_is_static_data_and_stable_under_jit():
         traces.append(1)
         return session.update("ring", lambda r: r.commit(jnp.ones(3)))
 
-    for i in range(3):
-        s = SessionState.empty().put("src", LatentBuffer.create()).put(
-            "ring", ArrayRing.create(2, (3,), recompute_source="src")
+    for _ in range(3):
+        s = (
+            SessionState.empty()
+            .put("src", LatentBuffer.create())
+            .put("ring", ArrayRing.create(2, (3,), recompute_source="src"))
         )
         step(s)
     assert len(traces) == 1
@@ -212,3 +220,13 @@ def test_pure(name):
     snap = snapshot(s)
     OPS[name](s)
     assert_unchanged(s, snap)
+
+
+def test_notebooks_render_states_with_treescope():
+    import functional_state as fs
+
+    s, _ = _session()
+    table, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    for value in (s, s.get("ring"), s.get("frames"), table):
+        html = value._repr_html_()
+        assert html is not None and "treescope" in html

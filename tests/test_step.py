@@ -1,7 +1,5 @@
 """`step`: jitted updates of one object, donating only buffers nothing else holds."""
 
-import chex
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

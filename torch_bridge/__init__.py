@@ -1,5 +1,19 @@
-"""torch_bridge: zero-copy DLPack exchange between PyTorch and JAX, and the model adapters."""
+"""torch_bridge: zero-copy DLPack exchange between PyTorch and JAX, and the model adapters.
 
+Needs PyTorch: install ``functional-state[torch]``. The pure core (`functional_state`) never imports torch.
+"""
+
+try:
+    import torch as _torch  # noqa: F401 - checked here so the error names the extra to install
+except ImportError as _e:  # pragma: no cover - exercised in the no-torch CI venv
+    raise ImportError(
+        "torch_bridge needs PyTorch, which is not installed: `pip install 'functional-state[torch]'` (or install "
+        "a torch build of your own; any torch >= 2.3 works)."
+    ) from _e
+
+from ._report import BridgeCopyWarning as BridgeCopyWarning
+from ._report import BridgeKeptTorchWarning as BridgeKeptTorchWarning
+from ._report import BridgeWarning as BridgeWarning
 from ._report import report as report
 from ._report import reset_report as reset_report
 from .bridge import AliasInvalidatedError as AliasInvalidatedError
@@ -14,6 +28,9 @@ from .bridge import wrap as wrap
 
 __all__ = [
     "AliasInvalidatedError",
+    "BridgeCopyWarning",
+    "BridgeKeptTorchWarning",
+    "BridgeWarning",
     "check_alias",
     "copy_reason",
     "report",

@@ -20,7 +20,13 @@ from typing import Any
 import jax
 import torch
 
-from functional_state import CopyRequiredError, InvalidArgumentError, InvalidTypeError, SessionStateError, register_alias
+from functional_state import (
+    CopyRequiredError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    SessionStateError,
+    register_alias,
+)
 from functional_state.accounting import alias_owner
 
 from . import _report
@@ -40,8 +46,19 @@ __all__ = [
 _64BIT = {torch.int64, torch.float64, torch.complex128, torch.uint64}
 # Dtypes JAX represents; anything else (complex32, quantized, ...) stays a torch tensor.
 _JAX_DTYPES = {
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.uint16, torch.uint32,
-    torch.float16, torch.bfloat16, torch.float32, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.uint16,
+    torch.uint32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 } | _64BIT
 _ALIGNMENT = {"cpu": 64, "cuda": 16}  # CPU: XLA copies below 64 B; GPU: executables need 16 B
 
@@ -53,7 +70,7 @@ class AliasInvalidatedError(SessionStateError, RuntimeError):
 class _AliasRecord:
     """What an alias keeps alive: the exported tensor, and its storage extent at import time."""
 
-    __slots__ = ("tensor", "storage_ptr", "storage_nbytes")
+    __slots__ = ("storage_nbytes", "storage_ptr", "tensor")
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
@@ -82,26 +99,28 @@ def _is_compact(t: torch.Tensor) -> bool:
     return True
 
 
-def _diagnose(t: torch.Tensor) -> tuple[str | None, bool]:
-    """``(reason, copyable)``: why JAX cannot alias ``t`` (None if it can), and whether a copy would help."""
+def _diagnose(t: torch.Tensor) -> tuple[str | None, str, bool]:
+    """``(category, detail, copyable)``: why JAX cannot alias ``t`` (category None if it can), in one of the
+    bounded `CATEGORIES` and in words, and whether a copy would help."""
     if t.layout != torch.strided:
-        return f"{t.layout} tensors have no DLPack form", False
+        return "layout", f"{t.layout} tensors have no DLPack form", False
     if t.device.type not in _ALIGNMENT:
-        return f"device {t.device} is not exchanged (cpu and cuda only)", False
+        return "device", f"device {t.device} is not exchanged (cpu and cuda only)", False
     if t.dtype not in _JAX_DTYPES:
-        return f"JAX has no dtype for {t.dtype}", False
+        return "dtype", f"JAX has no dtype for {t.dtype}", False
     if t.dtype in _64BIT and not _x64():
-        return f"{t.dtype} would be downcast to 32 bits (jax_enable_x64 is off)", False
+        return "x64", f"{t.dtype} would be downcast to 32 bits (jax_enable_x64 is off)", False
     if t.is_conj():
-        return "conjugate-bit view (torch refuses to export it)", True
+        return "conj", "conjugate-bit view (torch refuses to export it)", True
     if t.is_neg():
-        return "negative-bit view (it would export without its negation)", True
+        return "neg", "negative-bit view (it would export without its negation)", True
     if not _is_compact(t):
-        return f"non-compact strides {tuple(t.stride())} for shape {tuple(t.shape)}", True
+        return "strides", f"non-compact strides {tuple(t.stride())} for shape {tuple(t.shape)}", True
     align = _ALIGNMENT[t.device.type]
     if t.numel() and t.data_ptr() % align:
-        return f"start address not {align}-byte aligned (storage offset {t.storage_offset() * t.element_size()} B)", True
-    return None, True
+        offset = t.storage_offset() * t.element_size()
+        return "alignment", f"start address not {align}-byte aligned (storage offset {offset} B)", True
+    return None, "", True
 
 
 def copy_reason(t: torch.Tensor) -> str | None:
@@ -113,7 +132,8 @@ def copy_reason(t: torch.Tensor) -> str | None:
     """
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"`copy_reason`: expected a torch.Tensor, got {type(t).__name__}.")
-    return _diagnose(t)[0]
+    category, detail, _ = _diagnose(t)
+    return None if category is None else detail
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -148,8 +168,9 @@ def to_jax(tensor: torch.Tensor, *, strict: bool = False) -> jax.Array | torch.T
 
     Returns:
       The JAX alias; or, when aliasing is impossible and ``strict`` is False, a JAX alias of one explicit
-      copy (counted in `report()`); or, when JAX has no dtype for the tensor (complex32, 64-bit without
-      ``jax_enable_x64``), the tensor itself, with a warning logged once.
+      copy (counted in `report()`, announced once per reason category with a `BridgeCopyWarning`); or, when
+      JAX has no dtype for the tensor (complex32, 64-bit without ``jax_enable_x64``), the tensor itself
+      (announced once per category with a `BridgeKeptTorchWarning`).
 
     Raises:
       CopyRequiredError: ``strict`` and the tensor cannot be aliased; the message names the reason.
@@ -161,26 +182,28 @@ def to_jax(tensor: torch.Tensor, *, strict: bool = False) -> jax.Array | torch.T
       (True, dtype('float32'))
     """
     if not isinstance(tensor, torch.Tensor):
-        raise InvalidTypeError(f"`to_jax`: expected a torch.Tensor, got {type(tensor).__name__}; use `tree_to_jax` for trees.")
-    reason, copyable = _diagnose(tensor)
-    if reason is None:
+        raise InvalidTypeError(
+            f"`to_jax`: expected a torch.Tensor, got {type(tensor).__name__}; use `tree_to_jax` for trees."
+        )
+    category, detail, copyable = _diagnose(tensor)
+    if category is None:
         return _import(tensor)
     if strict:
         raise CopyRequiredError(
             f"`to_jax(strict=True)`: cannot alias a tensor of shape {tuple(tensor.shape)}, dtype {tensor.dtype}: "
-            f"{reason}. Pass strict=False to copy explicitly, or use `wrap` to keep it a torch tensor."
+            f"{detail}. Pass strict=False to copy explicitly, or use `wrap` to keep it a torch tensor."
         )
     if not copyable:
-        _report.record("kept_torch", _nbytes(tensor), reason)
+        _report.record("kept_torch", _nbytes(tensor), category, detail, warn=True)
         return tensor
     # One fresh contiguous allocation (aligned by the allocator) with conj/neg bits materialized.
     copy = tensor.detach().resolve_conj().resolve_neg().clone(memory_format=torch.contiguous_format)
-    _report.record("copied", _nbytes(tensor), reason)
+    _report.record("copied", _nbytes(tensor), category, detail, warn=True)
     return _import(copy, count=False)
 
 
 def wrap(tensor: torch.Tensor) -> jax.Array | torch.Tensor:
-    """The JAX alias of ``tensor`` when one is possible, else ``tensor`` itself; never a copy.
+    """The JAX alias of ``tensor`` when one is possible, else ``tensor`` itself; never a copy, never a warning.
 
     For values a model only hands around (K/V that are strided slices of padded allocations), this moves
     them by reference whatever their layout. `unwrap` gives back a torch tensor over the same storage.
@@ -192,10 +215,10 @@ def wrap(tensor: torch.Tensor) -> jax.Array | torch.Tensor:
     """
     if not isinstance(tensor, torch.Tensor):
         raise InvalidTypeError(f"`wrap`: expected a torch.Tensor, got {type(tensor).__name__}.")
-    reason = copy_reason(tensor)
-    if reason is None:
+    category, _, _ = _diagnose(tensor)
+    if category is None:
         return _import(tensor)
-    _report.record("kept_torch", _nbytes(tensor), reason)
+    _report.record("kept_torch", _nbytes(tensor), category)  # by design: counted, never warned about
     return tensor
 
 
@@ -232,7 +255,9 @@ def to_torch(array: jax.Array | torch.Tensor) -> torch.Tensor:
     if not isinstance(array, jax.Array):
         raise InvalidTypeError(f"`to_torch`: expected a jax.Array or torch.Tensor, got {type(array).__name__}.")
     if array.is_deleted():
-        raise InvalidArgumentError("`to_torch`: the JAX array was deleted (donated to a jitted call); it has no memory left.")
+        raise InvalidArgumentError(
+            "`to_torch`: the JAX array was deleted (donated to a jitted call); it has no memory left."
+        )
     if len(array.addressable_shards) != 1:
         raise InvalidArgumentError(
             f"`to_torch`: the array spans {len(array.addressable_shards)} device buffers; gather it to one device "

@@ -1,20 +1,27 @@
 """The command line: ``functional-state {demo,ab,bench}`` (also ``python -m functional_state``).
 
-``demo`` (the default) runs concurrent DreamZero sessions and Cosmos3 requests through one manager at the
-deploy shapes, checks A/B equivalence in fresh processes, prints the memory picture and writes a plot.
+``demo`` runs concurrent DreamZero sessions and Cosmos3 requests through one manager at the deploy shapes,
+checks A/B equivalence in fresh processes, prints the memory picture and writes a plot. Every section that
+takes more than a moment shows its progress; log lines and warnings print above the progress bars.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+from functional_state import __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
@@ -37,6 +44,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Show defaults in --help and keep descriptions as written."""
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -57,6 +68,54 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+class MissingExtraError(RuntimeError):
+    """A command needs a package of an extra that is not installed."""
+
+
+def _require(module: str, extra: str, command: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtraError(
+            f"functional-state {command}: needs {module.split('.')[0]}, which is not installed: "
+            f"pip install 'functional-state[{extra}]'"
+        ) from None
+
+
+# --- output: a rich console, with logging and warnings routed above the progress bars --------------------
+
+
+@contextlib.contextmanager
+def _console(command: str) -> Iterator[Any]:
+    rich_console = _require("rich.console", "cli", command)
+    rich_logging = _require("rich.logging", "cli", command)
+    console = rich_console.Console(highlight=False)
+    if not console.is_terminal:
+        console = rich_console.Console(highlight=False, width=120)
+    handler = rich_logging.RichHandler(console=console, show_time=False, show_path=False)
+    root = logging.getLogger()
+    old_handlers, old_level = root.handlers[:], root.level
+    root.handlers, root.level = [handler], logging.WARNING
+    logging.captureWarnings(True)  # BridgeWarnings and friends print as log lines, above any live bar
+    try:
+        yield console
+    finally:
+        logging.captureWarnings(False)
+        root.handlers, root.level = old_handlers, old_level
+
+
+def _progress(console: Any) -> Any:
+    progress = importlib.import_module("rich.progress")
+    return progress.Progress(
+        progress.SpinnerColumn(),
+        progress.TextColumn("{task.description}"),
+        progress.BarColumn(),
+        progress.MofNCompleteColumn(),
+        progress.TimeElapsedColumn(),
+        console=console,
+    )
+
+
 # --- A/B ------------------------------------------------------------------------------------------------
 
 
@@ -69,40 +128,63 @@ def _rollout_process(flag: str, extra: Sequence[str]) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _ab(runs: Sequence[tuple[str, list[str]]]) -> bool:
+def _ab(console: Any, runs: Sequence[tuple[str, list[str]]]) -> bool:
     """Each run twice in fresh processes, flag 0 then 1; True when every digest matched."""
+    rich_table = importlib.import_module("rich.table")
+    table = rich_table.Table("run", "bespoke digest", "manager digest", "result", "seconds")
     all_match = True
-    for label, extra in runs:
-        t0 = time.perf_counter()
-        a, b = _rollout_process("0", extra), _rollout_process("1", extra)
-        match = a["digest"] == b["digest"] and (a["path"], b["path"]) == ("bespoke", "manager")
-        all_match &= match
-        print(f"  {label:44s} bespoke {a['digest'][:16]}  manager {b['digest'][:16]}  "
-              f"{'MATCH' if match else 'DIFFER'}  ({time.perf_counter() - t0:.1f}s)")
+    with _progress(console) as progress:
+        for label, extra in runs:
+            task = progress.add_task(f"A/B {label}", total=2)
+            t0 = time.perf_counter()
+            a = _rollout_process("0", extra)
+            progress.advance(task)
+            b = _rollout_process("1", extra)
+            progress.advance(task)
+            match = a["digest"] == b["digest"] and (a["path"], b["path"]) == ("bespoke", "manager")
+            all_match &= match
+            table.add_row(
+                label,
+                a["digest"][:16],
+                b["digest"][:16],
+                "MATCH" if match else "DIFFER",
+                f"{time.perf_counter() - t0:.1f}",
+            )
+    console.print(table)
     return all_match
 
 
 def _ab_runs(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     return [
         (f"small shapes, {args.ab_steps} steps x 3 sessions", ["--steps", str(args.ab_steps), "--sessions", "3"]),
-        (f"deploy shapes, {args.ab_deploy_steps} steps x 2 sessions",
-         ["--steps", str(args.ab_deploy_steps), "--sessions", "2", "--deploy-shapes", "--feat-map-mib", str(args.feat_map_mib)]),
+        (
+            f"deploy shapes, {args.ab_deploy_steps} steps x 2 sessions",
+            [
+                "--steps",
+                str(args.ab_deploy_steps),
+                "--sessions",
+                "2",
+                "--deploy-shapes",
+                "--feat-map-mib",
+                str(args.feat_map_mib),
+            ],
+        ),
     ]
 
 
 def _cmd_ab(args: argparse.Namespace) -> int:
-    print("A/B: the same rollout in fresh processes with only OMNI_DIFFUSION_SESSION_STATE_MANAGER flipped")
-    ok = _ab(_ab_runs(args))
-    print("every digest matched" if ok else "DIGESTS DIFFER: the manager-backed path is not bit-identical")
+    with _console("ab") as console:
+        console.print("A/B: the same rollout in fresh processes with only OMNI_DIFFUSION_SESSION_STATE_MANAGER flipped")
+        ok = _ab(console, _ab_runs(args))
+        console.print("every digest matched" if ok else "DIGESTS DIFFER: the manager-backed path is not bit-identical")
     return 0 if ok else 1
 
 
 # --- demo -------------------------------------------------------------------------------------------------
 
 
-def _run_concurrent(args: argparse.Namespace):
+def _run_concurrent(args: argparse.Namespace, console: Any) -> tuple[Any, float, int]:
     import torch
-    from tqdm import tqdm
 
     from functional_state import SessionStateManager
     from torch_bridge.adapters import Cosmos3Shapes, Cosmos3TransformerCache, DreamZeroStateAdapter, request_session
@@ -110,93 +192,110 @@ def _run_concurrent(args: argparse.Namespace):
     from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
 
     manager = SessionStateManager()
-    cfg = dz.RolloutConfig(steps=args.steps, sessions=args.sessions, feat_map_bytes=int(args.feat_map_mib * MIB),
-                           prompt_every=10**9)
+    cfg = dz.RolloutConfig(
+        steps=args.steps, sessions=args.sessions, feat_map_bytes=int(args.feat_map_mib * MIB), prompt_every=10**9
+    )
     nets = dz._Networks(cfg)
-    shapes = Cosmos3Shapes(num_layers=28, num_heads=16, head_dim=128, text_len=300, padded_text_len=512,
-                           media_tokens=4096)
-    bar = tqdm(total=args.sessions * args.steps + args.requests, desc="sessions + requests", unit="step",
-               file=sys.stdout, dynamic_ncols=True, mininterval=0.5)
-    lock, errors, cosmos_peak = threading.Lock(), [], []
+    shapes = Cosmos3Shapes(
+        num_layers=28, num_heads=16, head_dim=128, text_len=300, padded_text_len=512, media_tokens=4096
+    )
+    errors: list[BaseException] = []
+    cosmos_peak: list[int] = []
+    lock = threading.Lock()
 
-    def dreamzero(session: int) -> None:
-        try:
-            for step in range(args.steps):
-                state = DreamZeroStateAdapter(f"dreamzero-{session}", manager, vae_encoder_window=cfg.vae_encoder_window)
-                dz._step(state, nets, cfg, session, step)
-                with lock:
-                    bar.update(1)
-        except Exception as e:  # reported after the join
-            errors.append(e)
+    with _progress(console) as progress:
+        dz_task = progress.add_task("DreamZero steps", total=args.sessions * args.steps)
+        c3_task = progress.add_task("Cosmos3 requests", total=args.requests)
 
-    def cosmos(request: int) -> None:
-        try:
-            transformer = Cosmos3TransformerCache()
-            with request_session(manager, f"cosmos3-req-{request}") as state:
-                for is_negative in (False, True):  # sequential CFG: both branches on this rank
-                    transformer.cached_kv = encode_und_kv(shapes, seed=2 * request + int(is_negative))
-                    transformer.freqs_gen = build_freqs_gen(shapes, offset=float(is_negative))
-                    state.capture_from_transformer(transformer, is_negative)
-                query = torch.randn(1, shapes.num_heads, 4, shapes.head_dim)
-                for is_negative in (False, True):
-                    state.load_into_transformer(transformer, is_negative)
-                    transformer.attend(query)
-                with lock:
-                    cosmos_peak.append(manager.stats()["total_nbytes"])
-            with lock:
-                bar.update(1)
-        except Exception as e:
-            errors.append(e)
+        def dreamzero(session: int) -> None:
+            try:
+                for step in range(args.steps):
+                    state = DreamZeroStateAdapter(
+                        f"dreamzero-{session}", manager, vae_encoder_window=cfg.vae_encoder_window
+                    )
+                    dz._step(state, nets, cfg, session, step)
+                    progress.advance(dz_task)
+            except Exception as e:  # reported after the join
+                errors.append(e)
 
-    threads = [threading.Thread(target=dreamzero, args=(i,)) for i in range(args.sessions)]
-    threads += [threading.Thread(target=cosmos, args=(i,)) for i in range(args.requests)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    bar.close()
+        def cosmos(request: int) -> None:
+            try:
+                transformer = Cosmos3TransformerCache()
+                with request_session(manager, f"cosmos3-req-{request}") as state:
+                    for is_negative in (False, True):  # sequential CFG: both branches on this rank
+                        transformer.cached_kv = encode_und_kv(shapes, seed=2 * request + int(is_negative))
+                        transformer.freqs_gen = build_freqs_gen(shapes, offset=float(is_negative))
+                        state.capture_from_transformer(transformer, is_negative)
+                    query = torch.randn(1, shapes.num_heads, 4, shapes.head_dim)
+                    for is_negative in (False, True):
+                        state.load_into_transformer(transformer, is_negative)
+                        transformer.attend(query)
+                    with lock:
+                        cosmos_peak.append(manager.stats()["total_nbytes"])
+                progress.advance(c3_task)
+            except Exception as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=dreamzero, args=(i,)) for i in range(args.sessions)]
+        threads += [threading.Thread(target=cosmos, args=(i,)) for i in range(args.requests)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     if errors:
         raise errors[0]
     return manager, time.perf_counter() - t0, max(cosmos_peak, default=0)
 
 
-def _memory_table(manager) -> None:
-    from functional_state import sessions as fs_sessions
+def _memory_table(manager: Any, console: Any) -> None:
+    from functional_state import sessions
     from torch_bridge.adapters.dreamzero import dreamzero_component_nbytes
 
-    for sid, session in sorted(fs_sessions(manager.state).items()):
-        parts = dreamzero_component_nbytes(session)
+    rich_table = importlib.import_module("rich.table")
+    for sid, session in sorted(sessions(manager.state).items()):
         held = ", ".join(f"{device} {n / MIB:.2f} MiB" for device, n in session.nbytes_by_device().items())
-        print(f"\n  session {sid!r}: {held} in all (each allocation once)")
-        print(f"    {'component':26s} {'bucket':34s} {'MiB':>9s}  kind")
-        for name, nbytes in parts.items():
+        table = rich_table.Table(title=f"session {sid!r}: {held} in all (each allocation once)", title_justify="left")
+        for column in ("component", "bucket", "MiB", "kind"):
+            table.add_column(column, justify="right" if column == "MiB" else "left")
+        for name, nbytes in dreamzero_component_nbytes(session).items():
             bucket, kind = _DREAMZERO_COMPONENTS[name]
-            print(f"    {name:26s} {bucket:34s} {nbytes / MIB:9.3f}  {kind}")
+            table.add_row(name, bucket, f"{nbytes / MIB:.3f}", kind)
+        console.print(table)
 
 
-def _plot(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
-    import matplotlib
-
+def _plot(args: argparse.Namespace, console: Any) -> tuple[Path, dict[str, Any]]:
+    matplotlib = _require("matplotlib", "cli", "demo")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from functional_state.config import enable_override
     from torch_bridge.adapters import dreamzero_rollout as dz
 
-    cfg = dz.RolloutConfig(steps=args.plot_steps, sessions=1, feat_map_bytes=int(args.feat_map_mib * MIB),
-                           prompt_every=10**9, trace_bytes=True)
+    cfg = dz.RolloutConfig(
+        steps=args.plot_steps,
+        sessions=1,
+        feat_map_bytes=int(args.feat_map_mib * MIB),
+        prompt_every=10**9,
+        trace_bytes=True,
+    )
     traces = {}
-    for enabled, label in ((False, "bespoke"), (True, "manager-backed")):
-        with enable_override(enabled):
-            traces[label] = dz.run_rollout(cfg).bytes_trace
+    with _progress(console) as progress:
+        for enabled, label in ((False, "bespoke"), (True, "manager-backed")):
+            task = progress.add_task(f"rollout, {label}", total=cfg.steps)
+
+            def advance(_: int, task: Any = task) -> None:
+                progress.advance(task)
+
+            with enable_override(enabled):
+                traces[label] = dz.run_rollout(cfg, progress=advance).bytes_trace
     fig, (ax_enc, ax_total) = plt.subplots(1, 2, figsize=(11, 4))
     for label, trace in traces.items():
         steps = range(1, len(trace) + 1)
         ax_enc.plot(steps, [t["vae_encoder_out"] / MIB for t in trace], label=label)
-        ax_total.plot(steps, [sum(t.values()) / MIB for t in trace], label=label)
+        ax_total.plot(steps, [t["total"] / MIB for t in trace], label=label)
     ax_enc.set(title="VAE encoder output held", xlabel="step", ylabel="MiB")
-    ax_total.set(title=f"whole session (feat map {args.feat_map_mib:g} MiB)", xlabel="step", ylabel="MiB")
+    ax_total.set(title=f"whole session, deduplicated (feat map {args.feat_map_mib:g} MiB)", xlabel="step", ylabel="MiB")
     for ax in (ax_enc, ax_total):
         ax.legend()
         ax.grid(alpha=0.3)
@@ -213,60 +312,89 @@ def _plot(args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
-    print("functional-state demo: immutable per-session state behind DreamZero and Cosmos3 adapters\n")
-    print(f"1. {args.sessions} DreamZero sessions x {args.steps} steps and {args.requests} Cosmos3 requests, "
-          f"concurrently, through one SessionStateManager (deploy shapes; feat map {args.feat_map_mib:g} MiB)")
-    manager, seconds, cosmos_peak = _run_concurrent(args)
-    print(f"   done in {seconds:.1f}s; Cosmos3 requests retained up to {cosmos_peak / MIB:.0f} MiB while live "
-          f"(both CFG branches), and their sessions were dropped when each request ended")
+    with _console("demo") as console:
+        console.rule("functional-state demo: immutable per-session state behind DreamZero and Cosmos3 adapters")
+        console.print(
+            f"1. {args.sessions} DreamZero sessions x {args.steps} steps and {args.requests} Cosmos3 requests, "
+            f"concurrently, through one SessionStateManager (deploy shapes; feat map {args.feat_map_mib:g} MiB)"
+        )
+        manager, seconds, cosmos_peak = _run_concurrent(args, console)
+        console.print(
+            f"   done in {seconds:.1f}s; Cosmos3 requests retained up to {cosmos_peak / MIB:.0f} MiB while live "
+            f"(both CFG branches), and their sessions were dropped when each request ended"
+        )
 
-    print("\n2. A/B equivalence")
-    ok = _ab(_ab_runs(args))
-    print(f"   {'every digest matched' if ok else 'DIGESTS DIFFER'}")
+        console.print("\n2. A/B equivalence: the same rollout in fresh processes, only the flag flipped")
+        ok = _ab(console, _ab_runs(args))
+        console.print(f"   {'every digest matched' if ok else 'DIGESTS DIFFER'}")
 
-    print("\n3. Memory per DreamZero session (manager-backed)")
-    _memory_table(manager)
-    s = manager.stats()
-    print(f"\n   LRU: sessions {s['sessions']}/{s['max_sessions']}, hits {s['hits']}, misses {s['misses']}, "
-          f"evictions {s['evictions']}")
-    print(f"   stats(): {s}")
+        console.print("\n3. Memory per DreamZero session (manager-backed)")
+        _memory_table(manager, console)
+        s = manager.stats()
+        console.print(
+            f"   LRU: sessions {s['sessions']}/{s['max_sessions']}, hits {s['hits']}, misses {s['misses']}, "
+            f"evictions {s['evictions']}"
+        )
+        console.print(f"   stats(): {s}")
 
-    if not args.no_plot:
-        print(f"\n4. Bytes per step, bespoke vs manager-backed ({args.plot_steps} steps, one session)")
-        path, final = _plot(args)
-        b, m = final["bespoke"]["vae_encoder_out"], final["manager-backed"]["vae_encoder_out"]
-        print(f"   VAE encoder output after {args.plot_steps} steps: bespoke {b / MIB:.2f} MiB (growing, "
-              f"0.215 MiB per latent frame), ring {m / MIB:.2f} MiB (constant)")
-        print(f"   wrote {path.resolve()}")
-    print(f"\n{'OK' if ok else 'FAILED'}: demo finished in {time.perf_counter() - t_start:.0f}s")
+        if not args.no_plot:
+            console.print(f"\n4. Bytes per step, bespoke vs manager-backed ({args.plot_steps} steps, one session)")
+            path, final = _plot(args, console)
+            b, m = final["bespoke"]["vae_encoder_out"], final["manager-backed"]["vae_encoder_out"]
+            console.print(
+                f"   VAE encoder output after {args.plot_steps} steps: bespoke {b / MIB:.2f} MiB (growing, "
+                f"0.215 MiB per latent frame), ring {m / MIB:.2f} MiB (constant)"
+            )
+            console.print(f"   wrote {path.resolve()}", soft_wrap=True)
+        console.print(f"\n{'OK' if ok else 'FAILED'}: demo finished in {time.perf_counter() - t_start:.0f}s")
     return 0 if ok else 1
+
+
+# --- bench ------------------------------------------------------------------------------------------------
+
+
+def _benchmark_names() -> list[str]:
+    bench_dir = ROOT / "benchmarks"
+    return sorted(p.stem.removeprefix("bench_") for p in bench_dir.glob("bench_*.py")) if bench_dir.is_dir() else []
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     script = ROOT / "benchmarks" / "run.py"
     if not script.exists():
-        print(f"functional-state: error: {script} not found; `bench` runs from a source checkout", file=sys.stderr)
+        print(
+            f"functional-state bench: error: {script} not found; `bench` runs from a source checkout", file=sys.stderr
+        )
         return 2
-    return subprocess.call([sys.executable, str(script), *args.names])
+    return subprocess.call([sys.executable, str(script), *getattr(args, "names", [])])
+
+
+# --- parser -----------------------------------------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="functional-state",
-        description="functional-state: immutable per-session state for world models. Run the demo (the "
-        "default), the A/B equivalence check, or the benchmarks.",
+        description="functional-state: immutable per-session state for world models. Run the demo, the A/B "
+        "equivalence check, or the benchmarks.",
+        formatter_class=_Formatter,
     )
+    parser.add_argument("--version", action="version", version=f"functional-state {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench}", parser_class=_Parser)
 
     def add_common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--feat-map-mib", type=_non_negative_float, default=24.0,
-                       help="DreamZero VAE feat map size in MiB (deploy: 603; default 24 to stay light)")
+        p.add_argument(
+            "--feat-map-mib",
+            type=_non_negative_float,
+            default=24.0,
+            help="DreamZero VAE feat map size in MiB (deploy: 603; smaller keeps the demo light)",
+        )
         p.add_argument("--ab-steps", type=_positive_int, default=400, help="steps of the small-shape A/B run")
         p.add_argument("--ab-deploy-steps", type=_positive_int, default=48, help="steps of the deploy-shape A/B run")
 
     demo = sub.add_parser(
         "demo",
-        help="run the tour (default)",
+        help="run the tour",
+        formatter_class=_Formatter,
         description="Concurrent DreamZero sessions and Cosmos3 requests through one manager, the A/B check in "
         "fresh processes, the per-session memory table, and a bytes-per-step plot. Exits 1 if any digest differs.",
     )
@@ -275,28 +403,53 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=60, help="steps per DreamZero session")
     demo.add_argument("--requests", type=_positive_int, default=4, help="concurrent Cosmos3 requests")
     demo.add_argument("--plot-steps", type=_positive_int, default=240, help="steps of the bytes-per-step plot")
-    demo.add_argument("--out-dir", default="out", help="where the PNG goes (default ./out)")
+    demo.add_argument("--out-dir", default="out", help="where the PNG goes")
     demo.add_argument("--no-plot", action="store_true", help="skip the plot")
     demo.set_defaults(func=_cmd_demo)
 
-    ab = sub.add_parser("ab", help="A/B: flag off vs on in fresh processes; exit 1 if any digest differs")
+    ab = sub.add_parser(
+        "ab",
+        help="A/B: flag off vs on in fresh processes; exit 1 if any digest differs",
+        formatter_class=_Formatter,
+        description="Run the deterministic DreamZero rollout twice per configuration, each time in a fresh "
+        "process, with only OMNI_DIFFUSION_SESSION_STATE_MANAGER flipped (0: the bespoke state, 1: the manager-"
+        "backed adapter), and compare the digests of every per-step output. Exits 1 if any digest differs.",
+    )
     add_common(ab)
     ab.set_defaults(func=_cmd_ab)
 
-    bench = sub.add_parser("bench", help="run benchmarks/ and write BENCHMARKS.md")
-    bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    names = _benchmark_names()
+    bench = sub.add_parser(
+        "bench",
+        help="run benchmarks/ and write BENCHMARKS.md",
+        formatter_class=_Formatter,
+        description="Run the benchmarks side by side and rewrite BENCHMARKS.md (from a source checkout). "
+        f"Benchmarks: {', '.join(names) if names else '(none found: not a source checkout)'}.",
+    )
+    bench.add_argument(
+        "names",
+        nargs="*",
+        choices=names or None,
+        metavar="NAME",
+        default=argparse.SUPPRESS,
+        help="benchmarks to run; all when none is named",
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``functional-state`` console script."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
-        argv = ["demo", *argv]
-    args = parser.parse_args(argv)
-    return args.func(args)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except MissingExtraError as e:
+        print(e, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

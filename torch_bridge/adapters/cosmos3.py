@@ -13,7 +13,8 @@ Sessions isolate requests: two requests with distinct ids never see each other's
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -108,7 +109,10 @@ class Cosmos3StateAdapter:
         return self._status(self._session.state, is_negative)
 
     def set_branch(
-        self, is_negative: bool, cached_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], freqs_gen: tuple[torch.Tensor, torch.Tensor]
+        self,
+        is_negative: bool,
+        cached_kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        freqs_gen: tuple[torch.Tensor, torch.Tensor],
     ) -> None:
         """Store a branch (replacing any stored one), by reference, in one atomic update.
 
@@ -136,7 +140,9 @@ class Cosmos3StateAdapter:
 
         self._session.transact(write)
 
-    def get_branch(self, is_negative: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None:
+    def get_branch(
+        self, is_negative: bool
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None:
         """``(cached_kv, (cos, sin))`` as torch tensors over the stored storage, or None when not stored.
 
         Raises:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Cosmos3Shapes", "Cosmos3TransformerCache", "encode_und_kv", "build_freqs_gen"]
+__all__ = ["Cosmos3Shapes", "Cosmos3TransformerCache", "build_freqs_gen", "encode_und_kv"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,8 +78,15 @@ def cosmos3_footprint(
     """
     if cfg not in CFG_MODES:
         raise InvalidArgumentError(f"`cosmos3_footprint`: cfg must be one of {CFG_MODES}, got {cfg!r}.")
-    sizes = dict(num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, padded_text_len=padded_text_len,
-                 media_tokens=media_tokens, text_batch=text_batch, sp_degree=sp_degree)
+    sizes = dict(
+        num_layers=num_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        padded_text_len=padded_text_len,
+        media_tokens=media_tokens,
+        text_batch=text_batch,
+        sp_degree=sp_degree,
+    )
     bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0}
     if bad:
         raise InvalidArgumentError(f"`cosmos3_footprint`: sizes must be positive ints, got {bad}.")

@@ -37,10 +37,10 @@ from functional_state import (
 from ..bridge import unwrap, wrap
 from ._dreamzero_rules import (
     FRAMES_PER_CHUNK,
+    ResetRules,
     check_encoder_chunk,
     check_num_frames,
     check_video_out,
-    ResetRules,
     split_frames,
     window_frames,
 )
@@ -113,16 +113,18 @@ class DreamZeroStateAdapter(ResetRules):
     prompt_embeds = _tensor_attr("encoded prompt")
     vae_stream_initialized = SessionAttr(default=False, coerce=bool, doc="the encoder stream has started")
     # Lists the model assigns into: a fork copies the list (not the tensors), so its writes stay its own.
-    vae_enc_feat_map = SessionAttr(
+    vae_enc_feat_map: SessionAttr[Any] = SessionAttr(
         default=None, on_fork="copy_container", doc="the causal encoder's feature cache (items replaced in place)"
     )
-    vae_pending_body_frames = SessionAttr(
+    vae_pending_body_frames: SessionAttr[Any] = SessionAttr(
         default=None, on_fork="copy_container", doc="frames waiting for a full encoder chunk (appended in place)"
     )
 
     def __init__(self, session_id: str | None, manager: SessionStateManager, *, vae_encoder_window: int = 2):
         if isinstance(vae_encoder_window, bool) or not isinstance(vae_encoder_window, int) or vae_encoder_window <= 0:
-            raise InvalidArgumentError(f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {vae_encoder_window!r}.")
+            raise InvalidArgumentError(
+                f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {vae_encoder_window!r}."
+            )
         self._window = vae_encoder_window
         self._session = manager.get_or_create_session(session_id)
         existing = self._session.get(_ENCODER, None)
@@ -245,8 +247,13 @@ class DreamZeroStateAdapter(ResetRules):
 
     # accounting
     def component_nbytes(self) -> dict[str, int]:
-        """Bytes held per component (each allocation once within a component)."""
+        """Bytes held per component (each allocation once within a component; components may share one,
+        e.g. the pending frames are views of the stitched frames, so they do not add up to the total)."""
         return dreamzero_component_nbytes(self._session.state)
+
+    def total_nbytes(self) -> int:
+        """Every byte the session holds, each allocation counted once (the accounting's figure)."""
+        return sum(self._session.state.nbytes_by_device().values())
 
     def __repr__(self) -> str:
         return f"DreamZeroStateAdapter({self.session_id!r}, window={self._window}, {self._session!r})"

@@ -16,15 +16,15 @@ from functional_state import nbytes_by_device
 from ._dreamzero_rules import (
     FRAMES_PER_CHUNK,
     MAX_DREAMZERO_SESSIONS,
+    ResetRules,
     check_encoder_chunk,
     check_num_frames,
     check_video_out,
-    ResetRules,
     split_frames,
     window_frames,
 )
 
-__all__ = ["BespokeDreamZeroState", "BespokeDreamZeroCache"]
+__all__ = ["BespokeDreamZeroCache", "BespokeDreamZeroState"]
 
 
 class BespokeDreamZeroState(ResetRules):
@@ -107,9 +107,16 @@ class BespokeDreamZeroState(ResetRules):
             self.reset_vae_encoder_stream()
 
     # accounting
+    def total_nbytes(self) -> int:
+        """Every byte the session holds, each allocation counted once across components."""
+        return sum(nbytes_by_device(list(self._parts().values())).values())
+
     def component_nbytes(self) -> dict[str, int]:
         """Bytes held per component (each allocation once within a component)."""
-        parts = {
+        return {name: sum(nbytes_by_device(value).values()) for name, value in self._parts().items()}
+
+    def _parts(self) -> dict[str, Any]:
+        return {
             "stitched_frames": list(self._frames),
             "video_latents": self._video_latents,
             "vae_encoder_out": self.vae_encoder_out,
@@ -117,7 +124,6 @@ class BespokeDreamZeroState(ResetRules):
             "vae_pending_body_frames": self.vae_pending_body_frames,
             "conditioning": [self.clip_feas, self.ys, self.language, self.prompt_embeds],
         }
-        return {name: sum(nbytes_by_device(value).values()) for name, value in parts.items()}
 
 
 class BespokeDreamZeroCache:

@@ -17,7 +17,8 @@ import dataclasses
 import hashlib
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -46,11 +47,19 @@ class RolloutConfig:
     prompt_every: int = 150  # a new prompt (session reset) every this many steps
     vae_encoder_window: int = 2
     enable_session_state_manager: bool | None = None  # the config value; the environment overrides it
-    trace_bytes: bool = False  # record session 0's bytes per component at every step
+    trace_bytes: bool = False  # record session 0's bytes (per component, and deduplicated total) at every step
 
-    def __post_init__(self):
-        for name in ("steps", "sessions", "latent_channels", "encoder_channels", "feat_map_entries",
-                     "num_frame_per_block", "prompt_every", "vae_encoder_window"):
+    def __post_init__(self) -> None:
+        for name in (
+            "steps",
+            "sessions",
+            "latent_channels",
+            "encoder_channels",
+            "feat_map_entries",
+            "num_frame_per_block",
+            "prompt_every",
+            "vae_encoder_window",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgumentError(f"RolloutConfig.{name} must be a positive int, got {value!r}.")
@@ -84,10 +93,9 @@ class _Networks:
 
     def _mix(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A 1x1(x1) conv over dim 1 as a sum of scaled channels (pointwise in time and space)."""
-        out = None
-        for c in range(w.shape[1]):
-            term = w[:, c].reshape(1, -1, *([1] * (x.ndim - 2))) * x[:, c : c + 1]
-            out = term if out is None else out + term
+        out = w[:, 0].reshape(1, -1, *([1] * (x.ndim - 2))) * x[:, 0:1]
+        for c in range(1, w.shape[1]):
+            out = out + w[:, c].reshape(1, -1, *([1] * (x.ndim - 2))) * x[:, c : c + 1]
         return out
 
     def encode(self, frames: list[torch.Tensor], feat_map: list) -> torch.Tensor:
@@ -125,8 +133,15 @@ class _Networks:
 def _frame(cfg: RolloutConfig, session: int, step: int) -> torch.Tensor:
     h, w = cfg.camera_hw
     cams = [
-        ((torch.arange(h * w, dtype=torch.int64).reshape(h, w, 1) * (3 + c) + step * 7 + session * 31 + torch.arange(3)) % 251)
-        .to(torch.uint8)
+        (
+            (
+                torch.arange(h * w, dtype=torch.int64).reshape(h, w, 1) * (3 + c)
+                + step * 7
+                + session * 31
+                + torch.arange(3)
+            )
+            % 251
+        ).to(torch.uint8)
         for c in range(3)
     ]
     top = torch.cat(cams[:2], dim=1)
@@ -145,7 +160,7 @@ def _feat_map(cfg: RolloutConfig) -> list:
     return [torch.zeros(per, dtype=torch.bfloat16) for _ in range(cfg.feat_map_entries)]
 
 
-def _hash(h: "hashlib._Hash", value: Any) -> None:
+def _hash(h: hashlib._Hash, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         h.update(f"{tuple(value.shape)}{value.dtype}".encode())
         h.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -192,9 +207,13 @@ def _step(
 
     if isinstance(state, BespokeDreamZeroState):
         # The bespoke reader quantises the whole history, then keeps the last frames.
-        obs = nets.quant(state.vae_encoder_out)[:, :, -cfg.num_frame_per_block :]
+        history = state.vae_encoder_out
+        assert history is not None  # the first step encodes a chunk
+        obs = nets.quant(history)[:, :, -cfg.num_frame_per_block :]
     else:
-        obs = nets.quant(state.observation_latents(cfg.num_frame_per_block))
+        latest = state.observation_latents(cfg.num_frame_per_block)
+        assert latest is not None
+        obs = nets.quant(latest)
     video_out = nets.generate(obs, window, state.prompt_embeds, state.call_count)
     if new_latent:
         state.append_video_latents(video_out)
@@ -208,7 +227,8 @@ class RolloutResult:
     path: str  # "bespoke" or "manager"
     digest: str
     components: dict[str, dict[str, int]]  # session id -> component -> bytes, after the last step
-    bytes_trace: list[dict[str, int]]  # session 0's components per step (when traced)
+    totals: dict[str, int]  # session id -> every byte the session holds, each allocation once
+    bytes_trace: list[dict[str, int]]  # session 0's components and "total" per step (when traced)
     latents_shape: tuple[int, ...] | None
     stats: dict[str, Any] | None  # manager stats (manager path)
 
@@ -220,13 +240,13 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
     if enabled:
         manager = SessionStateManager(max_sessions=cap)
 
-        def state_for(sid: str):
+        def state_for(sid: str) -> Any:
             # A fresh adapter per call, as the pipeline builds one per request: state lives in the manager.
             return DreamZeroStateAdapter(sid, manager, vae_encoder_window=cfg.vae_encoder_window)
     else:
         cache = BespokeDreamZeroCache()
 
-        def state_for(sid: str):
+        def state_for(sid: str) -> Any:
             return cache.get_or_create(sid)
 
     digest = hashlib.sha256()
@@ -238,7 +258,7 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
             for value in _step(state, nets, cfg, session, step):
                 _hash(digest, value)
             if cfg.trace_bytes and session == 0:
-                trace.append(state.component_nbytes())
+                trace.append({**state.component_nbytes(), "total": state.total_nbytes()})
         if progress is not None:
             progress(step)
     final_states = {f"session-{s}": state_for(f"session-{s}") for s in range(cfg.sessions)}
@@ -250,6 +270,7 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
         path="manager" if enabled else "bespoke",
         digest=digest.hexdigest(),
         components={sid: s.component_nbytes() for sid, s in final_states.items()},
+        totals={sid: s.total_nbytes() for sid, s in final_states.items()},
         bytes_trace=trace,
         latents_shape=None if latents is None else tuple(latents.shape),
         stats=manager.stats() if enabled else None,
@@ -258,7 +279,7 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
 
 def small_config(**overrides: Any) -> RolloutConfig:
     """Test-sized shapes (same logic, tiny tensors): 24x40 cameras, a 64 KiB feat map."""
-    base = dict(camera_hw=(24, 40), feat_map_bytes=64 * 1024, feat_map_entries=8)
+    base: dict[str, Any] = dict(camera_hw=(24, 40), feat_map_bytes=64 * 1024, feat_map_entries=8)
     base.update(overrides)
     return RolloutConfig(**base)
 
@@ -278,8 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RolloutConfig(**overrides) if args.deploy_shapes else small_config(**overrides)
     result = run_rollout(cfg)
     if args.json:
-        print(json.dumps({"path": result.path, "digest": result.digest, "components": result.components,
-                          "latents_shape": result.latents_shape}))
+        print(
+            json.dumps(
+                {
+                    "path": result.path,
+                    "digest": result.digest,
+                    "components": result.components,
+                    "latents_shape": result.latents_shape,
+                }
+            )
+        )
     else:
         print(f"path={result.path} digest={result.digest}")
     return 0

@@ -1,0 +1,33 @@
+"""Every Python block of README.md runs as written, in order, in one namespace (as a reader would paste them)."""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_starts_with_the_two_commands():
+    first = README.read_text().split("```")[1].strip().splitlines()
+    assert [line.split()[:2] for line in first] == [["make", "demo"], ["make", "test"]]
+
+
+def test_every_python_block_runs_and_prints_what_its_comments_say():
+    blocks = _blocks()
+    assert len(blocks) >= 4
+    namespace: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"README.md block {i + 1}", "exec"), namespace)
+    printed = out.getvalue().splitlines()
+    # The outputs the README promises in its comments.
+    assert printed[0] == "(0, 16) (1, 16)"
+    assert printed[1] == "256"
+    assert printed[2] == "[1.]"
+    assert printed[-1] == "False"
