@@ -4,138 +4,65 @@ The pure core (`ManagerState` and the functions over it) never mutates its input
 is a thread-safe imperative shell that swaps one immutable value under a lock.
 """
 
-from ._version import __version__ as __version__
-from .accounting import nbytes_by_device as nbytes_by_device
-from .accounting import register_alias as register_alias
-from .accounting import total_nbytes as total_nbytes
-from .array_ring import ArrayRing as ArrayRing
-from .config import resolve_session_state_config as resolve_session_state_config
+from ._version import __version__
+from .accounting import nbytes_by_device, register_alias, total_nbytes
+from .array_ring import ArrayRing
+from .config import resolve_session_state_config
+from .dense_value import DenseValue
 from .errors import (
-    AttrNotFoundError as AttrNotFoundError,
+    AttrNotFoundError,
+    CopyRequiredError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    NotAllocatedError,
+    NothingStagedError,
+    NotParkedError,
+    NotResidentError,
+    ObjectNotFoundError,
+    ObjectParkedError,
+    SessionAdmissionError,
+    SessionExistsError,
+    SessionStateError,
+    SessionStateLostError,
+    SharedStorageError,
+    StateConsumedError,
+    StateShapeError,
 )
-from .errors import (
-    CopyRequiredError as CopyRequiredError,
-)
-from .errors import (
-    InvalidArgumentError as InvalidArgumentError,
-)
-from .errors import (
-    InvalidTypeError as InvalidTypeError,
-)
-from .errors import (
-    NotAllocatedError as NotAllocatedError,
-)
-from .errors import (
-    NothingStagedError as NothingStagedError,
-)
-from .errors import (
-    NotResidentError as NotResidentError,
-)
-from .errors import (
-    ObjectNotFoundError as ObjectNotFoundError,
-)
-from .errors import (
-    SessionAdmissionError as SessionAdmissionError,
-)
-from .errors import (
-    SessionExistsError as SessionExistsError,
-)
-from .errors import (
-    SessionStateError as SessionStateError,
-)
-from .errors import (
-    SessionStateLostError as SessionStateLostError,
-)
-from .errors import (
-    StateConsumedError as StateConsumedError,
-)
-from .errors import (
-    StateShapeError as StateShapeError,
-)
-from .latent_buffer import LatentBuffer as LatentBuffer
-from .manager import ReentrantWriteError as ReentrantWriteError
-from .manager import SessionHandle as SessionHandle
-from .manager import SessionStateManager as SessionStateManager
+from .latent_buffer import LatentBuffer
+from .manager import ReentrantWriteError, SessionHandle, SessionStateManager
 from .manager_state import (
-    DEFAULT_MAX_SESSIONS as DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_SESSIONS,
+    DEFAULT_SESSION_ID,
+    ManagerState,
+    commit,
+    del_attr,
+    discard,
+    drop_session,
+    evict,
+    fork_session,
+    get_attr,
+    get_or_create,
+    get_session,
+    incarnation,
+    lookup,
+    park,
+    put,
+    raise_max_sessions,
+    reset_session,
+    resolve_session_id,
+    restore,
+    sessions,
+    set_attr,
+    stage,
+    stats,
+    update_session,
+    view,
+    with_sessions,
 )
-from .manager_state import (
-    DEFAULT_SESSION_ID as DEFAULT_SESSION_ID,
-)
-from .manager_state import (
-    ManagerState as ManagerState,
-)
-from .manager_state import (
-    commit as commit,
-)
-from .manager_state import (
-    del_attr as del_attr,
-)
-from .manager_state import (
-    discard as discard,
-)
-from .manager_state import (
-    drop_session as drop_session,
-)
-from .manager_state import (
-    evict as evict,
-)
-from .manager_state import (
-    fork_session as fork_session,
-)
-from .manager_state import (
-    get_attr as get_attr,
-)
-from .manager_state import (
-    get_or_create as get_or_create,
-)
-from .manager_state import (
-    get_session as get_session,
-)
-from .manager_state import (
-    incarnation as incarnation,
-)
-from .manager_state import (
-    lookup as lookup,
-)
-from .manager_state import (
-    put as put,
-)
-from .manager_state import (
-    raise_max_sessions as raise_max_sessions,
-)
-from .manager_state import (
-    reset_session as reset_session,
-)
-from .manager_state import (
-    resolve_session_id as resolve_session_id,
-)
-from .manager_state import (
-    sessions as sessions,
-)
-from .manager_state import (
-    set_attr as set_attr,
-)
-from .manager_state import (
-    stage as stage,
-)
-from .manager_state import (
-    stats as stats,
-)
-from .manager_state import (
-    update_session as update_session,
-)
-from .manager_state import (
-    view as view,
-)
-from .manager_state import (
-    with_sessions as with_sessions,
-)
-from .session import FORK_POLICIES as FORK_POLICIES
-from .session import SessionState as SessionState
-from .session_attr import SessionAttr as SessionAttr
-from .state_object import StateObject as StateObject
-from .step import step as step
+from .session import FORK_POLICIES, SessionState
+from .session_attr import SessionAttr
+from .state_object import StateObject
+from .step import step
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -144,14 +71,17 @@ __all__ = [
     "ArrayRing",
     "AttrNotFoundError",
     "CopyRequiredError",
+    "DenseValue",
     "InvalidArgumentError",
     "InvalidTypeError",
     "LatentBuffer",
     "ManagerState",
     "NotAllocatedError",
+    "NotParkedError",
     "NotResidentError",
     "NothingStagedError",
     "ObjectNotFoundError",
+    "ObjectParkedError",
     "ReentrantWriteError",
     "SessionAdmissionError",
     "SessionAttr",
@@ -161,6 +91,7 @@ __all__ = [
     "SessionStateError",
     "SessionStateLostError",
     "SessionStateManager",
+    "SharedStorageError",
     "StateConsumedError",
     "StateObject",
     "StateShapeError",
@@ -177,12 +108,14 @@ __all__ = [
     "incarnation",
     "lookup",
     "nbytes_by_device",
+    "park",
     "put",
     "raise_max_sessions",
     "register_alias",
     "reset_session",
     "resolve_session_id",
     "resolve_session_state_config",
+    "restore",
     "sessions",
     "set_attr",
     "stage",

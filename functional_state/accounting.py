@@ -93,6 +93,14 @@ def _torch_device_key(device: Any) -> str | None:
     return key
 
 
+def _jax_pool_key(device: Any, memory_kind: str | None) -> str:
+    """The pool a JAX buffer lives in: its device's key, or ``cpu/<kind>`` for a host memory kind (pinned
+    host memory of a GPU is host RAM, so it is filed with the host, apart from the CPU's default pool)."""
+    if memory_kind in ("pinned_host", "unpinned_host"):
+        return f"cpu/{memory_kind}"
+    return _jax_device_key(device)
+
+
 def _jax_device_key(device: Any) -> str:
     platform = device.platform
     if platform == "cpu":
@@ -160,12 +168,13 @@ def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int,
     if a.is_deleted():
         report.deleted_arrays += 1
         return
+    memory_kind = getattr(a.sharding, "memory_kind", None)
     for shard in a.addressable_shards:
         data = shard.data
         size = data.on_device_size_in_bytes()
         if size:
             start = data.unsafe_buffer_pointer()
-            out.append((_jax_device_key(shard.device), start, start + size))
+            out.append((_jax_pool_key(shard.device, memory_kind), start, start + size))
 
 
 # Objects never walked into: they reach the whole program (modules, classes, functions) or hold no data.
@@ -255,6 +264,9 @@ def _collect(root: Any, out: Extents, seen: dict[int, Any], report: WalkReport) 
             if isinstance(x, np.ndarray):
                 _numpy_extents(x, out)
                 continue
+            own_extents = getattr(type(x), "_accounting_extents", None)
+            if own_extents is not None:  # buffers an object files under its own pool keys (parked copies)
+                out.extend(own_extents(x))
             kids, plain = _children(x)
         except Exception:  # Anything we cannot look into is reported, never raised: stats() must not crash.
             report.unaccounted_objects += 1
@@ -312,7 +324,8 @@ def nbytes_by_device(*roots: Any) -> dict[str, int]:
       *roots: anything.
 
     Returns:
-      ``{device: bytes}`` with keys in torch naming (``"cpu"``, ``"cuda:0"``), sorted, and no zero entries.
+      ``{pool: bytes}``, sorted, no zero entries. Pools are devices in torch naming (``"cpu"``, ``"cuda:0"``)
+      and the host memory kinds parked storage lives in (``"cpu/pinned_host"``, ``"cpu/unpinned_host"``).
 
     Example:
       >>> import numpy as np

@@ -48,6 +48,7 @@ class ArrayRing(StateObject):
     head: jax.Array  # i32[]: the slot the next commit writes
     size: jax.Array  # i32[]: frames held, saturating at capacity
     staged: jax.Array | None  # [*frame_shape] dtype, or None
+    host_copy: Any  # ParkedStorage of `storage` while parked, else None
     capacity: int
     frame_shape: tuple[int, ...]
     dtype: np.dtype
@@ -98,6 +99,7 @@ class ArrayRing(StateObject):
             head=jnp.zeros((), jnp.int32),
             size=jnp.zeros((), jnp.int32),
             staged=None,
+            host_copy=None,
             capacity=capacity,
             frame_shape=shape,
             dtype=dt,
@@ -184,6 +186,9 @@ class ArrayRing(StateObject):
 
     def _committed_roots(self) -> Any:
         return self.storage
+
+    def _parkable_fields(self) -> dict[str, Any]:
+        return {"storage": self.storage}  # head and size stay: they are positions, not storage
 
     def __repr__(self) -> str:
         if self.storage is None:

@@ -13,13 +13,16 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidTypeError",
     "NotAllocatedError",
+    "NotParkedError",
     "NotResidentError",
     "NothingStagedError",
     "ObjectNotFoundError",
+    "ObjectParkedError",
     "SessionAdmissionError",
     "SessionExistsError",
     "SessionStateError",
     "SessionStateLostError",
+    "SharedStorageError",
     "StateConsumedError",
     "StateShapeError",
 ]
@@ -70,6 +73,18 @@ class NotAllocatedError(SessionStateError, RuntimeError):
 
 class NotResidentError(SessionStateError, RuntimeError):
     """A state object's storage was released by ``evict()`` and has not been rebuilt."""
+
+
+class ObjectParkedError(SessionStateError, RuntimeError):
+    """A state object's storage is parked in host memory; ``restore`` it before reading or writing it."""
+
+
+class NotParkedError(SessionStateError, RuntimeError):
+    """``restore`` was called on an object that is not parked."""
+
+
+class SharedStorageError(SessionStateError, RuntimeError):
+    """Parking an object would free nothing: something else in the table holds the same storage."""
 
 
 class StateShapeError(SessionStateError, ValueError):

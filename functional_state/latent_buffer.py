@@ -32,6 +32,7 @@ class LatentBuffer(StateObject):
 
     items: tuple[Any, ...]  # committed items, oldest first
     staged: Any  # the staged item, or None
+    host_copy: Any  # ParkedStorage of the items while parked, else None
     maxlen: int | None  # ring capacity; None for an unbounded append buffer
     status: Status
     recompute_source: str | None  # name of an object of the same session this buffer can be rebuilt from
@@ -58,6 +59,7 @@ class LatentBuffer(StateObject):
         return cls(
             items=(),
             staged=None,
+            host_copy=None,
             maxlen=maxlen,
             status=RESIDENT if allocate else UNALLOCATED,
             recompute_source=recompute_source,
@@ -90,6 +92,12 @@ class LatentBuffer(StateObject):
 
     def _committed_roots(self) -> Any:
         return self.items
+
+    def _parkable_fields(self) -> dict[str, Any]:
+        return {"items": self.items}
+
+    def _parked_fields(self) -> dict[str, Any]:
+        return {"items": ()}
 
     def __repr__(self) -> str:
         parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from . import manager_state as ms
 from ._pytree import MISSING
-from .errors import SessionStateError
+from .errors import ObjectParkedError, SessionStateError
 from .manager_state import ManagerState
 from .session import ForkPolicy, SessionState
 from .state_object import StateObject
@@ -208,9 +208,7 @@ class SessionStateManager:
         sid = ms.resolve_session_id(session_id)
 
         def op(state: ManagerState) -> tuple[ManagerState, None]:
-            uid = ms.incarnation(state, sid)
-            if uid is not None and uid in self._writing_set():
-                raise ReentrantWriteError(f"session {sid!r}: `step` inside a transaction on the same session.")
+            self._refuse_reentrant_table_write(state, sid, "step")
             if state in self._published:
                 # A caller holds this very table: nothing in it may be donated, and it must stay usable.
                 return _pure_step(state, sid, name, fn, *args, donate=False), None
@@ -220,6 +218,32 @@ class SessionStateManager:
             return _pure_step(state, sid, name, fn, *args, donate=donate, retained=retained), None
 
         self._swap(op)
+
+    def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
+        """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes
+        moved per pool. Handles restore it on their next access."""
+        sid = ms.resolve_session_id(session_id)
+
+        def op(state: ManagerState) -> tuple[ManagerState, dict[str, int]]:
+            self._refuse_reentrant_table_write(state, sid, "park")
+            return ms.park(state, sid, name, with_sharers=with_sharers)
+
+        return self._swap(op)
+
+    def restore(self, session_id: str | None, name: str) -> dict[str, int]:
+        """Restore a parked object (see `functional_state.restore`); returns the bytes moved per pool."""
+        sid = ms.resolve_session_id(session_id)
+
+        def op(state: ManagerState) -> tuple[ManagerState, dict[str, int]]:
+            self._refuse_reentrant_table_write(state, sid, "restore")
+            return ms.restore(state, sid, name)
+
+        return self._swap(op)
+
+    def _refuse_reentrant_table_write(self, state: ManagerState, sid: str, what: str) -> None:
+        uid = ms.incarnation(state, sid)
+        if uid is not None and uid in self._writing_set():
+            raise ReentrantWriteError(f"session {sid!r}: `{what}` inside a transaction on the same session.")
 
     def __len__(self) -> int:
         return len(self._state)
@@ -248,28 +272,59 @@ class SessionStateManager:
         cell.session = session
         return state
 
-    def _apply(self, cell: _Cell, op: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
-        """Apply library code ``op`` to the cell's session under the lock."""
-        self._check_not_reentrant(cell)
+    def _restore_parked(self, cell: _Cell, names: list[str] | None = None) -> int:
+        """Restore parked objects of the cell's session (``names``, or all of them): what a handle does when
+        it meets a parked object. Returns how many it restored (each counted in ``stats()["restores"]``)."""
         with self._lock:
             state = self._state
-            if self._in_table(state, cell):
-                new, out = op(ms.lookup(state, cell.session_id))
-                self._state = ms.update_session(state, cell.session_id, lambda _: new)
+            in_table = self._in_table(state, cell)
+            session = ms.lookup(state, cell.session_id) if in_table else cell.session
+            todo = [n for n, o in session.objects.items() if o.parked and (names is None or n in names)]
+            for name in todo:
+                if in_table:
+                    state, _ = ms.restore(state, cell.session_id, name)
+                else:
+                    session = session.update(name, lambda o: o.restore())
+            if in_table:
+                self._state = state
             else:
-                cell.session, out = op(cell.session)
-        return out
+                cell.session = session
+        return len(todo)
+
+    def _apply(self, cell: _Cell, op: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
+        """Apply library code ``op`` to the cell's session under the lock (restoring parked objects it meets)."""
+        self._check_not_reentrant(cell)
+        for attempt in range(2):
+            try:
+                with self._lock:
+                    state = self._state
+                    if self._in_table(state, cell):
+                        new, out = op(ms.lookup(state, cell.session_id))
+                        self._state = self._store(state, cell, new)
+                    else:
+                        cell.session, out = op(cell.session)
+                return out
+            except ObjectParkedError:
+                if attempt or not self._restore_parked(cell):
+                    raise
+        raise AssertionError("unreachable")
 
     def _commit(self, cell: _Cell, name: str, payload: Any) -> None:
         """`SessionHandle.commit`: the per-step write, one pure call under the lock."""
         if cell.uid in self._writing_set():
             self._check_not_reentrant(cell)
-        with self._lock:
-            state = self._state
-            if self._in_table(state, cell):
-                self._state = ms.commit(state, cell.session_id, name, payload)
-            else:
-                cell.session = cell.session.update(name, lambda obj: obj.commit(payload))
+        for attempt in range(2):
+            try:
+                with self._lock:
+                    state = self._state
+                    if self._in_table(state, cell):
+                        self._state = ms.commit(state, cell.session_id, name, payload)
+                    else:
+                        cell.session = cell.session.update(name, lambda obj: obj.commit(payload))
+                return
+            except ObjectParkedError:
+                if attempt or not self._restore_parked(cell, [name]):
+                    raise
 
     def _transact(self, cell: _Cell, fn: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
         """Run user code ``fn`` on the cell's session outside the lock; swap its result in if the session is
@@ -281,6 +336,11 @@ class SessionStateManager:
             writing.add(cell.uid)
             try:
                 new, out = fn(current)
+            except ObjectParkedError:
+                writing.discard(cell.uid)
+                if self._restore_parked(cell):  # fn met a parked object: restore and run it again
+                    continue
+                raise
             finally:
                 writing.discard(cell.uid)
             if not isinstance(new, SessionState):
@@ -354,8 +414,27 @@ class SessionHandle:
 
     # objects
     def get(self, name: str, default: Any = MISSING) -> Any:
-        """The state object ``name`` (immutable snapshot)."""
-        return self.state.get(name, default)
+        """The state object ``name`` (immutable snapshot); a parked object is restored first."""
+        obj = self.state.get(name, default)
+        if isinstance(obj, StateObject) and obj.parked:
+            self._manager._restore_parked(self._cell, [name])
+            obj = self.state.get(name, default)
+        return obj
+
+    def park(self, name: str, *, with_sharers: bool = False) -> dict[str, int]:
+        """Park object ``name`` in host memory; the next access through any handle restores it. Returns the
+        bytes moved per pool (see `functional_state.park`)."""
+        self._manager._check_not_reentrant(self._cell)
+        if self.in_table:
+            return self._manager.park(self.session_id, name, with_sharers=with_sharers)
+        return self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.park()), {}))
+
+    def restore(self, name: str) -> dict[str, int]:
+        """Restore a parked object now (handles also do it on first access). Returns the bytes moved per pool."""
+        self._manager._check_not_reentrant(self._cell)
+        if self.in_table:
+            return self._manager.restore(self.session_id, name)
+        return self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.restore()), {}))
 
     def put(self, name: str, obj: StateObject) -> SessionHandle:
         self._manager._apply(self._cell, lambda s: (s.put(name, obj), None))
@@ -393,7 +472,7 @@ class SessionHandle:
         return self
 
     def view(self, name: str, include_staged: bool = True) -> Any:
-        return self.state.get(name).view(include_staged=include_staged)
+        return self.get(name).view(include_staged=include_staged)
 
     def evict(self, name: str) -> int:
         """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""

@@ -20,7 +20,7 @@ from typing import Any, Final
 import immutables
 import jax
 
-from . import accounting
+from . import _holders, accounting
 from ._pytree import MISSING
 from ._repr import repr_html
 from .errors import (
@@ -30,6 +30,7 @@ from .errors import (
     SessionAdmissionError,
     SessionExistsError,
     SessionStateLostError,
+    SharedStorageError,
     StateConsumedError,
 )
 from .session import SessionState, _no_object
@@ -50,10 +51,12 @@ __all__ = [
     "get_session",
     "incarnation",
     "lookup",
+    "park",
     "put",
     "raise_max_sessions",
     "reset_session",
     "resolve_session_id",
+    "restore",
     "sessions",
     "set_attr",
     "stage",
@@ -74,7 +77,8 @@ _N: Final = 2
 _U: Final = 3
 Node = tuple[SessionState, "str | None", "str | None", int]
 # The table's other fields, one tuple so that a write to a session copies two references, not eight:
-# (head: least recent id, tail: most recent id, next incarnation, config, hits, misses, evictions).
+# (head: least recent id, tail: most recent id, next incarnation, config, hits, misses, evictions, then
+# the counters that change rarely: parks, restores).
 _HEAD: Final = 0
 _TAIL: Final = 1
 _UID: Final = 2
@@ -82,6 +86,8 @@ _CFG: Final = 3
 _HITS: Final = 4
 _MISSES: Final = 5
 _EVICTIONS: Final = 6
+_PARKS: Final = 7
+_RESTORES: Final = 8
 Meta = tuple[Any, ...]
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -143,7 +149,7 @@ class ManagerState:
             raise InvalidArgumentError(
                 f"`ManagerState.create`: byte_budget must be None or an int >= 0, got {byte_budget!r}."
             )
-        return _state(_EMPTY, (None, None, 0, _Config(max_sessions, byte_budget, bool(evict_when_full)), 0, 0, 0))
+        return _state(_EMPTY, (None, None, 0, _Config(max_sessions, byte_budget, bool(evict_when_full)), 0, 0, 0, 0, 0))
 
     # --- reads -------------------------------------------------------------------------------------
     @property
@@ -176,6 +182,16 @@ class ManagerState:
     def evictions(self) -> int:
         """Sessions dropped to make room under the count cap."""
         return self._meta[_EVICTIONS]
+
+    @property
+    def parks(self) -> int:
+        """Objects parked (`park`), counting each session of a shared park once."""
+        return self._meta[_PARKS]
+
+    @property
+    def restores(self) -> int:
+        """Objects restored (`restore`), whether asked for or done by a handle on access."""
+        return self._meta[_RESTORES]
 
     @property
     def least_recent(self) -> str | None:
@@ -368,11 +384,11 @@ def _append(mm: Any, sid: str, session: SessionState, uid: int, head: str | None
 
 def _touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
     """Make ``sid`` the most recently used session, adding ``hits`` to the hit counter."""
-    head, tail, uid, config, n_hits, misses, evictions = state._meta
+    head, tail, uid, config, n_hits, misses, evictions, *rare = state._meta
     if sid == tail:
         if not hits:
             return state
-        return _state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions))
+        return _state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions, *rare))
     # The general unlink + append, written out for a node that is not the tail (so it has a next): the hit
     # path, rewriting at most four entries, each read from the unchanged map.
     nodes = state._nodes
@@ -393,13 +409,13 @@ def _touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState
     mm[sid] = (node[_S], tail, None, node[_U])
     new = _new(ManagerState)
     new._nodes = mm.finish()
-    new._meta = (head, sid, uid, config, n_hits + hits, misses, evictions)
+    new._meta = (head, sid, uid, config, n_hits + hits, misses, evictions, *rare)
     return new
 
 
 def _insert(state: ManagerState, sid: str, session: SessionState, what: str, misses: int) -> ManagerState:
     """Add a new session as the most recent, dropping the least recent one when the table is full."""
-    head, tail, uid, config, hits, n_misses, evictions = state._meta
+    head, tail, uid, config, hits, n_misses, evictions, *rare = state._meta
     mm = state._nodes.mutate()
     if len(state._nodes) >= config.max_sessions:
         if not config.evict_when_full:
@@ -418,7 +434,7 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str, mis
             mm[head] = (h[_S], None, h[_N], h[_U])
         evictions += 1
     head = _append(mm, sid, session, uid, head, tail)
-    return _state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions))
+    return _state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions, *rare))
 
 
 def _set_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
@@ -454,7 +470,17 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
         if sid == meta[_TAIL]:  # already the most recent: only the hit counter moves
             new = _new(ManagerState)
             new._nodes = state._nodes
-            new._meta = (meta[_HEAD], sid, meta[_UID], meta[_CFG], meta[_HITS] + 1, meta[_MISSES], meta[_EVICTIONS])
+            new._meta = (
+                meta[_HEAD],
+                sid,
+                meta[_UID],
+                meta[_CFG],
+                meta[_HITS] + 1,
+                meta[_MISSES],
+                meta[_EVICTIONS],
+                meta[_PARKS],
+                meta[_RESTORES],
+            )
             return new, node[_S]
         return _touch(state, sid, node, 1), node[_S]
     session = SessionState.empty()
@@ -675,6 +701,97 @@ def evict(state: ManagerState, session_id: str | None, name: str) -> tuple[Manag
     return _set_session(state, sid, node, new_session), freed
 
 
+def _pool_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {
+        k: after.get(k, 0) - before.get(k, 0) for k in sorted({*before, *after}) if after.get(k, 0) != before.get(k, 0)
+    }
+
+
+def _with_counter(state: ManagerState, nodes: immutables.Map, index: int, add: int) -> ManagerState:
+    meta = list(state._meta)
+    meta[index] += add
+    return _state(nodes, tuple(meta))
+
+
+def park(
+    state: ManagerState, session_id: str | None, name: str, *, with_sharers: bool = False
+) -> tuple[ManagerState, dict[str, int]]:
+    """Move object ``name``'s committed storage to host memory (see `functional_state.parking`).
+
+    Parking frees device memory only if nothing else holds the storage, so it is refused when something
+    does: another object or an attr of the session, or another session. A fork that holds the very same
+    object is the one exception that can be parked with it: ``with_sharers=True`` parks the object in every
+    session that holds it, as one shared host copy (forks keep sharing, now in host memory).
+
+    Returns:
+      ``(state, moved)``: ``moved`` is the change in bytes per pool, e.g.
+      ``{"cuda:0": -n, "cpu/pinned_host": n}`` (on the CPU backend, ``{"cpu": -n, "cpu/pinned_host": n}``).
+
+    Raises:
+      SharedStorageError: something else in the table holds the storage (the message says what).
+      ObjectParkedError, NotAllocatedError, NotResidentError: the object is not resident.
+      SessionStateLostError, ObjectNotFoundError: no such session or object.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functional_state import ArrayRing
+      >>> s, _ = get_or_create(ManagerState.create(), "a")
+      >>> s = put(s, "a", "ring", ArrayRing.create(4, (256,)))
+      >>> parked, moved = park(s, "a", "ring")
+      >>> moved
+      {'cpu': -4096, 'cpu/pinned_host': 4096}
+      >>> restore(parked, "a", "ring")[1]
+      {'cpu': 4096, 'cpu/pinned_host': -4096}
+    """
+    sid, node = _node(state, session_id, "park")
+    obj = _object(node, name, "park")
+    obj._require_resident("park")
+    sessions_now = {s: n[_S] for s, n in state._nodes.items()}
+    targets = [sid]
+    if with_sharers:
+        targets += [s for s, sess in sessions_now.items() if s != sid and sess._objects.get(name) is obj]
+    mine = _holders.buffer_keys(obj._committed_roots())
+    others = _holders.holders_except(sessions_now, dict.fromkeys(targets, name))
+    holders = sorted(s for s, values in others.items() if mine & _holders.buffer_keys(values))
+    if holders:
+        hint = "" if with_sharers else " If they are forks holding this very object, pass with_sharers=True."
+        raise SharedStorageError(
+            f"`park`: object {name!r} of session {sid!r} shares its storage with something else in session(s) "
+            f"{holders[:5]}{' ...' if len(holders) > 5 else ''} (another object, an attr, or a fork): parking it "
+            f"would copy it to host memory and free no device memory.{hint}"
+        )
+    parked = obj.park()
+    mm = state._nodes.mutate()
+    for target in targets:
+        n = mm[target]
+        mm[target] = (n[_S]._with_object(name, parked), n[_P], n[_N], n[_U])
+    moved = _pool_delta(
+        accounting.nbytes_by_device(obj._committed_roots()), accounting.nbytes_by_device(parked.host_copy)
+    )
+    return _with_counter(state, mm.finish(), _PARKS, len(targets)), moved
+
+
+def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, dict[str, int]]:
+    """Bring a parked object's storage back where it was, bit for bit, in this session.
+
+    Returns:
+      ``(state, moved)``: the change in bytes per pool. The host copy is released only if no other session
+      (a fork parked with ``with_sharers``) still holds the parked object.
+
+    Raises:
+      NotParkedError: the object is not parked.
+      SessionStateLostError, ObjectNotFoundError: no such session or object.
+    """
+    sid, node = _node(state, session_id, "restore")
+    obj = _object(node, name, "restore")
+    restored = obj.restore()
+    shared = any(s != sid and n[_S]._objects.get(name) is obj for s, n in state._nodes.items())
+    before = {} if shared else accounting.nbytes_by_device(obj.host_copy)
+    moved = _pool_delta(before, accounting.nbytes_by_device(restored._committed_roots()))
+    nodes = state._nodes.set(sid, (node[_S]._with_object(name, restored), node[_P], node[_N], node[_U]))
+    return _with_counter(state, nodes, _RESTORES, 1), moved
+
+
 def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
     """Remove a session from the table. Returns ``(state, existed)``; not counted as an eviction."""
     if type(state) is not ManagerState:
@@ -747,14 +864,18 @@ def stats(state: ManagerState) -> dict[str, Any]:
     """Counters and bytes of the table.
 
     Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
-    ``evictions``, ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they hold no
-    bytes, and a non-zero count means some state reads freed memory), ``unaccounted_objects`` (objects the
-    walk could not read), then one ``nbytes:<device>`` key per device, sorted. Each allocation is counted
-    once across all sessions.
+    ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes held by parked objects' host copies),
+    ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they hold no bytes, and a
+    non-zero count means some state reads freed memory), ``unaccounted_objects`` (objects the walk could
+    not read), then one ``nbytes:<pool>`` key per pool, sorted: devices (``nbytes:cpu``,
+    ``nbytes:cuda:0``) and the host memory kinds parked storage lives in (``nbytes:cpu/pinned_host``,
+    ``nbytes:cpu/unpinned_host``). Each allocation is counted once across all sessions.
     """
     if type(state) is not ManagerState:
         _check_state(state, "stats")
-    per_device, report = accounting.walk(*(node[_S] for node in state._nodes.values()))
+    sessions_now = [node[_S] for node in state._nodes.values()]
+    per_device, report = accounting.walk(*sessions_now)
+    parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
     out: dict[str, Any] = {
         "sessions": len(state),
         "max_sessions": state.max_sessions,
@@ -763,6 +884,9 @@ def stats(state: ManagerState) -> dict[str, Any]:
         "hits": state.hits,
         "misses": state.misses,
         "evictions": state.evictions,
+        "parks": state.parks,
+        "restores": state.restores,
+        "parked_nbytes": accounting.total_nbytes(*parked),
         "deleted_arrays": report.deleted_arrays,
         "unaccounted_objects": report.unaccounted_objects,
     }

@@ -15,7 +15,7 @@ from . import accounting
 from ._pytree import MISSING
 from ._repr import repr_html, short
 from .errors import AttrNotFoundError, InvalidArgumentError, InvalidTypeError, ObjectNotFoundError
-from .state_object import RESIDENT, StateObject
+from .state_object import PARKED, RESIDENT, StateObject
 
 __all__ = ["FORK_POLICIES", "ForkPolicy", "SessionState"]
 
@@ -178,10 +178,12 @@ class SessionState:
         self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None
     ) -> tuple[SessionState, ObjectT]:
         """Return ``(state, obj)``, building ``obj = factory()`` when ``name`` is absent, is not an
-        instance of ``cls`` (if given), or is not resident.
+        instance of ``cls`` (if given), or is evicted or unallocated.
 
         Raises:
           InvalidTypeError: the factory built something that is not an instance of ``cls``.
+          ObjectParkedError: the object is parked: it holds data, so it is never replaced by an empty one;
+            restore it first (session handles do that on access).
         """
         obj = self._reusable(name, cls)
         if obj is not None:
@@ -196,8 +198,11 @@ class SessionState:
     def _reusable(self, name: str, cls: type | None) -> Any:
         """The object ``name`` if `get_or_create` may return it as is (present, right type, resident)."""
         obj = self._objects.get(name)
-        if obj is not None and (cls is None or isinstance(obj, cls)) and obj.status == RESIDENT:
-            return obj
+        if obj is not None and (cls is None or isinstance(obj, cls)):
+            if obj.status == RESIDENT:
+                return obj
+            if obj.status == PARKED:
+                obj._require_resident("get_or_create")  # raises ObjectParkedError: never silently rebuilt
         return None
 
     def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> SessionState:

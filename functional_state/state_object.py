@@ -3,8 +3,13 @@
 Lifecycle (every call returns a new object; the receiver is never changed)::
 
     unallocated --allocate()--> resident --evict()--> evicted --allocate()--> resident
-         ^                          |
-         +---------reset()----------+          (reset() works from any status)
+         ^                        |   ^
+         |                  park()|   |restore()          evict() of a parked object frees the host copy;
+         |                        v   |                   reset() works from any status
+         +-----------reset()---- parked
+
+``park()`` moves committed storage to host memory and ``restore()`` brings it back where it was, bit for
+bit (see `functional_state.parking`); a parked object cannot be read until it is restored.
 
 The status is static pytree metadata: it changes the structure (an evicted object holds no storage), so
 a jitted function over an object traces once per status, never once per step.
@@ -24,35 +29,45 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from . import accounting
+from . import accounting, parking
 from ._pytree import MISSING, replace
 from ._repr import repr_html
-from .errors import InvalidArgumentError, NotAllocatedError, NothingStagedError, NotResidentError
+from .errors import (
+    InvalidArgumentError,
+    NotAllocatedError,
+    NothingStagedError,
+    NotParkedError,
+    NotResidentError,
+    ObjectParkedError,
+)
 
-__all__ = ["EVICTED", "RESIDENT", "STATUSES", "UNALLOCATED", "StateObject", "Status"]
+__all__ = ["EVICTED", "PARKED", "RESIDENT", "STATUSES", "UNALLOCATED", "StateObject", "Status"]
 
 S = TypeVar("S", bound="StateObject")
 
-Status = Literal["resident", "evicted", "unallocated"]
+Status = Literal["resident", "parked", "evicted", "unallocated"]
 RESIDENT: Status = "resident"
+PARKED: Status = "parked"
 EVICTED: Status = "evicted"
 UNALLOCATED: Status = "unallocated"
-STATUSES: tuple[Status, ...] = (RESIDENT, EVICTED, UNALLOCATED)
+STATUSES: tuple[Status, ...] = (RESIDENT, PARKED, EVICTED, UNALLOCATED)
 
 
 class StateObject(abc.ABC):
     """Base class of state objects. Subclasses are `pytree_dataclass`es.
 
-    Every subclass has these fields: ``staged`` (a child: the staged payload or ``None``), and the static
-    ``status`` (one of `STATUSES`) and ``recompute_source`` (the name of another object of the session, or
-    ``None``). Subclasses implement the storage hooks ``_commit_payload``, ``_committed_view``,
-    ``_view_with``, ``_allocated_storage``, ``_released_storage`` and ``_committed_roots``.
+    Every subclass has these fields: ``staged`` (a child: the staged payload or ``None``), ``host_copy`` (the
+    `ParkedStorage` while parked, else ``None``), and the static ``status`` (one of `STATUSES`) and
+    ``recompute_source`` (the name of another object of the session, or ``None``). Subclasses implement the
+    storage hooks ``_commit_payload``, ``_committed_view``, ``_view_with``, ``_allocated_storage``,
+    ``_released_storage``, ``_committed_roots`` and ``_parkable_fields`` (``_parked_fields`` has a default).
     """
 
     __slots__ = ()
 
     # Provided by subclasses as dataclass fields.
     staged: Any
+    host_copy: Any
     status: Status
     recompute_source: str | None
 
@@ -87,6 +102,14 @@ class StateObject(abc.ABC):
     def _committed_roots(self) -> Any:
         """The values that hold committed bytes."""
 
+    @abc.abstractmethod
+    def _parkable_fields(self) -> dict[str, Any]:
+        """The fields that hold committed storage, as ``park`` moves them to host memory."""
+
+    def _parked_fields(self) -> dict[str, Any]:
+        """What those fields hold while parked (default: None)."""
+        return dict.fromkeys(self._parkable_fields())
+
     def _check_payload(self, payload: Any) -> None:  # noqa: B027 - an optional hook, empty by default
         """Raise if ``payload`` does not fit this object. Default: accept anything."""
 
@@ -109,6 +132,11 @@ class StateObject(abc.ABC):
         return self.status == RESIDENT
 
     @property
+    def parked(self) -> bool:
+        """True while committed storage is parked in host memory (``host_copy`` holds it)."""
+        return self.status == PARKED
+
+    @property
     def evicted(self) -> bool:
         """True after ``evict()`` released committed storage, until ``allocate()``."""
         return self.status == EVICTED
@@ -124,6 +152,12 @@ class StateObject(abc.ABC):
         if self.status == RESIDENT:
             return
         name = type(self).__name__
+        if self.status == PARKED:
+            raise ObjectParkedError(
+                f"`{name}.{what}` called on a parked object: its storage is in host memory. Restore it first: "
+                f"`functional_state.restore(state, session_id, name)`, or read it through a session handle, "
+                f"which restores on first access."
+            )
         if self.status == UNALLOCATED:
             raise NotAllocatedError(
                 f"`{name}.{what}` called on an unallocated object (built with allocate=False, or reset). "
@@ -142,6 +176,11 @@ class StateObject(abc.ABC):
         context: use ``reset().allocate()`` for that)."""
         if self.status == RESIDENT:
             return self
+        if self.status == PARKED:
+            raise ObjectParkedError(
+                f"`{type(self).__name__}.allocate` called on a parked object: allocating would drop its parked "
+                f"storage. Call `restore()` to bring it back, or `reset()` first to start empty."
+            )
         return replace(self, status=RESIDENT, **self._allocated_storage())
 
     def stage(self: S, payload: Any) -> S:
@@ -186,20 +225,49 @@ class StateObject(abc.ABC):
         return self._committed_view()
 
     def reset(self: S) -> S:
-        """Return the object unallocated: no storage, nothing staged."""
-        return replace(self, status=UNALLOCATED, staged=None, **self._released_storage())
+        """Return the object unallocated: no storage (resident or parked), nothing staged."""
+        return replace(self, status=UNALLOCATED, staged=None, host_copy=None, **self._released_storage())
 
     def evict(self: S) -> tuple[S, int]:
-        """Release committed storage. Returns ``(new_object, freed_bytes)``; staged bytes are neither freed
-        nor counted. Evicting an object that holds no committed storage frees nothing and returns it as is.
+        """Release committed storage (or, for a parked object, its host copy). Returns ``(new_object,
+        freed_bytes)``; staged bytes are neither freed nor counted. Evicting an object that holds no committed
+        storage frees nothing and returns it as is.
 
         ``freed_bytes`` are this object's own committed bytes; `functional_state.evict` reports what leaves
         the session, which is less when another object or an attr shares the storage.
         """
-        if self.status != RESIDENT:
+        if self.status == PARKED:
+            freed = accounting.total_nbytes(self.host_copy)
+        elif self.status == RESIDENT:
+            freed = accounting.total_nbytes(self._committed_roots())
+        else:
             return self, 0
-        freed = accounting.total_nbytes(self._committed_roots())
-        return replace(self, status=EVICTED, **self._released_storage()), freed
+        return replace(self, status=EVICTED, host_copy=None, **self._released_storage()), freed
+
+    def park(self: S) -> S:
+        """Return a parked copy: committed storage moved to host memory (see `functional_state.parking`),
+        the staged payload left where it is. The receiver still holds its device storage: memory is released
+        when nothing references the resident version any more (the shell drops it at once).
+
+        Raises:
+          ObjectParkedError: already parked. NotAllocatedError, NotResidentError: nothing to park.
+        """
+        self._require_resident("park")
+        record = parking.park_values(self._parkable_fields())
+        return replace(self, status=PARKED, host_copy=record, **self._parked_fields())
+
+    def restore(self: S) -> S:
+        """Return a resident copy of a parked object, its storage back where it was, bit for bit.
+
+        Raises:
+          NotParkedError: the object is not parked.
+        """
+        if self.status != PARKED:
+            raise NotParkedError(
+                f"`{type(self).__name__}.restore` called on a {self.status} object: only a parked object can be "
+                f"restored."
+            )
+        return replace(self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy))
 
     # --- accounting --------------------------------------------------------------------------------
     def nbytes_by_device(self) -> dict[str, int]:
@@ -211,7 +279,7 @@ class StateObject(abc.ABC):
         return accounting.nbytes_by_device(self.staged)
 
     def _accounting_children(self) -> tuple[Any, ...]:
-        return (self._committed_roots(), self.staged)
+        return (self._committed_roots(), self.staged, self.host_copy)
 
 
 def _check_source(source: Any, what: str) -> None:

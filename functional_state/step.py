@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import accounting
+from ._holders import buffer_keys, holders_except
 from .errors import InvalidTypeError
 from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session
 from .state_object import StateObject
@@ -41,24 +41,6 @@ def _jitted(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
         return jitted
 
 
-def _buffer_keys(tree: Any) -> set[tuple[str, int]]:
-    """Every (device, start address) of the buffers reachable from ``tree``: those the byte accounting
-    counts, and every array leaf of its pytrees (ring positions and other small leaves the accounting
-    leaves out are buffers a donation could delete too)."""
-    extents: accounting.Extents = []
-    seen: dict[int, Any] = {}
-    report = accounting.WalkReport()
-    accounting._collect(tree, extents, seen, report)
-    try:
-        leaves = jax.tree_util.tree_leaves(tree)
-    except Exception:  # an attr JAX cannot flatten: its arrays were found by the walk above
-        leaves = []
-    for leaf in leaves:
-        if id(leaf) not in seen:
-            accounting._collect(leaf, extents, seen, report)
-    return {(key, start) for key, start, _ in extents}
-
-
 # References to a leaf array while `_donation_copies` inspects it: the object's field, the leaves list, the
 # loop variable and getrefcount's argument. One more means someone outside the table holds the array.
 _LEAF_REFS = 4
@@ -74,7 +56,7 @@ def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObje
     reference to the object or the array from outside the table (a variable holding ``h.get(name)``):
     CPython reference counts show those, and a copy is the safe answer to any doubt.
     """
-    held = _buffer_keys(list(others))
+    held = buffer_keys(list(others))
     outside = sys.getrefcount(obj) > _OBJECT_REFS
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     new_leaves = []
@@ -82,7 +64,7 @@ def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObje
         if (
             isinstance(leaf, jax.Array)
             and not leaf.is_deleted()
-            and (outside or sys.getrefcount(leaf) > _LEAF_REFS or _buffer_keys(leaf) & held)
+            and (outside or sys.getrefcount(leaf) > _LEAF_REFS or buffer_keys(leaf) & held)
         ):
             new_leaves.append(jnp.array(leaf, copy=True))
         else:
@@ -94,15 +76,8 @@ def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObje
 
 def _others(state: ManagerState, sid: str, name: str) -> list[Any]:
     """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch."""
-    out: list[Any] = []
-    for other_sid, node in state._nodes.items():
-        session = node[_S]
-        if other_sid != sid:
-            out.append(session)
-            continue
-        out.extend(o for n, o in session._objects.items() if n != name)
-        out.extend(session._attrs.values())
-    return out
+    sessions = {s: node[_S] for s, node in state._nodes.items()}
+    return [value for values in holders_except(sessions, {sid: name}).values() for value in values]
 
 
 def _table_values(value: Any) -> list[Any]:
@@ -156,6 +131,7 @@ def step(
     """
     sid, node = _node(state, session_id, "step")
     obj = _object(node, name, "step")
+    obj._require_resident("step")
     jitted = _jitted(fn, donate)
     _check_returns_same_type(jitted, obj, args)  # before anything is donated: a refusal changes nothing
     if donate:

@@ -1,5 +1,6 @@
 """DreamZero: the adapter against the bespoke reference, method by method, plus sessions and accounting."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,9 +25,12 @@ from torch_bridge.adapters import (
 )
 from torch_bridge.adapters import dreamzero_rollout as rollout
 from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
+from torch_bridge.adapters.dreamzero import FeatMapView
 
 
 def _same(a, b):
+    if isinstance(b, FeatMapView):  # the adapter's list view of its DenseValue reads like the bespoke list
+        b = list(b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (type(a), type(b))
         assert a.dtype == b.dtype and a.shape == b.shape
@@ -178,20 +182,48 @@ def test_encoder_out_assignment_seeds_and_clears():
     assert pair[1].vae_encoder_out is None and pair[0].vae_encoder_out is None
 
 
-def test_vae_stream_fields_and_feat_map_identity():
+def test_vae_stream_fields_and_the_feat_map_read_and_write_as_before():
     pair = _pair()
     feat_map, pending = [torch.zeros(4), None], []
     for s in pair[:2]:
         s.vae_stream_initialized = True
-        s.vae_enc_feat_map = feat_map
+        s.vae_enc_feat_map = list(feat_map)
         s.vae_pending_body_frames = pending
-    assert pair[1].vae_enc_feat_map is feat_map and pair[1].vae_pending_body_frames is pending
-    feat_map[1] = torch.ones(2)  # the encoder mutates its cache in place
-    assert pair[1].vae_enc_feat_map[1] is feat_map[1]
+    assert pair[1].vae_pending_body_frames is pending  # an attr: carried by identity
+    view = pair[1].vae_enc_feat_map
+    assert len(view) == 2 and view[0] is feat_map[0] and view[1] is None  # items by reference
+    new = torch.ones(2)
+    for s in pair[:2]:
+        cache = s.vae_enc_feat_map
+        cache[1] = new  # the encoder replaces cached items through the list it reads from the state
+    assert pair[1].vae_enc_feat_map[1] is new and pair[0].vae_enc_feat_map[1] is new
+    assert isinstance(pair[1]._session.get("vae_enc_feat_map"), fs.DenseValue)  # a parkable state object
+    with pytest.raises(fs.InvalidArgumentError, match="fixed length"):
+        pair[1].vae_enc_feat_map.append(torch.zeros(1))
     _both(pair, lambda s: s.append_vae_encoder_chunk(_chunk(1)))
     _both(pair, lambda s: s.reset_vae_encoder_stream())
     _same_attrs(pair)
     assert pair[1].vae_stream_initialized is False and pair[1].vae_enc_feat_map is None
+
+
+def test_the_feat_map_parks_between_steps_and_restores_on_access():
+    manager = SessionStateManager()
+    state = DreamZeroStateAdapter("s", manager)
+    tensors = [torch.randn(256) for _ in range(3)]
+    state.vae_enc_feat_map = tensors
+    before = manager.stats()
+    moved = state.park_feat_map()
+    after = manager.stats()
+    assert moved == {"cpu": -3 * 1024, "cpu/unpinned_host": 3 * 1024}
+    assert (
+        after.get("nbytes:cpu", 0) == before["nbytes:cpu"] - 3 * 1024 and after["nbytes:cpu/unpinned_host"] == 3 * 1024
+    )
+    assert after["parks"] == 1 and after["parked_nbytes"] == 3 * 1024
+    again = DreamZeroStateAdapter("s", manager)  # a new adapter, as the next request builds one
+    restored = list(again.vae_enc_feat_map)  # first access restores
+    assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(restored, tensors))
+    s = manager.stats()
+    assert s["restores"] == 1 and s["parked_nbytes"] == 0 and "nbytes:cpu/unpinned_host" not in s
 
 
 def _populate(s):
@@ -262,7 +294,7 @@ def test_fresh_adapter_sees_the_same_session():
     a = DreamZeroStateAdapter("s", manager)
     _populate(a)
     b = DreamZeroStateAdapter("s", manager)
-    assert b.call_count == 5 and b.vae_enc_feat_map is a.vae_enc_feat_map
+    assert b.call_count == 5 and b.vae_enc_feat_map[0] is a.vae_enc_feat_map[0]
     _same(b.get_concatenated_video_latents(), a.get_concatenated_video_latents())
     b.call_count += 1
     assert a.call_count == 6
@@ -420,12 +452,13 @@ def _replay_digest(cfg, nets, streams, adapter_steps=None):
 def test_a_fork_is_a_real_snapshot_of_a_dreamzero_session(policy, monkeypatch):
     """Fork at step 100, feed the forks different frames for 50 steps: each equals an unforked replay.
 
-    With the feat map and pending-frame lists shared between forks (policy "share", the old behaviour), one
-    fork's encoder writes leak into the other and the digests differ: the control shows the check can fail.
+    With the pending-frame list shared between forks (policy "share", the old behaviour), one fork's appends
+    leak into the other and the digests differ: the control shows the check can fail.
     """
     if policy == "share":
-        for name in ("vae_enc_feat_map", "vae_pending_body_frames"):
-            monkeypatch.setattr(DreamZeroStateAdapter.__dict__[name], "on_fork", "share")
+        # The feat map is a DenseValue (immutable: forks cannot share writes); the pending-frames list is an
+        # attr whose declared policy copies it.
+        monkeypatch.setattr(DreamZeroStateAdapter.__dict__["vae_pending_body_frames"], "on_fork", "share")
     cfg = rollout.small_config(prompt_every=10**6)
     nets = rollout._Networks(cfg)
     manager = SessionStateManager()
@@ -489,3 +522,19 @@ def test_a_thousand_begin_close_cycles_reclaim_every_slot_and_byte():
         assert len(manager) == 0 and manager.stats()["total_nbytes"] == 0
     s = manager.stats()
     assert s["misses"] == 2000 and s["evictions"] == 0
+
+
+def test_parking_every_feat_map_after_every_step_changes_no_output():
+    cfg = rollout.small_config(steps=400, sessions=3)
+    digests, stats = {}, {}
+    for label, enabled, park in (("bespoke", False, False), ("manager", True, False), ("manager+park", True, True)):
+        with enable_override(enabled):
+            result = rollout.run_rollout(dataclasses.replace(cfg, park_feat_map=park))
+        digests[label], stats[label] = result.digest, result.stats
+    assert digests["bespoke"] == digests["manager"] == digests["manager+park"]
+    parked = stats["manager+park"]
+    # Every step parks; the next step restores on access, except after a session's last step and when the
+    # next step starts with a prompt change (a session reset drops the parked cache instead).
+    resets = 3 * ((cfg.steps - 1) // cfg.prompt_every)
+    assert parked["parks"] == 3 * cfg.steps and parked["restores"] == parked["parks"] - 3 - resets
+    assert stats["manager"]["parks"] == 0

@@ -10,10 +10,16 @@ name                       bucket                                            why
 ``video_latents``          `LatentBuffer` append buffer (host memory)        accumulated over the session
 ``vae_encoder_out``        `LatentBuffer` ring of ``vae_encoder_window``      bounded: the reader needs only
                            latent frames                                     the last few frames
+``vae_enc_feat_map``       `DenseValue` (603 MiB at deploy shapes)           replaced whole or item by item,
+                                                                             no recompute source: parkable
 counters, conditioning     attrs                                             assigned wholesale by the model
-``vae_enc_feat_map``       attr (603 MiB at deploy shapes)                   replaced wholesale, no recompute
-                                                                             source; only a session end frees it
+pending body frames        attr (a list appended in place; forks copy it)    < 4 frames, views of the ring
 =========================  ================================================  ===========================
+
+The feat map reads and writes as before (``state.vae_enc_feat_map[i] = x``): the property returns a list
+view whose item assignments commit into the `DenseValue`, so the manager can park the whole cache in host
+memory between steps (`park_feat_map`) and restore it on the next access, bit for bit. Read the feat map
+from the state each time it is used: the list a caller assigns is copied in, not kept by identity.
 
 Torch tensors enter through `torch_bridge.wrap` (a JAX alias when DLPack allows, the tensor itself
 otherwise; never a copy) and come back as torch tensors over the same storage, bit-identical.
@@ -21,14 +27,17 @@ otherwise; never a copy) and come back as torch tensors over the same storage, b
 
 from __future__ import annotations
 
+from collections.abc import Iterator, MutableSequence
 from typing import Any
 
 import torch
 
 from functional_state import (
+    DenseValue,
     InvalidArgumentError,
     LatentBuffer,
     SessionAttr,
+    SessionHandle,
     SessionState,
     SessionStateManager,
     nbytes_by_device,
@@ -50,6 +59,45 @@ __all__ = ["DreamZeroStateAdapter", "dreamzero_component_nbytes"]
 _FRAMES = "stitched_frames"
 _LATENTS = "video_latents"
 _ENCODER = "vae_encoder_out"
+_FEAT_MAP = "vae_enc_feat_map"
+
+
+class FeatMapView(MutableSequence[Any]):
+    """The session's VAE feat map as the model uses it: a list whose item assignments commit into the
+    `DenseValue` (restored first if it was parked). Its length is fixed, as the cache's layer count is."""
+
+    def __init__(self, handle: SessionHandle, name: str = _FEAT_MAP):
+        self._handle = handle
+        self._name = name
+
+    def _items(self) -> tuple[Any, ...]:
+        return self._handle.get(self._name).value
+
+    def __getitem__(self, index: Any) -> Any:
+        items = self._items()
+        return list(items[index]) if isinstance(index, slice) else items[index]
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        if isinstance(index, slice):
+            raise InvalidArgumentError("`vae_enc_feat_map[...] = ...`: assign items one index at a time.")
+        self._handle.update(self._name, lambda cache: cache.set_item(index, value))  # type: ignore[attr-defined]
+
+    def __delitem__(self, index: Any) -> None:
+        raise InvalidArgumentError(
+            "`del vae_enc_feat_map[i]`: the feat map has one entry per cached layer; assign None."
+        )
+
+    def insert(self, index: int, value: Any) -> None:
+        raise InvalidArgumentError("`vae_enc_feat_map.insert`: the feat map has a fixed length; assign items instead.")
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items())
+
+    def __repr__(self) -> str:
+        return f"FeatMapView({len(self)} items of session {self._handle.session_id!r})"
 
 
 def _to_state(value: Any) -> Any:
@@ -74,7 +122,7 @@ def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
         "stitched_frames": session.get(_FRAMES, None),
         "video_latents": session.get(_LATENTS, None),
         "vae_encoder_out": session.get(_ENCODER, None),
-        "vae_enc_feat_map": session.get_attr("vae_enc_feat_map", None),
+        "vae_enc_feat_map": session.get(_FEAT_MAP, None),
         "vae_pending_body_frames": session.get_attr("vae_pending_body_frames", None),
         "conditioning": [session.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
     }
@@ -112,10 +160,7 @@ class DreamZeroStateAdapter(ResetRules):
     language = _tensor_attr("the prompt's text tokens")
     prompt_embeds = _tensor_attr("encoded prompt")
     vae_stream_initialized = SessionAttr(default=False, coerce=bool, doc="the encoder stream has started")
-    # Lists the model assigns into: a fork copies the list (not the tensors), so its writes stay its own.
-    vae_enc_feat_map: SessionAttr[Any] = SessionAttr(
-        default=None, on_fork="copy_container", doc="the causal encoder's feature cache (items replaced in place)"
-    )
+    # A list the model appends to: a fork copies the list (not the tensors), so its appends stay its own.
     vae_pending_body_frames: SessionAttr[Any] = SessionAttr(
         default=None, on_fork="copy_container", doc="frames waiting for a full encoder chunk (appended in place)"
     )
@@ -160,6 +205,30 @@ class DreamZeroStateAdapter(ResetRules):
     @property
     def session_id(self) -> str:
         return self._session.session_id
+
+    # the VAE feat map: a DenseValue behind a list view
+    @property
+    def vae_enc_feat_map(self) -> FeatMapView | None:
+        """The causal encoder's feature cache, or None: a list view (see `FeatMapView`)."""
+        cache = self._session.get(_FEAT_MAP, None)  # restored here if it was parked
+        if cache is None or not cache.resident or cache.value is None:
+            return None
+        return FeatMapView(self._session)
+
+    @vae_enc_feat_map.setter
+    def vae_enc_feat_map(self, value: Any) -> None:
+        if value is None:
+            self._session.remove(_FEAT_MAP)
+        else:
+            self._session.put(_FEAT_MAP, DenseValue.create(list(value)))
+
+    def park_feat_map(self) -> dict[str, int]:
+        """Park the feat map in host memory until its next access (which restores it); returns the bytes moved
+        per pool, or {} when there is none to park."""
+        cache = self._session.get(_FEAT_MAP, None)
+        if cache is None or not cache.resident or cache.value is None:
+            return {}
+        return self._session.park(_FEAT_MAP)
 
     @property
     def vae_encoder_window(self) -> int:
@@ -230,8 +299,9 @@ class DreamZeroStateAdapter(ResetRules):
         return _cat_time(items[-num_frames:])
 
     def reset_vae_encoder_stream(self) -> None:
-        for name in ("vae_stream_initialized", "vae_enc_feat_map", "vae_pending_body_frames"):
+        for name in ("vae_stream_initialized", "vae_pending_body_frames"):
             self._session.del_attr(name)
+        self._session.remove(_FEAT_MAP)
         self._session.put(_ENCODER, self._new_buffer(_ENCODER))
 
     # resets

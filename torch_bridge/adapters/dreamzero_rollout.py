@@ -48,6 +48,7 @@ class RolloutConfig:
     vae_encoder_window: int = 2
     enable_session_state_manager: bool | None = None  # the config value; the environment overrides it
     trace_bytes: bool = False  # record session 0's bytes (per component, and deduplicated total) at every step
+    park_feat_map: bool = False  # manager path: park each session's feat map after its step (restored on access)
 
     def __post_init__(self) -> None:
         for name in (
@@ -257,6 +258,8 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
             state = state_for(sid)
             for value in _step(state, nets, cfg, session, step):
                 _hash(digest, value)
+            if cfg.park_feat_map and enabled:
+                state.park_feat_map()
             if cfg.trace_bytes and session == 0:
                 trace.append({**state.component_nbytes(), "total": state.total_nbytes()})
         if progress is not None:
@@ -292,8 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--feat-map-mib", type=float, default=None, help="VAE feat map size (deploy: 603)")
     parser.add_argument("--enable", action="store_true", help="config value of enable_session_state_manager")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    parser.add_argument("--park-feat-map", action="store_true", help="manager path: park feat maps after each step")
     args = parser.parse_args(argv)
-    overrides: dict[str, Any] = dict(steps=args.steps, sessions=args.sessions, enable_session_state_manager=args.enable)
+    overrides: dict[str, Any] = dict(
+        steps=args.steps,
+        sessions=args.sessions,
+        enable_session_state_manager=args.enable,
+        park_feat_map=args.park_feat_map,
+    )
     if args.feat_map_mib is not None:
         overrides["feat_map_bytes"] = int(args.feat_map_mib * MIB)
     cfg = RolloutConfig(**overrides) if args.deploy_shapes else small_config(**overrides)
