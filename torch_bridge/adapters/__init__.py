@@ -11,6 +11,8 @@ from .dreamzero import DreamZeroStateAdapter as DreamZeroStateAdapter
 from .dreamzero import dreamzero_component_nbytes as dreamzero_component_nbytes
 from .dreamzero_bespoke import BespokeDreamZeroCache as BespokeDreamZeroCache
 from .dreamzero_bespoke import BespokeDreamZeroState as BespokeDreamZeroState
+from .dreamzero_store import DreamZeroSessions as DreamZeroSessions
+from .dreamzero_store import begins_session as begins_session
 
 __all__ = [
     "BespokeDreamZeroCache",
@@ -20,7 +22,9 @@ __all__ = [
     "Cosmos3Shapes",
     "Cosmos3StateAdapter",
     "Cosmos3TransformerCache",
+    "DreamZeroSessions",
     "DreamZeroStateAdapter",
+    "begins_session",
     "cosmos3_footprint",
     "dreamzero_component_nbytes",
     "request_session",

@@ -3,8 +3,8 @@
 It drives session state exactly as the pipeline does (frames in, a causal VAE encoder stream, an
 observation read, latents appended, window and session resets from ``local_attn_size`` and prompt
 changes) with stand-in networks built from elementwise ops only, so every result is bitwise reproducible
-whatever the tensor sizes. `resolve_session_state_config` picks the path: bespoke state, or the adapter
-over a `SessionStateManager`. The run prints one digest of every per-step output; the two paths must
+whatever the tensor sizes. `resolve_session_state_config` picks the path (bespoke state, or the adapter
+over a `SessionStateManager`), and every request goes through `DreamZeroSessions` (begin, continue, close). The run prints one digest of every per-step output; the two paths must
 print the same one.
 
 ``python -m torch_bridge.adapters.dreamzero_rollout --steps 400 --sessions 3``
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from functional_state import InvalidArgumentError, SessionStateManager, resolve_session_state_config
+from functional_state import InvalidArgumentError
 
-from .dreamzero import DreamZeroStateAdapter
-from .dreamzero_bespoke import BespokeDreamZeroCache, BespokeDreamZeroState
+from .dreamzero_bespoke import BespokeDreamZeroState
+from .dreamzero_store import DreamZeroSessions, begins_session, default_resident_bound
 
 MIB = 2**20
 DEPLOY_FEAT_MAP_BYTES = 603 * MIB
@@ -235,49 +235,50 @@ class RolloutResult:
 
 
 def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = None) -> RolloutResult:
-    """Run ``cfg.steps`` steps on each of ``cfg.sessions`` interleaved sessions, on the configured path."""
-    enabled, cap = resolve_session_state_config(cfg.enable_session_state_manager)
+    """Run ``cfg.steps`` steps on each of ``cfg.sessions`` interleaved sessions, on the configured path.
+
+    Every request goes through the serving lifecycle (`DreamZeroSessions`): a session's first request is a
+    begin (``reset`` set in its extra args), the others continuations; at the end the latents are exported and
+    the sessions closed.
+    """
+    store = DreamZeroSessions(
+        cfg.enable_session_state_manager,
+        resident_bound=max(cfg.sessions, default_resident_bound()),
+        vae_encoder_window=cfg.vae_encoder_window,
+    )
     nets = _Networks(cfg)
-    if enabled:
-        manager = SessionStateManager(max_sessions=cap)
-
-        def state_for(sid: str) -> Any:
-            # A fresh adapter per call, as the pipeline builds one per request: state lives in the manager.
-            return DreamZeroStateAdapter(sid, manager, vae_encoder_window=cfg.vae_encoder_window)
-    else:
-        cache = BespokeDreamZeroCache()
-
-        def state_for(sid: str) -> Any:
-            return cache.get_or_create(sid)
-
     digest = hashlib.sha256()
     trace: list[dict[str, int]] = []
     for step in range(cfg.steps):
         for session in range(cfg.sessions):
             sid = f"session-{session}"
-            state = state_for(sid)
+            extra_args = {"reset": step == 0}  # as a runner sends it
+            state = store.begin(sid) if begins_session(extra_args) else store.resume(sid)
             for value in _step(state, nets, cfg, session, step):
                 _hash(digest, value)
-            if cfg.park_feat_map and enabled:
+            if cfg.park_feat_map and store.enabled:
                 state.park_feat_map()
             if cfg.trace_bytes and session == 0:
                 trace.append({**state.component_nbytes(), "total": state.total_nbytes()})
         if progress is not None:
             progress(step)
-    final_states = {f"session-{s}": state_for(f"session-{s}") for s in range(cfg.sessions)}
-    for sid, state in final_states.items():
+    final_states = {f"session-{s}": store.resume(f"session-{s}") for s in range(cfg.sessions)}
+    for sid in final_states:
         _hash(digest, sid)
-        _hash(digest, state.get_concatenated_video_latents())
-    latents = final_states["session-0"].get_concatenated_video_latents()
-    return RolloutResult(
-        path="manager" if enabled else "bespoke",
+        _hash(digest, store.decode_accumulated_video_latents(sid))
+    latents = store.decode_accumulated_video_latents("session-0")
+    result = RolloutResult(
+        path="manager" if store.enabled else "bespoke",
         digest=digest.hexdigest(),
         components={sid: s.component_nbytes() for sid, s in final_states.items()},
         totals={sid: s.total_nbytes() for sid, s in final_states.items()},
         bytes_trace=trace,
         latents_shape=None if latents is None else tuple(latents.shape),
-        stats=manager.stats() if enabled else None,
+        stats=store.manager.stats() if store.enabled else None,
     )
+    for sid in final_states:
+        store.close(sid)
+    return result
 
 
 def small_config(**overrides: Any) -> RolloutConfig:
