@@ -31,6 +31,7 @@ check-core-install: $(STAMP)
 	$(PYTHON) -m venv $(NOTORCH)
 	$(NOTORCH)/bin/python -m pip install -q -c constraints.txt .
 	$(NOTORCH)/bin/python scripts/check_core_without_torch.py
+	rm -rf build
 	rm -rf $(NOTORCH)
 
 bench: $(STAMP)

@@ -7,10 +7,12 @@ is a thread-safe imperative shell that swaps one immutable value under a lock.
 from ._version import __version__
 from .accounting import nbytes_by_device, register_alias, total_nbytes
 from .array_ring import ArrayRing
+from .budget import capacity_for, parse_bytes
 from .config import resolve_session_state_config
 from .dense_value import DenseValue
 from .errors import (
     AttrNotFoundError,
+    BudgetExceededError,
     CopyRequiredError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -59,6 +61,7 @@ from .manager_state import (
     view,
     with_sessions,
 )
+from .planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
 from .session import FORK_POLICIES, SessionState
 from .session_attr import SessionAttr
 from .state_object import StateObject
@@ -68,8 +71,10 @@ __all__ = [
     "DEFAULT_MAX_SESSIONS",
     "DEFAULT_SESSION_ID",
     "FORK_POLICIES",
+    "LEVERS",
     "ArrayRing",
     "AttrNotFoundError",
+    "BudgetExceededError",
     "CopyRequiredError",
     "DenseValue",
     "InvalidArgumentError",
@@ -83,6 +88,8 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectParkedError",
     "ReentrantWriteError",
+    "ReleaseAction",
+    "ReleasePlan",
     "SessionAdmissionError",
     "SessionAttr",
     "SessionExistsError",
@@ -96,10 +103,13 @@ __all__ = [
     "StateObject",
     "StateShapeError",
     "__version__",
+    "apply_plan",
+    "capacity_for",
     "commit",
     "del_attr",
     "discard",
     "drop_session",
+    "enforce_budget",
     "evict",
     "fork_session",
     "get_attr",
@@ -109,6 +119,8 @@ __all__ = [
     "lookup",
     "nbytes_by_device",
     "park",
+    "parse_bytes",
+    "plan_release",
     "put",
     "raise_max_sessions",
     "register_alias",

@@ -163,8 +163,10 @@ def _numpy_extents(a: np.ndarray, out: Extents) -> None:
 def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any]) -> None:
     owner = alias_owner(a)
     if owner is not None:
+        # The owner's allocation holds this array's bytes: count the owner, and only the owner, so extents
+        # stay identical or disjoint (what the incremental accounting relies on).
         _collect(owner, out, seen, report)
-        # Fall through: the owner covers this array's bytes, and the union makes the overlap free.
+        return
     if a.is_deleted():
         report.deleted_arrays += 1
         return

@@ -24,7 +24,7 @@ def _raise_short_window(size: Any, k: int, capacity: int) -> None:
     )
 
 
-@pytree_dataclass(static=("capacity", "frame_shape", "dtype", "status", "recompute_source"))
+@pytree_dataclass(static=("capacity", "frame_shape", "dtype", "status", "recompute_source", "recompute_cost"))
 class ArrayRing(StateObject):
     """The last ``capacity`` frames of shape ``frame_shape``, in one ``[capacity, *frame_shape]`` array.
 
@@ -54,6 +54,7 @@ class ArrayRing(StateObject):
     dtype: np.dtype
     status: Status
     recompute_source: str | None
+    recompute_cost: float  # relative cost of rebuilding it from its source (the planner evicts cheapest first)
 
     @classmethod
     def create(
@@ -64,6 +65,7 @@ class ArrayRing(StateObject):
         *,
         allocate: bool = True,
         recompute_source: str | None = None,
+        recompute_cost: float = 1.0,
     ) -> ArrayRing:
         """Build a ring of ``capacity`` frames; allocated storage is zero-filled.
 
@@ -93,7 +95,7 @@ class ArrayRing(StateObject):
                 f"{stored}, and a ring that reports one dtype and stores another would cast every frame. Pass "
                 f"dtype={stored.name!r}, or enable x64 (`jax.config.update('jax_enable_x64', True)`)."
             )
-        _check_source(recompute_source, "ArrayRing.create")
+        _check_source(recompute_source, "ArrayRing.create", recompute_cost)
         ring = cls(
             storage=None,
             head=jnp.zeros((), jnp.int32),
@@ -105,6 +107,7 @@ class ArrayRing(StateObject):
             dtype=dt,
             status=UNALLOCATED,
             recompute_source=recompute_source,
+            recompute_cost=float(recompute_cost),
         )
         return ring.allocate() if allocate else ring
 

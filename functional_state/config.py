@@ -1,4 +1,9 @@
-"""`resolve_session_state_config`: the enable flag and session cap, with environment overrides."""
+"""`resolve_session_state_config`: the enable flag, the session cap and the byte budget.
+
+The flag and the cap may be overridden from the environment; the byte budget is a config field only. The
+spec keeps environment variables for the A/B switch and for stressing the cap in tests; the budget is the
+knob a deployment sets in its config, so it gets no variable.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,13 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
+from .budget import normalize_budget
 from .errors import InvalidArgumentError
 from .manager_state import DEFAULT_MAX_SESSIONS
 
-__all__ = ["ENV_ENABLE", "ENV_MAX_SESSIONS", "enable_override", "resolve_session_state_config"]
+__all__ = ["ENV_ENABLE", "ENV_MAX_SESSIONS", "SessionStateConfig", "enable_override", "resolve_session_state_config"]
 
 ENV_ENABLE = "OMNI_DIFFUSION_SESSION_STATE_MANAGER"
 ENV_MAX_SESSIONS = "OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS"
@@ -30,30 +37,43 @@ def _parse_bool(raw: str) -> bool | None:
     return None
 
 
-def resolve_session_state_config(enable: bool | None = None, max_sessions: int | None = None) -> tuple[bool, int]:
-    """Decide whether the manager-backed path is on, and its session cap.
+class SessionStateConfig(NamedTuple):
+    """The resolved session-state config."""
 
-    A set, parsable environment variable overrides the argument in both directions (``=0`` turns the
-    manager off even when ``enable=True``): that is how an A/B run flips only the flag. An unparsable
-    enable value is ignored (with a warning); an unparsable or non-positive cap logs a warning and is
-    ignored.
+    enabled: bool
+    max_sessions: int
+    byte_budget: dict[str, int] | None  # {pool: bytes}; see `functional_state.budget`
+
+
+def resolve_session_state_config(
+    enable: bool | None = None, max_sessions: int | None = None, byte_budget: Any = None
+) -> SessionStateConfig:
+    """Decide whether the manager-backed path is on, its session cap and its byte budget.
+
+    A set, parsable environment variable overrides ``enable`` and ``max_sessions`` in both directions
+    (``=0`` turns the manager off even when ``enable=True``): that is how an A/B run flips only the flag. An
+    unparsable enable value is ignored (with a warning); an unparsable or non-positive cap logs a warning and
+    is ignored. ``byte_budget`` has no environment variable: it is config only.
 
     Args:
       enable: the config value; None means off.
       max_sessions: the config cap; None means 64.
+      byte_budget: bytes per pool, e.g. ``{"cuda:0": "40GiB"}`` or one size for every device pool; None for
+        none (see `functional_state.budget.normalize_budget`).
 
     Returns:
-      ``(enabled, max_sessions)``.
+      ``SessionStateConfig(enabled, max_sessions, byte_budget)``, the budget normalized to ``{pool: bytes}``.
 
     Raises:
-      ValueError: the ``max_sessions`` argument itself is not a positive int.
+      InvalidArgumentError: ``max_sessions`` is not a positive int, or ``byte_budget`` is not a budget.
 
     Example:
       >>> import os
       >>> os.environ.pop(ENV_ENABLE, None); os.environ.pop(ENV_MAX_SESSIONS, None)
-      >>> resolve_session_state_config(enable=True)
-      (True, 64)
+      >>> resolve_session_state_config(enable=True, byte_budget={"cuda:0": "40GiB"})
+      SessionStateConfig(enabled=True, max_sessions=64, byte_budget={'cuda:0': 42949672960})
     """
+    budget = normalize_budget(byte_budget, "resolve_session_state_config: byte_budget")
     if max_sessions is None:
         max_sessions = DEFAULT_MAX_SESSIONS
     elif isinstance(max_sessions, bool) or not isinstance(max_sessions, int) or max_sessions <= 0:
@@ -82,7 +102,7 @@ def resolve_session_state_config(enable: bool | None = None, max_sessions: int |
             logger.warning("%s=%r is not a positive int; ignored (using %d).", ENV_MAX_SESSIONS, raw, max_sessions)
         else:
             max_sessions = cap
-    return enabled, max_sessions
+    return SessionStateConfig(enabled, max_sessions, budget)
 
 
 @contextlib.contextmanager

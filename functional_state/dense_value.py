@@ -33,7 +33,7 @@ def _check_value(value: Any, what: str) -> Any:
     )
 
 
-@pytree_dataclass(static=("status", "recompute_source"))
+@pytree_dataclass(static=("status", "recompute_source", "recompute_cost"))
 class DenseValue(StateObject):
     """One value the model replaces wholesale, or item by item: a cache like DreamZero's VAE feat map.
 
@@ -57,6 +57,7 @@ class DenseValue(StateObject):
     host_copy: Any  # ParkedStorage of `value` while parked, else None
     status: Status
     recompute_source: str | None  # always None: nothing can rebuild this value
+    recompute_cost: float  # unused: never recomputable
 
     @classmethod
     def create(cls, value: Any = None, *, allocate: bool = True) -> DenseValue:
@@ -71,6 +72,7 @@ class DenseValue(StateObject):
             host_copy=None,
             status=RESIDENT if allocate else UNALLOCATED,
             recompute_source=None,
+            recompute_cost=float("inf"),
         )
 
     def __len__(self) -> int:

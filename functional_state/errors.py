@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "AttrNotFoundError",
+    "BudgetExceededError",
     "CopyRequiredError",
     "InvalidArgumentError",
     "InvalidTypeError",
@@ -97,6 +98,18 @@ class NothingStagedError(SessionStateError, ValueError):
 
 class StateConsumedError(SessionStateError, RuntimeError):
     """A `ManagerState` was used after ``step(..., donate=True)`` consumed it (its buffers may be deleted)."""
+
+
+class BudgetExceededError(SessionStateError, RuntimeError):
+    """A pool's byte budget cannot be met: even releasing everything the planner may release leaves it over.
+
+    Attributes: ``pool``, ``budget`` (bytes), ``held`` (bytes the pool would hold), ``releasable`` (bytes
+    the planner could free), each also in the message.
+    """
+
+    def __init__(self, message: str, *, pool: str = "", budget: int = 0, held: int = 0, releasable: int = 0):
+        super().__init__(message)
+        self.pool, self.budget, self.held, self.releasable = pool, budget, held, releasable
 
 
 class CopyRequiredError(SessionStateError, ValueError):

@@ -12,7 +12,7 @@ from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, _check_sou
 __all__ = ["LatentBuffer"]
 
 
-@pytree_dataclass(static=("maxlen", "status", "recompute_source"))
+@pytree_dataclass(static=("maxlen", "status", "recompute_source", "recompute_cost"))
 class LatentBuffer(StateObject):
     """Items in commit order; unbounded, or a ring of ``maxlen`` that drops the oldest.
 
@@ -36,10 +36,16 @@ class LatentBuffer(StateObject):
     maxlen: int | None  # ring capacity; None for an unbounded append buffer
     status: Status
     recompute_source: str | None  # name of an object of the same session this buffer can be rebuilt from
+    recompute_cost: float  # relative cost of rebuilding it: the budget planner evicts the cheapest first
 
     @classmethod
     def create(
-        cls, maxlen: int | None = None, *, allocate: bool = True, recompute_source: str | None = None
+        cls,
+        maxlen: int | None = None,
+        *,
+        allocate: bool = True,
+        recompute_source: str | None = None,
+        recompute_cost: float = 1.0,
     ) -> LatentBuffer:
         """Build an empty buffer.
 
@@ -48,6 +54,8 @@ class LatentBuffer(StateObject):
           allocate: start resident (True) or unallocated (False).
           recompute_source: the name of another object of the same session this buffer can be rebuilt
             from (checked when the buffer is put into a session).
+          recompute_cost: what rebuilding it costs, relative to other objects (the planner evicts
+            recomputable objects cheapest first).
 
         Raises:
           InvalidArgumentError: ``maxlen`` is not a positive int or None, or ``recompute_source`` is not a
@@ -55,7 +63,7 @@ class LatentBuffer(StateObject):
         """
         if maxlen is not None and (isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0):
             raise InvalidArgumentError(f"`LatentBuffer.create`: maxlen must be a positive int or None, got {maxlen!r}.")
-        _check_source(recompute_source, "LatentBuffer.create")
+        _check_source(recompute_source, "LatentBuffer.create", recompute_cost)
         return cls(
             items=(),
             staged=None,
@@ -63,6 +71,7 @@ class LatentBuffer(StateObject):
             maxlen=maxlen,
             status=RESIDENT if allocate else UNALLOCATED,
             recompute_source=recompute_source,
+            recompute_cost=float(recompute_cost),
         )
 
     def __len__(self) -> int:

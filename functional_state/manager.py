@@ -16,9 +16,11 @@ Session handles give the object API the bespoke caches had:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
@@ -26,6 +28,7 @@ from . import manager_state as ms
 from ._pytree import MISSING
 from .errors import ObjectParkedError, SessionStateError
 from .manager_state import ManagerState
+from .planner import LEVERS, attr_surplus, enforce_budget, over_budget_objects
 from .session import ForkPolicy, SessionState
 from .state_object import StateObject
 from .step import step as _pure_step
@@ -68,11 +71,31 @@ class SessionStateManager:
     def __init__(
         self,
         max_sessions: int = ms.DEFAULT_MAX_SESSIONS,
-        byte_budget: int | None = None,
+        byte_budget: Any = None,
         evict_when_full: bool = True,
         lock_factory: Callable[[], AbstractContextManager[Any]] = threading.Lock,
+        release_levers: Iterable[str] = LEVERS,
     ):
+        """
+        Args:
+          max_sessions: the count cap (see `ManagerState.create`).
+          byte_budget: bytes per pool (see `ManagerState.create`). With a budget, every write that leaves a
+            pool over it releases what `plan_release` chooses (parking, evicting, dropping least recently used
+            sessions first), never touching the writing session or a pinned one (`pin`); a write that cannot
+            fit even so raises `BudgetExceededError` and changes nothing.
+          evict_when_full: LRU eviction at the count cap (True) or admission control (False).
+          lock_factory: builds the lock the shell swaps states under.
+          release_levers: the levers the budget may use, of ``("park", "evict", "drop")``.
+        """
         self._state = ManagerState.create(max_sessions, byte_budget, evict_when_full)
+        self._levers = tuple(release_levers)
+        bad = [lever for lever in self._levers if lever not in LEVERS]
+        if bad:
+            raise ms.InvalidArgumentError(
+                f"`SessionStateManager`: unknown release lever(s) {bad}; choose from {LEVERS}."
+            )
+        self._pins: Counter[str] = Counter()  # sessions the budget must not touch (requests in flight)
+        self._attr_surplus: dict[str, int] | None = None  # attr bytes beyond the objects', at the last full check
         self._lock = lock_factory()
         # Cells of sessions in the table, by incarnation: kept while the session is in the table, so handles
         # made per call share one cell. A cell leaves this dict when its session leaves the table; handles
@@ -93,11 +116,71 @@ class SessionStateManager:
     def __bool__(self) -> bool:
         return True  # an empty manager is still a manager
 
-    def _swap(self, op: Callable[[ManagerState], tuple[ManagerState, _Result]]) -> _Result:
-        """Apply library code ``op`` to the table under the lock (no user code may run inside)."""
+    def _swap(self, op: Callable[[ManagerState], tuple[ManagerState, _Result]], writer: str | None = None) -> _Result:
+        """Apply library code ``op`` to the table under the lock (no user code may run inside), keeping the
+        byte budget (``writer``, the session written, is never released to make room)."""
         with self._lock:
-            self._state, out = op(self._state)
+            before = self._state
+            after, out = op(before)
+            self._state = self._admit(before, after, writer)
         return out
+
+    def _admit(
+        self, before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool = False
+    ) -> ManagerState:
+        """Under the lock: ``after`` brought within the byte budget, or BudgetExceededError (nothing changes).
+        Sessions the budget drops leave their handles working on their own copy, as an eviction does.
+
+        The common case is a write that stays within budget: it is decided from the kept object totals plus
+        the attr bytes seen at the last full check, with no walk. A full check (which re-reads every attr,
+        and plans a release when a pool is over) runs when that sum crosses a budget, or when the write
+        changed attrs. An attr a model grows in place is therefore seen at the next full check (any attr
+        write, any pool near its budget), or by `stats()`."""
+        if after is before or after.byte_budget is None:
+            return after
+        if self._within_budget_fast(before, after, writer, attrs_unchanged):
+            return after
+        protect = {sid for sid, n in self._pins.items() if n and sid in after}
+        if writer is not None and writer in after:
+            protect.add(writer)
+        enforced = enforce_budget(after, protect, levers=self._levers)
+        if len(enforced) < len(after):
+            for cell in list(self._cells.values()):
+                if cell.session_id not in enforced:
+                    self._detach(after, cell.session_id)
+        self._attr_surplus = attr_surplus(enforced)
+        return enforced
+
+    def _within_budget_fast(
+        self, before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool
+    ) -> bool:
+        if self._attr_surplus is None:
+            return False
+        if not attrs_unchanged and writer is not None and writer in after and writer in before:
+            if ms.lookup(before, writer).attrs is not ms.lookup(after, writer).attrs:
+                return False  # attrs changed: re-read them
+        return not over_budget_objects(after, self._attr_surplus)
+
+    @contextlib.contextmanager
+    def pin(self, session_id: str | None) -> Iterator[None]:
+        """Protect a session from the byte budget while the block runs (a request in flight): its objects are
+        never parked, evicted or dropped to make room. Pins nest.
+
+        Example:
+          >>> manager = SessionStateManager(byte_budget="1GiB")
+          >>> with manager.pin("req-1"):
+          ...     _ = manager.get_or_create_session("req-1")
+        """
+        sid = ms.resolve_session_id(session_id)
+        with self._lock:
+            self._pins[sid] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pins[sid] -= 1
+                if not self._pins[sid]:
+                    del self._pins[sid]
 
     def _cell(self, state: ManagerState, sid: str) -> _Cell:
         uid = ms.incarnation(state, sid)
@@ -137,7 +220,7 @@ class SessionStateManager:
         with self._lock:
             state = self._state
             uid = ms.incarnation(state, sid)
-            if uid is not None:  # a hit: the common case, kept short
+            if uid is not None:  # a hit: the common case, kept short (a hit adds no bytes: no budget check)
                 self._state = state = ms.get_or_create(state, sid)[0]
                 cell = self._cells.get(uid)
                 if cell is None:
@@ -174,7 +257,7 @@ class SessionStateManager:
             state = self._insertion(state, nid, lambda s: ms.fork_session(s, source_id, nid))
             return state, self._cell(state, nid)
 
-        return SessionHandle(self, self._swap(op))
+        return SessionHandle(self, self._swap(op, writer=nid))
 
     def drop_session(self, session_id: str | None) -> bool:
         """Remove a session from the table; True if it was there. Live handles keep their state."""
@@ -189,9 +272,9 @@ class SessionStateManager:
         """Raise the count cap (see `functional_state.raise_max_sessions`)."""
         self._swap(lambda state: (ms.raise_max_sessions(state, n), None))
 
-    def stats(self) -> dict[str, Any]:
-        """Counters and per-device bytes of the current state (see `functional_state.stats`)."""
-        return ms.stats(self._state)
+    def stats(self, *, exact: bool = False) -> dict[str, Any]:
+        """Counters and per-pool bytes of the current state (see `functional_state.stats`)."""
+        return ms.stats(self._state, exact=exact)
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes per device held by all sessions in the table, each allocation once."""
@@ -217,7 +300,7 @@ class SessionStateManager:
             retained: list[Any] = [*self._published, *(c.session for c in list(self._detached))]
             return _pure_step(state, sid, name, fn, *args, donate=donate, retained=retained), None
 
-        self._swap(op)
+        self._swap(op, writer=sid)
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes
@@ -238,7 +321,7 @@ class SessionStateManager:
             self._refuse_reentrant_table_write(state, sid, "restore")
             return ms.restore(state, sid, name)
 
-        return self._swap(op)
+        return self._swap(op, writer=sid)
 
     def _refuse_reentrant_table_write(self, state: ManagerState, sid: str, what: str) -> None:
         uid = ms.incarnation(state, sid)
@@ -286,7 +369,7 @@ class SessionStateManager:
                 else:
                     session = session.update(name, lambda o: o.restore())
             if in_table:
-                self._state = state
+                self._state = self._admit(self._state, state, cell.session_id)
             else:
                 cell.session = session
         return len(todo)
@@ -300,7 +383,7 @@ class SessionStateManager:
                     state = self._state
                     if self._in_table(state, cell):
                         new, out = op(ms.lookup(state, cell.session_id))
-                        self._state = self._store(state, cell, new)
+                        self._state = self._admit(state, self._store(state, cell, new), cell.session_id)
                     else:
                         cell.session, out = op(cell.session)
                 return out
@@ -318,7 +401,8 @@ class SessionStateManager:
                 with self._lock:
                     state = self._state
                     if self._in_table(state, cell):
-                        self._state = ms.commit(state, cell.session_id, name, payload)
+                        new = ms.commit(state, cell.session_id, name, payload)
+                        self._state = self._admit(state, new, cell.session_id, attrs_unchanged=True)
                     else:
                         cell.session = cell.session.update(name, lambda obj: obj.commit(payload))
                 return
@@ -328,8 +412,13 @@ class SessionStateManager:
 
     def _transact(self, cell: _Cell, fn: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
         """Run user code ``fn`` on the cell's session outside the lock; swap its result in if the session is
-        unchanged, else run it again on the newer session (compare and retry)."""
+        unchanged, else run it again on the newer session (compare and retry). The session is pinned
+        meanwhile: the byte budget never releases a session inside a transaction."""
         self._check_not_reentrant(cell)
+        with self.pin(cell.session_id):
+            return self._transact_pinned(cell, fn)
+
+    def _transact_pinned(self, cell: _Cell, fn: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
         writing = self._writing_set()
         while True:
             current = self._read(cell)
@@ -349,7 +438,7 @@ class SessionStateManager:
                 state = self._state
                 latest = ms.lookup(state, cell.session_id) if self._in_table(state, cell) else cell.session
                 if latest is current:
-                    self._state = self._store(state, cell, new)
+                    self._state = self._admit(state, self._store(state, cell, new), cell.session_id)
                     return out
 
     def _writing_set(self) -> set[int]:
@@ -449,9 +538,13 @@ class SessionHandle:
         """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident.
 
         The factory runs outside the manager's lock (it may use the manager); if two threads race, one
-        object wins and both get it.
+        object wins and both get it. A parked object is restored, never rebuilt.
         """
-        obj = self.state._reusable(name, cls)
+        try:
+            obj = self.state._reusable(name, cls)
+        except ObjectParkedError:
+            self._manager._restore_parked(self._cell, [name])
+            obj = self.state._reusable(name, cls)
         if obj is not None:
             return obj
         return self._manager._transact(self._cell, lambda s: s.get_or_create(name, factory, cls))

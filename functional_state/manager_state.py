@@ -21,8 +21,10 @@ import immutables
 import jax
 
 from . import _holders, accounting
+from ._acct import Acct, session_extents, totals_with_attrs
 from ._pytree import MISSING
 from ._repr import repr_html
+from .budget import normalize_budget
 from .errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -96,7 +98,7 @@ _new = object.__new__
 @dataclasses.dataclass(frozen=True)
 class _Config:
     max_sessions: int
-    byte_budget: int | None
+    byte_budget: dict[str, int] | None  # pool -> bytes ("*": every device pool); see functional_state.budget
     evict_when_full: bool
 
 
@@ -114,27 +116,32 @@ class ManagerState:
     used first), the counter properties, `sessions`, `lookup` and `stats`.
     """
 
-    __slots__ = ("__weakref__", "_meta", "_nodes")
+    __slots__ = ("__weakref__", "_acct", "_meta", "_nodes")
     _nodes: immutables.Map  # session_id -> Node
     _meta: Meta
+    _acct: Acct | None  # object bytes, maintained incrementally once tracked (see `_track`)
 
     def __init__(self) -> None:
         raise InvalidTypeError("build a ManagerState with `ManagerState.create(...)`.")
 
     @classmethod
     def create(
-        cls, max_sessions: int = DEFAULT_MAX_SESSIONS, byte_budget: int | None = None, evict_when_full: bool = True
+        cls, max_sessions: int = DEFAULT_MAX_SESSIONS, byte_budget: Any = None, evict_when_full: bool = True
     ) -> ManagerState:
         """An empty table.
 
         Args:
           max_sessions: the count cap (positive). Over it, the least recently used session is dropped
             from the table (``evict_when_full=True``) or a new session is refused.
-          byte_budget: recorded and reported; not enforced in this phase.
+          byte_budget: bytes each memory pool may hold: ``{"cuda:0": "40GiB", "cpu/pinned_host": "64GiB"}``
+            (pools as `stats` names them), or one size for every device pool. `enforce_budget` and the
+            shell keep pools within it, releasing what `plan_release` chooses; a table with a budget keeps
+            its byte totals from its creation.
           evict_when_full: LRU eviction (True) or admission control (False).
 
         Raises:
-          InvalidArgumentError: ``max_sessions`` is not a positive int, or ``byte_budget`` is negative.
+          InvalidArgumentError: ``max_sessions`` is not a positive int, or ``byte_budget`` is not a budget
+            (a negative size, an unknown pool name).
 
         Example:
           >>> state = ManagerState.create(max_sessions=2)
@@ -143,13 +150,9 @@ class ManagerState:
           (1, 1)
         """
         _check_positive(max_sessions, "`ManagerState.create`: max_sessions")
-        if byte_budget is not None and (
-            isinstance(byte_budget, bool) or not isinstance(byte_budget, int) or byte_budget < 0
-        ):
-            raise InvalidArgumentError(
-                f"`ManagerState.create`: byte_budget must be None or an int >= 0, got {byte_budget!r}."
-            )
-        return _state(_EMPTY, (None, None, 0, _Config(max_sessions, byte_budget, bool(evict_when_full)), 0, 0, 0, 0, 0))
+        budget = normalize_budget(byte_budget, "ManagerState.create: byte_budget")
+        config = _Config(max_sessions, budget, bool(evict_when_full))
+        return _state(_EMPTY, (None, None, 0, config, 0, 0, 0, 0, 0), None if budget is None else Acct.build([]))
 
     # --- reads -------------------------------------------------------------------------------------
     @property
@@ -161,7 +164,8 @@ class ManagerState:
         return self._meta[_CFG].max_sessions
 
     @property
-    def byte_budget(self) -> int | None:
+    def byte_budget(self) -> dict[str, int] | None:
+        """``{pool: bytes}`` (``"*"``: every device pool), or None."""
         return self._meta[_CFG].byte_budget
 
     @property
@@ -260,11 +264,25 @@ class _ConsumedManagerState(ManagerState):
     __slots__ = ()
 
 
-def _state(nodes: immutables.Map, meta: Meta) -> ManagerState:
+def _state(nodes: immutables.Map, meta: Meta, acct: Acct | None) -> ManagerState:
     new = _new(ManagerState)
     new._nodes = nodes
     new._meta = meta
+    new._acct = acct
     return new
+
+
+def _track(state: ManagerState) -> Acct:
+    """The state's incremental accounting, built on first use (one walk) and kept by every later state.
+
+    Built lazily so that a table nobody asks about pays nothing per step; a table with a byte budget tracks
+    from its creation. Attaching it to ``state`` is a memo, invisible to every function's result.
+    """
+    acct = state._acct
+    if acct is None:
+        acct = Acct.build(node[_S] for node in state._nodes.values())
+        state._acct = acct
+    return acct
 
 
 def _not_a_pytree(state: ManagerState) -> Any:
@@ -388,7 +406,7 @@ def _touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState
     if sid == tail:
         if not hits:
             return state
-        return _state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions, *rare))
+        return _state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions, *rare), state._acct)
     # The general unlink + append, written out for a node that is not the tail (so it has a next): the hit
     # path, rewriting at most four entries, each read from the unchanged map.
     nodes = state._nodes
@@ -410,12 +428,14 @@ def _touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState
     new = _new(ManagerState)
     new._nodes = mm.finish()
     new._meta = (head, sid, uid, config, n_hits + hits, misses, evictions, *rare)
+    new._acct = state._acct
     return new
 
 
 def _insert(state: ManagerState, sid: str, session: SessionState, what: str, misses: int) -> ManagerState:
     """Add a new session as the most recent, dropping the least recent one when the table is full."""
     head, tail, uid, config, hits, n_misses, evictions, *rare = state._meta
+    acct = state._acct
     mm = state._nodes.mutate()
     if len(state._nodes) >= config.max_sessions:
         if not config.evict_when_full:
@@ -426,6 +446,8 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str, mis
             )
         victim = mm[head]
         del mm[head]
+        if acct is not None:
+            acct = acct.change(remove=session_extents(victim[_S]))
         head = victim[_N]
         if head is None:
             tail = None
@@ -434,11 +456,16 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str, mis
             mm[head] = (h[_S], None, h[_N], h[_U])
         evictions += 1
     head = _append(mm, sid, session, uid, head, tail)
-    return _state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions, *rare))
+    if acct is not None:
+        acct = acct.change(add=session_extents(session))
+    return _state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions, *rare), acct)
 
 
 def _set_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
-    return _state(state._nodes.set(sid, (session, node[_P], node[_N], node[_U])), state._meta)
+    acct = state._acct
+    if acct is not None:
+        acct = acct.swap_session(node[_S], session)
+    return _state(state._nodes.set(sid, (session, node[_P], node[_N], node[_U])), state._meta, acct)
 
 
 # --- public pure functions ---------------------------------------------------------------------------
@@ -470,6 +497,7 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
         if sid == meta[_TAIL]:  # already the most recent: only the hit counter moves
             new = _new(ManagerState)
             new._nodes = state._nodes
+            new._acct = state._acct
             new._meta = (
                 meta[_HEAD],
                 sid,
@@ -573,10 +601,13 @@ def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> Mana
     if bad:
         raise InvalidTypeError(f"`with_sessions`: values must be SessionState; not so for {bad}.")
     mm = state._nodes.mutate()
+    acct = state._acct
     for sid, session in tree.items():
         n = mm[sid]
         mm[sid] = (session, n[_P], n[_N], n[_U])
-    return _state(mm.finish(), state._meta)
+        if acct is not None:
+            acct = acct.swap_session(n[_S], session)
+    return _state(mm.finish(), state._meta, acct)
 
 
 def update_session(
@@ -638,13 +669,16 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
     obj = objects.get(name)
     if obj is None:
         raise ObjectNotFoundError(_no_object(session, name, "commit"))
+    new_obj = obj.commit(payload)
     new_session = _new(SessionState)
-    new_session._objects = objects.set(name, obj.commit(payload))
+    new_session._objects = objects.set(name, new_obj)
     new_session._attrs = session._attrs
     new_session._policies = session._policies
     new = _new(ManagerState)
     new._nodes = nodes.set(sid, (new_session, node[_P], node[_N], node[_U]))
     new._meta = state._meta
+    acct = state._acct
+    new._acct = None if acct is None else acct.swap(obj, new_obj)
     return new
 
 
@@ -707,10 +741,10 @@ def _pool_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]
     }
 
 
-def _with_counter(state: ManagerState, nodes: immutables.Map, index: int, add: int) -> ManagerState:
+def _with_counter(state: ManagerState, nodes: immutables.Map, index: int, add: int, acct: Acct | None) -> ManagerState:
     meta = list(state._meta)
     meta[index] += add
-    return _state(nodes, tuple(meta))
+    return _state(nodes, tuple(meta), acct)
 
 
 def park(
@@ -762,13 +796,16 @@ def park(
         )
     parked = obj.park()
     mm = state._nodes.mutate()
+    acct = state._acct
     for target in targets:
         n = mm[target]
         mm[target] = (n[_S]._with_object(name, parked), n[_P], n[_N], n[_U])
+        if acct is not None:
+            acct = acct.swap(obj, parked)
     moved = _pool_delta(
         accounting.nbytes_by_device(obj._committed_roots()), accounting.nbytes_by_device(parked.host_copy)
     )
-    return _with_counter(state, mm.finish(), _PARKS, len(targets)), moved
+    return _with_counter(state, mm.finish(), _PARKS, len(targets), acct), moved
 
 
 def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, dict[str, int]]:
@@ -789,7 +826,8 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
     before = {} if shared else accounting.nbytes_by_device(obj.host_copy)
     moved = _pool_delta(before, accounting.nbytes_by_device(restored._committed_roots()))
     nodes = state._nodes.set(sid, (node[_S]._with_object(name, restored), node[_P], node[_N], node[_U]))
-    return _with_counter(state, nodes, _RESTORES, 1), moved
+    acct = None if state._acct is None else state._acct.swap(obj, restored)
+    return _with_counter(state, nodes, _RESTORES, 1, acct), moved
 
 
 def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
@@ -804,7 +842,8 @@ def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSt
     mm = state._nodes.mutate()
     head, tail = _unlink(mm, node, head, tail)
     del mm[sid]
-    return _state(mm.finish(), (head, tail, *rest)), True
+    acct = None if state._acct is None else state._acct.change(remove=session_extents(node[_S]))
+    return _state(mm.finish(), (head, tail, *rest), acct), True
 
 
 def fork_session(state: ManagerState, source_id: str | None, new_id: str | None) -> ManagerState:
@@ -857,25 +896,40 @@ def raise_max_sessions(state: ManagerState, n: int) -> ManagerState:
         return state
     meta = list(state._meta)
     meta[_CFG] = dataclasses.replace(state._config, max_sessions=n)
-    return _state(state._nodes, tuple(meta))
+    return _state(state._nodes, tuple(meta), state._acct)
 
 
-def stats(state: ManagerState) -> dict[str, Any]:
+def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     """Counters and bytes of the table.
 
     Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
-    ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes held by parked objects' host copies),
-    ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they hold no bytes, and a
-    non-zero count means some state reads freed memory), ``unaccounted_objects`` (objects the walk could
-    not read), then one ``nbytes:<pool>`` key per pool, sorted: devices (``nbytes:cpu``,
-    ``nbytes:cuda:0``) and the host memory kinds parked storage lives in (``nbytes:cpu/pinned_host``,
-    ``nbytes:cpu/unpinned_host``). Each allocation is counted once across all sessions.
+    ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes of parked host copies: what objects
+    hold in the host pools), ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they
+    hold no bytes, and a non-zero count means some state reads freed memory), ``unaccounted_objects``
+    (objects the walk could not read), then one ``nbytes:<pool>`` key per pool, sorted: devices
+    (``nbytes:cpu``, ``nbytes:cuda:0``) and the host memory kinds parked storage lives in
+    (``nbytes:cpu/pinned_host``, ``nbytes:cpu/unpinned_host``). Each allocation is counted once across
+    all sessions.
+
+    State objects are immutable, so their bytes are kept incrementally as the table changes (built by one
+    walk the first time); only attrs, which a model may change in place, are walked on each call, and
+    ``deleted_arrays`` and ``unaccounted_objects`` describe that walk. ``exact=True`` walks everything
+    instead (objects too), as a check: the figures are the same unless an object's buffer was deleted or
+    resized behind the manager's back.
     """
     if type(state) is not ManagerState:
         _check_state(state, "stats")
     sessions_now = [node[_S] for node in state._nodes.values()]
-    per_device, report = accounting.walk(*sessions_now)
-    parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
+    if exact:
+        per_device, report = accounting.walk(*sessions_now)
+    else:
+        per_device, report = totals_with_attrs(_track(state), sessions_now)
+    parked_pools = {k: v for k, v in _track(state).totals.items() if "/" in k} if not exact else None
+    if parked_pools is None:
+        parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
+        parked_nbytes = accounting.total_nbytes(*parked)
+    else:
+        parked_nbytes = sum(parked_pools.values())
     out: dict[str, Any] = {
         "sessions": len(state),
         "max_sessions": state.max_sessions,
@@ -886,7 +940,7 @@ def stats(state: ManagerState) -> dict[str, Any]:
         "evictions": state.evictions,
         "parks": state.parks,
         "restores": state.restores,
-        "parked_nbytes": accounting.total_nbytes(*parked),
+        "parked_nbytes": parked_nbytes,
         "deleted_arrays": report.deleted_arrays,
         "unaccounted_objects": report.unaccounted_objects,
     }

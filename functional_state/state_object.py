@@ -63,13 +63,16 @@ class StateObject(abc.ABC):
     ``_released_storage``, ``_committed_roots`` and ``_parkable_fields`` (``_parked_fields`` has a default).
     """
 
-    __slots__ = ()
+    # The extents this object's buffers occupy, computed once by the accounting (objects are immutable) and
+    # never copied by `replace`: a memo outside the pytree, not state.
+    __slots__ = ("_acct_cache",)
 
     # Provided by subclasses as dataclass fields.
     staged: Any
     host_copy: Any
     status: Status
     recompute_source: str | None
+    recompute_cost: float
 
     if TYPE_CHECKING:
 
@@ -282,10 +285,12 @@ class StateObject(abc.ABC):
         return (self._committed_roots(), self.staged, self.host_copy)
 
 
-def _check_source(source: Any, what: str) -> None:
-    """Validate a ``recompute_source`` argument (the name check against the session happens on put)."""
+def _check_source(source: Any, what: str, cost: Any = 1.0) -> None:
+    """Validate ``recompute_source`` and ``recompute_cost`` (the name is checked against the session on put)."""
     if source is not None and (not isinstance(source, str) or not source):
         raise InvalidArgumentError(
             f"`{what}`: recompute_source must be the name (a non-empty str) of another object of the same "
             f"session, or None; got {source!r}."
         )
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not cost >= 0:
+        raise InvalidArgumentError(f"`{what}`: recompute_cost must be a number >= 0, got {cost!r}.")

@@ -337,3 +337,33 @@ def test_memcheck_script_runs_each_mode_in_a_fresh_process_and_reports_rss():
         num_layers=2, num_heads=2, head_dim=16, padded_text_len=32, media_tokens=24, cfg="none"
     )
     assert flag_on["transformer_still_holds"] == one_branch.per_rank_bytes
+
+
+def test_concurrent_requests_under_a_budget_for_one_are_refused_never_overshoot():
+    """Decision: a request whose K/V would not fit is refused with BudgetExceededError (the caller retries or
+    queues); open requests are pinned, so nothing of theirs is released to make room."""
+    from functional_state import BudgetExceededError
+
+    shapes = Cosmos3Shapes(num_layers=4, num_heads=2, head_dim=16, text_len=24, padded_text_len=32, media_tokens=8)
+    one = cosmos3_footprint(num_layers=4, num_heads=2, head_dim=16, padded_text_len=32, media_tokens=8).per_rank_bytes
+    budget = int(one * 1.2)  # one request (both CFG branches) fits; a second request's first branch does not
+    manager = SessionStateManager(byte_budget={"cpu": budget})
+    first, second = Cosmos3TransformerCache(), Cosmos3TransformerCache()
+    with request_session(manager, "req-a") as a:
+        kv_a = []
+        for neg in (False, True):
+            kv_a.append(_encoded(first, seed=int(neg), is_negative=neg, shapes=shapes)[0])
+            a.capture_from_transformer(first, neg)
+        assert manager.stats()["nbytes:cpu"] == one
+        with request_session(manager, "req-b") as b:
+            _encoded(second, seed=7, shapes=shapes)
+            with pytest.raises(BudgetExceededError, match="pool 'cpu'"):
+                b.capture_from_transformer(second, False)
+            assert not b.is_branch_initialized(False)  # refused: nothing of it was kept
+            assert manager.stats()["nbytes:cpu"] == one <= budget
+        for neg, kv in zip((False, True), kv_a):  # the admitted request's K/V, bit-exact and by reference
+            got = a.get_branch(neg)[0]
+            assert all(g[0] is k[0] and g[1] is k[1] for g, k in zip(got, kv))
+    with request_session(manager, "req-b") as b:  # once the first request ended, the second fits
+        _encoded(second, seed=7, shapes=shapes)
+        assert b.capture_from_transformer(second, False)

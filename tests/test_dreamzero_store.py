@@ -246,3 +246,23 @@ def test_the_store_repr_and_alias_of_torch_state():
     store = DreamZeroSessions(enable_session_state_manager=True, resident_bound=4)
     store.begin("a").vae_enc_feat_map = [torch.zeros(4)]
     assert repr(store) == "DreamZeroSessions(manager, 1/4 resident)"
+
+
+def test_under_a_byte_budget_parking_keeps_every_session_and_every_output():
+    """8 sessions, a device budget that holds 3 of them: with parking, all finish 400 steps bit-identical to
+    the unbudgeted run and none is lost; without it, the planner drops sessions and continuations raise."""
+    import dataclasses
+
+    cfg = rollout.small_config(steps=400, sessions=8)
+    with enable_override(False):
+        reference = rollout.run_rollout(cfg)
+    with enable_override(True):
+        unbudgeted = rollout.run_rollout(cfg)
+        per_session = max(unbudgeted.totals.values())
+        budget = {"cpu": 3 * per_session}
+        parked = rollout.run_rollout(dataclasses.replace(cfg, byte_budget=budget, trace_pools=True))
+        dropping = rollout.run_rollout(dataclasses.replace(cfg, byte_budget=budget, release_levers=("evict", "drop")))
+    assert unbudgeted.digest == reference.digest == parked.digest and parked.lost == []
+    assert max(p.get("nbytes:cpu", 0) for p in parked.pool_trace) <= budget["cpu"]  # never over, after any round
+    assert parked.stats["parks"] > 8 * 100 and parked.stats["evictions"] == 0
+    assert dropping.lost and dropping.stats["evictions"] == len(dropping.lost) and dropping.digest != reference.digest

@@ -222,8 +222,9 @@ def request_session(manager: SessionStateManager, request_id: str) -> Iterator[C
       >>> "req-7" in manager
       False
     """
-    adapter = Cosmos3StateAdapter(request_id, manager)
-    try:
-        yield adapter
-    finally:
-        manager.drop_session(request_id)
+    with manager.pin(request_id):  # a byte budget never releases a request in flight
+        adapter = Cosmos3StateAdapter(request_id, manager)
+        try:
+            yield adapter
+        finally:
+            manager.drop_session(request_id)

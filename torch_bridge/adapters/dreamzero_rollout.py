@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from functional_state import InvalidArgumentError
+from functional_state import InvalidArgumentError, SessionStateLostError
 
 from .dreamzero_bespoke import BespokeDreamZeroState
 from .dreamzero_store import DreamZeroSessions, begins_session, default_resident_bound
@@ -49,6 +49,10 @@ class RolloutConfig:
     enable_session_state_manager: bool | None = None  # the config value; the environment overrides it
     trace_bytes: bool = False  # record session 0's bytes (per component, and deduplicated total) at every step
     park_feat_map: bool = False  # manager path: park each session's feat map after its step (restored on access)
+    byte_budget: Any = None  # manager path: the manager's byte budget (see SessionStateManager)
+    release_levers: tuple[str, ...] = ("park", "evict", "drop")  # what that budget may use
+    resident_bound: int | None = None  # sessions the store admits (None: sized by bytes, at least `sessions`)
+    trace_pools: bool = False  # manager path: record stats() pools, parks and restores after every round
 
     def __post_init__(self) -> None:
         for name in (
@@ -232,6 +236,8 @@ class RolloutResult:
     bytes_trace: list[dict[str, int]]  # session 0's components and "total" per step (when traced)
     latents_shape: tuple[int, ...] | None
     stats: dict[str, Any] | None  # manager stats (manager path)
+    lost: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (session, step) continuations refused
+    pool_trace: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per round, when traced
 
 
 def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = None) -> RolloutResult:
@@ -243,30 +249,49 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
     """
     store = DreamZeroSessions(
         cfg.enable_session_state_manager,
-        resident_bound=max(cfg.sessions, default_resident_bound()),
+        resident_bound=cfg.resident_bound or max(cfg.sessions, default_resident_bound()),
         vae_encoder_window=cfg.vae_encoder_window,
+        byte_budget=cfg.byte_budget,
+        release_levers=cfg.release_levers,
     )
     nets = _Networks(cfg)
     digest = hashlib.sha256()
     trace: list[dict[str, int]] = []
+    pool_trace: list[dict[str, Any]] = []
+    lost: list[tuple[str, int]] = []
+    gone: set[str] = set()
     for step in range(cfg.steps):
         for session in range(cfg.sessions):
             sid = f"session-{session}"
+            if sid in gone:
+                continue
             extra_args = {"reset": step == 0}  # as a runner sends it
-            state = store.begin(sid) if begins_session(extra_args) else store.resume(sid)
+            try:
+                state = store.begin(sid) if begins_session(extra_args) else store.resume(sid)
+            except SessionStateLostError:  # the budget dropped it: a loud loss, never a silent restart
+                lost.append((sid, step))
+                gone.add(sid)
+                continue
             for value in _step(state, nets, cfg, session, step):
                 _hash(digest, value)
             if cfg.park_feat_map and store.enabled:
                 state.park_feat_map()
             if cfg.trace_bytes and session == 0:
                 trace.append({**state.component_nbytes(), "total": state.total_nbytes()})
+        if cfg.trace_pools and store.enabled:
+            s = store.manager.stats()
+            pool_trace.append(
+                {k: v for k, v in s.items() if k.startswith("nbytes:") or k in ("parks", "restores", "evictions")}
+            )
         if progress is not None:
             progress(step)
-    final_states = {f"session-{s}": store.resume(f"session-{s}") for s in range(cfg.sessions)}
+    final_states = {
+        f"session-{s}": store.resume(f"session-{s}") for s in range(cfg.sessions) if f"session-{s}" not in gone
+    }
     for sid in final_states:
         _hash(digest, sid)
         _hash(digest, store.decode_accumulated_video_latents(sid))
-    latents = store.decode_accumulated_video_latents("session-0")
+    latents = store.decode_accumulated_video_latents("session-0") if "session-0" in final_states else None
     result = RolloutResult(
         path="manager" if store.enabled else "bespoke",
         digest=digest.hexdigest(),
@@ -275,6 +300,8 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
         bytes_trace=trace,
         latents_shape=None if latents is None else tuple(latents.shape),
         stats=store.manager.stats() if store.enabled else None,
+        lost=lost,
+        pool_trace=pool_trace,
     )
     for sid in final_states:
         store.close(sid)

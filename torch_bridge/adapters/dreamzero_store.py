@@ -26,12 +26,13 @@ session count it can hold with `set_resident_capacity`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from functional_state import (
+    LEVERS,
     InvalidArgumentError,
     SessionAdmissionError,
     SessionStateLostError,
@@ -160,6 +161,11 @@ class DreamZeroSessions:
       resident_bound: sessions that may be resident at once; None sizes it by bytes
         (`default_resident_bound`).
       vae_encoder_window: the manager-backed adapters' encoder ring length.
+      byte_budget: the manager's byte budget (see `SessionStateManager`): under pressure the planner parks
+        the feat maps of the least recently used sessions (restored on their next request) before it
+        would drop a session.
+      release_levers: the levers that budget may use (drop a session only if ``"drop"`` is among them; a
+        dropped session's continuation then raises `SessionStateLostError`).
 
     Example:
       >>> store = DreamZeroSessions(enable_session_state_manager=True, resident_bound=1)
@@ -178,8 +184,10 @@ class DreamZeroSessions:
         *,
         resident_bound: int | None = None,
         vae_encoder_window: int = 2,
+        byte_budget: Any = None,
+        release_levers: Iterable[str] = LEVERS,
     ):
-        self.enabled, _ = resolve_session_state_config(enable_session_state_manager)
+        self.enabled = resolve_session_state_config(enable_session_state_manager).enabled
         bound = default_resident_bound() if resident_bound is None else resident_bound
         if isinstance(bound, bool) or not isinstance(bound, int) or bound <= 0:
             raise InvalidArgumentError(f"`DreamZeroSessions`: resident_bound must be a positive int, got {bound!r}.")
@@ -187,7 +195,9 @@ class DreamZeroSessions:
         self._window = vae_encoder_window
         # The two stores share one bound and one policy; the flag picks which one serves.
         self._bespoke: OrderedDict[str, BespokeDreamZeroState] = OrderedDict()
-        self.manager = SessionStateManager(max_sessions=bound, evict_when_full=False)
+        self.manager = SessionStateManager(
+            max_sessions=bound, evict_when_full=False, byte_budget=byte_budget, release_levers=release_levers
+        )
         self._adapters: dict[str, DreamZeroStateAdapter] = {}
         self.current_session_id: str | None = None  # the pipeline-level alias: the session being served
 

@@ -1,0 +1,196 @@
+"""Private: incremental, exact byte accounting of the state objects a table holds.
+
+Each state object's buffers are a set of extents ``(pool, start, end)``, computed once per object (objects
+are immutable) and cached on it. The table keeps, persistently, how many objects across all its sessions
+hold each extent, and the bytes per pool of the extents held at least once. Committing, evicting, parking,
+forking and dropping adjust those counts by the extents of the objects they add and remove, so the totals
+never need a walk: a buffer shared by two forks is counted once and leaves only when its last holder does.
+
+Extents are identical or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
+arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it).
+Attrs are not tracked here: a model may mutate them in place, so they are re-read on demand (`attr_extents`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import immutables
+
+from . import accounting
+from .latent_buffer import LatentBuffer
+from .state_object import StateObject
+
+_CACHE_SLOT = StateObject.__dict__["_acct_cache"]
+
+Extent = tuple[str, int, int]
+_EMPTY: immutables.Map = immutables.Map()
+
+
+def value_extents(value: Any) -> list[Extent]:
+    """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
+    out: accounting.Extents = []
+    torch = accounting._torch_module()
+    if torch is not None and type(value) is torch.Tensor:
+        accounting._torch_extents(value, out)
+    else:
+        accounting._collect(value, out, {}, accounting.WalkReport())
+    return out
+
+
+def _buffer_multiset(buf: LatentBuffer) -> immutables.Map:
+    """A buffer's extents with how many of its values (items, staged, parked copy) hold each."""
+    cached = getattr(buf, "_acct_cache", None)
+    if isinstance(cached, immutables.Map):
+        return cached
+    counts: Any = immutables.Map().mutate()
+    for value in (*buf.items, buf.staged, buf.host_copy):
+        if value is not None:
+            for e in set(value_extents(value)):
+                counts[e] = counts.get(e, 0) + 1
+    cached = counts.finish()
+    _CACHE_SLOT.__set__(buf, cached)
+    return cached
+
+
+def object_extents(obj: Any) -> frozenset[Extent]:
+    """The extents a state object holds (committed, staged and parked), computed once and cached on it."""
+    if type(obj) is LatentBuffer:
+        return frozenset(_buffer_multiset(obj).keys())
+    cached = getattr(obj, "_acct_cache", None)
+    if cached is None:
+        out: accounting.Extents = []
+        accounting._collect(obj, out, {}, accounting.WalkReport())
+        cached = frozenset(out)
+        _CACHE_SLOT.__set__(obj, cached)  # past the frozen dataclass's __setattr__: a memo, not state
+    return cached
+
+
+def _ring_delta(old: LatentBuffer, new: LatentBuffer) -> tuple[list[Extent], list[Extent]] | None:
+    """``(added, removed)`` extents when ``new`` is ``old`` with items appended and the oldest dropped (a
+    commit), derived from ``old``'s counts in O(changed items); None when ``new`` is something else."""
+    counts = getattr(old, "_acct_cache", None)
+    if not isinstance(counts, immutables.Map) or getattr(new, "_acct_cache", None) is not None:
+        return None
+    if old.staged is not new.staged or old.host_copy is not None or new.host_copy is not None:
+        return None
+    oi, ni = old.items, new.items
+    kept = len(ni) - 1
+    drop = len(oi) - kept
+    if not ni or drop < 0 or any(a is not b for a, b in zip(oi[drop:], ni[:kept])):
+        return None
+    mm = counts.mutate()
+    added, removed = [], []
+    for value in oi[:drop]:
+        for e in set(value_extents(value)):
+            n = mm[e] - 1
+            if n:
+                mm[e] = n
+            else:
+                del mm[e]
+                removed.append(e)
+    for e in set(value_extents(ni[-1])):
+        n = mm.get(e, 0)
+        mm[e] = n + 1
+        if not n:
+            added.append(e)
+    _CACHE_SLOT.__set__(new, mm.finish())
+    gone = set(removed) & set(added)  # a storage dropped and committed again in one step stays
+    return [e for e in added if e not in gone], [e for e in removed if e not in gone]
+
+
+def session_extents(session: Any) -> list[frozenset[Extent]]:
+    return [object_extents(obj) for obj in session._objects.values()]
+
+
+class Acct:
+    """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
+
+    __slots__ = ("refs", "totals")
+
+    def __init__(self, refs: immutables.Map, totals: immutables.Map):
+        self.refs = refs  # extent -> number of objects holding it, over all sessions
+        self.totals = totals  # pool -> bytes of the extents held at least once
+
+    @classmethod
+    def build(cls, sessions: Iterable[Any]) -> Acct:
+        acct = cls(_EMPTY, _EMPTY)
+        for session in sessions:
+            acct = acct.change(add=session_extents(session))
+        return acct
+
+    def change(self, add: Iterable[frozenset[Extent]] = (), remove: Iterable[frozenset[Extent]] = ()) -> Acct:
+        """The counts after the objects with extents ``remove`` left and those with ``add`` arrived."""
+        refs = self.refs.mutate()
+        totals = self.totals.mutate()
+        for extents in remove:
+            for e in extents:
+                n = refs[e] - 1
+                if n:
+                    refs[e] = n
+                else:
+                    del refs[e]
+                    totals[e[0]] = totals[e[0]] - (e[2] - e[1])
+        for extents in add:
+            for e in extents:
+                n = refs.get(e, 0)
+                refs[e] = n + 1
+                if not n:
+                    totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+        return Acct(refs.finish(), totals.finish())
+
+    def swap(self, old: Any, new: Any) -> Acct:
+        """One object replaced by another (a commit, an eviction, a park): only the extents that differ move."""
+        if old is new:
+            return self
+        if type(old) is LatentBuffer and type(new) is LatentBuffer:
+            delta = _ring_delta(old, new)  # the per-step commit: priced by the items it adds and drops
+            if delta is not None:
+                added, removed = delta
+                return self.change(add=[frozenset(added)], remove=[frozenset(removed)]) if added or removed else self
+        a, b = object_extents(old), object_extents(new)
+        if a == b:
+            return self
+        return self.change(add=[b - a], remove=[a - b])
+
+    def swap_session(self, old: Any, new: Any) -> Acct:
+        """A session replaced by another: the objects that changed identity move."""
+        if old._objects is new._objects:
+            return self
+        added, removed = [], []
+        for name, obj in new._objects.items():
+            prev = old._objects.get(name)
+            if prev is not obj:
+                added.append(object_extents(obj))
+                if prev is not None:
+                    removed.append(object_extents(prev))
+        for name, obj in old._objects.items():
+            if name not in new._objects:
+                removed.append(object_extents(obj))
+        return self.change(add=added, remove=removed)
+
+    def pools(self) -> dict[str, int]:
+        return {k: v for k, v in sorted(self.totals.items()) if v}
+
+
+def attr_extents(sessions: Iterable[Any]) -> tuple[accounting.Extents, accounting.WalkReport]:
+    """The extents of every attr of ``sessions`` (re-read: attrs may change in place), and the walk's report."""
+    out: accounting.Extents = []
+    report = accounting.WalkReport()
+    seen: dict[int, Any] = {}
+    for session in sessions:
+        for value in session._attrs.values():
+            accounting._collect(value, out, seen, report)
+    return out, report
+
+
+def totals_with_attrs(acct: Acct, sessions: Iterable[Any]) -> tuple[dict[str, int], accounting.WalkReport]:
+    """Bytes per pool of everything the sessions hold: the tracked objects, plus the attrs' extents that no
+    object holds (an attr that is a view of an object's buffer adds nothing)."""
+    extents, report = attr_extents(sessions)
+    totals = dict(acct.totals)
+    loose = [e for e in set(extents) if e not in acct.refs]
+    for pool, bytes_ in accounting._union_by_device(loose).items():
+        totals[pool] = totals.get(pool, 0) + bytes_
+    return {k: v for k, v in sorted(totals.items()) if v}, report

@@ -1,0 +1,112 @@
+"""Byte budgets: sizes written as people write them, and budgets per memory pool.
+
+A budget maps pools, named as `stats()` names them (``"cuda:0"``, ``"cpu"``, ``"cpu/pinned_host"``), to the
+bytes they may hold; ``"*"`` stands for every device pool (the ones without a ``/`` memory kind). An int or a
+size string alone is a ``"*"`` budget. Budgets are config, set once per table; no environment variable
+carries them (the spec keeps environment overrides for the A/B flag and the stress-test cap).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+__all__ = ["ANY_DEVICE", "capacity_for", "normalize_budget", "parse_bytes"]
+
+ANY_DEVICE = "*"
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_POOL = re.compile(r"^(cpu|[a-z][a-z0-9_]*:\d+)(/(pinned_host|unpinned_host))?$")
+
+
+def parse_bytes(value: Any, what: str = "parse_bytes") -> int:
+    """Bytes from an int or a size string: ``"40GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"4096"``.
+
+    Binary units (KiB, MiB, GiB, TiB, and K, M, G, T) are powers of 1024; decimal ones (kB, MB, GB, TB)
+    powers of 1000.
+
+    Raises:
+      InvalidArgumentError: negative, fractional bytes, an unknown unit, or not a size at all.
+
+    Example:
+      >>> parse_bytes("40GiB"), parse_bytes("1.5 MB"), parse_bytes(4096)
+      (42949672960, 1500000, 4096)
+    """
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"`{what}`: expected a byte count or a size like '40GiB', got {value!r}.")
+    if isinstance(value, int):
+        if value < 0:
+            raise InvalidArgumentError(f"`{what}`: a size cannot be negative, got {value}.")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match and unit in _UNITS:
+            nbytes = float(match.group(1)) * _UNITS[unit]
+            if nbytes == math.floor(nbytes):
+                return int(nbytes)
+        raise InvalidArgumentError(
+            f"`{what}`: cannot read {value!r} as a size; write a byte count or a number and a unit, e.g. '40GiB', "
+            f"'512 MiB', '1.5GB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)."
+        )
+    raise InvalidArgumentError(f"`{what}`: expected a byte count or a size like '40GiB', got {type(value).__name__}.")
+
+
+def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] | None:
+    """A budget as ``{pool: bytes}``; None for no budget. An int or size string alone applies to every
+    device pool (key ``"*"``).
+
+    Raises:
+      InvalidArgumentError: a pool name `stats()` would never report, or a size that is not one.
+
+    Example:
+      >>> normalize_budget({"cuda:0": "40GiB", "cpu/pinned_host": "64GiB"})
+      {'cpu/pinned_host': 68719476736, 'cuda:0': 42949672960}
+      >>> normalize_budget(1024)
+      {'*': 1024}
+    """
+    if budget is None:
+        return None
+    if isinstance(budget, (int, str)) and not isinstance(budget, bool):
+        return {ANY_DEVICE: parse_bytes(budget, what)}
+    if not isinstance(budget, Mapping):
+        raise InvalidArgumentError(
+            f"`{what}`: a budget is a size, or a mapping of pools to sizes such as {{'cuda:0': '40GiB'}}; got "
+            f"{type(budget).__name__}."
+        )
+    out = {}
+    for pool, size in budget.items():
+        if pool != ANY_DEVICE and (not isinstance(pool, str) or not _POOL.match(pool)):
+            raise InvalidArgumentError(
+                f"`{what}`: unknown pool {pool!r}; pools are named as stats() names them: 'cpu', 'cuda:0', "
+                f"'cpu/pinned_host', 'cpu/unpinned_host', or '*' for every device pool."
+            )
+        out[pool] = parse_bytes(size, f"{what}[{pool!r}]")
+    return dict(sorted(out.items()))
+
+
+def capacity_for(budget: Any, bytes_per_session: Any) -> int:
+    """How many sessions of ``bytes_per_session`` fit in ``budget``: a count a runner can publish into
+    `raise_max_sessions` (which only ever raises the cap). At least 1.
+
+    Raises:
+      InvalidArgumentError: a size that is not one, or a non-positive session size.
+
+    Example:
+      >>> capacity_for("40GiB", "627.5MiB")
+      65
+    """
+    total = parse_bytes(budget, "capacity_for(budget)")
+    per = parse_bytes(bytes_per_session, "capacity_for(bytes_per_session)")
+    if per <= 0:
+        raise InvalidArgumentError(f"`capacity_for`: bytes_per_session must be positive, got {per}.")
+    return max(1, total // per)

@@ -1,0 +1,154 @@
+"""The incrementally kept byte totals equal a full walk after every step: forks, views, bridge aliases, parks."""
+
+import jax.numpy as jnp
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import functional_state as fs
+from functional_state import DenseValue, LatentBuffer, ManagerState, SharedStorageError
+from torch_bridge import to_jax
+
+IDS = st.sampled_from(["a", "b", "c", "d"])
+NAMES = st.sampled_from(["buf", "ring", "cache"])
+
+
+def _pools(s: dict) -> dict:
+    return {k: v for k, v in s.items() if k.startswith("nbytes:")}
+
+
+class IncrementalAccounting(RuleBasedStateMachine):
+    @initialize()
+    def init(self):
+        self.state = ManagerState.create(max_sessions=3)
+        fs.stats(self.state)  # start tracking: every later state keeps the totals incrementally
+        self.storages = [torch.zeros(64)]  # tensors to take views of, so storages get shared
+
+    def _sessions(self):
+        return [sid for sid in ("a", "b", "c", "d") if sid in self.state]
+
+    @rule(sid=IDS)
+    def create(self, sid):
+        self.state, session = fs.get_or_create(self.state, sid)
+        if "buf" not in session:
+            self.state = fs.put(self.state, sid, "buf", LatentBuffer.create(maxlen=3))
+            self.state = fs.put(self.state, sid, "cache", DenseValue.create([torch.ones(8), None]))
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data(), kind=st.sampled_from(["fresh", "view", "alias", "jax"]))
+    def commit(self, data, kind):
+        sid = data.draw(st.sampled_from(self._sessions()))
+        base = data.draw(st.sampled_from(self.storages))
+        if kind == "fresh":
+            item = torch.randn(data.draw(st.integers(1, 40)))
+            self.storages.append(item)
+        elif kind == "view":
+            item = base[data.draw(st.integers(0, base.numel() - 1)) :]
+        elif kind == "alias":
+            item = to_jax(base[16:] if base.numel() > 32 else base)  # a bridge alias: keeps all of base alive
+        else:
+            item = jnp.full((data.draw(st.integers(1, 9)),), 1.0)
+        buf = fs.lookup(self.state, sid).get("buf")
+        if buf.resident:
+            self.state = fs.commit(self.state, sid, "buf", item)
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data())
+    def set_attr(self, data):
+        sid = data.draw(st.sampled_from(self._sessions()))
+        base = data.draw(st.sampled_from(self.storages))
+        self.state = fs.set_attr(self.state, sid, "alias", base[1:])  # may alias an object's storage
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data())
+    def set_item(self, data):
+        sid = data.draw(st.sampled_from(self._sessions()))
+        cache = fs.lookup(self.state, sid).get("cache")
+        if cache.resident and cache.value is not None:
+            t = data.draw(st.sampled_from(self.storages))
+            self.state = fs.update_session(self.state, sid, lambda s: s.update("cache", lambda c: c.set_item(0, t)))
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data(), dst=IDS)
+    def fork(self, data, dst):
+        src = data.draw(st.sampled_from(self._sessions()))
+        if dst not in self.state:
+            self.state = fs.fork_session(self.state, src, dst)
+
+    @rule(sid=IDS)
+    def drop(self, sid):
+        self.state, _ = fs.drop_session(self.state, sid)
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data(), name=NAMES)
+    def evict(self, data, name):
+        sid = data.draw(st.sampled_from(self._sessions()))
+        if name in fs.lookup(self.state, sid):
+            self.state, _ = fs.evict(self.state, sid, name)
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data(), name=st.sampled_from(["buf", "cache"]), sharers=st.booleans())
+    def park_or_restore(self, data, name, sharers):
+        sid = data.draw(st.sampled_from(self._sessions()))
+        obj = fs.lookup(self.state, sid).get(name)
+        if obj.parked:
+            self.state, _ = fs.restore(self.state, sid, name)
+        elif obj.resident:
+            try:
+                self.state, _ = fs.park(self.state, sid, name, with_sharers=sharers)
+            except SharedStorageError:
+                pass
+
+    @precondition(lambda self: self._sessions())
+    @rule(data=st.data())
+    def reset(self, data):
+        sid = data.draw(st.sampled_from(self._sessions()))
+        self.state = fs.reset_session(self.state, sid)
+        self.state = fs.put(self.state, sid, "buf", LatentBuffer.create(maxlen=3))
+
+    @invariant()
+    def totals_equal_a_full_walk(self):
+        if not hasattr(self, "state"):
+            return
+        assert self.state._acct is not None  # tracked all along, never rebuilt
+        incremental = _pools(fs.stats(self.state))
+        walked = _pools(fs.stats(self.state, exact=True))
+        assert incremental == walked
+        assert incremental == {f"nbytes:{k}": v for k, v in fs.nbytes_by_device(fs.sessions(self.state)).items()}
+
+
+IncrementalAccounting.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestIncrementalAccounting = IncrementalAccounting.TestCase
+
+
+def test_stats_reads_kept_totals_instead_of_walking_objects(monkeypatch):
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    buf = LatentBuffer.create()
+    for _ in range(50):
+        buf = buf.commit(torch.zeros(16))
+    state = fs.put(state, "a", "buf", buf)
+    fs.stats(state)  # builds the totals once
+    from functional_state import accounting
+
+    walked = []
+    real = accounting._torch_extents
+    monkeypatch.setattr(accounting, "_torch_extents", lambda t, out: (walked.append(t), real(t, out)))
+    assert fs.stats(state)["total_nbytes"] == 50 * 64 and walked == []  # no object is walked
+    state = fs.commit(state, "a", "buf", torch.zeros(4))
+    assert len(walked) == 1  # a commit into a buffer looks at the one item it adds (and any it drops)
+    assert fs.stats(state)["total_nbytes"] == 50 * 64 + 16 and len(walked) == 1
+
+
+def test_exact_stats_report_what_a_walk_finds():
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    x = jnp.ones(8)
+    state = fs.put(state, "a", "buf", LatentBuffer.create().commit(x))
+    fs.stats(state)
+    x.delete()  # deleted behind the manager's back
+    assert fs.stats(state, exact=True)["deleted_arrays"] == 1
+    with pytest.raises(AssertionError):
+        assert _pools(fs.stats(state)) == _pools(fs.stats(state, exact=True))  # the kept totals cannot know

@@ -1,0 +1,330 @@
+"""Byte budgets and the release planner: sizes, plans that read like decisions, marginal bytes, enforcement."""
+
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import functional_state as fs
+from functional_state import (
+    BudgetExceededError,
+    DenseValue,
+    InvalidArgumentError,
+    LatentBuffer,
+    ManagerState,
+    SessionStateLostError,
+    SessionStateManager,
+    apply_plan,
+    capacity_for,
+    parse_bytes,
+    plan_release,
+)
+from functional_state.budget import normalize_budget
+from helpers import assert_unchanged, snapshot
+
+KIB = 1024
+
+
+def _cpu(state) -> int:
+    return fs.stats(state).get("nbytes:cpu", 0)
+
+
+def _table(n=4, kib=4, budget=None):
+    """n sessions ("s0" least recent), each with a 'cache' DenseValue of ``kib`` KiB and a small attr."""
+    state = ManagerState.create(byte_budget=budget)
+    for i in range(n):
+        sid = f"s{i}"
+        state, _ = fs.get_or_create(state, sid)
+        state = fs.put(state, sid, "cache", DenseValue.create([torch.zeros(kib * 256)]))
+        state = fs.set_attr(state, sid, "prompt", torch.zeros(16))
+    return state
+
+
+# --- sizes and budgets -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("40GiB", 40 * 2**30), ("512 MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096), ("2k", 2048), (7, 7)],
+)
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, "-5MiB", "1.5", "12 parsecs", "", True, 2.5, None, "0.5B"])
+def test_parse_bytes_refuses_what_is_not_a_size(bad):
+    with pytest.raises(InvalidArgumentError):
+        parse_bytes(bad)
+
+
+def test_budgets_name_pools_as_stats_does():
+    assert normalize_budget({"cuda:0": "1GiB", "cpu/pinned_host": 5}) == {"cpu/pinned_host": 5, "cuda:0": 2**30}
+    assert normalize_budget("2MiB") == {"*": 2 * 2**20} and normalize_budget(None) is None
+    for bad in ({"gpu0": 1}, {"cuda:0/device": 1}, {"cuda:x": 1}, {"cpu": -1}, [1]):
+        with pytest.raises(InvalidArgumentError):
+            ManagerState.create(byte_budget=bad)
+    assert ManagerState.create(byte_budget={"cuda:0": "40GiB"}).byte_budget == {"cuda:0": 40 * 2**30}
+
+
+def test_capacity_for_gives_a_cap_a_runner_can_publish():
+    assert capacity_for("8GiB", "627.5MiB") == 13 and capacity_for(10, 100) == 1
+    manager = SessionStateManager(max_sessions=4)
+    manager.raise_max_sessions(capacity_for("8GiB", "600MiB"))  # raises the floor ...
+    assert manager.state.max_sessions == 13
+    with pytest.raises(InvalidArgumentError):
+        manager.raise_max_sessions(capacity_for("1GiB", "600MiB"))  # ... never lowers it
+    with pytest.raises(InvalidArgumentError):
+        capacity_for("1GiB", 0)
+
+
+def test_resolve_session_state_config_carries_the_budget():
+    config = fs.resolve_session_state_config(enable=True, byte_budget={"cpu": "1MiB"})
+    assert config.byte_budget == {"cpu": 2**20} and config.enabled
+    with pytest.raises(InvalidArgumentError, match="unknown pool"):
+        fs.resolve_session_state_config(byte_budget={"nope": 1})
+
+
+# --- plans -------------------------------------------------------------------------------------------------
+
+
+def test_levers_run_least_loss_first_and_the_plan_reads_like_a_decision():
+    state = _table(n=3)
+    state = fs.put(state, "s2", "derived", LatentBuffer.create(recompute_source="cache").commit(torch.zeros(512)))
+    plan = plan_release(state, "cpu", 8 * KIB, protect=["s2"])
+    assert [a.kind for a in plan.actions] == ["park", "park"] and plan.freed == 8 * KIB
+    text = str(plan)
+    assert "park  s0/cache: cpu -4.0 KiB, cpu/unpinned_host +4.0 KiB (least recently used session)" in text
+    assert "- s2: protected" in text and "attrs hold 192 B here" in text
+    evict_plan = plan_release(state, "cpu", 2 * KIB, protect=["s0", "s1"], levers=["evict", "drop"])
+    assert [(a.kind, a.name) for a in evict_plan.actions] == [("evict", "derived")]
+    assert "recomputable from 'cache' (cost 1)" in str(evict_plan)
+    drop_plan = plan_release(state, "cpu", 5 * KIB, levers=["drop"])
+    assert [(a.kind, a.session_ids) for a in drop_plan.actions] == [("drop", ("s0",)), ("drop", ("s1",))]
+    assert drop_plan.actions[0].frees == {"cpu": 4 * KIB + 64}  # the cache and its attrs leave with it
+
+
+def test_evictions_go_cheapest_declared_cost_first():
+    state = _table(n=1)
+    for name, cost in (("pricey", 5.0), ("cheap", 0.5), ("mid", 2.0)):
+        obj = LatentBuffer.create(recompute_source="cache", recompute_cost=cost).commit(torch.zeros(256))
+        state = fs.put(state, "s0", name, obj)
+    plan = plan_release(state, "cpu", 2 * KIB, levers=["evict"])
+    assert [a.name for a in plan.actions] == ["cheap", "mid"]
+
+
+def test_applied_plans_free_exactly_what_they_say():
+    state = _table(n=4)
+    for need, levers in ((4 * KIB, ["park"]), (9 * KIB, ["drop"]), (6 * KIB, ["park", "drop"])):
+        plan = plan_release(state, "cpu", need, levers=levers)
+        after = apply_plan(state, plan)
+        assert _cpu(state) - _cpu(after) == plan.freed >= need
+
+
+def test_a_fork_shared_with_a_protected_session_frees_nothing_and_the_planner_moves_on():
+    state = fs.fork_session(_table(n=2), "s0", "f0")  # f0 shares s0's cache
+    state, _ = fs.get_session(state, "s1")  # recency, least first: s0, f0, s1
+    plan = plan_release(state, "cpu", 4 * KIB, protect=["f0"])
+    assert [a.session_ids for a in plan.actions] == [("s1",)]
+    assert any("s0/cache: its storage is shared with a protected session" in s for s in plan.skipped)
+    after = apply_plan(state, plan)
+    assert _cpu(state) - _cpu(after) == 4 * KIB
+    both = plan_release(state, "cpu", 4 * KIB, levers=["park"])  # unprotected forks park together
+    assert both.actions[0].session_ids == ("s0", "f0") and both.freed == 4 * KIB
+    # The forks share the cache and the prompt attr, so dropping either alone frees nothing of those. With
+    # something of its own, f0 is dropped for that; then dropping s0 frees the shared bytes (second pass).
+    assert plan_release(state, "cpu", 4 * KIB, protect=["s1"], levers=["drop"]) is None
+    state = fs.put(state, "f0", "own", DenseValue.create([torch.zeros(256)]))
+    drops = plan_release(state, "cpu", 5 * KIB, protect=["s1"], levers=["drop"])
+    assert [a.session_ids for a in drops.actions] == [("f0",), ("s0",)]
+    assert drops.actions[0].frees == {"cpu": KIB} and drops.actions[1].frees == {"cpu": 4 * KIB + 64}
+    assert any("s0: dropping it frees nothing" in s for s in drops.skipped)
+    assert _cpu(state) - _cpu(apply_plan(state, drops)) == 5 * KIB + 64
+
+
+def test_an_attr_is_never_released_on_its_own():
+    state = _table(n=1)
+    cache = fs.lookup(state, "s0").get("cache").value[0]
+    state = fs.set_attr(state, "s0", "view", cache[10:])  # an attr holds the cache's storage too
+    assert plan_release(state, "cpu", KIB, levers=["park", "evict"]) is None
+    plan = plan_release(state, "cpu", KIB, levers=["drop"])
+    assert plan.actions[0].kind == "drop"
+
+
+def test_an_impossible_need_gives_none_and_changes_nothing():
+    state = _table(n=2)
+    snap = snapshot(state)
+    assert plan_release(state, "cpu", 1 << 30) is None
+    assert plan_release(state, "cpu", 4 * KIB, protect=["s0", "s1"]) is None
+    assert_unchanged(state, snap)
+
+
+def test_bad_plan_arguments_raise_specific_errors_and_change_nothing():
+    state = _table(n=2)
+    snap = snapshot(state)
+    for call, match in (
+        (lambda: plan_release(state, "cpu", -1), "negative"),
+        (lambda: plan_release(state, "gpu0", 1), "pool must be"),
+        (lambda: plan_release(state, "cpu", 1, protect=["ghost"]), r"not in the table: \['ghost'\]"),
+        (lambda: plan_release(state, "cpu", 1, levers=["burn"]), "unknown lever"),
+        (
+            lambda: apply_plan(fs.commit(state, "s0", "cache", [torch.ones(1)]), plan_release(state, "cpu", 1)),
+            "another state",
+        ),
+    ):
+        with pytest.raises(InvalidArgumentError, match=match):
+            call()
+    assert_unchanged(state, snap)
+
+
+def test_planning_is_pure():
+    state = _table(n=3)
+    snap = snapshot(state)
+    plan = plan_release(state, "cpu", 9 * KIB)
+    assert_unchanged(state, snap)
+    snap_after = snapshot(state)
+    apply_plan(state, plan)
+    assert_unchanged(state, snap_after)
+
+
+def test_planner_scans_grow_as_n_log_n_at_worst():
+    def calls(n):
+        state = _table(n=n, kib=1)
+        count = 0
+
+        def profile(frame, event, arg):
+            nonlocal count
+            if event in ("call", "c_call"):
+                count += 1
+
+        fs.stats(state)  # accounting built before counting
+        sys.setprofile(profile)
+        try:
+            plan_release(state, "cpu", n * KIB // 2, levers=["drop"])  # must walk half the sessions
+        finally:
+            sys.setprofile(None)
+        return count
+
+    small, large = calls(100), calls(1000)
+    assert large < 10 * small * 1.5, (small, large)  # ~linear in n (quadratic would be ~100x)
+
+
+# --- enforcement -------------------------------------------------------------------------------------------
+
+
+def test_enforce_budget_keeps_pools_within_budget_and_refuses_what_cannot_fit():
+    state = _table(n=3, budget={"cpu": 13 * KIB})
+    assert fs.enforce_budget(state) is state  # 12 KiB of caches + 192 B of attrs: within budget
+    over = _table(n=3, budget={"cpu": 10 * KIB})
+    within = fs.enforce_budget(over)
+    assert _cpu(within) <= 10 * KIB and fs.stats(within)["parks"] == 1
+    tiny = _table(n=1, budget={"cpu": KIB})
+    snap = snapshot(tiny)
+    with pytest.raises(BudgetExceededError, match=r"pool 'cpu' would hold 4.1 KiB against a budget of 1.0 KiB") as e:
+        fs.enforce_budget(tiny, protect=["s0"])
+    assert (e.value.pool, e.value.budget, e.value.releasable) == ("cpu", KIB, 0)
+    assert_unchanged(tiny, snap)
+
+
+def test_the_shell_enforces_the_budget_after_writes_and_never_touches_the_writer():
+    manager = SessionStateManager(byte_budget={"cpu": 9 * KIB})
+    for i in range(3):
+        manager.get_or_create_session(f"s{i}").put("cache", DenseValue.create([torch.zeros(1024)]))
+        assert manager.stats()["nbytes:cpu"] <= 9 * KIB
+    s = manager.stats()
+    assert s["parks"] == 1 and s["nbytes:cpu/unpinned_host"] == 4 * KIB  # s0 parked to make room for s2
+    assert torch.equal(manager.get_session("s0").get("cache").value[0], torch.zeros(1024))  # restored: s1 parked
+    assert manager.stats()["restores"] == 1 and manager.stats()["parks"] == 2
+    h = manager.get_session("s1")
+    h.get("cache")  # restored on access (a parked object is restored before it is written)
+    before = snapshot(manager.state)
+    with pytest.raises(BudgetExceededError, match="cannot|would hold"):
+        h.commit("cache", [torch.zeros(4096)])  # 16 KiB: cannot fit even alone
+    assert_unchanged(manager.state, before)  # refused: nothing changed
+
+
+def test_pinned_sessions_are_never_released():
+    manager = SessionStateManager(byte_budget={"cpu": 5 * KIB}, release_levers=["drop"])
+    manager.get_or_create_session("a").put("cache", DenseValue.create([torch.zeros(1024)]))
+    with manager.pin("a"), pytest.raises(BudgetExceededError):
+        manager.get_or_create_session("b").put("cache", DenseValue.create([torch.zeros(1024)]))
+    assert "a" in manager and "b" in manager and "cache" not in manager.get_session("b").state
+    manager.get_session("b").put("cache", DenseValue.create([torch.zeros(1024)]))  # now "a" can be dropped
+    assert "a" not in manager and manager.stats()["evictions"] == 1
+    with pytest.raises(SessionStateLostError):
+        manager.get_session("a")
+
+
+class BudgetMachine(RuleBasedStateMachine):
+    """After every operation each pool is within budget, or the operation raised and nothing changed; no
+    protected session is ever touched; each applied plan frees exactly what stats() shows."""
+
+    @initialize(budget_kib=st.integers(3, 12))
+    def init(self, budget_kib):
+        self.budget = budget_kib * KIB
+        self.state = ManagerState.create(byte_budget={"cpu": self.budget})
+        self.protected = set()
+
+    def _live(self):
+        return [s for s in ("a", "b", "c", "d", "e") if s in self.state]
+
+    def _write(self, fn, writer):
+        before = self.state
+        snap = snapshot(before)
+        protected_snaps = {s: snapshot(fs.lookup(before, s)) for s in self.protected if s in before}
+        try:
+            candidate = fn(before)
+            self.state = fs.enforce_budget(candidate, protect=self.protected | {writer})
+        except BudgetExceededError:
+            assert_unchanged(before, snap)
+            self.state = before
+        for sid, snap_s in protected_snaps.items():
+            assert sid in self.state  # a protected session is never dropped ...
+            if sid != writer:
+                assert_unchanged(fs.lookup(self.state, sid), snap_s)  # ... nor touched, unless it wrote
+
+    @rule(sid=st.sampled_from("abcde"), kib=st.integers(1, 6))
+    def write_cache(self, sid, kib):
+        def fn(state):
+            state, _ = fs.get_or_create(state, sid)
+            return fs.put(state, sid, "cache", DenseValue.create([torch.zeros(kib * 256)]))
+
+        self._write(fn, sid)
+
+    @precondition(lambda self: self._live())
+    @rule(data=st.data())
+    def protect(self, data):
+        sid = data.draw(st.sampled_from(self._live()))
+        self.protected ^= {sid}
+
+    @precondition(lambda self: self._live())
+    @rule(
+        data=st.data(),
+        need_kib=st.integers(1, 8),
+        levers=st.sampled_from([("park",), ("drop",), ("park", "evict", "drop")]),
+    )
+    def plan_and_apply(self, data, need_kib, levers):
+        plan = plan_release(
+            self.state, "cpu", need_kib * KIB, protect=self.protected & set(self._live()), levers=levers
+        )
+        if plan is None:
+            return
+        for action in plan.actions:
+            assert not set(action.session_ids) & self.protected
+        after = apply_plan(self.state, plan)
+        assert _cpu(self.state) - _cpu(after) == plan.freed
+        self.state = after
+
+    @invariant()
+    def within_budget(self):
+        if hasattr(self, "state"):
+            assert _cpu(self.state) <= self.budget
+            self.protected &= set(self._live())
+
+
+BudgetMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestBudgetMachine = BudgetMachine.TestCase
