@@ -156,9 +156,9 @@ class SessionStateManager:
     ) -> bool:
         if self._attr_surplus is None:
             return False
-        if not attrs_unchanged and writer is not None and writer in after and writer in before:
-            if ms.lookup(before, writer).attrs is not ms.lookup(after, writer).attrs:
-                return False  # attrs changed: re-read them
+        attrs_may_differ = not attrs_unchanged and writer is not None and writer in after and writer in before
+        if attrs_may_differ and ms.lookup(before, writer).attrs is not ms.lookup(after, writer).attrs:
+            return False  # attrs changed: re-read them
         return not over_budget_objects(after, self._attr_surplus)
 
     @contextlib.contextmanager
