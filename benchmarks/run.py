@@ -13,7 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-BENCHES = ["encoder_window", "dreamzero_memory", "manager", "bridge", "accounting", "ring", "fork", "park"]
+BENCHES = ["encoder_window", "dreamzero_memory", "manager", "bridge", "accounting", "ring", "fork", "park", "budget"]
 
 
 def _available() -> list[str]:

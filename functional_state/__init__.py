@@ -7,7 +7,7 @@ is a thread-safe imperative shell that swaps one immutable value under a lock.
 from ._version import __version__
 from .accounting import nbytes_by_device, register_alias, total_nbytes
 from .array_ring import ArrayRing
-from .budget import capacity_for, parse_bytes
+from .budget import capacity_for, format_bytes, parse_bytes
 from .config import resolve_session_state_config
 from .dense_value import DenseValue
 from .errors import (
@@ -112,6 +112,7 @@ __all__ = [
     "enforce_budget",
     "evict",
     "fork_session",
+    "format_bytes",
     "get_attr",
     "get_or_create",
     "get_session",

@@ -28,6 +28,22 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _POOL = re.compile(r"^(cpu|[a-z][a-z0-9_]*:\d+)(/(pinned_host|unpinned_host))?$")
 
 
+def format_bytes(n: int) -> str:
+    """A byte count for people, in binary units (the inverse of `parse_bytes`, to one decimal).
+
+    Example:
+      >>> format_bytes(1536), format_bytes(3 * 2**30)
+      ('1.5 KiB', '3.00 GiB')
+    """
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if abs(n) >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n} B"
+
+
 def parse_bytes(value: Any, what: str = "parse_bytes") -> int:
     """Bytes from an int or a size string: ``"40GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"4096"``.
 

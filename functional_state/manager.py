@@ -28,7 +28,7 @@ from . import manager_state as ms
 from ._pytree import MISSING
 from .errors import ObjectParkedError, SessionStateError
 from .manager_state import ManagerState
-from .planner import LEVERS, attr_surplus, enforce_budget, over_budget_objects
+from .planner import LEVERS, _attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from .session import ForkPolicy, SessionState
 from .state_object import StateObject
 from .step import step as _pure_step
@@ -132,10 +132,11 @@ class SessionStateManager:
         Sessions the budget drops leave their handles working on their own copy, as an eviction does.
 
         The common case is a write that stays within budget: it is decided from the kept object totals plus
-        the attr bytes seen at the last full check, with no walk. A full check (which re-reads every attr,
-        and plans a release when a pool is over) runs when that sum crosses a budget, or when the write
-        changed attrs. An attr a model grows in place is therefore seen at the next full check (any attr
-        write, any pool near its budget), or by `stats()`."""
+        an upper bound on the attr bytes beyond them, with no walk of the table. The bound is exact after a
+        full check; a write that changes a session's attrs adds all its new attr bytes to it (reading only
+        that session's attrs). A full check (which re-reads every attr, and plans a release when a pool is
+        over) runs when that sum crosses a budget, and makes the bound exact again. An attr a model grows in
+        place is therefore seen at the next full check (any pool near its budget), or by `stats()`."""
         if after is before or after.byte_budget is None:
             return after
         if self._within_budget_fast(before, after, writer, attrs_unchanged):
@@ -156,10 +157,17 @@ class SessionStateManager:
     ) -> bool:
         if self._attr_surplus is None:
             return False
-        attrs_may_differ = not attrs_unchanged and writer is not None and writer in after and writer in before
-        if attrs_may_differ and ms.lookup(before, writer).attrs is not ms.lookup(after, writer).attrs:
-            return False  # attrs changed: re-read them
-        return not over_budget_objects(after, self._attr_surplus)
+        bound = self._attr_surplus
+        if not attrs_unchanged and writer is not None and writer in after:
+            attrs = ms.lookup(after, writer).attrs
+            if writer not in before or ms.lookup(before, writer).attrs is not attrs:
+                extra = _attr_bytes(attrs)
+                if extra:
+                    bound = {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
+        if over_budget_objects(after, bound):
+            return False
+        self._attr_surplus = bound
+        return True
 
     @contextlib.contextmanager
     def pin(self, session_id: str | None) -> Iterator[None]:

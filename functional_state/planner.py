@@ -22,6 +22,7 @@ lever is one pass in recency (or cost) order: a plan over n sessions costs O(n l
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from collections import Counter
 from collections.abc import Iterable
@@ -29,7 +30,7 @@ from typing import Any, Literal
 
 from . import accounting
 from ._acct import Extent, object_extents
-from .budget import _POOL, ANY_DEVICE, parse_bytes
+from .budget import _POOL, ANY_DEVICE, format_bytes, parse_bytes
 from .errors import BudgetExceededError, InvalidArgumentError
 from .manager_state import (
     _S,
@@ -50,16 +51,6 @@ LEVERS: tuple[Lever, ...] = ("park", "evict", "drop")
 MIB = 2**20
 
 
-def _size(n: int) -> str:
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if abs(n) >= MIB:
-        return f"{n / MIB:.1f} MiB"
-    if abs(n) >= 1024:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n} B"
-
-
 @dataclasses.dataclass(frozen=True)
 class ReleaseAction:
     """One step of a plan: park or evict object ``name``, or drop the session (``name`` None)."""
@@ -72,7 +63,7 @@ class ReleaseAction:
 
     def __str__(self) -> str:
         target = "+".join(self.session_ids) + (f"/{self.name}" if self.name else "")
-        moved = ", ".join(f"{pool} {'+' if n < 0 else '-'}{_size(abs(n))}" for pool, n in self.frees.items())
+        moved = ", ".join(f"{pool} {'+' if n < 0 else '-'}{format_bytes(abs(n))}" for pool, n in self.frees.items())
         return f"{self.kind:5s} {target}: {moved} ({self.reason})"
 
 
@@ -94,7 +85,7 @@ class ReleasePlan:
 
     def __str__(self) -> str:
         lines = [
-            f"ReleasePlan for pool {self.pool!r}: need {_size(self.need)}, frees {_size(self.freed)} in "
+            f"ReleasePlan for pool {self.pool!r}: need {format_bytes(self.need)}, frees {format_bytes(self.freed)} in "
             f"{len(self.actions)} action(s)"
         ]
         lines += [f"  {i}. {a}" for i, a in enumerate(self.actions, 1)]
@@ -102,7 +93,7 @@ class ReleasePlan:
             lines.append("  skipped:")
             lines += [f"  - {s}" for s in self.skipped]
         if self.unreleasable:
-            lines.append(f"  attrs hold {_size(self.unreleasable)} here; they leave only with their session")
+            lines.append(f"  attrs hold {format_bytes(self.unreleasable)} here; they leave only with their session")
         return "\n".join(lines)
 
 
@@ -195,20 +186,24 @@ def plan_release(
     protected, levers = _check_plan_args(state, pool, protect, levers)
     need = parse_bytes(need_bytes, "plan_release: need_bytes")
     acct = _track(state)
-    sessions = _sessions_lru(state)
-    attr_sets = {}
+    sids, objs = _sessions_lru(state)
+    attr_sets: dict[str, frozenset[Extent]] = {}
     attr_holders: Counter[Extent] = Counter()
-    for sid, session in sessions:
+    for sid, session in zip(sids, objs):
         out: accounting.Extents = []
         for value in session._attrs.values():
             accounting._collect(value, out, {}, accounting.WalkReport())
-        attr_sets[sid] = set(out)
-        attr_holders.update(attr_sets[sid])
+        if out:  # (one container per session would trigger full garbage collections at 100k sessions)
+            attr_sets[sid] = extents = frozenset(out)
+            for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
+                attr_holders[e] += 1
     unreleasable = _by_pool(e for extents in attr_sets.values() for e in extents).get(pool, 0)
-    holders: dict[int, list[str]] = {}  # id(object) -> sessions holding that very object (forks)
-    for sid, session in sessions:
+    first_holder: dict[int, str] = {}  # id(object) -> least recent session holding that very object
+    more_holders: dict[int, list[str]] = {}  # ... and the others (forks share objects), only where any
+    for sid, session in zip(sids, objs):
         for obj in session._objects.values():
-            holders.setdefault(id(obj), []).append(sid)
+            if first_holder.setdefault(id(obj), sid) is not sid:
+                more_holders.setdefault(id(obj), []).append(sid)
     budget = state.byte_budget or {}
     host_used = {k: v for k, v in acct.totals.items() if "/" in k}
     ledger = _Ledger(acct.refs, attr_holders)
@@ -229,7 +224,7 @@ def plan_release(
     for sid in protected:
         skipped.append(f"{sid}: protected")
     if "park" in levers and not done():
-        for sid, session in sessions:
+        for sid, session in zip(sids, objs):
             if sid in protected or done():
                 continue
             for name, obj in sorted(session._objects.items()):
@@ -240,7 +235,7 @@ def plan_release(
                 extents = object_extents(obj)
                 if not any(e[0] == pool for e in extents):
                     continue
-                sharers = holders[id(obj)]
+                sharers = [first_holder[id(obj)], *more_holders.get(id(obj), ())]
                 if any(s in protected for s in sharers):
                     skipped.append(
                         f"{sid}/{name}: its storage is shared with a protected session; parking frees nothing"
@@ -267,7 +262,7 @@ def plan_release(
                 released.update((s, name) for s in sharers)
     if "evict" in levers and not done():
         candidates = []
-        for rank, (sid, session) in enumerate(sessions):
+        for rank, (sid, session) in enumerate(zip(sids, objs)):
             if sid in protected:
                 continue
             for name, obj in session._objects.items():
@@ -288,33 +283,44 @@ def plan_release(
         # Two passes: a session whose storage a later session shares frees nothing at first, and its bytes
         # once that one is dropped too (forks). Each pass is linear in the sessions.
         dropped: set[str] = set()
-        for sid, session in sessions + sessions:
+        for sid, session in itertools.chain(zip(sids, objs), zip(sids, objs)):
             if sid in protected or sid in dropped or done():
                 continue
             # Objects this plan already parked or evicted were priced then; the rest leave with the session.
             objects = [object_extents(o) for n, o in session._objects.items() if (sid, n) not in released]
-            frees = _by_pool(ledger.freed(objects, attr_sets[sid]))
+            frees = _by_pool(ledger.freed(objects, attr_sets.get(sid, _NO_EXTENTS)))
             if not frees.get(pool):
                 note = f"{sid}: dropping it frees nothing in {pool!r} (its storage is held elsewhere)"
                 if note not in skipped:
                     skipped.append(note)
                 continue
-            take(ReleaseAction("drop", (sid,), None, frees, "least recently used session"), objects, attr_sets[sid])
+            take(
+                ReleaseAction("drop", (sid,), None, frees, "least recently used session"),
+                objects,
+                attr_sets.get(sid, _NO_EXTENTS),
+            )
             dropped.add(sid)
     if not done():
         return None
     return ReleasePlan(pool, need, tuple(actions), tuple(skipped), unreleasable, weakref.ref(state))
 
 
-def _sessions_lru(state: ManagerState) -> list[tuple[str, Any]]:
-    """``(session_id, session)`` pairs, least recently used first."""
-    out = []
+_NO_EXTENTS: frozenset[Extent] = frozenset()
+
+
+def _sessions_lru(state: ManagerState) -> tuple[list[str], list[Any]]:
+    """Session ids and sessions, least recently used first.
+
+    Two flat lists rather than a list of pairs: 100k new tuples would trigger full garbage collections over
+    the whole (large) heap, which cost more than the walk itself."""
+    sids, objs = [], []
     nodes, sid = state._nodes, state.least_recent
     while sid is not None:
         node = nodes[sid]
-        out.append((sid, node[_S]))
+        sids.append(sid)
+        objs.append(node[_S])
         sid = node[2]
-    return out
+    return sids, objs
 
 
 def _extents_of(tree: Any) -> frozenset[Extent]:
@@ -404,6 +410,11 @@ def attr_surplus(state: ManagerState) -> dict[str, int]:
     return {pool: n - objects.get(pool, 0) for pool, n in with_attrs.items() if n > objects.get(pool, 0)}
 
 
+def _attr_bytes(attrs: Any) -> dict[str, int]:
+    """Bytes per pool a session's attrs hold (no deduplication against the objects: an upper bound)."""
+    return _by_pool(_extents_of(dict(attrs))) if attrs else {}
+
+
 def _over(state: ManagerState, held: dict[str, int]) -> dict[str, tuple[int, int]]:
     budget = state.byte_budget or {}
     out = {}
@@ -431,9 +442,9 @@ def enforce_budget(
         if plan is None:
             releasable = _releasable(state, pool, protect, levers)
             raise BudgetExceededError(
-                f"pool {pool!r} would hold {_size(held)} against a budget of {_size(limit)}, and releasing "
+                f"pool {pool!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)}, and releasing "
                 f"everything allowed ({', '.join(levers) or 'no levers'}; protected: {sorted(map(str, protect))}) frees "
-                f"only {_size(releasable)}. The last change was refused; the state is as it was.",
+                f"only {format_bytes(releasable)}. The last change was refused; the state is as it was.",
                 pool=pool,
                 budget=limit,
                 held=held,

@@ -97,6 +97,8 @@ def test_demo_runs_end_to_end_and_writes_the_plot(tmp_path):
         "4",
         "--plot-steps",
         "12",
+        "--budget-steps",
+        "6",
         "--feat-map-mib",
         "1",
         "--out-dir",
@@ -108,6 +110,7 @@ def test_demo_runs_end_to_end_and_writes_the_plot(tmp_path):
     assert "in all (each allocation once)" in text and "━" in text  # rich tables and progress bars
     for component in ("stitched_frames", "video_latents", "vae_encoder_out", "vae_enc_feat_map"):
         assert component in text
+    assert "parking kept every session, bit-identical" in text and "differ (sessions lost)" in text
     png = tmp_path / "dreamzero_bytes_per_step.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in text
 

@@ -245,6 +245,22 @@ def test_the_shell_enforces_the_budget_after_writes_and_never_touches_the_writer
     assert_unchanged(manager.state, before)  # refused: nothing changed
 
 
+def test_attr_writes_count_against_the_budget_without_false_refusals():
+    manager = SessionStateManager(byte_budget={"cpu": 10 * KIB}, release_levers=["drop"])
+    manager.get_or_create_session("old").put("cache", DenseValue.create([torch.zeros(1024)]))  # 4 KiB
+    h = manager.get_or_create_session("new")
+    for _ in range(50):  # the same 1 KiB attr rewritten: the kept upper bound grows, full checks reset it
+        h.set_attr("prompt", torch.zeros(256))
+    assert "old" in manager and manager.stats(exact=True)["nbytes:cpu"] == 5 * KIB
+    h.set_attr("big", torch.zeros(1536))  # 6 KiB of attrs more: 11 KiB in all, so "old" must go
+    assert "old" not in manager and manager.stats(exact=True)["nbytes:cpu"] == 7 * KIB
+    before = snapshot(manager.state)
+    with pytest.raises(BudgetExceededError):
+        h.set_attr("huge", torch.zeros(4096))  # 16 KiB: cannot fit even alone
+    assert_unchanged(manager.state, before)
+    assert "huge" not in h.state.attrs
+
+
 def test_pinned_sessions_are_never_released():
     manager = SessionStateManager(byte_budget={"cpu": 5 * KIB}, release_levers=["drop"])
     manager.get_or_create_session("a").put("cache", DenseValue.create([torch.zeros(1024)]))

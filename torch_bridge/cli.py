@@ -310,6 +310,49 @@ def _plot(args: argparse.Namespace, console: Any) -> tuple[Path, dict[str, Any]]
     return path, final
 
 
+def _budget_demo(args: argparse.Namespace, console: Any) -> bool:
+    """Six sessions under a byte budget for two: parking keeps every session and every output; the
+    drop-only budget loses sessions, loudly. Returns whether the parked run matched the unbudgeted one."""
+    import dataclasses
+
+    from functional_state import format_bytes
+    from functional_state.config import enable_override
+    from torch_bridge.adapters import dreamzero_rollout as dz
+
+    steps = args.budget_steps
+    # The feat map dominates a session at deploy shapes (603 of 627 MiB); a smaller one would leave mostly
+    # the stitched frames, which the pending body frames (an attr) keep alive, so parking could free little.
+    feat_map_mib = max(args.feat_map_mib, 16.0)
+    cfg = dz.RolloutConfig(
+        steps=steps, sessions=6, feat_map_bytes=int(feat_map_mib * MIB), prompt_every=10**9, trace_pools=True
+    )
+    results = {}
+    with _progress(console) as progress, enable_override(True):
+
+        def run(label: str, run_cfg: Any) -> None:
+            task = progress.add_task(label, total=steps)
+            results[label] = dz.run_rollout(run_cfg, progress=lambda _: progress.advance(task))
+
+        run("count cap only", cfg)
+        budget = 2 * max(results["count cap only"].totals.values())  # what two whole sessions hold, measured
+        run("budget, park first", dataclasses.replace(cfg, byte_budget={"cpu": budget}))
+        run("budget, drop only", dataclasses.replace(cfg, byte_budget={"cpu": budget}, release_levers=("drop",)))
+    rich_table = importlib.import_module("rich.table")
+    table = rich_table.Table("run", "peak device pool", "parks", "restores", "sessions lost", "outputs")
+    reference = results["count cap only"].digest
+    for label, r in results.items():
+        peak = max(p.get("nbytes:cpu", 0) for p in r.pool_trace)
+        same = "identical" if r.digest == reference else "differ (sessions lost)"
+        counts = r.pool_trace[-1]  # stats() after the last round (the rollout ran on the manager path)
+        table.add_row(label, format_bytes(peak), str(counts["parks"]), str(counts["restores"]), str(len(r.lost)), same)
+    console.print(table)
+    console.print(
+        f"   budget {format_bytes(budget)}: two sessions (feat map {feat_map_mib:g} MiB); lost sessions raised "
+        "instead of restarting"
+    )
+    return results["budget, park first"].digest == reference and not results["budget, park first"].lost
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     with _console("demo") as console:
@@ -346,6 +389,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 f"0.215 MiB per latent frame), ring {m / MIB:.2f} MiB (constant)"
             )
             console.print(f"   wrote {path.resolve()}", soft_wrap=True)
+        console.print(f"\n5. Six DreamZero sessions under a byte budget for two ({args.budget_steps} steps each)")
+        budget_ok = _budget_demo(args, console)
+        console.print(f"   {'parking kept every session, bit-identical' if budget_ok else 'PARKED RUN DIFFERS'}")
+        ok = ok and budget_ok
         console.print(f"\n{'OK' if ok else 'FAILED'}: demo finished in {time.perf_counter() - t_start:.0f}s")
     return 0 if ok else 1
 
@@ -403,6 +450,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=_positive_int, default=60, help="steps per DreamZero session")
     demo.add_argument("--requests", type=_positive_int, default=4, help="concurrent Cosmos3 requests")
     demo.add_argument("--plot-steps", type=_positive_int, default=240, help="steps of the bytes-per-step plot")
+    demo.add_argument("--budget-steps", type=_positive_int, default=12, help="steps of the byte-budget run")
     demo.add_argument("--out-dir", default="out", help="where the PNG goes")
     demo.add_argument("--no-plot", action="store_true", help="skip the plot")
     demo.set_defaults(func=_cmd_demo)
