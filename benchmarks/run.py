@@ -13,7 +13,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-BENCHES = ["encoder_window", "dreamzero_memory", "manager", "bridge", "accounting", "ring", "fork", "park", "budget"]
+BENCHES = [
+    "encoder_window",
+    "dreamzero_memory",
+    "manager",
+    "bridge",
+    "accounting",
+    "ring",
+    "fork",
+    "park",
+    "budget",
+    "paged_kv",
+]
 
 
 def _available() -> list[str]:

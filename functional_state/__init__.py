@@ -10,18 +10,21 @@ from .array_ring import ArrayRing
 from .budget import capacity_for, format_bytes, parse_bytes
 from .config import resolve_session_state_config
 from .dense_value import DenseValue
+from .engine_blocks import free_released, released_blocks
 from .errors import (
     AttrNotFoundError,
     BudgetExceededError,
     CopyRequiredError,
     InvalidArgumentError,
     InvalidTypeError,
+    KVFreeError,
     NotAllocatedError,
     NothingStagedError,
     NotParkedError,
     NotResidentError,
     ObjectNotFoundError,
     ObjectParkedError,
+    PoolChangedError,
     SessionAdmissionError,
     SessionExistsError,
     SessionStateError,
@@ -61,6 +64,7 @@ from .manager_state import (
     view,
     with_sessions,
 )
+from .paged_kv import PagedKVHandle, PagedKVPool, paged_gather
 from .planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
 from .session import FORK_POLICIES, SessionState
 from .session_attr import SessionAttr
@@ -79,6 +83,7 @@ __all__ = [
     "DenseValue",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "KVFreeError",
     "LatentBuffer",
     "ManagerState",
     "NotAllocatedError",
@@ -87,6 +92,9 @@ __all__ = [
     "NothingStagedError",
     "ObjectNotFoundError",
     "ObjectParkedError",
+    "PagedKVHandle",
+    "PagedKVPool",
+    "PoolChangedError",
     "ReentrantWriteError",
     "ReleaseAction",
     "ReleasePlan",
@@ -113,18 +121,21 @@ __all__ = [
     "evict",
     "fork_session",
     "format_bytes",
+    "free_released",
     "get_attr",
     "get_or_create",
     "get_session",
     "incarnation",
     "lookup",
     "nbytes_by_device",
+    "paged_gather",
     "park",
     "parse_bytes",
     "plan_release",
     "put",
     "raise_max_sessions",
     "register_alias",
+    "released_blocks",
     "reset_session",
     "resolve_session_id",
     "resolve_session_state_config",

@@ -20,12 +20,43 @@ import immutables
 
 from . import accounting
 from .latent_buffer import LatentBuffer
+from .paged_kv import _POOLS, PagedKVHandle, kv_keys
 from .state_object import StateObject
 
 _CACHE_SLOT = StateObject.__dict__["_acct_cache"]
 
 Extent = tuple[str, int, int]
 _EMPTY: immutables.Map = immutables.Map()
+_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
+_LOG_DEPTH = 4096
+
+
+def _pool_uids() -> list[int]:
+    return list(_POOLS.keys())
+
+
+def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
+    """``{pool uid: block ids}`` that handles held in ``before`` and none holds in ``after``.
+
+    Read from ``after``'s release log back to ``before``'s (O(released)) when ``after`` descends from
+    ``before``; otherwise (another lineage, a cut log) by comparing every held block.
+    """
+    candidates: list[Any] = []  # (pool uid, block id); also ("held", uid) counters in a full comparison
+    node = after.log
+    complete = before.root is after.root
+    while complete and node is not before.log:
+        if node is None or node is _CUT:
+            complete = False
+            break
+        candidates.extend(node[1])
+        node = node[2]
+    if not complete:
+        candidates = list(before.kv.keys())
+    out: dict[int, list[int]] = {}
+    for key in candidates:
+        if key[0] != "held" and key in before.kv and key not in after.kv:
+            out.setdefault(key[0], []).append(key[1])
+    return {uid: tuple(sorted(set(ids))) for uid, ids in out.items()}
 
 
 def value_extents(value: Any) -> list[Extent]:
@@ -107,21 +138,49 @@ def session_extents(session: Any) -> list[frozenset[Extent]]:
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("refs", "totals")
+    __slots__ = ("kv", "log", "refs", "root", "totals")
 
-    def __init__(self, refs: immutables.Map, totals: immutables.Map):
+    def __init__(
+        self,
+        refs: immutables.Map,
+        totals: immutables.Map,
+        kv: immutables.Map = _EMPTY,
+        log: Any = None,
+        root: Any = None,
+    ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the extents held at least once
+        # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
+        # the blocks whose last handle let go, newest first, (depth, keys, previous); `root` identifies the
+        # lineage (accountings derived from one build), within which logs can be compared.
+        self.kv = kv
+        self.log = log
+        self.root = root if root is not None else object()
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
         acct = cls(_EMPTY, _EMPTY)
         for session in sessions:
-            acct = acct.change(add=session_extents(session))
+            acct = acct.add_session(session)
         return acct
 
-    def change(self, add: Iterable[frozenset[Extent]] = (), remove: Iterable[frozenset[Extent]] = ()) -> Acct:
-        """The counts after the objects with extents ``remove`` left and those with ``add`` arrived."""
+    def add_session(self, session: Any) -> Acct:
+        objs = session._objects.values()
+        return self.change(add=[object_extents(o) for o in objs], kv_add=[kv_keys(o) for o in objs])
+
+    def remove_session(self, session: Any) -> Acct:
+        objs = session._objects.values()
+        return self.change(remove=[object_extents(o) for o in objs], kv_remove=[kv_keys(o) for o in objs])
+
+    def change(
+        self,
+        add: Iterable[frozenset[Extent]] = (),
+        remove: Iterable[frozenset[Extent]] = (),
+        kv_add: Iterable[Iterable[tuple[int, int]]] = (),
+        kv_remove: Iterable[Iterable[tuple[int, int]]] = (),
+    ) -> Acct:
+        """The counts after the objects with extents ``remove`` left and those with ``add`` arrived (and the
+        handles holding KV blocks ``kv_remove`` / ``kv_add``)."""
         refs = self.refs.mutate()
         totals = self.totals.mutate()
         for extents in remove:
@@ -138,7 +197,38 @@ class Acct:
                 refs[e] = n + 1
                 if not n:
                     totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
-        return Acct(refs.finish(), totals.finish())
+        kv, log = self.kv, self.log
+        kv_add, kv_remove = [k for k in kv_add if k], [k for k in kv_remove if k]
+        if kv_add or kv_remove:
+            counts = kv.mutate()
+            held: dict[int, int] = {}  # pool uid -> change in distinct blocks held
+            for keys in kv_add:
+                for k in keys:
+                    n = counts.get(k, 0)
+                    counts[k] = n + 1
+                    if not n:
+                        held[k[0]] = held.get(k[0], 0) + 1
+            released = []
+            for keys in kv_remove:
+                for k in keys:
+                    n = counts[k] - 1
+                    if n:
+                        counts[k] = n
+                    else:
+                        del counts[k]
+                        released.append(k)
+                        held[k[0]] = held.get(k[0], 0) - 1
+            for uid, d in held.items():
+                n = counts.get(("held", uid), 0) + d
+                if n:
+                    counts[("held", uid)] = n
+                else:
+                    counts.pop(("held", uid), None)
+            kv = counts.finish()
+            if released:
+                depth = 0 if log is None or log is _CUT else log[0] + 1
+                log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), _CUT)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move."""
@@ -149,26 +239,50 @@ class Acct:
             if delta is not None:
                 added, removed = delta
                 return self.change(add=[frozenset(added)], remove=[frozenset(removed)]) if added or removed else self
+        if type(old) is PagedKVHandle or type(new) is PagedKVHandle:
+            return self._swap_handle(old, new)
         a, b = object_extents(old), object_extents(new)
         if a == b:
             return self
         return self.change(add=[b - a], remove=[a - b])
 
+    def _swap_handle(self, old: Any, new: Any) -> Acct:
+        if (
+            type(old) is PagedKVHandle
+            and type(new) is PagedKVHandle
+            and old.pool is new.pool
+            and old.staged == new.staged
+            and new.block_ids[: len(old.block_ids)] == old.block_ids
+        ):  # a commit of new blocks: priced by those blocks alone
+            tail = new.block_ids[len(old.block_ids) :]
+            uid = new.pool.uid
+            return self.change(add=[frozenset(new.pool.extents(tail))], kv_add=[[(uid, b) for b in tail]])
+        a, b = object_extents(old), object_extents(new)
+        ka, kb = set(kv_keys(old)), set(kv_keys(new))
+        return self.change(add=[b - a], remove=[a - b], kv_add=[kb - ka], kv_remove=[ka - kb])
+
     def swap_session(self, old: Any, new: Any) -> Acct:
         """A session replaced by another: the objects that changed identity move."""
         if old._objects is new._objects:
             return self
-        added, removed = [], []
+        added, removed, kv_added, kv_removed = [], [], [], []
         for name, obj in new._objects.items():
             prev = old._objects.get(name)
             if prev is not obj:
                 added.append(object_extents(obj))
+                kv_added.append(kv_keys(obj))
                 if prev is not None:
                     removed.append(object_extents(prev))
+                    kv_removed.append(kv_keys(prev))
         for name, obj in old._objects.items():
             if name not in new._objects:
                 removed.append(object_extents(obj))
-        return self.change(add=added, remove=removed)
+                kv_removed.append(kv_keys(obj))
+        return self.change(add=added, remove=removed, kv_add=kv_added, kv_remove=kv_removed)
+
+    def kv_held(self) -> dict[int, int]:
+        """``{pool uid: distinct blocks handles hold}`` (kept under ``("held", uid)`` keys of ``kv``)."""
+        return {uid: self.kv[("held", uid)] for uid in _pool_uids() if ("held", uid) in self.kv}
 
     def pools(self) -> dict[str, int]:
         return {k: v for k, v in sorted(self.totals.items()) if v}

@@ -122,7 +122,44 @@ class WalkReport:
     unaccounted_objects: int = 0
 
 
-def _torch_extents(t: Any, out: Extents) -> None:
+# Engine KV pools (see `functional_state.paged_kv`): (pool key, storage start) -> segments of that storage
+# that are pool layers, each (first byte offset, end offset, extent base, block bytes, pool uid). A value
+# lying in a pool layer counts the blocks it spans, in the pool's block extents, so it deduplicates with the
+# handles that reference those blocks.
+_POOL_STORAGES: dict[tuple[str, int], tuple[tuple[int, int, int, int, int], ...]] = {}
+_POOL_LIVE: set[int] = set()  # uids of pools alive (a pool's finalizer removes its uid: no lock, GC-safe)
+
+
+def _pool_blocks(key: str, start: int, lo: int, hi: int, out: Extents) -> bool:
+    """If the storage at ``start`` holds registered pool layers: the extents of the blocks that bytes
+    ``[lo, hi)`` (offsets into the storage) span, plus the raw bytes outside every layer."""
+    segments = _POOL_STORAGES.get((key, start))
+    if segments is None:
+        return False
+    live = [seg for seg in segments if seg[4] in _POOL_LIVE]
+    if not live:  # a dead pool's storage, maybe reused: plain memory again
+        return False
+    for so, se, base, bb, _ in live:
+        a, b = max(lo, so), min(hi, se)
+        if a < b:
+            out.extend((key, base + i * bb, base + (i + 1) * bb) for i in range((a - so) // bb, (b - so - 1) // bb + 1))
+    return True
+
+
+def _span(shape: Any, strides: Any, itemsize: int) -> tuple[int, int]:
+    """``(lo, hi)`` byte offsets, from the first element, that a strided view touches."""
+    lo = hi = 0
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return 0, 0
+        if s >= 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + itemsize
+
+
+def _torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
     if t.layout is not _torch_module().strided:
         return  # Sparse layouts have no single storage; counted as unknown (zero).
     key = _torch_device_key(t.device)
@@ -132,21 +169,32 @@ def _torch_extents(t: Any, out: Extents) -> None:
     size = storage.nbytes()
     if size:
         start = storage.data_ptr()
+        if _POOL_STORAGES and not raw and (key, start) in _POOL_STORAGES:
+            item = t.element_size()
+            lo, hi = _span(t.shape, [s * item for s in t.stride()], item)
+            offset = t.storage_offset() * item
+            _pool_blocks(key, start, offset + lo, offset + hi, out)
+            return
         out.append((key, start, start + size))
 
 
-def _numpy_extents(a: np.ndarray, out: Extents) -> None:
+def _numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
     owner = a
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
     base = owner.base
     torch = _torch_module()
     if torch is not None and isinstance(base, torch.Tensor):
-        _torch_extents(base, out)
+        _torch_extents(base, out, raw)
         return
     if owner.size == 0:
         return
     start = owner.__array_interface__["data"][0]
+    if _POOL_STORAGES and not raw and ("cpu", start) in _POOL_STORAGES and a.size:
+        lo, hi = _span(a.shape, a.strides, a.itemsize)
+        offset = a.__array_interface__["data"][0] - start
+        _pool_blocks("cpu", start, offset + lo, offset + hi, out)
+        return
     if base is None:
         out.append(("cpu", start, start + owner.nbytes))
         return
@@ -160,9 +208,9 @@ def _numpy_extents(a: np.ndarray, out: Extents) -> None:
     out.append(("cpu", start + lo, start + hi + owner.itemsize))
 
 
-def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any]) -> None:
+def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
     owner = alias_owner(a)
-    if owner is not None:
+    if owner is not None and not raw:
         # The owner's allocation holds this array's bytes: count the owner, and only the owner, so extents
         # stay identical or disjoint (what the incremental accounting relies on).
         _collect(owner, out, seen, report)
@@ -176,7 +224,10 @@ def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int,
         size = data.on_device_size_in_bytes()
         if size:
             start = data.unsafe_buffer_pointer()
-            out.append((_jax_pool_key(shard.device, memory_kind), start, start + size))
+            key = _jax_pool_key(shard.device, memory_kind)
+            if _POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out):
+                continue
+            out.append((key, start, start + size))
 
 
 # Objects never walked into: they reach the whole program (modules, classes, functions) or hold no data.

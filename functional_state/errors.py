@@ -13,12 +13,14 @@ __all__ = [
     "CopyRequiredError",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "KVFreeError",
     "NotAllocatedError",
     "NotParkedError",
     "NotResidentError",
     "NothingStagedError",
     "ObjectNotFoundError",
     "ObjectParkedError",
+    "PoolChangedError",
     "SessionAdmissionError",
     "SessionExistsError",
     "SessionStateError",
@@ -114,3 +116,12 @@ class BudgetExceededError(SessionStateError, RuntimeError):
 
 class CopyRequiredError(SessionStateError, ValueError):
     """Zero-copy exchange is impossible for this tensor and the caller asked for ``strict=True``."""
+
+
+class PoolChangedError(SessionStateError, RuntimeError):
+    """An engine KV pool a handle references was freed, resized or moved: its block ids no longer name the
+    memory they did."""
+
+
+class KVFreeError(SessionStateError, RuntimeError):
+    """An engine's ``free`` callback raised; the change that released the blocks was not made."""

@@ -26,8 +26,10 @@ from typing import Any, TypeVar
 
 from . import manager_state as ms
 from ._pytree import MISSING
+from .engine_blocks import free_released
 from .errors import ObjectParkedError, SessionStateError
 from .manager_state import ManagerState
+from .paged_kv import _POOLS, PagedKVHandle
 from .planner import LEVERS, _attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from .session import ForkPolicy, SessionState
 from .state_object import StateObject
@@ -102,6 +104,7 @@ class SessionStateManager:
         # still holding it then work on its own copy (and `_detached` tracks it for `step`).
         self._cells: dict[int, _Cell] = {}
         self._detached: weakref.WeakSet[_Cell] = weakref.WeakSet()
+        self._detaching: list[_Cell] = []  # cells the write in progress detached (restored if it fails)
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
         self._writing = threading.local()  # uids whose transaction this thread is computing
 
@@ -122,8 +125,47 @@ class SessionStateManager:
         with self._lock:
             before = self._state
             after, out = op(before)
-            self._state = self._admit(before, after, writer)
+            self._state = self._settle(before, after, writer)
         return out
+
+    def _settle(
+        self,
+        before: ManagerState,
+        after: ManagerState,
+        writer: str | None,
+        attrs_unchanged: bool = False,
+        admit: bool = True,
+    ) -> ManagerState:
+        """Under the lock: the state a write installs. ``after`` brought within the byte budget (`_admit`),
+        then the engine KV blocks no handle holds any more handed back to their engines, each exactly once.
+        A failing engine callback raises `KVFreeError` and the write is not made (sessions it would have
+        detached stay in the table)."""
+        try:
+            final = self._admit(before, after, writer, attrs_unchanged) if admit else after
+            # (A state a donating step consumed held no fewer blocks than its successor: a step changes one
+            # object's arrays, never which handles the table holds.)
+            if _POOLS and final is not before and type(before) is ManagerState:
+                released = free_released(before, final)
+                if released:
+                    self._evict_detached_handles(released)
+            return final
+        except BaseException:
+            for cell in self._detaching:  # the write is not made: the sessions it detached stay
+                self._cells[cell.uid] = cell
+                self._detached.discard(cell)
+            raise
+        finally:
+            self._detaching.clear()
+
+    def _evict_detached_handles(self, released: dict[Any, tuple[int, ...]]) -> None:
+        """Handles of sessions that left the table keep their copy, minus the engine blocks just freed: a
+        handle whose blocks went back to the engine is evicted there, so it never reads recycled memory."""
+        for cell in self._detaching:
+            session = cell.session
+            for name, obj in session.objects.items():
+                if isinstance(obj, PagedKVHandle) and obj.pool in released:
+                    session = session.update(name, lambda o: o.evict()[0])
+            cell.session = session
 
     def _admit(
         self, before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool = False
@@ -209,6 +251,7 @@ class SessionStateManager:
         if cell is not None:
             cell.session = ms.lookup(state, sid)
             self._detached.add(cell)
+            self._detaching.append(cell)
 
     def _insertion(self, state: ManagerState, sid: str, insert: Callable[[ManagerState], ManagerState]) -> ManagerState:
         """Run ``insert`` (which adds ``sid``), detaching the least recent session first if it will be evicted."""
@@ -234,7 +277,8 @@ class SessionStateManager:
                 if cell is None:
                     cell = self._cell(state, sid)
             else:
-                self._state = state = self._insertion(state, sid, lambda s: ms.get_or_create(s, sid)[0])
+                new = self._insertion(state, sid, lambda s: ms.get_or_create(s, sid)[0])
+                self._state = state = self._settle(state, new, sid, admit=False)
                 cell = self._cell(state, sid)
         return SessionHandle(self, cell)
 
@@ -377,7 +421,7 @@ class SessionStateManager:
                 else:
                     session = session.update(name, lambda o: o.restore())
             if in_table:
-                self._state = self._admit(self._state, state, cell.session_id)
+                self._state = self._settle(self._state, state, cell.session_id)
             else:
                 cell.session = session
         return len(todo)
@@ -391,7 +435,7 @@ class SessionStateManager:
                     state = self._state
                     if self._in_table(state, cell):
                         new, out = op(ms.lookup(state, cell.session_id))
-                        self._state = self._admit(state, self._store(state, cell, new), cell.session_id)
+                        self._state = self._settle(state, self._store(state, cell, new), cell.session_id)
                     else:
                         cell.session, out = op(cell.session)
                 return out
@@ -410,7 +454,7 @@ class SessionStateManager:
                     state = self._state
                     if self._in_table(state, cell):
                         new = ms.commit(state, cell.session_id, name, payload)
-                        self._state = self._admit(state, new, cell.session_id, attrs_unchanged=True)
+                        self._state = self._settle(state, new, cell.session_id, attrs_unchanged=True)
                     else:
                         cell.session = cell.session.update(name, lambda obj: obj.commit(payload))
                 return
@@ -446,7 +490,7 @@ class SessionStateManager:
                 state = self._state
                 latest = ms.lookup(state, cell.session_id) if self._in_table(state, cell) else cell.session
                 if latest is current:
-                    self._state = self._admit(state, self._store(state, cell, new), cell.session_id)
+                    self._state = self._settle(state, self._store(state, cell, new), cell.session_id)
                     return out
 
     def _writing_set(self) -> set[int]:

@@ -21,7 +21,7 @@ import immutables
 import jax
 
 from . import _holders, accounting
-from ._acct import Acct, session_extents, totals_with_attrs
+from ._acct import Acct, totals_with_attrs
 from ._pytree import MISSING
 from ._repr import repr_html
 from .budget import normalize_budget
@@ -35,6 +35,7 @@ from .errors import (
     SharedStorageError,
     StateConsumedError,
 )
+from .paged_kv import pool_by_uid
 from .session import SessionState, _no_object
 from .state_object import StateObject
 
@@ -447,7 +448,7 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str, mis
         victim = mm[head]
         del mm[head]
         if acct is not None:
-            acct = acct.change(remove=session_extents(victim[_S]))
+            acct = acct.remove_session(victim[_S])
         head = victim[_N]
         if head is None:
             tail = None
@@ -457,7 +458,7 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str, mis
         evictions += 1
     head = _append(mm, sid, session, uid, head, tail)
     if acct is not None:
-        acct = acct.change(add=session_extents(session))
+        acct = acct.add_session(session)
     return _state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions, *rare), acct)
 
 
@@ -802,9 +803,7 @@ def park(
         mm[target] = (n[_S]._with_object(name, parked), n[_P], n[_N], n[_U])
         if acct is not None:
             acct = acct.swap(obj, parked)
-    moved = _pool_delta(
-        accounting.nbytes_by_device(obj._committed_roots()), accounting.nbytes_by_device(parked.host_copy)
-    )
+    moved = _pool_delta(obj.nbytes_by_device(), accounting.nbytes_by_device(parked.host_copy))
     return _with_counter(state, mm.finish(), _PARKS, len(targets), acct), moved
 
 
@@ -824,7 +823,7 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
     restored = obj.restore()
     shared = any(s != sid and n[_S]._objects.get(name) is obj for s, n in state._nodes.items())
     before = {} if shared else accounting.nbytes_by_device(obj.host_copy)
-    moved = _pool_delta(before, accounting.nbytes_by_device(restored._committed_roots()))
+    moved = _pool_delta(before, restored.nbytes_by_device())
     nodes = state._nodes.set(sid, (node[_S]._with_object(name, restored), node[_P], node[_N], node[_U]))
     acct = None if state._acct is None else state._acct.swap(obj, restored)
     return _with_counter(state, nodes, _RESTORES, 1, acct), moved
@@ -842,7 +841,7 @@ def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSt
     mm = state._nodes.mutate()
     head, tail = _unlink(mm, node, head, tail)
     del mm[sid]
-    acct = None if state._acct is None else state._acct.change(remove=session_extents(node[_S]))
+    acct = None if state._acct is None else state._acct.remove_session(node[_S])
     return _state(mm.finish(), (head, tail, *rest), acct), True
 
 
@@ -909,7 +908,9 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     (objects the walk could not read), then one ``nbytes:<pool>`` key per pool, sorted: devices
     (``nbytes:cpu``, ``nbytes:cuda:0``) and the host memory kinds parked storage lives in
     (``nbytes:cpu/pinned_host``, ``nbytes:cpu/unpinned_host``). Each allocation is counted once across
-    all sessions.
+    all sessions. For each engine KV pool that handles hold blocks of: ``kv_pool:<name>:held_nbytes`` (the
+    blocks sessions hold, each once; part of ``nbytes:<device>``), ``kv_pool:<name>:total_nbytes`` and,
+    when the engine exposes its free count, ``kv_pool:<name>:free_nbytes``.
 
     State objects are immutable, so their bytes are kept incrementally as the table changes (built by one
     walk the first time); only attrs, which a model may change in place, are walked on each call, and
@@ -945,4 +946,10 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
         "unaccounted_objects": report.unaccounted_objects,
     }
     out.update({f"nbytes:{device}": n for device, n in per_device.items()})
+    for uid, blocks in _track(state).kv_held().items():
+        pool = pool_by_uid(uid)
+        if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
+            out[f"kv_pool:{pool.name}:held_nbytes"] = blocks * pool.block_nbytes
+            for key, n in pool.capacity().items():
+                out[f"kv_pool:{pool.name}:{key}"] = n
     return out

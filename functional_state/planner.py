@@ -43,6 +43,7 @@ from .manager_state import (
     park,
     stats,
 )
+from .paged_kv import PagedKVHandle
 
 __all__ = ["LEVERS", "ReleaseAction", "ReleasePlan", "apply_plan", "enforce_budget", "plan_release"]
 
@@ -243,8 +244,15 @@ def plan_release(
                     continue
                 if sharers[0] != sid:
                     continue  # a fork's object: considered once, at its least recent holder
-                committed = _extents_of(obj._committed_roots())
-                gone = ledger.freed([committed] * len(sharers)) - _extents_of(obj.staged)
+                if type(obj) is PagedKVHandle:
+                    if not obj.parkable:
+                        skipped.append(f"{sid}/{name}: engine pool {obj.pool.name!r} offers no offload")
+                        continue
+                    committed = frozenset(obj.pool.extents(obj.block_ids))
+                    staged = frozenset(obj.pool.extents(obj.staged or ()))
+                else:
+                    committed, staged = _extents_of(obj._committed_roots()), _extents_of(obj.staged)
+                gone = ledger.freed([committed] * len(sharers)) - staged
                 if gone != committed:
                     skipped.append(f"{sid}/{name}: something else holds part of its storage; parking frees nothing")
                     continue
@@ -252,6 +260,9 @@ def plan_release(
                 if pool not in moves:
                     continue
                 host = _host_pool_of(obj)
+                if host == pool:
+                    skipped.append(f"{sid}/{name}: parking would move its bytes within {pool!r}")
+                    continue
                 if host in budget and host_used.get(host, 0) + sum(moves.values()) > budget[host]:
                     skipped.append(f"{sid}/{name}: host pool {host!r} has no room under its budget")
                     continue
@@ -334,6 +345,8 @@ def _host_pool_of(obj: Any) -> str:
     host memory for CPU torch tensors (torch pins only with CUDA)."""
     import sys
 
+    if type(obj) is PagedKVHandle:
+        return "cpu"  # the engine's offload copy: host memory it manages
     torch = sys.modules.get("torch")
     for leaf in _leaves(obj._committed_roots()):
         if torch is not None and isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":

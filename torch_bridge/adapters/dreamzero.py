@@ -36,6 +36,8 @@ from functional_state import (
     DenseValue,
     InvalidArgumentError,
     LatentBuffer,
+    PagedKVHandle,
+    PagedKVPool,
     SessionAttr,
     SessionHandle,
     SessionState,
@@ -60,6 +62,7 @@ _FRAMES = "stitched_frames"
 _LATENTS = "video_latents"
 _ENCODER = "vae_encoder_out"
 _FEAT_MAP = "vae_enc_feat_map"
+_KV = "self_attn_kv"  # the generator's self-attention KV: blocks of the engine's paged pool
 
 
 class FeatMapView(MutableSequence[Any]):
@@ -304,16 +307,39 @@ class DreamZeroStateAdapter(ResetRules):
         self._session.remove(_FEAT_MAP)
         self._session.put(_ENCODER, self._new_buffer(_ENCODER))
 
+    # self-attention KV: the engine owns the blocks, the session holds their ids
+    @property
+    def self_attn_kv_blocks(self) -> tuple[int, ...]:
+        """Block ids of the session's self-attention KV in the engine's pool, oldest first."""
+        handle = self._session.get(_KV, None)
+        return handle.block_ids if handle is not None and handle.resident else ()
+
+    def append_self_attn_kv(self, pool: PagedKVPool, block_ids: Any) -> None:
+        """Record blocks the engine filled with this session's K/V (a handle on ``pool``, made on first use)."""
+        self._session.get_or_create(_KV, lambda: PagedKVHandle.create(pool), PagedKVHandle)
+        self._session.commit(_KV, block_ids)
+
+    def self_attn_kv(self) -> Any:
+        """The session's K/V gathered from the pool in order (per pool layer), or None when it holds none."""
+        handle = self._session.get(_KV, None)
+        return handle.view() if handle is not None and handle.resident and handle.block_ids else None
+
+    def reset_self_attn_kv(self) -> None:
+        """Let go of the KV blocks: the manager hands them back to the engine (when no fork holds them)."""
+        self._session.remove(_KV)
+
     # resets
     def reset(self, clear_video_latents: bool = True) -> None:
         """Session reset (everything back to defaults) or, with ``clear_video_latents=False``, a window
-        reset that keeps the video latents, language, prompt_embeds and the VAE stream."""
+        reset that keeps the video latents, language, prompt_embeds and the VAE stream. Both let go of
+        the self-attention KV (a window reset starts attention afresh)."""
         if clear_video_latents:
             self._session.reset()
         else:
             self._session.put(_FRAMES, self._new_buffer(_FRAMES))
             for name in ("call_count", "current_start_frame", "clip_feas", "ys"):
                 self._session.del_attr(name)
+            self._session.remove(_KV)
 
     # accounting
     def component_nbytes(self) -> dict[str, int]:

@@ -23,9 +23,11 @@ from typing import Any
 import torch
 
 from functional_state import InvalidArgumentError, SessionStateLostError
+from functional_state import paged_gather as fs_gather
 
 from .dreamzero_bespoke import BespokeDreamZeroState
 from .dreamzero_store import DreamZeroSessions, begins_session, default_resident_bound
+from .paged_engine import ReferenceKVEngine
 
 MIB = 2**20
 DEPLOY_FEAT_MAP_BYTES = 603 * MIB
@@ -53,6 +55,7 @@ class RolloutConfig:
     release_levers: tuple[str, ...] = ("park", "evict", "drop")  # what that budget may use
     resident_bound: int | None = None  # sessions the store admits (None: sized by bytes, at least `sessions`)
     trace_pools: bool = False  # manager path: record stats() pools, parks and restores after every round
+    self_attn_kv: bool = True  # the generator attends over a self-attention KV in a reference paged engine
 
     def __post_init__(self) -> None:
         for name in (
@@ -135,6 +138,66 @@ class _Networks:
         return (obs.float() * 0.5 + bias).to(torch.bfloat16).transpose(1, 2).contiguous()
 
 
+class _SelfAttnKV:
+    """The generator's self-attention KV in a reference paged engine (one block of 4 tokens per step).
+
+    The engine owns the blocks. On the bespoke path it also keeps each request's block table (here:
+    ``tables``) and frees it on a reset or at the end; on the manager path the table is the session's
+    `PagedKVHandle` (`DreamZeroStateAdapter.append_self_attn_kv`), and the manager frees the blocks when the
+    session resets, is dropped or is closed.
+    """
+
+    HEADS, HEAD_DIM, BLOCK = 2, 8, 4
+
+    def __init__(self, cfg: RolloutConfig):
+        per_session = cfg.local_attn_size + 2  # a window reset lets go of the blocks
+        self.engine = ReferenceKVEngine(
+            num_blocks=max(1, cfg.sessions) * per_session * 2,
+            block_size=self.BLOCK,
+            heads=self.HEADS,
+            head_dim=self.HEAD_DIM,
+            name="self-attn-kv",
+        )
+        self.tables: dict[str, list[int]] = {}
+
+    def read(self, state: Any, sid: str) -> torch.Tensor | None:
+        """K and V of every earlier step of the window, concatenated, or None."""
+        if isinstance(state, BespokeDreamZeroState):
+            ids = self.tables.get(sid)
+            if not ids:
+                return None
+            layers = [fs_gather(layer, ids) for layer in (self.engine.k[0], self.engine.v[0])]
+        else:
+            got = state.self_attn_kv()
+            if got is None:
+                return None
+            layers = list(got)
+        return torch.cat(layers)
+
+    def append(self, state: Any, sid: str, obs: torch.Tensor) -> None:
+        """Write this step's K/V (a function of the observation) into a fresh block and record it."""
+        (block,) = self.engine.allocate(1)
+        base = obs.float().mean()
+        grid = torch.arange(self.HEADS * self.HEAD_DIM, dtype=torch.float32).reshape(self.HEADS, self.HEAD_DIM)
+        for slot in range(self.BLOCK):
+            k = (base + slot * 0.125 + grid * 0.01).to(torch.bfloat16)
+            self.engine.write(block, slot, k, (k.float() * 0.5).to(torch.bfloat16))
+        if isinstance(state, BespokeDreamZeroState):
+            self.tables.setdefault(sid, []).append(block)
+        else:
+            state.append_self_attn_kv(self.engine.pool, [block])
+
+    def reset(self, state: Any, sid: str) -> None:
+        """A session or window reset: the bespoke table frees its blocks (the adapter's reset already did)."""
+        if isinstance(state, BespokeDreamZeroState):
+            self.close(sid)
+
+    def close(self, sid: str) -> None:
+        ids = self.tables.pop(sid, None)
+        if ids:
+            self.engine.free(tuple(ids))
+
+
 def _frame(cfg: RolloutConfig, session: int, step: int) -> torch.Tensor:
     h, w = cfg.camera_hw
     cams = [
@@ -174,13 +237,21 @@ def _hash(h: hashlib._Hash, value: Any) -> None:
 
 
 def _step(
-    state: Any, nets: _Networks, cfg: RolloutConfig, session: int, step: int, frame_stream: int | None = None
+    state: Any,
+    nets: _Networks,
+    cfg: RolloutConfig,
+    session: int,
+    step: int,
+    frame_stream: int | None = None,
+    kv: _SelfAttnKV | None = None,
 ) -> list[Any]:
     """One pipeline call on one session's state; returns the per-step outputs that the digest covers.
 
     ``frame_stream`` picks the camera input (default: ``session``'s), so a fork can be fed other frames
-    under the same prompt.
+    under the same prompt. With ``kv``, the generator also attends over the session's self-attention KV
+    in the paged engine and appends this step's.
     """
+    sid = f"session-{session}"
     tokens = _tokens(session, step // cfg.prompt_every)
     reason = state.reset_reason(tokens, 1, cfg.local_attn_size)
     if reason == "session":
@@ -189,6 +260,8 @@ def _step(
         state.prompt_embeds = nets.text(tokens)
     elif reason == "inference":
         state.reset_inference_state()
+    if reason is not None and kv is not None:
+        kv.reset(state, sid)
     frame = _frame(cfg, session if frame_stream is None else frame_stream, step)
     if state.clip_feas is None:
         state.clip_feas = frame.float().mean(dim=(0, 1)).to(torch.bfloat16)
@@ -220,6 +293,11 @@ def _step(
         assert latest is not None
         obs = nets.quant(latest)
     video_out = nets.generate(obs, window, state.prompt_embeds, state.call_count)
+    if kv is not None:
+        past = kv.read(state, sid)
+        if past is not None:  # attention over the window's earlier steps, reduced to one term
+            video_out = (video_out.float() + past.float().mean() * 0.01).to(torch.bfloat16)
+        kv.append(state, sid, obs)
     if new_latent:
         state.append_video_latents(video_out)
     state.call_count += 1
@@ -238,6 +316,7 @@ class RolloutResult:
     stats: dict[str, Any] | None  # manager stats (manager path)
     lost: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (session, step) continuations refused
     pool_trace: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # per round, when traced
+    kv_blocks_leaked: int = 0  # self-attention KV blocks still allocated in the engine after every close
 
 
 def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = None) -> RolloutResult:
@@ -255,6 +334,7 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
         release_levers=cfg.release_levers,
     )
     nets = _Networks(cfg)
+    kv = _SelfAttnKV(cfg) if cfg.self_attn_kv else None
     digest = hashlib.sha256()
     trace: list[dict[str, int]] = []
     pool_trace: list[dict[str, Any]] = []
@@ -272,7 +352,7 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
                 lost.append((sid, step))
                 gone.add(sid)
                 continue
-            for value in _step(state, nets, cfg, session, step):
+            for value in _step(state, nets, cfg, session, step, kv=kv):
                 _hash(digest, value)
             if cfg.park_feat_map and store.enabled:
                 state.park_feat_map()
@@ -281,7 +361,11 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
         if cfg.trace_pools and store.enabled:
             s = store.manager.stats()
             pool_trace.append(
-                {k: v for k, v in s.items() if k.startswith("nbytes:") or k in ("parks", "restores", "evictions")}
+                {
+                    k: v
+                    for k, v in s.items()
+                    if k.startswith(("nbytes:", "kv_pool:")) or k in ("parks", "restores", "evictions")
+                }
             )
         if progress is not None:
             progress(step)
@@ -305,6 +389,10 @@ def run_rollout(cfg: RolloutConfig, progress: Callable[[int], None] | None = Non
     )
     for sid in final_states:
         store.close(sid)
+        if kv is not None:
+            kv.close(sid)
+    if kv is not None:  # every block went back to the engine, on either path
+        result.kv_blocks_leaked = len(kv.engine.allocated)
     return result
 
 

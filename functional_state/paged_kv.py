@@ -1,0 +1,530 @@
+"""Engine-owned paged KV in the session accounting: `PagedKVPool` and the `PagedKVHandle` state object.
+
+A serving engine owns its KV memory: a pool of fixed-size blocks per layer (``[num_blocks, block_size, ...]``
+tensors or arrays) and an allocator that hands block ids to requests. A session keeps a `PagedKVHandle`:
+the pool it draws from and the ids of its blocks, oldest first. The handle never allocates or frees pool
+memory; it delegates:
+
+- **Accounting by block.** Each block a handle references counts as one extent of its pool's storage per
+  layer, so a session reports the bytes of its blocks (not the whole pool), blocks shared by several
+  sessions (prefix sharing, forks) count once across the table, and a tensor view into the pool held
+  elsewhere (an attr, a buffer) counts the blocks it spans, deduplicated with the handle's. Extents live in
+  a stable address space per pool (``PagedKVPool.extent_base``): a JAX pool is replaced by a new array at
+  every engine write, and its blocks must keep their identity across versions.
+- **Freeing.** A block goes back to the engine (``free(block_ids)``) when the last handle in a manager
+  that references it lets go: the handle is evicted or reset, or its session is dropped or evicted. Pure
+  functions stay pure: they return the new state, and `released_blocks(before, after)` says which blocks
+  the change released; the `SessionStateManager` calls the engine for every write it makes (exactly once
+  per block), and a failing callback leaves its state unchanged.
+- **Parking** goes through the engine's ``offload(block_ids) -> token`` and ``reload(token) -> block_ids``
+  when it offers them.
+
+Example:
+  >>> import numpy as np
+  >>> freed = []
+  >>> layer = np.zeros((8, 4, 2), np.float32)  # the engine's pool: it owns it (the pool holds it weakly)
+  >>> pool = PagedKVPool(layer, free=freed.extend, name="kv")
+  >>> h = PagedKVHandle.create(pool).commit([3, 5])
+  >>> h.view().shape, h.nbytes_by_device()
+  ((8, 2), {'cpu': 64})
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import accounting
+from ._pytree import pytree_dataclass
+from .errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    NotParkedError,
+    PoolChangedError,
+)
+from .state_object import EVICTED, PARKED, RESIDENT, UNALLOCATED, StateObject, Status, _check_source
+
+__all__ = ["PagedKVHandle", "PagedKVPool", "paged_gather"]
+
+# Extents of engine pools live above every real address (user space ends below 2**57 on every platform we
+# run on), one window of 2**48 bytes per pool: a block keeps its extent while a JAX pool is replaced.
+_EXTENT_SPACE = 1 << 60
+_EXTENT_WINDOW = 1 << 48
+_UIDS = itertools.count(1)
+
+_STORAGES = accounting._POOL_STORAGES  # (pool key, storage start) -> (storage end, extent base, block bytes)
+_STORAGES_LOCK = threading.Lock()
+_POOLS: weakref.WeakValueDictionary[int, PagedKVPool] = weakref.WeakValueDictionary()
+
+
+def _is_torch(x: Any) -> bool:
+    torch = accounting._torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _storage_of(layer: Any) -> tuple[str, int, int, int]:
+    """``(pool key, storage start, first byte, end byte)``: where a contiguous ``layer`` lies in its allocation
+    (offsets from the allocation's start: several layers may share one flat allocation)."""
+    out: accounting.Extents = []
+    if _is_torch(layer):
+        accounting._torch_extents(layer, out, raw=True)
+        lo = layer.storage_offset() * layer.element_size()
+        size = layer.numel() * layer.element_size()
+    elif isinstance(layer, jax.Array):
+        accounting._jax_extents(layer, out, accounting.WalkReport(), {}, raw=True)
+        lo, size = 0, (out[0][2] - out[0][1]) if len(out) == 1 else 0
+    else:
+        accounting._numpy_extents(layer, out, raw=True)
+        lo = (layer.__array_interface__["data"][0] - out[0][1]) if len(out) == 1 else 0
+        size = layer.nbytes
+    if len(out) != 1 or not size:
+        raise InvalidArgumentError(
+            f"`PagedKVPool`: a pool layer must be one non-empty allocation on one device; got {len(out)} "
+            f"buffers (a sharded or empty array?)."
+        )
+    key, start, _ = out[0]
+    return key, start, lo, lo + size
+
+
+def _signature(layer: Any) -> tuple[Any, ...]:
+    return (tuple(layer.shape), str(layer.dtype), _storage_of(layer))
+
+
+class PagedKVPool:
+    """A reference to an engine's paged KV pool: its per-layer storage, block geometry and callbacks.
+
+    Args:
+      layers: one tensor or array, or a sequence of them (one per layer, or K and V apart), each
+        ``[num_blocks, block_size, ...]`` and contiguous; torch tensors, JAX arrays or numpy arrays, all of
+        one kind, on one device.
+      free: the engine's ``free(block_ids)``; called with a tuple of ints, ascending.
+      block_size: tokens per block (default: each layer's second dimension).
+      device: the device the pool is declared on (``"cpu"``, ``"cuda:0"``); checked against the layers.
+      offload: optional ``offload(block_ids) -> token``: copy the blocks to engine-managed host memory (it
+        must not free them: the manager frees device blocks when their last holder lets go).
+      reload: optional ``reload(token) -> block_ids``: allocate blocks, copy the token back, return their ids.
+      free_block_count: optional ``() -> int``: the engine's free blocks now (`stats` reports pool bytes).
+      name: shown in errors and in `stats` keys (default ``"pool<uid>"``).
+
+    Raises:
+      InvalidArgumentError: layers of different block counts or devices, non-contiguous, or not on ``device``.
+      InvalidTypeError: a layer is not a tensor or array, or a callback is not callable.
+
+    The pool holds its layers weakly: a handle whose engine freed or resized the pool raises
+    `PoolChangedError` instead of reading memory that is no longer the pool. A JAX engine that replaces its
+    pool array at every write calls `update` with the new one.
+    """
+
+    def __init__(
+        self,
+        layers: Any,
+        *,
+        free: Callable[[tuple[int, ...]], Any],
+        block_size: int | None = None,
+        device: str | None = None,
+        offload: Callable[[tuple[int, ...]], Any] | None = None,
+        reload: Callable[[Any], Sequence[int]] | None = None,
+        free_block_count: Callable[[], int] | None = None,
+        name: str | None = None,
+    ):
+        for label, fn in (
+            ("free", free),
+            ("offload", offload),
+            ("reload", reload),
+            ("free_block_count", free_block_count),
+        ):
+            if fn is not None and not callable(fn):
+                raise InvalidTypeError(f"`PagedKVPool`: {label} must be callable, got {type(fn).__name__}.")
+        if (offload is None) != (reload is None):
+            raise InvalidArgumentError("`PagedKVPool`: give both offload and reload, or neither.")
+        self.uid = next(_UIDS)
+        self.name = name or f"pool{self.uid}"
+        self.free_fn = free
+        self.offload_fn = offload
+        self.reload_fn = reload
+        self.free_block_count = free_block_count
+        self.extent_base = _EXTENT_SPACE + self.uid * _EXTENT_WINDOW
+        layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+        self._check_layers(layers, device, block_size)
+        first = layers[0]
+        self.num_blocks = int(first.shape[0])
+        self.block_size = int(block_size if block_size is not None else (first.shape[1] if first.ndim > 1 else 1))
+        self.device = self._signatures[0][2][0]
+        self.kind = "torch" if _is_torch(first) else "jax" if isinstance(first, jax.Array) else "numpy"
+        # Per layer: bytes of one block and its extent base (layers laid end to end in the pool's window).
+        self.layer_block_bytes = tuple((sig[2][3] - sig[2][2]) // self.num_blocks for sig in self._signatures)
+        offsets = itertools.accumulate((b * self.num_blocks for b in self.layer_block_bytes), initial=0)
+        self.layer_bases = tuple(self.extent_base + o for o in list(offsets)[:-1])
+        self.block_nbytes = sum(self.layer_block_bytes)
+        if self.block_nbytes * self.num_blocks >= _EXTENT_WINDOW:
+            raise InvalidArgumentError("`PagedKVPool`: a pool of 256 TiB or more is beyond the accounting's window.")
+        _POOLS[self.uid] = self
+        self._register()
+        weakref.finalize(self, _forget, self.uid)
+
+    def _check_layers(self, layers: list[Any], device: str | None, block_size: int | None) -> None:
+        if not layers:
+            raise InvalidArgumentError("`PagedKVPool`: needs at least one layer.")
+        for i, layer in enumerate(layers):
+            if not (_is_torch(layer) or isinstance(layer, (jax.Array, np.ndarray))):
+                raise InvalidTypeError(
+                    f"`PagedKVPool`: layer {i} is {type(layer).__name__}; expected a torch tensor, JAX array "
+                    f"or numpy array of shape [num_blocks, block_size, ...]."
+                )
+            if layer.ndim < 1 or layer.shape[0] < 1:
+                raise InvalidArgumentError(
+                    f"`PagedKVPool`: layer {i} has shape {tuple(layer.shape)}; expected [num_blocks, ...]."
+                )
+            if _is_torch(layer) and not layer.is_contiguous():
+                raise InvalidArgumentError(f"`PagedKVPool`: layer {i} is not contiguous; blocks must be contiguous.")
+            if isinstance(layer, np.ndarray) and not layer.flags.c_contiguous:
+                raise InvalidArgumentError(f"`PagedKVPool`: layer {i} is not contiguous; blocks must be contiguous.")
+        kinds = {type(x).__module__.split(".")[0] for x in layers}
+        if len(kinds) > 1:
+            raise InvalidArgumentError(f"`PagedKVPool`: layers mix array kinds {sorted(kinds)}; use one.")
+        counts = {int(x.shape[0]) for x in layers}
+        if len(counts) > 1:
+            raise InvalidArgumentError(f"`PagedKVPool`: layers disagree on num_blocks: {sorted(counts)}.")
+        if block_size is not None and (
+            isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
+        ):
+            raise InvalidArgumentError(f"`PagedKVPool`: block_size must be an int >= 1, got {block_size!r}.")
+        self._signatures = [_signature(x) for x in layers]
+        devices = {sig[2][0] for sig in self._signatures}
+        if len(devices) > 1:
+            raise InvalidArgumentError(f"`PagedKVPool`: layers lie on several devices {sorted(devices)}; use one.")
+        (actual,) = devices
+        if device is not None and device != actual:
+            raise InvalidArgumentError(
+                f"`PagedKVPool` {device=!r}: the layers lie on {actual!r}. Declare the device the engine "
+                f"allocated the pool on."
+            )
+        for sig in self._signatures:
+            if (sig[2][3] - sig[2][2]) % int(layers[0].shape[0]):
+                raise InvalidArgumentError("`PagedKVPool`: a layer's bytes are not a whole number of blocks.")
+        self._layers = [weakref.ref(x) for x in layers] if all(_weakrefable(x) for x in layers) else None
+        self._strong = None if self._layers is not None else list(layers)  # numpy arrays cannot be weakly held
+
+    def _register(self) -> None:
+        with _STORAGES_LOCK:
+            _purge_locked(self.uid)
+            accounting._POOL_LIVE.add(self.uid)
+            for (_, _, (key, start, lo, hi)), base, bb in zip(
+                self._signatures, self.layer_bases, self.layer_block_bytes
+            ):
+                _STORAGES[(key, start)] = (*_STORAGES.get((key, start), ()), (lo, hi, base, bb, self.uid))
+
+    # --- the live storage ---------------------------------------------------------------------------
+    def layers(self) -> list[Any]:
+        """The pool's layers now.
+
+        Raises:
+          PoolChangedError: the engine freed a layer, or resized or moved it since the pool was declared.
+        """
+        layers = list(self._strong) if self._strong is not None else [ref() for ref in self._layers or ()]
+        for i, (layer, sig) in enumerate(zip(layers, self._signatures)):
+            if layer is None or (isinstance(layer, jax.Array) and layer.is_deleted()):
+                raise PoolChangedError(
+                    f"KV pool {self.name!r}: layer {i} was freed by its engine; its blocks are gone."
+                )
+            now = _signature(layer)
+            if now != sig:
+                raise PoolChangedError(
+                    f"KV pool {self.name!r}: layer {i} changed since the pool was declared (shape, dtype, "
+                    f"storage) {sig} -> {now}; handles into it no longer name the same memory."
+                )
+        return layers
+
+    def update(self, layers: Any) -> None:
+        """Point the pool at the engine's new layers (a JAX engine replaces its pool array at every write).
+
+        Raises:
+          PoolChangedError: the new layers differ in count, shape or dtype (a resize: handles are stale).
+        """
+        layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
+        if len(layers) != len(self._signatures) or any(
+            (tuple(x.shape), str(x.dtype)) != sig[:2] for x, sig in zip(layers, self._signatures)
+        ):
+            raise PoolChangedError(
+                f"KV pool {self.name!r}: update() got layers of another geometry; declare a new pool for a resize."
+            )
+        old = self._signatures
+        self._check_layers(layers, self.device, self.block_size)
+        if [s[2][0] for s in self._signatures] != [s[2][0] for s in old]:
+            self._signatures = old
+            raise PoolChangedError(f"KV pool {self.name!r}: update() moved the pool to another device.")
+        self._register()
+
+    def check_ids(self, block_ids: Any, what: str) -> tuple[int, ...]:
+        """``block_ids`` as a tuple of ints, each in range and none repeated.
+
+        Raises:
+          InvalidTypeError, InvalidArgumentError: not ints, out of range, or repeated.
+        """
+        if isinstance(block_ids, (int, np.integer)) and not isinstance(block_ids, bool):
+            block_ids = (block_ids,)
+        if _is_torch(block_ids) or isinstance(block_ids, (np.ndarray, jax.Array)):
+            block_ids = np.asarray(block_ids).reshape(-1).tolist()
+        if not isinstance(block_ids, (list, tuple, range)):
+            raise InvalidTypeError(f"`{what}`: block ids are a sequence of ints, got {type(block_ids).__name__}.")
+        ids = []
+        for b in block_ids:
+            if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+                raise InvalidTypeError(f"`{what}`: block ids are ints, got {type(b).__name__} {b!r}.")
+            ids.append(int(b))
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise InvalidArgumentError(
+                f"`{what}`: block ids {bad[:5]} are out of range for pool {self.name!r} of {self.num_blocks} blocks."
+            )
+        if len(set(ids)) != len(ids):
+            dup = sorted({b for b in ids if ids.count(b) > 1})
+            raise InvalidArgumentError(f"`{what}`: block ids {dup[:5]} repeat; each block appears once.")
+        return tuple(ids)
+
+    def extents(self, block_ids: Iterable[int]) -> list[tuple[str, int, int]]:
+        """The accounting extents of ``block_ids``: one per block per layer."""
+        key, ids = self.device, tuple(block_ids)
+        out: list[tuple[str, int, int]] = []
+        for base, bb in zip(self.layer_bases, self.layer_block_bytes):
+            out.extend((key, base + b * bb, base + (b + 1) * bb) for b in ids)
+        return out
+
+    def capacity(self) -> dict[str, int]:
+        """``{"total_nbytes": ..., "free_nbytes": ...}`` (free only when the engine exposes its free count)."""
+        out = {"total_nbytes": self.block_nbytes * self.num_blocks}
+        if self.free_block_count is not None:
+            out["free_nbytes"] = int(self.free_block_count()) * self.block_nbytes
+        return out
+
+    def __repr__(self) -> str:
+        return f"PagedKVPool({self.name!r}, {self.kind}, {self.num_blocks} blocks x {self.block_nbytes} B on {self.device})"
+
+
+def _weakrefable(x: Any) -> bool:
+    try:
+        weakref.ref(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _forget(uid: int) -> None:
+    # A finalizer: it may run inside any allocation, even one made while `_STORAGES_LOCK` is held, so it
+    # takes no lock; the registry entries are purged at the next registration.
+    accounting._POOL_LIVE.discard(uid)
+
+
+def _purge_locked(uid: int) -> None:
+    """Drop the segments of pool ``uid`` and of pools no longer alive (under `_STORAGES_LOCK`)."""
+    live = accounting._POOL_LIVE
+    for key, segments in list(_STORAGES.items()):
+        kept = tuple(seg for seg in segments if seg[4] != uid and seg[4] in live)
+        if len(kept) != len(segments):
+            if kept:
+                _STORAGES[key] = kept
+            else:
+                _STORAGES.pop(key, None)
+
+
+def paged_gather(layer: Any, block_ids: Any) -> Any:
+    """The rows of ``block_ids`` of one pool layer, in order, flattened to ``[len(ids) * block_size, ...]``.
+
+    Pure and jittable for JAX layers (``block_ids`` an int array; one trace per number of blocks); torch
+    layers use ``index_select``.
+
+    Example:
+      >>> layer = jnp.arange(24.0).reshape(4, 3, 2)
+      >>> jax.jit(paged_gather)(layer, jnp.array([2, 0]))[:, 0].tolist()
+      [12.0, 14.0, 16.0, 0.0, 2.0, 4.0]
+    """
+    if _is_torch(layer):
+        torch = accounting._torch_module()
+        ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=layer.device)
+        out = layer.index_select(0, ids)
+        return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
+    if isinstance(layer, np.ndarray):
+        out = layer[np.asarray(block_ids, dtype=np.int64)]
+        return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
+    out = jnp.take(layer, jnp.asarray(block_ids, dtype=jnp.int32), axis=0)
+    return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
+
+
+@pytree_dataclass(static=("pool", "block_ids", "staged", "status", "recompute_source", "recompute_cost"))
+class PagedKVHandle(StateObject):
+    """A session's blocks in an engine's paged KV pool: committing appends block ids, oldest first.
+
+    The handle holds ids, never pool memory: its bytes are its blocks' (see the module docstring), and the
+    engine frees them when the last handle referencing them in a manager lets go. ``stage(ids)`` holds the
+    blocks of an in-progress window apart; ``view()`` gathers the K/V of every block, per layer.
+
+    Example:
+      >>> layer = jnp.zeros((16, 4, 8))
+      >>> pool = PagedKVPool(layer, free=lambda ids: None, name="kv")
+      >>> h = PagedKVHandle.create(pool).commit([0, 1]).commit([7])
+      >>> h.block_ids, h.num_tokens, h.view().shape
+      ((0, 1, 7), 12, (12, 8))
+    """
+
+    pool: PagedKVPool
+    block_ids: tuple[int, ...]
+    staged: tuple[int, ...] | None  # staged block ids, or None
+    host_copy: Any  # the engine's offload token while parked, else None
+    status: Status
+    recompute_source: str | None
+    recompute_cost: float
+
+    @classmethod
+    def create(
+        cls,
+        pool: PagedKVPool,
+        block_ids: Sequence[int] = (),
+        *,
+        recompute_source: str | None = None,
+        recompute_cost: float = 1.0,
+    ) -> PagedKVHandle:
+        """A handle on ``pool`` holding ``block_ids`` (the engine allocated them for this session).
+
+        Raises:
+          InvalidTypeError: ``pool`` is not a `PagedKVPool`. InvalidArgumentError: bad ids (see `PagedKVPool.check_ids`).
+        """
+        if not isinstance(pool, PagedKVPool):
+            raise InvalidTypeError(f"`PagedKVHandle.create`: pool must be a PagedKVPool, got {type(pool).__name__}.")
+        _check_source(recompute_source, "PagedKVHandle.create", recompute_cost)
+        ids = pool.check_ids(block_ids, "PagedKVHandle.create")
+        return cls(pool, ids, None, None, RESIDENT, recompute_source, float(recompute_cost))
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots of the committed blocks (``len(block_ids) * block_size``)."""
+        return len(self.block_ids) * self.pool.block_size
+
+    def held_blocks(self) -> tuple[int, ...]:
+        """Every block id this handle keeps from the engine: committed, then staged."""
+        return self.block_ids + (self.staged or ())
+
+    def __len__(self) -> int:
+        self._require_resident("__len__")
+        return len(self.block_ids)
+
+    # --- StateObject hooks ------------------------------------------------------------------------------
+    def _check_payload(self, payload: Any) -> None:
+        ids = self.pool.check_ids(payload, "PagedKVHandle.commit")
+        again = sorted(set(ids) & set(self.block_ids))
+        if again:
+            raise InvalidArgumentError(
+                f"`PagedKVHandle.commit`: blocks {again[:5]} are already in this handle; a block appears once."
+            )
+
+    def stage(self, payload: Any) -> PagedKVHandle:
+        self._require_resident("stage")
+        self._check_payload(payload)
+        return self._replace(staged=self.pool.check_ids(payload, "PagedKVHandle.stage"))
+
+    def _commit_payload(self, payload: Any) -> PagedKVHandle:
+        return self._replace(block_ids=self.block_ids + self.pool.check_ids(payload, "PagedKVHandle.commit"))
+
+    def _committed_view(self) -> Any:
+        return self._gather(self.block_ids)
+
+    def _view_with(self, payload: Any) -> Any:
+        return self._gather(self.block_ids + tuple(payload))
+
+    def _gather(self, ids: tuple[int, ...]) -> Any:
+        layers = [paged_gather(layer, ids) for layer in self.pool.layers()]
+        return layers[0] if len(layers) == 1 else layers
+
+    def _allocated_storage(self) -> dict[str, Any]:
+        return {"block_ids": ()}
+
+    def _released_storage(self) -> dict[str, Any]:
+        return {"block_ids": ()}
+
+    def _committed_roots(self) -> Any:
+        return ()
+
+    def _parkable_fields(self) -> dict[str, Any]:
+        return {"block_ids": self.block_ids}
+
+    # --- lifecycle: bytes and parking go through the engine ---------------------------------------------
+    def evict(self) -> tuple[PagedKVHandle, int]:
+        """Let go of the committed blocks (the manager frees them in the engine when no other handle holds
+        them). Returns ``(evicted_handle, bytes_of_its_committed_blocks)``."""
+        if self.status == PARKED:
+            return self._replace(status=EVICTED, host_copy=None, block_ids=()), 0
+        if self.status != RESIDENT:
+            return self, 0
+        return self._replace(status=EVICTED, block_ids=()), len(self.block_ids) * self.pool.block_nbytes
+
+    def park(self) -> PagedKVHandle:
+        """The blocks copied to host by the engine's ``offload`` (the device blocks are then released).
+
+        Raises:
+          NotResidentError, ObjectParkedError: nothing resident to park. InvalidArgumentError: the pool's
+          engine offers no offload.
+        """
+        self._require_resident("park")
+        if self.pool.offload_fn is None:
+            raise InvalidArgumentError(
+                f"`PagedKVHandle.park`: pool {self.pool.name!r} offers no offload; evict the handle instead "
+                f"(its K/V can be recomputed from {self.recompute_source!r})."
+            )
+        token = self.pool.offload_fn(self.block_ids)
+        return self._replace(status=PARKED, host_copy=token, block_ids=())
+
+    def restore(self) -> PagedKVHandle:
+        """Blocks allocated again by the engine's ``reload`` and the K/V copied back.
+
+        Raises:
+          NotParkedError: the handle is not parked.
+        """
+        if self.status != PARKED:
+            raise NotParkedError(
+                f"`PagedKVHandle.restore` called on a {self.status} handle: only a parked one can be restored."
+            )
+        assert self.pool.reload_fn is not None
+        ids = self.pool.check_ids(self.pool.reload_fn(self.host_copy), "PagedKVPool reload")
+        return self._replace(status=RESIDENT, host_copy=None, block_ids=ids)
+
+    @property
+    def parkable(self) -> bool:
+        return self.pool.offload_fn is not None
+
+    # --- accounting -------------------------------------------------------------------------------------
+    def _accounting_extents(self) -> list[tuple[str, int, int]]:
+        return self.pool.extents(self.held_blocks())
+
+    def _accounting_children(self) -> tuple[Any, ...]:
+        return (self.host_copy,)
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        return {self.pool.device: len(self.block_ids) * self.pool.block_nbytes} if self.block_ids else {}
+
+    def staged_nbytes_by_device(self) -> dict[str, int]:
+        return {self.pool.device: len(self.staged) * self.pool.block_nbytes} if self.staged else {}
+
+    def __repr__(self) -> str:
+        ids = self.block_ids if len(self.block_ids) <= 8 else (*self.block_ids[:4], "...", *self.block_ids[-2:])
+        return f"PagedKVHandle({self.pool.name!r}, blocks={ids}, status={self.status!r})"
+
+
+def kv_keys(obj: Any) -> tuple[tuple[int, int], ...]:
+    """``(pool uid, block id)`` of every block a handle keeps from its engine (empty for other objects)."""
+    if type(obj) is PagedKVHandle:
+        uid = obj.pool.uid
+        return tuple((uid, b) for b in obj.held_blocks())
+    return ()
+
+
+def pool_by_uid(uid: int) -> PagedKVPool | None:
+    return _POOLS.get(uid)
+
+
+_ = UNALLOCATED  # the lifecycle's other status: reset() works through StateObject
