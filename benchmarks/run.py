@@ -24,6 +24,7 @@ BENCHES = [
     "park",
     "budget",
     "paged_kv",
+    "checkpoint",
 ]
 
 

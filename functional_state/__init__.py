@@ -8,12 +8,14 @@ from ._version import __version__
 from .accounting import nbytes_by_device, register_alias, total_nbytes
 from .array_ring import ArrayRing
 from .budget import capacity_for, format_bytes, parse_bytes
+from .checkpoint import SaveHandle, load, load_session, read_session, register_checkpoint_type, save, save_session
 from .config import resolve_session_state_config
 from .dense_value import DenseValue
 from .engine_blocks import free_released, released_blocks
 from .errors import (
     AttrNotFoundError,
     BudgetExceededError,
+    CheckpointError,
     CopyRequiredError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -79,6 +81,7 @@ __all__ = [
     "ArrayRing",
     "AttrNotFoundError",
     "BudgetExceededError",
+    "CheckpointError",
     "CopyRequiredError",
     "DenseValue",
     "InvalidArgumentError",
@@ -98,6 +101,7 @@ __all__ = [
     "ReentrantWriteError",
     "ReleaseAction",
     "ReleasePlan",
+    "SaveHandle",
     "SessionAdmissionError",
     "SessionAttr",
     "SessionExistsError",
@@ -126,6 +130,8 @@ __all__ = [
     "get_or_create",
     "get_session",
     "incarnation",
+    "load",
+    "load_session",
     "lookup",
     "nbytes_by_device",
     "paged_gather",
@@ -134,12 +140,16 @@ __all__ = [
     "plan_release",
     "put",
     "raise_max_sessions",
+    "read_session",
     "register_alias",
+    "register_checkpoint_type",
     "released_blocks",
     "reset_session",
     "resolve_session_id",
     "resolve_session_state_config",
     "restore",
+    "save",
+    "save_session",
     "sessions",
     "set_attr",
     "stage",

@@ -67,6 +67,7 @@ def pytree_dataclass(*, static: tuple[str, ...] = ()) -> Callable[[type[T]], typ
             raise TypeError(f"{cls.__name__}: static fields {sorted(unknown)} are not dataclass fields")
         data = [n for n in names if n not in static]
         jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(static))
+        cls._static_fields = tuple(static)  # type: ignore[attr-defined]
         cls._replace = _make_replace(cls, names)  # type: ignore[attr-defined]
         return cls
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "AttrNotFoundError",
     "BudgetExceededError",
+    "CheckpointError",
     "CopyRequiredError",
     "InvalidArgumentError",
     "InvalidTypeError",
@@ -125,3 +126,7 @@ class PoolChangedError(SessionStateError, RuntimeError):
 
 class KVFreeError(SessionStateError, RuntimeError):
     """An engine's ``free`` callback raised; the change that released the blocks was not made."""
+
+
+class CheckpointError(SessionStateError, RuntimeError):
+    """A checkpoint cannot be written (a value it cannot hold) or read (absent, damaged, another layout)."""

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
+from . import checkpoint as _ckpt
 from . import manager_state as ms
 from ._pytree import MISSING
 from .engine_blocks import free_released
@@ -310,6 +311,60 @@ class SessionStateManager:
             return state, self._cell(state, nid)
 
         return SessionHandle(self, self._swap(op, writer=nid))
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def save_session(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
+        """Write session ``session_id`` as it is now (a snapshot: the write never blocks other sessions); see
+        `functional_state.save_session` for the arguments. Returns its `SaveHandle`."""
+        return _ckpt.save_session(self.state, session_id, path, asynchronous=asynchronous, **hooks)
+
+    def save(self, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
+        """Write the whole table as it is now (see `functional_state.save`)."""
+        return _ckpt.save(self.state, path, asynchronous=asynchronous, **hooks)
+
+    def load_session(
+        self,
+        session_id: str | None,
+        path: Any,
+        *,
+        as_id: str | None = None,
+        replace: bool = False,
+        placement: Any = None,
+        torch_device: Any = None,
+        **hooks: Any,
+    ) -> SessionHandle:
+        """Load session ``session_id`` from the checkpoint at ``path`` (under ``as_id`` if given) and return a
+        handle on it. The checkpoint is read outside the lock; the table changes only if it loads fully.
+
+        Raises:
+          CheckpointError, SessionExistsError: see `functional_state.load_session`.
+        """
+        target = ms.resolve_session_id(as_id if as_id is not None else session_id)
+        if target in self._state and not replace:
+            _ckpt._check_free(self._state, target, replace)
+        session = _ckpt.read_session(session_id, path, placement=placement, torch_device=torch_device, **hooks)
+
+        def op(state: ManagerState) -> tuple[ManagerState, str]:
+            if target in state:
+                _ckpt._check_free(state, target, replace)
+                self._detach(state, target)
+            insert = lambda s: _ckpt.install_session(s, target, session, replace=replace)
+            return self._insertion(state, target, insert), target
+
+        self._swap(op, writer=target)
+        return self.get_session(target)
+
+    def load(self, path: Any, *, placement: Any = None, torch_device: Any = None, **hooks: Any) -> None:
+        """Replace the whole table by the one a `save` wrote (its sessions, recency, counters, config). Handles
+        on the sessions it replaces keep their own copies, as after a drop."""
+        table = _ckpt.load(path, placement=placement, torch_device=torch_device, **hooks)
+
+        def op(state: ManagerState) -> tuple[ManagerState, None]:
+            for sid in state.session_ids:
+                self._detach(state, sid)
+            return table, None
+
+        self._swap(op)
 
     def drop_session(self, session_id: str | None) -> bool:
         """Remove a session from the table; True if it was there. Live handles keep their state."""

@@ -31,7 +31,7 @@ def test_every_python_block_runs_and_prints_what_its_comments_say():
     assert printed[1] == "256"
     assert printed[2] == "[1.]"
     assert "{'cpu': -16384, 'cpu/unpinned_host': 16384}" in printed and "1 1" in printed
-    assert "1536 1536" in printed and "[(0, 1, 2)]" in printed
+    assert "1536 1536" in printed and "[(0, 1, 2)]" in printed and "[1.0, 1.0]" in printed
     i = printed.index("park ('old',)")
     assert printed[i + 1] == "16384"
     assert printed[-2:] == ["False", "SessionStateLostError"]

@@ -282,6 +282,45 @@ class DreamZeroSessions:
 
     reset_session = close
 
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def save(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
+        """Checkpoint a live session (manager path) to ``path``; see `functional_state.save_session`. Pass
+        ``object_hooks={"self_attn_kv": engine.checkpoint_hooks()}`` when the session holds engine KV.
+
+        Raises:
+          SessionStateLostError: no such session. InvalidArgumentError: the bespoke path (it has no
+          checkpoint format; that is what the manager path adds).
+        """
+        sid = resolve_session_id(session_id)
+        self._require_manager("save")
+        self._live(sid, "save")
+        return self.manager.save_session(sid, path, asynchronous=asynchronous, **hooks)
+
+    def load(self, session_id: str | None, path: Any, **kwargs: Any) -> Any:
+        """Admit a session from the checkpoint at ``path`` (after a restart, or moved from another worker)
+        and return its state; continuations then `resume` it. Admission follows `begin`'s bound.
+
+        Raises:
+          SessionAdmissionError: the store is full. CheckpointError, SessionExistsError: see
+          `functional_state.load_session`.
+        """
+        sid = resolve_session_id(session_id)
+        self._require_manager("load")
+        if sid not in self and len(self) >= self._bound:
+            raise SessionAdmissionError(
+                f"DreamZero session {sid!r} refused: {len(self)} of {self._bound} resident sessions are in use."
+            )
+        self.manager.load_session(sid, path, **kwargs)
+        self._adapters.pop(sid, None)
+        return self.resume(sid)
+
+    def _require_manager(self, what: str) -> None:
+        if not self.enabled:
+            raise InvalidArgumentError(
+                f"`DreamZeroSessions.{what}`: checkpoints need the manager-backed state "
+                f"(enable_session_state_manager); the bespoke state has no checkpoint format."
+            )
+
     def _state(self, sid: str) -> Any:
         if self.enabled:
             adapter = self._adapters.get(sid)

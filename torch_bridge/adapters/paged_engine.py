@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from functional_state import PagedKVPool
+from functional_state import PagedKVHandle, PagedKVPool
 
 __all__ = ["EngineError", "ReferenceKVEngine"]
 
@@ -118,3 +118,28 @@ class ReferenceKVEngine:
             self.k[layer][list(ids)] = k.to(self.k[layer].device)
             self.v[layer][list(ids)] = v.to(self.v[layer].device)
         return ids
+
+    def checkpoint_hooks(self) -> tuple[Any, Any]:
+        """``(export, import)`` for a checkpoint's ``object_hooks``: export gathers a handle's K/V per pool
+        layer; import allocates blocks in this engine (another process's, after a restart or a migration),
+        writes the K/V into them and returns a handle on them."""
+
+        def export(handle: PagedKVHandle) -> dict[str, Any]:
+            if not handle.resident:
+                return {"status": handle.status, "layers": []}
+            layers = handle.view() if len(self.pool.layer_block_bytes) > 1 else [handle.view()]
+            return {"status": handle.status, "layers": [t.detach().clone() for t in layers]}
+
+        def import_(saved: dict[str, Any]) -> PagedKVHandle:
+            handle = PagedKVHandle.create(self.pool)
+            if saved["status"] != "resident":
+                return handle.evict()[0]
+            layers = saved["layers"]
+            n = layers[0].shape[0] // self.block_size if layers else 0
+            ids = self.allocate(n)
+            pools = [t for pair in zip(self.k, self.v) for t in pair]
+            for pool, values in zip(pools, layers):
+                pool[list(ids)] = values.reshape(n, self.block_size, *values.shape[1:]).to(pool.device)
+            return handle.commit(list(ids)) if ids else handle
+
+        return export, import_

@@ -1,0 +1,755 @@
+"""Checkpoint, restore and migrate sessions: complete snapshots written by orbax-checkpoint.
+
+A checkpoint is an orbax `CheckpointManager` directory (one step kept): an ``arrays`` item holding every
+buffer (JAX arrays as they are, sharded or not; each torch *storage* once, as raw bytes; numpy arrays as raw
+bytes) and a ``manifest`` item (JSON) recording the library version, the layout, each session's structure
+(objects with their lifecycle status and ring positions, staged payloads, attrs and fork policies) and, per
+leaf, its dtype, shape and SHA-256. orbax writes a step to a temporary directory and renames it when
+complete, so a checkpoint is complete or absent, and a save that dies part-way leaves the previous one.
+
+Restoring is not recomputing: counters, ring order, staged payloads, parked objects (parked again on load)
+and views that shared one torch storage (one storage again) come back as they were, in the framework,
+dtype and shape they had, on the device they had or the ``placement`` asked for. Attrs are saved when they
+are arrays, tensors, scalars, str, bytes, None, or lists/tuples/dicts of those; anything else raises
+`CheckpointError` before a byte is written, unless an ``attr_hooks`` entry exports it (never pickle).
+
+Example:
+  >>> import tempfile, numpy as np, functional_state as fs
+  >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "robot")
+  >>> s = fs.commit(fs.put(s, "robot", "ring", fs.LatentBuffer.create(maxlen=2)), "robot", "ring", np.arange(3))
+  >>> path = tempfile.mkdtemp() + "/robot"
+  >>> save_session(s, "robot", path).done()
+  True
+  >>> t = load_session(fs.ManagerState.create(), "robot", path)
+  >>> fs.view(t, "robot", "ring")[0].tolist()
+  [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import manager_state as ms
+from ._version import __version__
+from .array_ring import ArrayRing
+from .dense_value import DenseValue
+from .errors import CheckpointError, InvalidTypeError, SessionExistsError
+from .latent_buffer import LatentBuffer
+from .manager_state import ManagerState
+from .paged_kv import PagedKVHandle
+from .parking import _JaxLeaf, _rebuild, _TorchLeaf
+from .session import SessionState
+from .state_object import PARKED, RESIDENT, StateObject
+
+__all__ = [
+    "SaveHandle",
+    "install_session",
+    "load",
+    "load_session",
+    "read_session",
+    "register_checkpoint_type",
+    "save",
+    "save_session",
+]
+
+FORMAT = "functional-state checkpoint"
+LAYOUT = 1  # bumped when the manifest's meaning changes; a reader refuses layouts it does not know
+
+_TYPES: dict[str, type[StateObject]] = {"LatentBuffer": LatentBuffer, "ArrayRing": ArrayRing, "DenseValue": DenseValue}
+
+AttrHooks = Mapping[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]
+
+
+def register_checkpoint_type(cls: type[StateObject]) -> type[StateObject]:
+    """Allow checkpoints to hold instances of ``cls``, a `StateObject` subclass (a `pytree_dataclass`); its
+    fields must hold checkpointable values. Checkpoints name types, they never import them. Usable as a
+    decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, StateObject)):
+        raise InvalidTypeError(f"`register_checkpoint_type`: expected a StateObject subclass, got {cls!r}.")
+    _TYPES[cls.__name__] = cls
+    return cls
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def _sha(data: Any) -> str:
+    return hashlib.sha256(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data).hexdigest()
+
+
+# --- encoding: state -> (JSON nodes, arrays) ------------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self, hooks: AttrHooks | None, copy_host: bool, object_hooks: AttrHooks | None = None):
+        self.object_hooks = dict(object_hooks or {})
+        self.arrays: dict[str, Any] = {}
+        self.leaves: dict[str, dict[str, Any]] = {}
+        self.storages: dict[tuple[str, int], str] = {}  # (device, storage pointer) -> leaf key
+        self.hooks = dict(hooks or {})
+        self.copy_host = copy_host  # an asynchronous save copies host buffers a model might change in place
+        self.keep: list[Any] = []  # objects whose memory the saved arrays view, kept alive until written
+        # Parked leaves are encoded from views of their host copies: where each really belongs.
+        self._device_of: dict[int, Any] = {}
+        self._sharding_of: dict[int, Any] = {}
+
+    def _key(self) -> str:
+        return f"leaf{len(self.leaves)}"
+
+    def value(self, x: Any, where: str) -> dict[str, Any]:
+        torch = _torch()
+        if x is None or isinstance(x, (bool, str)) or (isinstance(x, int) and not isinstance(x, bool)):
+            return {"t": "v", "v": x}
+        if isinstance(x, float):
+            return {"t": "f", "v": repr(x)}
+        if isinstance(x, bytes):
+            return {"t": "b", "v": base64.b64encode(x).decode()}
+        if torch is not None and isinstance(x, torch.Tensor):
+            return self._tensor(x, where, self._device_of.get(id(x), x.device))
+        if isinstance(x, jax.Array):
+            return self._jax(x, where, self._sharding_of.get(id(x)))
+        if isinstance(x, np.ndarray):
+            return self._numpy(x, where)
+        if isinstance(x, np.generic):
+            return {"t": "np", "dtype": x.dtype.name, "v": x.item() if x.dtype.kind in "biu" else repr(x.item())}
+        if isinstance(x, (list, tuple)):
+            return {"t": type(x).__name__, "items": [self.value(v, f"{where}[{i}]") for i, v in enumerate(x)]}
+        if isinstance(x, dict):
+            bad = [k for k in x if not isinstance(k, str)]
+            if bad:
+                raise CheckpointError(f"{where}: dict keys must be str to be checkpointed, got {bad[0]!r}.")
+            return {"t": "dict", "items": [[k, self.value(v, f"{where}[{k!r}]")] for k, v in x.items()]}
+        raise CheckpointError(
+            f"{where} is a {type(x).__module__}.{type(x).__qualname__}, which a checkpoint cannot hold (arrays, "
+            f"tensors, scalars, str, bytes, None, and lists/tuples/dicts of those). Give the save an attr_hooks "
+            f"entry that exports it to one of those, and the load one that imports it back."
+        )
+
+    def _tensor(self, t: Any, where: str, device: Any) -> dict[str, Any]:
+        torch = _torch()
+        if t.layout is not torch.strided:
+            raise CheckpointError(f"{where}: a {t.layout} tensor cannot be checkpointed; save a dense copy.")
+        if t.is_conj() or t.is_neg():
+            raise CheckpointError(
+                f"{where}: a lazily conjugated or negated tensor; call .resolve_conj()/.resolve_neg()."
+            )
+        storage = t.untyped_storage()
+        skey = (str(t.device), storage.data_ptr())
+        key = self.storages.get(skey)
+        if key is None:
+            key = self.storages[skey] = self._key()
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).detach()
+            host = raw.cpu().numpy() if raw.device.type != "cpu" else raw.numpy()
+            if self.copy_host and raw.device.type == "cpu":
+                host = host.copy()
+            self.keep.append(raw)
+            self.arrays[key] = host
+            self.leaves[key] = {"kind": "torch_storage", "nbytes": int(host.nbytes), "sha256": _sha(host)}
+        return {
+            "t": "torch",
+            "storage": key,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "offset": t.storage_offset(),
+            "device": str(device),
+            "requires_grad": bool(t.requires_grad),
+        }
+
+    def _jax(self, a: Any, where: str, sharding: Any) -> dict[str, Any]:
+        if a.is_deleted():
+            raise CheckpointError(f"{where}: a deleted (donated) JAX array; its values are gone.")
+        key = self._key()
+        sharding = sharding if sharding is not None else a.sharding
+        if getattr(a.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+            a = jax.device_put(a, a.sharding.with_memory_kind("device"))  # orbax writes device arrays
+        self.arrays[key] = a
+        info: dict[str, Any] = {"kind": "jax", "dtype": a.dtype.name, "shape": list(a.shape)}
+        if a.is_fully_addressable:
+            info["sha256"] = _sha(np.asarray(a))
+        self.leaves[key] = info
+        return {"t": "jax", "key": key, "sharding": _encode_sharding(sharding)}
+
+    def _numpy(self, a: np.ndarray, where: str) -> dict[str, Any]:
+        if a.dtype.hasobject:
+            raise CheckpointError(f"{where}: a numpy array of Python objects cannot be checkpointed.")
+        key = self._key()
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        self.arrays[key] = raw.copy() if self.copy_host and raw.base is not None else raw
+        self.leaves[key] = {"kind": "numpy", "nbytes": int(raw.nbytes), "sha256": _sha(raw)}
+        return {"t": "numpy", "key": key, "dtype": a.dtype.name, "shape": list(a.shape)}
+
+    def object(self, obj: Any, where: str) -> dict[str, Any]:
+        if isinstance(obj, PagedKVHandle):
+            raise CheckpointError(
+                f"{where} is a PagedKVHandle: its K/V lives in an engine's pool, which a session checkpoint does "
+                f"not own. Evict it before saving (it is recomputed on resume), or pass object_hooks with an "
+                f"export that gathers its K/V and an import that writes it into the engine's new blocks."
+            )
+        name = type(obj).__name__
+        if _TYPES.get(name) is not type(obj):
+            raise CheckpointError(
+                f"{where} is a {type(obj).__qualname__}, not a registered checkpoint type; call "
+                f"`functional_state.checkpoint.register_checkpoint_type({name})` first."
+            )
+        parked = obj.status == PARKED
+        if parked:  # encoded from its host copy as the resident object it stands for; parked again on load
+            obj = self._unparked_view(obj)
+        fields, static = {}, {}
+        meta = set(getattr(type(obj), "_static_fields", ()))
+        for f in _fields(type(obj)):
+            value = getattr(obj, f)
+            if f in meta:
+                static[f] = _encode_static(value, f"{where}.{f}")
+            elif f != "host_copy":
+                fields[f] = self.value(value, f"{where}.{f}")
+        return {"t": "obj", "type": name, "static": static, "fields": fields, "parked": parked}
+
+    def _unparked_view(self, obj: Any) -> Any:
+        parked = obj.host_copy
+        leaves: list[Any] = []
+        for leaf in parked.leaves:
+            if isinstance(leaf, _TorchLeaf):
+                s = parked.storages[leaf.storage]
+                host = parked.buffers[s.buffer][s.start : s.start + s.nbytes]
+                plain = _TorchLeaf(
+                    leaf.storage, leaf.dtype, leaf.shape, leaf.stride, leaf.offset, leaf.conj, leaf.neg, None
+                )
+                t = _rebuild(plain, host)
+                self._device_of[id(t)] = s.device
+                leaves.append(t)
+            elif isinstance(leaf, _JaxLeaf):
+                self._sharding_of[id(leaf.host)] = leaf.sharding
+                leaves.append(leaf.host)
+            else:
+                leaves.append(leaf)
+        values = jax.tree_util.tree_unflatten(parked.treedef, leaves)
+        self.keep.append(values)
+        return obj._replace(status=RESIDENT, host_copy=None, **values)
+
+    def session(self, session: SessionState, sid: str) -> dict[str, Any]:
+        objects = {}
+        for name, obj in session.objects.items():
+            where = f"session {sid!r}: object {name!r}"
+            if name in self.object_hooks:  # an object the model exports itself (engine-owned KV, say)
+                objects[name] = {"t": "hooked", "value": self.value(self.object_hooks[name][0](obj), where)}
+            else:
+                objects[name] = self.object(obj, where)
+        attrs, hooked = {}, []
+        for key, value in session.attrs.items():
+            where = f"session {sid!r}: attr {key!r}"
+            if key in self.hooks:
+                value = self.hooks[key][0](value)
+                hooked.append(key)
+            attrs[key] = self.value(value, where)
+        return {"id": sid, "objects": objects, "attrs": attrs, "hooked": hooked, "policies": dict(session._policies)}
+
+
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _encode_static(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return {"t": "v", "v": value}
+    if isinstance(value, float):
+        return {"t": "f", "v": repr(value)}
+    if isinstance(value, tuple):
+        return {"t": "tuple", "items": [_encode_static(v, where) for v in value]}
+    if isinstance(value, np.dtype):
+        return {"t": "dtype", "v": value.name}
+    raise CheckpointError(f"{where}: static field value {value!r} cannot be checkpointed.")
+
+
+def _encode_sharding(s: Any) -> dict[str, Any]:
+    memory_kind = getattr(s, "memory_kind", None)
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        device: Any = next(iter(s.device_set))
+        return {"kind": "single", "device": device.id, "platform": device.platform, "memory_kind": memory_kind}
+    if isinstance(s, jax.sharding.NamedSharding):
+        return {
+            "kind": "named",
+            "mesh_shape": list(s.mesh.devices.shape),
+            "axis_names": list(s.mesh.axis_names),
+            "device_ids": [d.id for d in s.mesh.devices.flat],
+            "spec": [list(p) if isinstance(p, tuple) else p for p in s.spec],
+            "memory_kind": memory_kind,
+        }
+    return {"kind": "other"}
+
+
+# --- decoding: (JSON nodes, arrays) -> state --------------------------------------------------------------
+
+
+def _decode_sharding(info: dict[str, Any]) -> Any:
+    devices = {d.id: d for d in jax.devices()}
+    if info["kind"] == "single" and info["device"] in devices:
+        return jax.sharding.SingleDeviceSharding(devices[info["device"]])
+    if info["kind"] == "named" and all(i in devices for i in info["device_ids"]):
+        mesh_devices = np.array([devices[i] for i in info["device_ids"]]).reshape(info["mesh_shape"])
+        mesh = jax.sharding.Mesh(mesh_devices, tuple(info["axis_names"]))
+        spec = jax.sharding.PartitionSpec(*[tuple(p) if isinstance(p, list) else p for p in info["spec"]])
+        return jax.sharding.NamedSharding(mesh, spec)
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+class _Reader:
+    def __init__(
+        self,
+        arrays: Mapping[str, Any],
+        hooks: AttrHooks | None,
+        torch_device: Any,
+        object_hooks: AttrHooks | None = None,
+    ):
+        self.object_hooks = dict(object_hooks or {})
+        self.arrays = arrays
+        self.hooks = dict(hooks or {})
+        self.torch_device = torch_device
+        self.storages: dict[tuple[str, str], Any] = {}
+
+    def value(self, node: dict[str, Any]) -> Any:
+        t = node["t"]
+        if t == "v":
+            return node["v"]
+        if t == "f":
+            return float(node["v"])
+        if t == "b":
+            return base64.b64decode(node["v"])
+        if t == "np":
+            return np.dtype(node["dtype"]).type(node["v"] if isinstance(node["v"], int) else float(node["v"]))
+        if t in ("list", "tuple"):
+            items = [self.value(v) for v in node["items"]]
+            return items if t == "list" else tuple(items)
+        if t == "dict":
+            return {k: self.value(v) for k, v in node["items"]}
+        if t == "torch":
+            return self._tensor(node)
+        if t == "jax":
+            return self.arrays[node["key"]]
+        if t == "numpy":
+            raw = np.asarray(self.arrays[node["key"]])
+            return raw.view(np.dtype(node["dtype"])).reshape(node["shape"]).copy()
+        if t == "obj":
+            return self.object(node)
+        raise CheckpointError(f"unknown node kind {t!r} in the manifest")
+
+    def _tensor(self, node: dict[str, Any]) -> Any:
+        torch = _torch()
+        if torch is None:
+            import torch  # a checkpoint holding tensors needs torch to load them
+        device = torch.device(self.torch_device if self.torch_device is not None else node["device"])
+        skey = (node["storage"], str(device))
+        storage = self.storages.get(skey)
+        if storage is None:
+            host = torch.from_numpy(np.array(self.arrays[node["storage"]], dtype=np.uint8, copy=True))
+            storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
+        dtype = getattr(torch, node["dtype"])
+        out = torch.empty(0, dtype=dtype, device=device).set_(
+            storage.untyped_storage(), node["offset"], node["shape"], node["stride"]
+        )
+        return out.requires_grad_(True) if node.get("requires_grad") else out
+
+    def object(self, node: dict[str, Any]) -> Any:
+        cls = _TYPES.get(node["type"])
+        if cls is None:
+            raise CheckpointError(
+                f"the checkpoint holds a {node['type']!r}, which is not a registered checkpoint type here; "
+                f"register it with `register_checkpoint_type` before loading."
+            )
+        values = {k: self.value(v) for k, v in node["fields"].items()}
+        values.update({k: _decode_static(v) for k, v in node["static"].items()})
+        values["host_copy"] = None
+        obj: Any = cls(**values)
+        return obj.park() if node.get("parked") else obj
+
+    def session(self, node: dict[str, Any]) -> SessionState:
+        objects = {}
+        for name, v in node["objects"].items():
+            if v["t"] != "hooked":
+                objects[name] = self.object(v)
+            elif name in self.object_hooks:
+                objects[name] = self.object_hooks[name][1](self.value(v["value"]))
+            else:
+                raise CheckpointError(
+                    f"object {name!r} was saved through an export hook; pass object_hooks={{{name!r}: (export, "
+                    f"import)}} to load it."
+                )
+        attrs = {}
+        for key, v in node["attrs"].items():
+            value = self.value(v)
+            if key in node.get("hooked", ()):
+                if key not in self.hooks:
+                    raise CheckpointError(
+                        f"attr {key!r} was saved through an export hook; pass attr_hooks={{{key!r}: (export, "
+                        f"import)}} to load it."
+                    )
+                value = self.hooks[key][1](value)
+            attrs[key] = value
+        return SessionState(objects, attrs, node.get("policies") or {})
+
+
+def _decode_static(node: dict[str, Any]) -> Any:
+    if node["t"] == "tuple":
+        return tuple(_decode_static(v) for v in node["items"])
+    if node["t"] == "dtype":
+        return np.dtype(node["v"])
+    if node["t"] == "f":
+        return float(node["v"])
+    return node["v"]
+
+
+# --- orbax I/O ----------------------------------------------------------------------------------------------
+
+
+def _ocp() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - the checkpoint extra is missing
+        raise ImportError(
+            "functional_state checkpoints need orbax-checkpoint: pip install 'functional-state[checkpoint]'"
+        ) from e
+    return ocp
+
+
+class SaveHandle:
+    """A save in progress (``asynchronous=True``) or done. ``wait()`` blocks until the checkpoint is complete
+    on disk (and raises what the save raised); ``done()`` says whether it is."""
+
+    def __init__(self, manager: Any, keep: list[Any], path: Path):
+        self._manager = manager
+        self._keep = keep  # buffers the write reads from stay alive until it is complete
+        self._lock = threading.Lock()
+        self._finished = False
+        self.path = path
+
+    def wait(self) -> Path:
+        with self._lock:
+            if not self._finished:
+                try:
+                    self._manager.wait_until_finished()
+                    self._manager.close()
+                except Exception as e:
+                    raise CheckpointError(f"saving {self.path} failed: {type(e).__name__}: {e}") from e
+                finally:
+                    self._finished = True
+                    self._keep = []
+        return self.path
+
+    def done(self) -> bool:
+        if self._finished:
+            return True
+        running = getattr(self._manager, "is_saving_in_progress", None)
+        return running is not None and not running()
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({str(self.path)!r}, {'done' if self._finished else 'pending'})"
+
+
+def _write(path: Any, manifest: dict[str, Any], writer: _Writer, asynchronous: bool) -> SaveHandle:
+    ocp = _ocp()
+    root = Path(os.fspath(path)).absolute()
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory.")
+    if root.is_dir() and any(root.iterdir()) and _latest_step(root) is None:
+        raise CheckpointError(f"{root} is a non-empty directory that holds no checkpoint; refusing to write into it.")
+    manifest["leaves"] = writer.leaves
+    previous = _latest_step(root)
+    step = 0 if previous is None else previous + 1
+    options = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=asynchronous, create=True)
+    manager = ocp.CheckpointManager(root, options=options, item_names=("arrays", "manifest"))
+    manager.save(
+        step,
+        args=ocp.args.Composite(arrays=ocp.args.StandardSave(writer.arrays), manifest=ocp.args.JsonSave(manifest)),
+    )
+    handle = SaveHandle(manager, writer.keep, root)
+    if not asynchronous:
+        handle.wait()
+    return handle
+
+
+def _latest_step(root: Path) -> int | None:
+    if not root.is_dir():
+        return None
+    steps = [int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "manifest").is_dir()]
+    return max(steps) if steps else None
+
+
+def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    ocp = _ocp()
+    root = Path(os.fspath(path)).absolute()
+    step = _latest_step(root)
+    if step is None:
+        what = "does not exist" if not root.exists() else "holds no complete checkpoint"
+        raise CheckpointError(f"{root} {what} (expected a directory written by functional_state's save).")
+    manager = ocp.CheckpointManager(
+        root, options=ocp.CheckpointManagerOptions(create=False), item_names=("arrays", "manifest")
+    )
+    try:
+        try:
+            manifest = manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))["manifest"]
+        except Exception as e:
+            raise CheckpointError(f"{root}: the manifest cannot be read ({type(e).__name__}: {e}).") from e
+        _check_manifest(manifest, root)
+        abstract: dict[str, Any] = {}
+        for key, info in manifest["leaves"].items():
+            if info["kind"] == "jax":
+                sharding = _placement_for(placement, key, manifest)
+                abstract[key] = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=sharding)
+            else:
+                abstract[key] = np.empty(info["nbytes"], np.uint8)
+        try:
+            arrays = manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract)))["arrays"]
+        except Exception as e:
+            raise CheckpointError(
+                f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
+                f"{str(e)[:300]})."
+            ) from e
+    finally:
+        manager.close()
+    for key, info in manifest["leaves"].items():
+        got = arrays.get(key)
+        if got is None:
+            raise CheckpointError(f"{root}: leaf {key!r} is missing from the arrays.")
+        if "sha256" in info and _sha(np.asarray(got)) != info["sha256"]:
+            raise CheckpointError(
+                f"{root}: leaf {key!r} ({info['kind']}, {info.get('dtype', 'bytes')}) fails its checksum: the "
+                f"checkpoint is corrupted."
+            )
+    return manifest, arrays
+
+
+def _check_manifest(manifest: Any, root: Path) -> None:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{root} is an orbax checkpoint, but not one functional_state wrote.")
+    if manifest.get("layout") != LAYOUT:
+        raise CheckpointError(
+            f"{root} has checkpoint layout {manifest.get('layout')!r} (written by functional-state "
+            f"{manifest.get('library_version')}); this version ({__version__}) reads layout {LAYOUT}."
+        )
+
+
+def _placement_for(placement: Any, key: str, manifest: dict[str, Any]) -> Any:
+    if placement is None:
+        return _decode_sharding(_sharding_info(manifest, key))
+    if callable(placement) and not isinstance(placement, (jax.Device, jax.sharding.Sharding)):
+        placement = placement(key)
+    if isinstance(placement, jax.Device):
+        return jax.sharding.SingleDeviceSharding(placement)
+    if isinstance(placement, jax.sharding.Sharding):
+        return placement
+    raise CheckpointError(
+        f"placement must be a jax.Device, a jax.sharding.Sharding, or a callable giving one; got {placement!r}."
+    )
+
+
+def _sharding_info(manifest: dict[str, Any], key: str) -> dict[str, Any]:
+    found = manifest.setdefault("_shardings", {})
+    if not found:
+
+        def walk(node: Any) -> None:
+            if isinstance(node, dict):
+                if node.get("t") == "jax":
+                    found[node["key"]] = node["sharding"]
+                for v in node.values():
+                    walk(v)
+            elif isinstance(node, list):
+                for v in node:
+                    walk(v)
+
+        walk(manifest.get("sessions"))
+    return found.get(key, {"kind": "other"})
+
+
+# --- the public functions -----------------------------------------------------------------------------------
+
+
+def save_session(
+    state: ManagerState,
+    session_id: str | None,
+    path: Any,
+    *,
+    asynchronous: bool = False,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> SaveHandle:
+    """Write session ``session_id`` of ``state`` to the checkpoint directory ``path`` (replacing an earlier
+    checkpoint there only once the new one is complete).
+
+    Args:
+      asynchronous: return once the values are captured; the write completes in the background
+        (``handle.wait()``). Host buffers a model could change in place are copied first.
+      attr_hooks: ``{attr: (export, import)}`` for attrs of other types: ``export(value)`` returns a
+        checkpointable value, and `load_session` calls ``import`` on it.
+      object_hooks: the same for objects by name (an engine-owned `PagedKVHandle`: export its K/V, import it
+        into the new engine's blocks).
+
+    Returns:
+      A `SaveHandle` (already complete unless ``asynchronous``).
+
+    Raises:
+      CheckpointError: an object or attr that cannot be checkpointed (named, before anything is written),
+        or ``path`` is something other than a checkpoint directory.
+      SessionStateLostError: no such session.
+    """
+    sid, node = ms._node(state, session_id, "save_session")
+    writer = _Writer(attr_hooks, asynchronous, object_hooks)
+    manifest = _manifest("session", [writer.session(node[ms._S], sid)])
+    return _write(path, manifest, writer, asynchronous)
+
+
+def read_session(
+    session_id: str | None,
+    path: Any,
+    *,
+    placement: Any = None,
+    torch_device: Any = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> SessionState:
+    """The `SessionState` of ``session_id`` in the checkpoint at ``path`` (what `load_session` installs).
+
+    Raises:
+      CheckpointError: see `load_session`.
+    """
+    sid = ms._resolve_id(session_id, "read_session")
+    manifest, arrays = _read(path, placement)
+    entries = {e["id"]: e for e in manifest["sessions"]}
+    if sid not in entries:
+        raise CheckpointError(f"{path}: holds sessions {sorted(entries)[:8]}, not {sid!r}.")
+    try:
+        return _Reader(arrays, attr_hooks, torch_device, object_hooks).session(entries[sid])
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: session {sid!r} cannot be rebuilt ({type(e).__name__}: {e}).") from e
+
+
+def load_session(
+    state: ManagerState,
+    session_id: str | None,
+    path: Any,
+    *,
+    placement: Any = None,
+    torch_device: Any = None,
+    as_id: str | None = None,
+    replace: bool = False,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> ManagerState:
+    """``state`` with session ``session_id`` loaded from the checkpoint at ``path`` (under ``as_id`` if given),
+    as the most recently used session.
+
+    Args:
+      placement: where JAX leaves go: None (the devices and sharding they were saved with, when present),
+        a ``jax.Device``, a ``jax.sharding.Sharding``, or a callable from leaf key to one of those.
+      torch_device: where torch tensors go (default: the device each was saved from).
+      replace: load over a session of that id (default: refuse; the caller decides what a clash means).
+      attr_hooks, object_hooks: the import halves of the hooks the save used.
+
+    Raises:
+      CheckpointError: ``path`` is not a checkpoint, is damaged (the leaf is named), was written with another
+        layout, or does not hold ``session_id``. SessionExistsError: the id is taken and not ``replace``.
+      Nothing changes unless the load fully succeeds (this is a pure function).
+    """
+    target = ms._resolve_id(as_id if as_id is not None else session_id, "load_session")
+    _check_free(state, target, replace)
+    session = read_session(
+        session_id,
+        path,
+        placement=placement,
+        torch_device=torch_device,
+        attr_hooks=attr_hooks,
+        object_hooks=object_hooks,
+    )
+    return install_session(state, target, session, replace=replace)
+
+
+def _check_free(state: ManagerState, sid: str, replace: bool) -> None:
+    if type(state) is not ManagerState:
+        ms._check_state(state, "load_session")
+    if sid in state and not replace:
+        raise SessionExistsError(
+            f"`load_session`: session {sid!r} is already in the table; drop it first, load under another id "
+            f"(as_id=...), or pass replace=True."
+        )
+
+
+def install_session(state: ManagerState, sid: str, session: SessionState, *, replace: bool = False) -> ManagerState:
+    """``state`` holding ``session`` under ``sid`` as its most recent session (a loaded one, say)."""
+    _check_free(state, sid, replace)
+    if sid in state:
+        state, _ = ms.drop_session(state, sid)
+    state, _ = ms.get_or_create(state, sid)
+
+    def install(_: SessionState) -> SessionState:
+        return session
+
+    return ms.update_session(state, sid, install)
+
+
+def save(
+    state: ManagerState,
+    path: Any,
+    *,
+    asynchronous: bool = False,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> SaveHandle:
+    """Write the whole table: every session, their recency order, the counters and the configuration.
+
+    See `save_session` for the arguments and errors.
+    """
+    if type(state) is not ManagerState:
+        ms._check_state(state, "save")
+    writer = _Writer(attr_hooks, asynchronous, object_hooks)
+    sessions = [writer.session(session, sid) for sid, session in ms.sessions(state).items()]
+    manifest = _manifest("table", sessions)
+    manifest["table"] = {
+        "max_sessions": state.max_sessions,
+        "byte_budget": state.byte_budget,
+        "evict_when_full": state.evict_when_full,
+        "counters": [state.hits, state.misses, state.evictions, state.parks, state.restores],
+    }
+    return _write(path, manifest, writer, asynchronous)
+
+
+def load(
+    path: Any,
+    *,
+    placement: Any = None,
+    torch_device: Any = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> ManagerState:
+    """The table a `save` wrote: sessions in their recency order, counters and configuration as they were.
+
+    Raises:
+      CheckpointError: see `load_session`; also a checkpoint of one session (use `load_session`).
+    """
+    manifest, arrays = _read(path, placement)
+    table = manifest.get("table")
+    if table is None:
+        raise CheckpointError(f"{path} holds a session checkpoint, not a table; use load_session.")
+    reader = _Reader(arrays, attr_hooks, torch_device, object_hooks)
+    state = ManagerState.create(table["max_sessions"], table["byte_budget"], table["evict_when_full"])
+    for entry in manifest["sessions"]:  # least recently used first: each insertion is the most recent
+        state = install_session(state, entry["id"], reader.session(entry))
+    meta = list(state._meta)
+    meta[ms._HITS : ms._RESTORES + 1] = table["counters"]
+    return ms._state(state._nodes, tuple(meta), state._acct)
+
+
+def _manifest(kind: str, sessions: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"format": FORMAT, "layout": LAYOUT, "library_version": __version__, "kind": kind, "sessions": sessions}

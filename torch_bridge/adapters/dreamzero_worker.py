@@ -1,0 +1,103 @@
+"""A DreamZero serving worker for restart and migration checks: it runs a script of actions (serve sessions
+for a range of steps, save a session, close it, load one) and prints per-step output digests as JSON.
+
+Every worker is one process with its own manager and its own paged KV engine, so a session saved by one and
+loaded by another crosses a real process boundary: its tensors, counters, attrs and engine KV come back from
+the checkpoint alone. The digests of a session's steps, concatenated across workers, equal those of an
+uninterrupted run when restore is exact.
+
+``python -m torch_bridge.adapters.dreamzero_worker --actions '[["serve", [0, 1], 0, 200], ["save", 0, "/tmp/x"]]'``
+
+Actions: ``["serve", [session, ...], start, stop]``, ``["save", session, dir]``, ``["close", session]``,
+``["load", session, dir]`` (waits up to ``--wait`` seconds for another worker to finish writing ``dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from functional_state import CheckpointError
+from functional_state.config import enable_override
+
+from . import dreamzero_rollout as dz
+from .dreamzero_store import DreamZeroSessions
+
+__all__ = ["run_actions"]
+
+_KV = "self_attn_kv"
+
+
+def _digest(values: list[Any]) -> str:
+    h = hashlib.sha256()
+    for value in values:
+        dz._hash(h, value)
+    return h.hexdigest()
+
+
+def run_actions(actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 120.0) -> dict[str, Any]:
+    """Run ``actions`` on the manager path; returns ``{"steps": {session: [digest, ...]}, "latents": {...}}``."""
+    cfg = dz.small_config(steps=10**6, sessions=sessions)
+    nets = dz._Networks(cfg)
+    kv = dz._SelfAttnKV(cfg)
+    hooks: dict[str, Any] = {"object_hooks": {_KV: kv.engine.checkpoint_hooks()}}
+    with enable_override(True):
+        store = DreamZeroSessions(resident_bound=sessions)
+    steps: dict[str, list[str]] = {}
+    latents: dict[str, str] = {}
+    for action in actions:
+        kind = action[0]
+        if kind == "serve":
+            _, which, start, stop = action
+            for step in range(start, stop):
+                for i in which:
+                    sid = f"session-{i}"
+                    state = store.begin(sid) if step == 0 else store.resume(sid)
+                    steps.setdefault(sid, []).append(_digest(dz._step(state, nets, cfg, i, step, kv=kv)))
+        elif kind == "save":
+            sid = f"session-{action[1]}"
+            store.save(sid, action[2], **hooks)
+            latents[sid] = _digest([store.decode_accumulated_video_latents(sid)])
+        elif kind == "close":
+            store.close(f"session-{action[1]}")
+        elif kind == "load":
+            sid = f"session-{action[1]}"
+            _load_when_ready(store, sid, action[2], hooks, wait_s)
+        else:
+            raise ValueError(f"unknown action {kind!r}")
+    for sid in list(steps):
+        if sid in store:
+            latents[sid] = _digest([store.decode_accumulated_video_latents(sid)])
+    return {"steps": steps, "latents": latents, "kv_blocks_allocated": len(kv.engine.allocated)}
+
+
+def _load_when_ready(store: DreamZeroSessions, sid: str, path: str, hooks: dict[str, Any], wait_s: float) -> None:
+    """Load ``sid`` from ``path``, waiting for another worker's save to complete (a checkpoint appears whole)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            store.load(sid, path, **hooks)
+            return
+        except CheckpointError:
+            if time.monotonic() > deadline or (Path(path).exists() and any(Path(path).glob("[0-9]*/manifest"))):
+                raise
+            time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="DreamZero worker: serve, save, close and load sessions.")
+    parser.add_argument("--actions", required=True, help="a JSON list of actions (see the module docstring)")
+    parser.add_argument("--sessions", type=int, default=3, help="sessions the store and engine are sized for")
+    parser.add_argument("--wait", type=float, default=120.0, help="seconds a load waits for a checkpoint")
+    args = parser.parse_args(argv)
+    print(json.dumps(run_actions(json.loads(args.actions), sessions=args.sessions, wait_s=args.wait)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
