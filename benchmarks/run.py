@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = _existing_sections(Path(args.output)) if args.names else {}
     for name in names:
         print(f"[bench] {name} ...", flush=True)
-        result = importlib.import_module(f"bench_{name}").run()
+        result = _run_isolated(name)
         text = _section(name, result)
         print(text, flush=True)
         sections[name] = text
@@ -102,6 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run_isolated(name: str) -> dict:
+    """Run one benchmark in a fresh process, so that none inherits another's heap, page cache pressure or
+    threads (a checkpoint load measured after the fork benchmark's 600 MiB sessions reads another machine)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", name, out.name], check=True)
+        return json.loads(Path(out.name).read_text())
+
+
+def _run_one(name: str, out: str) -> int:
+    result = importlib.import_module(f"bench_{name}").run()
+    Path(out).write_text(json.dumps(result, default=float))
+    return 0
+
+
 _MARKER = "<!-- bench: {} -->"
 
 
@@ -117,4 +134,6 @@ def _existing_sections(path: Path) -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--one":
+        sys.exit(_run_one(sys.argv[2], sys.argv[3]))
     sys.exit(main())

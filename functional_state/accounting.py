@@ -130,13 +130,22 @@ _POOL_STORAGES: dict[tuple[str, int], tuple[tuple[int, int, int, int, int], ...]
 _POOL_LIVE: set[int] = set()  # uids of pools alive (a pool's finalizer removes its uid: no lock, GC-safe)
 
 
+def _pool_check_default(uid: int, key: str, start: int) -> bool:
+    return True
+
+
+# Set by `functional_state.paged_kv`: whether pool ``uid`` still has a layer in the storage at ``start`` (an
+# engine may free or resize a layer behind the pool's back, and the memory hold other tensors next).
+_POOL_CHECK = _pool_check_default
+
+
 def _pool_blocks(key: str, start: int, lo: int, hi: int, out: Extents) -> bool:
     """If the storage at ``start`` holds registered pool layers: the extents of the blocks that bytes
     ``[lo, hi)`` (offsets into the storage) span, plus the raw bytes outside every layer."""
     segments = _POOL_STORAGES.get((key, start))
     if segments is None:
         return False
-    live = [seg for seg in segments if seg[4] in _POOL_LIVE]
+    live = [seg for seg in segments if seg[4] in _POOL_LIVE and _POOL_CHECK(seg[4], key, start)]
     if not live:  # a dead pool's storage, maybe reused: plain memory again
         return False
     for so, se, base, bb, _ in live:
@@ -173,8 +182,8 @@ def _torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
             item = t.element_size()
             lo, hi = _span(t.shape, [s * item for s in t.stride()], item)
             offset = t.storage_offset() * item
-            _pool_blocks(key, start, offset + lo, offset + hi, out)
-            return
+            if _pool_blocks(key, start, offset + lo, offset + hi, out):
+                return
         out.append((key, start, start + size))
 
 
@@ -193,8 +202,8 @@ def _numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
     if _POOL_STORAGES and not raw and ("cpu", start) in _POOL_STORAGES and a.size:
         lo, hi = _span(a.shape, a.strides, a.itemsize)
         offset = a.__array_interface__["data"][0] - start
-        _pool_blocks("cpu", start, offset + lo, offset + hi, out)
-        return
+        if _pool_blocks("cpu", start, offset + lo, offset + hi, out):
+            return
     if base is None:
         out.append(("cpu", start, start + owner.nbytes))
         return

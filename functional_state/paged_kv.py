@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -209,7 +210,13 @@ class PagedKVPool:
         for sig in self._signatures:
             if (sig[2][3] - sig[2][2]) % int(layers[0].shape[0]):
                 raise InvalidArgumentError("`PagedKVPool`: a layer's bytes are not a whole number of blocks.")
-        self._layers = [weakref.ref(x) for x in layers] if all(_weakrefable(x) for x in layers) else None
+        if all(_weakrefable(x) for x in layers):
+            # A layer the engine frees takes the pool out of the accounting at once: its memory may hold
+            # other tensors next, which must not be counted as this pool's blocks.
+            callback = functools.partial(_layer_died, self.uid, weakref.ref(self))
+            self._layers: list[weakref.ref] | None = [weakref.ref(x, callback) for x in layers]
+        else:
+            self._layers = None
         self._strong = None if self._layers is not None else list(layers)  # numpy arrays cannot be weakly held
 
     def _register(self) -> None:
@@ -314,6 +321,36 @@ def _weakrefable(x: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def _pool_still_there(uid: int, key: str, start: int) -> bool:
+    """Whether pool ``uid`` still has a live, unchanged layer in the storage at ``(key, start)``."""
+    pool = _POOLS.get(uid)
+    if pool is None:
+        return False
+    refs: list[Any] = list(pool._layers) if pool._layers is not None else [None] * len(pool._signatures)
+    for ref, sig in zip(refs, pool._signatures):
+        if sig[2][0] != key or sig[2][1] != start:
+            continue
+        if ref is None:
+            return True  # a numpy layer, held strongly: alive while the pool is
+        layer: Any = ref()
+        if layer is None or (isinstance(layer, jax.Array) and layer.is_deleted()):
+            return False
+        if _is_torch(layer):  # freed storage, or resized in place (its memory moved)
+            storage = layer.untyped_storage()
+            return bool(storage.data_ptr() == start and storage.nbytes() >= sig[2][3])
+        return True
+    return False
+
+
+accounting._POOL_CHECK = _pool_still_there
+
+
+def _layer_died(uid: int, pool_ref: weakref.ref, layer_ref: weakref.ref) -> None:
+    pool = pool_ref()
+    if pool is None or any(layer_ref is r for r in pool._layers or ()):  # not a layer `update` replaced
+        accounting._POOL_LIVE.discard(uid)
 
 
 def _forget(uid: int) -> None:

@@ -85,7 +85,8 @@ def test_a_narrow_view_into_the_pool_counts_the_blocks_it_spans_once():
 
 def test_flat_allocation_split_into_layers_and_numpy_pools():
     flat = torch.zeros(2, 8, 4, 4)  # one allocation, two layers of 8 blocks
-    pool = PagedKVPool([flat[0], flat[1]], free=lambda ids: None, name="flat")
+    layers = [flat[0], flat[1]]  # the engine keeps its layer tensors (the pool holds them weakly)
+    pool = PagedKVPool(layers, free=lambda ids: None, name="flat")
     h = PagedKVHandle.create(pool, [1, 2])
     assert fs.nbytes_by_device(h) == {"cpu": 2 * 2 * 4 * 4 * 4}
     assert fs.nbytes_by_device(h, flat[1, 2]) == fs.nbytes_by_device(h)  # a view of layer 1, block 2
@@ -378,3 +379,15 @@ def test_pure_functions_with_handles_leave_their_input_unchanged():
     fs.stats(s)
     fs.released_blocks(s, fs.drop_session(s, "a")[0])
     assert_unchanged(s, snap)
+
+
+def test_a_freed_pool_layer_leaves_the_accounting_so_reused_memory_counts_as_itself():
+    layer = torch.zeros(64, 1024)
+    pool = PagedKVPool(layer, free=lambda ids: None, name="gone")
+    ptr = layer.untyped_storage().data_ptr()
+    del layer
+    gc.collect()
+    again = torch.empty(64, 1024)  # the allocator may hand the same memory out again
+    assert fs.nbytes_by_device(again) == {"cpu": 64 * 1024 * 4}
+    assert pool.uid not in fs.accounting._POOL_LIVE
+    del ptr
