@@ -176,11 +176,16 @@ class _Writer:
         if getattr(a.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
             a = jax.device_put(a, a.sharding.with_memory_kind("device"))  # orbax writes device arrays
         self.arrays[key] = a
-        info: dict[str, Any] = {"kind": "jax", "dtype": a.dtype.name, "shape": list(a.shape)}
+        info: dict[str, Any] = {
+            "kind": "jax",
+            "dtype": a.dtype.name,
+            "shape": list(a.shape),
+            "sharding": _encode_sharding(sharding),
+        }
         if a.is_fully_addressable:
             info["sha256"] = _sha(np.asarray(a))
         self.leaves[key] = info
-        return {"t": "jax", "key": key, "sharding": _encode_sharding(sharding)}
+        return {"t": "jax", "key": key}
 
     def _numpy(self, a: np.ndarray, where: str) -> dict[str, Any]:
         if a.dtype.hasobject:
@@ -462,10 +467,10 @@ def _write(path: Any, manifest: dict[str, Any], writer: _Writer, asynchronous: b
     root = Path(os.fspath(path)).absolute()
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory.")
-    if root.is_dir() and any(root.iterdir()) and _latest_step(root) is None:
+    previous = _latest_step(root)
+    if previous is None and root.is_dir() and any(root.iterdir()):
         raise CheckpointError(f"{root} is a non-empty directory that holds no checkpoint; refusing to write into it.")
     manifest["leaves"] = writer.leaves
-    previous = _latest_step(root)
     step = 0 if previous is None else previous + 1
     options = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=asynchronous, create=True)
     manager = ocp.CheckpointManager(root, options=options, item_names=("arrays", "manifest"))
@@ -505,7 +510,7 @@ def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         abstract: dict[str, Any] = {}
         for key, info in manifest["leaves"].items():
             if info["kind"] == "jax":
-                sharding = _placement_for(placement, key, manifest)
+                sharding = _placement_for(placement, key, info)
                 abstract[key] = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=sharding)
             else:
                 abstract[key] = np.empty(info["nbytes"], np.uint8)
@@ -540,9 +545,10 @@ def _check_manifest(manifest: Any, root: Path) -> None:
         )
 
 
-def _placement_for(placement: Any, key: str, manifest: dict[str, Any]) -> Any:
+def _placement_for(placement: Any, key: str, info: dict[str, Any]) -> Any:
+    """Where JAX leaf ``key`` goes: the caller's placement, else the sharding it was saved with (``info``)."""
     if placement is None:
-        return _decode_sharding(_sharding_info(manifest, key))
+        return _decode_sharding(info["sharding"])
     if callable(placement) and not isinstance(placement, (jax.Device, jax.sharding.Sharding)):
         placement = placement(key)
     if isinstance(placement, jax.Device):
@@ -552,24 +558,6 @@ def _placement_for(placement: Any, key: str, manifest: dict[str, Any]) -> Any:
     raise CheckpointError(
         f"placement must be a jax.Device, a jax.sharding.Sharding, or a callable giving one; got {placement!r}."
     )
-
-
-def _sharding_info(manifest: dict[str, Any], key: str) -> dict[str, Any]:
-    found = manifest.setdefault("_shardings", {})
-    if not found:
-
-        def walk(node: Any) -> None:
-            if isinstance(node, dict):
-                if node.get("t") == "jax":
-                    found[node["key"]] = node["sharding"]
-                for v in node.values():
-                    walk(v)
-            elif isinstance(node, list):
-                for v in node:
-                    walk(v)
-
-        walk(manifest.get("sessions"))
-    return found.get(key, {"kind": "other"})
 
 
 # --- the public functions -----------------------------------------------------------------------------------

@@ -340,8 +340,7 @@ class SessionStateManager:
           CheckpointError, SessionExistsError: see `functional_state.load_session`.
         """
         target = ms.resolve_session_id(as_id if as_id is not None else session_id)
-        if target in self._state and not replace:
-            _ckpt._check_free(self._state, target, replace)
+        _ckpt._check_free(self._state, target, replace)  # fail before reading the checkpoint
         session = _ckpt.read_session(session_id, path, placement=placement, torch_device=torch_device, **hooks)
 
         def op(state: ManagerState) -> tuple[ManagerState, str]:

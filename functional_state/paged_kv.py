@@ -50,7 +50,7 @@ from .errors import (
     NotParkedError,
     PoolChangedError,
 )
-from .state_object import EVICTED, PARKED, RESIDENT, UNALLOCATED, StateObject, Status, _check_source
+from .state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, _check_source
 
 __all__ = ["PagedKVHandle", "PagedKVPool", "paged_gather"]
 
@@ -562,6 +562,3 @@ def kv_keys(obj: Any) -> tuple[tuple[int, int], ...]:
 
 def pool_by_uid(uid: int) -> PagedKVPool | None:
     return _POOLS.get(uid)
-
-
-_ = UNALLOCATED  # the lifecycle's other status: reset() works through StateObject
