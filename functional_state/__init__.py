@@ -8,7 +8,16 @@ from ._version import __version__
 from .accounting import nbytes_by_device, register_alias, total_nbytes
 from .array_ring import ArrayRing
 from .budget import capacity_for, format_bytes, parse_bytes
-from .checkpoint import SaveHandle, load, load_session, read_session, register_checkpoint_type, save, save_session
+from .checkpoint import (
+    SaveHandle,
+    has_checkpoint,
+    load,
+    load_session,
+    read_session,
+    register_checkpoint_type,
+    save,
+    save_session,
+)
 from .config import resolve_session_state_config
 from .dense_value import DenseValue
 from .engine_blocks import free_released, released_blocks
@@ -129,6 +138,7 @@ __all__ = [
     "get_attr",
     "get_or_create",
     "get_session",
+    "has_checkpoint",
     "incarnation",
     "load",
     "load_session",

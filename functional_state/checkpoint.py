@@ -54,6 +54,7 @@ from .state_object import PARKED, RESIDENT, StateObject
 
 __all__ = [
     "SaveHandle",
+    "has_checkpoint",
     "install_session",
     "load",
     "load_session",
@@ -489,6 +490,20 @@ def _latest_step(root: Path) -> int | None:
         return None
     steps = [int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "manifest").is_dir()]
     return max(steps) if steps else None
+
+
+def has_checkpoint(path: Any) -> bool:
+    """Whether ``path`` holds a complete checkpoint (a save still being written does not count).
+
+    A loader in another process can poll this to wait for a migrating session: orbax writes each step into a
+    temporary directory and renames it into place only once every array and the manifest are on disk.
+
+    Example:
+        >>> import tempfile
+        >>> has_checkpoint(tempfile.mkdtemp())
+        False
+    """
+    return _latest_step(Path(os.fspath(path)).absolute()) is not None
 
 
 def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:

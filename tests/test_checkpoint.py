@@ -317,6 +317,35 @@ def test_a_session_migrates_between_two_concurrent_workers(tmp_path):
     assert b["latents"]["session-0"] == ref["latents"]["session-0"]
 
 
+def test_a_loader_waits_out_a_half_written_checkpoint_and_not_a_complete_one(tmp_path):
+    import threading
+
+    from torch_bridge.adapters.dreamzero_worker import run_actions
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    first = run_actions([["serve", [0], 0, 3], ["save", 0, str(src)]], sessions=1)
+    partial = dst / "0.orbax-checkpoint-tmp-9"
+    (partial / "manifest").mkdir(parents=True)  # what a save in flight looks like on disk
+    assert fs.has_checkpoint(src) and not fs.has_checkpoint(dst)
+
+    def finish_the_save() -> None:
+        time.sleep(0.5)
+        (src / "0").rename(dst / "0")  # orbax's final rename: the step appears whole (the stale tmp stays)
+
+    mover = threading.Thread(target=finish_the_save)
+    mover.start()
+    second = run_actions([["load", 0, str(dst)], ["serve", [0], 3, 5]], sessions=1, wait_s=30)
+    mover.join()
+    reference = run_actions([["serve", [0], 0, 5]], sessions=1)
+    assert first["steps"]["session-0"] + second["steps"]["session-0"] == reference["steps"]["session-0"]
+    # A complete checkpoint that fails to load is damaged: the loader gives up at once instead of waiting.
+    _largest_data_file(dst).write_bytes(b"")
+    started = time.monotonic()
+    with pytest.raises(CheckpointError):
+        run_actions([["load", 0, str(dst)]], sessions=1, wait_s=30)
+    assert time.monotonic() - started < 10
+
+
 # --- a session sharded across two JAX controllers -----------------------------------------------------------
 
 _CONTROLLER = """

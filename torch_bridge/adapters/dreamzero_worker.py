@@ -19,10 +19,9 @@ import hashlib
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from functional_state import CheckpointError
+from functional_state import CheckpointError, has_checkpoint
 from functional_state.config import enable_override
 
 from . import dreamzero_rollout as dz
@@ -84,7 +83,9 @@ def _load_when_ready(store: DreamZeroSessions, sid: str, path: str, hooks: dict[
             store.load(sid, path, **hooks)
             return
         except CheckpointError:
-            if time.monotonic() > deadline or (Path(path).exists() and any(Path(path).glob("[0-9]*/manifest"))):
+            # Only a missing or half-written checkpoint is worth waiting for; a complete one that fails to load
+            # is damaged, and waiting would not mend it.
+            if time.monotonic() > deadline or has_checkpoint(path):
                 raise
             time.sleep(0.1)
 
