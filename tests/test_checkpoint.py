@@ -317,6 +317,27 @@ def test_a_session_migrates_between_two_concurrent_workers(tmp_path):
     assert b["latents"]["session-0"] == ref["latents"]["session-0"]
 
 
+def test_arrays_are_written_uncompressed_and_a_compressed_checkpoint_still_loads(tmp_path):
+    import orbax.checkpoint as ocp
+
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "v", fs.DenseValue.create(torch.zeros(1 << 20)))  # 4 MiB that zstd shrinks to nothing
+    fs.save_session(s, "a", tmp_path / "ck")
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "ck").rglob("*") if p.is_file())
+    assert on_disk >= 4 << 20  # the CPU is the step's, not a compressor's
+    # A checkpoint written compressed (orbax's default, and what earlier versions wrote) reads the same.
+    old = tmp_path / "old"
+    fs.save_session(s, "a", old)
+    (old / "0").rename(tmp_path / "ours")
+    manifest = json.loads((tmp_path / "ours" / "manifest" / "metadata").read_text())
+    arrays = ocp.PyTreeCheckpointer().restore(tmp_path / "ours" / "arrays")
+    with ocp.CheckpointManager(old, item_names=("arrays", "manifest")) as m:
+        m.save(0, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays), manifest=ocp.args.JsonSave(manifest)))
+    assert sum(p.stat().st_size for p in old.rglob("*") if p.is_file()) < 1 << 20  # it did compress
+    back = fs.view(fs.load_session(ManagerState.create(), "a", old), "a", "v")
+    assert torch.equal(back, torch.zeros(1 << 20))
+
+
 def test_a_loader_waits_out_a_half_written_checkpoint_and_not_a_complete_one(tmp_path):
     import threading
 
