@@ -8,7 +8,8 @@ leaf, its dtype, shape and SHA-256. orbax writes a step to a temporary directory
 complete, so a checkpoint is complete or absent, and a save that dies part-way leaves the previous one.
 
 Restoring is not recomputing: counters, ring order, staged payloads, parked objects (parked again on load)
-and views that shared one torch storage (one storage again) come back as they were, in the framework,
+and views that shared one torch storage (one storage again; a JAX array that aliased a torch tensor through
+the bridge aliases the restored storage) come back as they were, in the framework,
 dtype and shape they had, on the device they had or the ``placement`` asked for. Attrs are saved when they
 are arrays, tensors, scalars, str, bytes, None, or lists/tuples/dicts of those; anything else raises
 `CheckpointError` before a byte is written, unless an ``attr_hooks`` entry exports it (never pickle).
@@ -40,6 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import accounting
 from . import manager_state as ms
 from ._version import __version__
 from .array_ring import ArrayRing
@@ -48,7 +50,7 @@ from .errors import CheckpointError, InvalidTypeError, SessionExistsError
 from .latent_buffer import LatentBuffer
 from .manager_state import ManagerState
 from .paged_kv import PagedKVHandle
-from .parking import _JaxLeaf, _rebuild, _TorchLeaf
+from .parking import _jax_alias, _JaxLeaf, _rebuild, _TorchLeaf
 from .session import SessionState
 from .state_object import PARKED, RESIDENT, StateObject
 
@@ -93,6 +95,28 @@ def _sha(data: Any) -> str:
 # --- encoding: state -> (JSON nodes, arrays) ------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _AliasLeaf:
+    """Inside the writer only: a parked bridge alias, as the host tensor it will be saved from."""
+
+    tensor: Any
+    owner_type: type | None
+
+
+def _owner_name(owner_type: type | None) -> str | None:
+    return None if owner_type is None else f"{owner_type.__module__}:{owner_type.__qualname__}"
+
+
+def _owner_type(name: str | None) -> type | None:
+    """The alias record type a checkpoint names, if its module is already imported (a checkpoint never
+    imports code); else None, and the tensor itself owns the alias."""
+    if not name:
+        return None
+    module, _, qualname = name.partition(":")
+    cls = getattr(sys.modules.get(module), qualname, None)
+    return cls if isinstance(cls, type) else None
+
+
 class _Writer:
     def __init__(self, hooks: AttrHooks | None, copy_host: bool, object_hooks: AttrHooks | None = None):
         self.object_hooks = dict(object_hooks or {})
@@ -119,7 +143,18 @@ class _Writer:
             return {"t": "b", "v": base64.b64encode(x).decode()}
         if torch is not None and isinstance(x, torch.Tensor):
             return self._tensor(x, where, self._device_of.get(id(x), x.device))
+        if isinstance(x, _AliasLeaf):
+            return self._alias(x.tensor, x.owner_type, where, self._device_of.get(id(x.tensor), x.tensor.device))
         if isinstance(x, jax.Array):
+            owner = accounting.alias_owner(x)
+            tensor = getattr(owner, "tensor", owner)
+            if (
+                torch is not None
+                and isinstance(tensor, torch.Tensor)
+                and tuple(tensor.shape) == x.shape
+                and str(tensor.dtype).removeprefix("torch.") == x.dtype.name
+            ):  # a bridge alias: saved as the storage it views, so it shares it again on load
+                return self._alias(tensor, type(owner) if owner is not tensor else None, where, tensor.device)
             return self._jax(x, where, self._sharding_of.get(id(x)))
         if isinstance(x, np.ndarray):
             return self._numpy(x, where)
@@ -168,6 +203,9 @@ class _Writer:
             "device": str(device),
             "requires_grad": bool(t.requires_grad),
         }
+
+    def _alias(self, t: Any, owner_type: type | None, where: str, device: Any) -> dict[str, Any]:
+        return {"t": "jax_alias", "tensor": self._tensor(t, where, device), "owner": _owner_name(owner_type)}
 
     def _jax(self, a: Any, where: str, sharding: Any) -> dict[str, Any]:
         if a.is_deleted():
@@ -235,7 +273,7 @@ class _Writer:
                 )
                 t = _rebuild(plain, host)
                 self._device_of[id(t)] = s.device
-                leaves.append(t)
+                leaves.append(t if leaf.jax_owner_type is None else _AliasLeaf(t, leaf.jax_owner_type))
             elif isinstance(leaf, _JaxLeaf):
                 self._sharding_of[id(leaf.host)] = leaf.sharding
                 leaves.append(leaf.host)
@@ -344,6 +382,8 @@ class _Reader:
             return self._tensor(node)
         if t == "jax":
             return self.arrays[node["key"]]
+        if t == "jax_alias":
+            return _jax_alias(self._tensor(node["tensor"]), _owner_type(node.get("owner")))
         if t == "numpy":
             raw = np.asarray(self.arrays[node["key"]])
             return raw.view(np.dtype(node["dtype"])).reshape(node["shape"]).copy()
@@ -359,7 +399,9 @@ class _Reader:
         skey = (node["storage"], str(device))
         storage = self.storages.get(skey)
         if storage is None:
-            host = torch.from_numpy(np.array(self.arrays[node["storage"]], dtype=np.uint8, copy=True))
+            data = np.asarray(self.arrays[node["storage"]], dtype=np.uint8)
+            host = torch.empty(data.size, dtype=torch.uint8)  # torch's allocator aligns what JAX may alias
+            host.numpy()[:] = data
             storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
         dtype = getattr(torch, node["dtype"])
         out = torch.empty(0, dtype=dtype, device=device).set_(

@@ -287,12 +287,25 @@ def _rebuild(leaf: _TorchLeaf, storage: Any) -> Any:
         t = torch._neg_view(t)
     if leaf.jax_owner_type is None:
         return t
-    array = jax.dlpack.from_dlpack(t.detach())
-    if t.numel() and array.unsafe_buffer_pointer() != t.data_ptr():
+    return _jax_alias(t, leaf.jax_owner_type)
+
+
+def _jax_alias(t: Any, owner_type: type | None) -> Any:
+    """A JAX array over tensor ``t``'s memory, registered as an alias owned by ``owner_type(t)`` (the bridge's
+    record type, when it takes a tensor) or by ``t`` itself, so the accounting counts the memory once."""
+    exported = t.detach()
+    if exported.device.type == "cuda":
+        with _torch().cuda.device(exported.device):  # torch exports only tensors of the current device
+            array = jax.dlpack.from_dlpack(exported)
+    else:
+        array = jax.dlpack.from_dlpack(exported)
+    if exported.numel() and array.unsafe_buffer_pointer() != exported.data_ptr():
         return array  # JAX copied (an alignment it needs): the values are exact, and nothing aliases
-    try:
-        owner = leaf.jax_owner_type(t.detach())  # the bridge's own record type, when it takes a tensor
-    except Exception:
-        owner = t
+    owner: Any = exported
+    if owner_type is not None:
+        try:
+            owner = owner_type(exported)
+        except Exception:
+            owner = exported
     accounting.register_alias(array, owner)
     return array

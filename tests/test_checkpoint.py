@@ -317,6 +317,33 @@ def test_a_session_migrates_between_two_concurrent_workers(tmp_path):
     assert b["latents"]["session-0"] == ref["latents"]["session-0"]
 
 
+def test_a_bridge_alias_comes_back_as_an_alias_of_the_restored_storage(tmp_path):
+    from torch_bridge import to_jax, to_torch
+
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    p = torch.full((1 << 14,), 3.0)
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "t", t)
+    s = fs.put(s, "a", "alias", fs.DenseValue.create([to_jax(t)]))
+    s = fs.put(s, "a", "parked", fs.DenseValue.create([to_jax(p), p]))
+    s, _ = fs.park(s, "a", "parked")
+    before = {k: v for k, v in fs.stats(s).items() if k.startswith("nbytes")}
+    fs.save_session(s, "a", tmp_path / "ck")
+    loaded = fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
+    after = {k: v for k, v in fs.stats(loaded).items() if k.startswith("nbytes")}
+    assert after == before and before["nbytes:cpu"] == t.nbytes  # the alias and its tensor count once
+    back_t = fs.get_attr(loaded, "a", "t")
+    back_j = fs.view(loaded, "a", "alias")[0]
+    assert isinstance(back_j, jax.Array) and back_j.unsafe_buffer_pointer() == back_t.data_ptr()
+    assert to_torch(back_j).data_ptr() == back_t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(back_j), t.numpy())
+    restored, _ = fs.restore(loaded, "a", "parked")
+    value = fs.view(restored, "a", "parked")
+    assert isinstance(value[0], jax.Array)  # a parked alias stays a JAX array, over the tensor's storage
+    assert value[0].unsafe_buffer_pointer() == value[1].data_ptr()
+    np.testing.assert_array_equal(np.asarray(value[0]), p.numpy())
+
+
 def test_arrays_are_written_uncompressed_and_a_compressed_checkpoint_still_loads(tmp_path):
     import orbax.checkpoint as ocp
 
