@@ -211,7 +211,8 @@ def run() -> dict:
         ],
         "notes": (
             f"Enforcement: the shell decides a write within budget from the kept object totals (the commit's "
-            f"accounting is the item it adds and the one it drops), re-reading attrs only when a write changes "
+            f"accounting inspects only the item it adds; the extents of the one it drops are remembered from its "
+            f"arrival), re-reading attrs only when a write changes "
             f"them or a pool nears its budget. Planner: one park pass in recency order plus the O(n) scans of "
             f"attrs and object holders. Pressure: {steps} steps x 8 sessions at deploy shapes through the "
             f"serving store ({pressure_s:.0f} s for both runs); the budget holds 3 sessions "

@@ -13,6 +13,7 @@ Attrs are not tracked here: a model may mutate them in place, so they are re-rea
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -70,17 +71,22 @@ def value_extents(value: Any) -> list[Extent]:
     return out
 
 
-def _buffer_multiset(buf: LatentBuffer) -> immutables.Map:
-    """A buffer's extents with how many of its values (items, staged, parked copy) hold each."""
+def _buffer_cache(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent, ...], ...]]:
+    """A buffer's extents with how many of its values (items, staged, parked copy) hold each, and each item's
+    own extents (so a commit that drops an item need not look at it again), computed once and cached."""
     cached = getattr(buf, "_acct_cache", None)
-    if isinstance(cached, immutables.Map):
+    if type(cached) is tuple:
         return cached
     counts: Any = immutables.Map().mutate()
-    for value in (*buf.items, buf.staged, buf.host_copy):
+    per_item = tuple(_distinct(value_extents(value)) for value in buf.items)
+    for extents in per_item:
+        for e in extents:
+            counts[e] = counts.get(e, 0) + 1
+    for value in (buf.staged, buf.host_copy):
         if value is not None:
-            for e in set(value_extents(value)):
+            for e in _distinct(value_extents(value)):
                 counts[e] = counts.get(e, 0) + 1
-    cached = counts.finish()
+    cached = (counts.finish(), per_item)
     _CACHE_SLOT.__set__(buf, cached)
     return cached
 
@@ -88,7 +94,7 @@ def _buffer_multiset(buf: LatentBuffer) -> immutables.Map:
 def object_extents(obj: Any) -> frozenset[Extent]:
     """The extents a state object holds (committed, staged and parked), computed once and cached on it."""
     if type(obj) is LatentBuffer:
-        return frozenset(_buffer_multiset(obj).keys())
+        return frozenset(_buffer_cache(obj)[0].keys())
     cached = getattr(obj, "_acct_cache", None)
     if cached is None:
         out: accounting.Extents = []
@@ -98,37 +104,8 @@ def object_extents(obj: Any) -> frozenset[Extent]:
     return cached
 
 
-def _ring_delta(old: LatentBuffer, new: LatentBuffer) -> tuple[list[Extent], list[Extent]] | None:
-    """``(added, removed)`` extents when ``new`` is ``old`` with items appended and the oldest dropped (a
-    commit), derived from ``old``'s counts in O(changed items); None when ``new`` is something else."""
-    counts = getattr(old, "_acct_cache", None)
-    if not isinstance(counts, immutables.Map) or getattr(new, "_acct_cache", None) is not None:
-        return None
-    if old.staged is not new.staged or old.host_copy is not None or new.host_copy is not None:
-        return None
-    oi, ni = old.items, new.items
-    kept = len(ni) - 1
-    drop = len(oi) - kept
-    if not ni or drop < 0 or any(a is not b for a, b in zip(oi[drop:], ni[:kept])):
-        return None
-    mm = counts.mutate()
-    added, removed = [], []
-    for value in oi[:drop]:
-        for e in set(value_extents(value)):
-            n = mm[e] - 1
-            if n:
-                mm[e] = n
-            else:
-                del mm[e]
-                removed.append(e)
-    for e in set(value_extents(ni[-1])):
-        n = mm.get(e, 0)
-        mm[e] = n + 1
-        if not n:
-            added.append(e)
-    _CACHE_SLOT.__set__(new, mm.finish())
-    gone = set(removed) & set(added)  # a storage dropped and committed again in one step stays
-    return [e for e in added if e not in gone], [e for e in removed if e not in gone]
+def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
+    return tuple(extents) if len(extents) < 2 else tuple(set(extents))
 
 
 def session_extents(session: Any) -> list[frozenset[Extent]]:
@@ -235,16 +212,63 @@ class Acct:
         if old is new:
             return self
         if type(old) is LatentBuffer and type(new) is LatentBuffer:
-            delta = _ring_delta(old, new)  # the per-step commit: priced by the items it adds and drops
-            if delta is not None:
-                added, removed = delta
-                return self.change(add=[frozenset(added)], remove=[frozenset(removed)]) if added or removed else self
+            swapped = self._ring_swap(old, new)  # the per-step commit: priced by the items it adds and drops
+            if swapped is not None:
+                return swapped
         if type(old) is PagedKVHandle or type(new) is PagedKVHandle:
             return self._swap_handle(old, new)
         a, b = object_extents(old), object_extents(new)
         if a == b:
             return self
         return self.change(add=[b - a], remove=[a - b])
+
+    def _ring_swap(self, old: LatentBuffer, new: LatentBuffer) -> Acct | None:
+        """The counts after ring ``old`` became ``new`` by a commit (items appended, the oldest dropped), in
+        one pass over the items that changed; None when ``new`` is something else.
+
+        ``old``'s cached extent multiset gives the new ring's by difference, and only an extent whose count
+        in the ring reaches zero (or leaves zero) moves the table's counts: the hot path of every step, so
+        written out rather than built on `change`.
+        """
+        cached = getattr(old, "_acct_cache", None)
+        if type(cached) is not tuple or getattr(new, "_acct_cache", None) is not None:
+            return None
+        if old.staged is not new.staged or old.host_copy is not None or new.host_copy is not None:
+            return None
+        oi, ni = old.items, new.items
+        kept = len(ni) - 1
+        drop = len(oi) - kept
+        if kept < 0 or drop < 0 or not all(map(operator.is_, oi[drop:], ni[:kept])):
+            return None
+        counts, per_item = cached
+        refs, totals = self.refs, self.totals
+        for extents in per_item[:drop]:  # as counted when the item arrived
+            for e in extents:
+                n = counts[e] - 1
+                if n:
+                    counts = counts.set(e, n)
+                    continue
+                counts = counts.delete(e)
+                n = refs[e] - 1  # the last of this ring's holders went: one object fewer holds it
+                if n:
+                    refs = refs.set(e, n)
+                else:
+                    refs = refs.delete(e)
+                    totals = totals.set(e[0], totals[e[0]] - (e[2] - e[1]))
+        added = _distinct(value_extents(ni[-1]))
+        for e in added:
+            n = counts.get(e, 0)
+            counts = counts.set(e, n + 1)
+            if n:
+                continue
+            n = refs.get(e, 0)
+            refs = refs.set(e, n + 1)
+            if not n:
+                totals = totals.set(e[0], totals.get(e[0], 0) + (e[2] - e[1]))
+        _CACHE_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
+        if refs is self.refs:
+            return self
+        return Acct(refs, totals, self.kv, self.log, self.root)
 
     def _swap_handle(self, old: Any, new: Any) -> Acct:
         if (

@@ -152,3 +152,16 @@ def test_exact_stats_report_what_a_walk_finds():
     assert fs.stats(state, exact=True)["deleted_arrays"] == 1
     with pytest.raises(AssertionError):
         assert _pools(fs.stats(state)) == _pools(fs.stats(state, exact=True))  # the kept totals cannot know
+
+
+def test_a_ring_item_resized_in_place_leaves_as_it_was_counted():
+    # A model that resize_s a committed tensor moves its storage behind the manager's back. Dropping that
+    # item must take away what was counted when it arrived, not fail on the extent it has now.
+    state, _ = fs.get_or_create(ManagerState.create(byte_budget={"cpu": 1 << 30}), "a")
+    state = fs.put(state, "a", "buf", LatentBuffer.create(maxlen=2))
+    t = torch.zeros(16)
+    state = fs.commit(state, "a", "buf", t)
+    t.resize_(1 << 16)
+    for _ in range(3):
+        state = fs.commit(state, "a", "buf", torch.ones(4))
+    assert _pools(fs.stats(state)) == _pools(fs.stats(state, exact=True)) == {"nbytes:cpu": 2 * 16}
