@@ -39,19 +39,41 @@ def _deploy_session(steps: int = 16) -> tuple[DreamZeroSessions, dz._SelfAttnKV]
     return store, kv
 
 
-def _raw_write_read(path: Path, nbytes: int) -> tuple[float, float]:
-    """Seconds to write ``nbytes`` to a file and fsync it, and to read it back into memory."""
+def _raw_write(path: Path, nbytes: int) -> float:
+    """Seconds to write ``nbytes`` to a file and fsync it."""
     data = np.ones(nbytes, np.uint8)
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         f.write(memoryview(data))
         f.flush()
         os.fsync(f.fileno())
-    t1 = time.perf_counter()
+    return time.perf_counter() - t0
+
+
+def _raw_read(path: Path, nbytes: int) -> float:
+    """Seconds to read the file back into memory."""
+    t0 = time.perf_counter()
     back = np.fromfile(path, np.uint8)
-    t2 = time.perf_counter()
+    elapsed = time.perf_counter() - t0
     assert back.nbytes == nbytes
-    return t1 - t0, t2 - t1
+    return elapsed
+
+
+def _same_cache_state(path: Path) -> str:
+    """Put the page cache in the same state before every timed read: dropped where this process may (root on
+    Linux), so each read comes from the disk; otherwise warmed by reading ``path`` once, so each comes from
+    memory. Returns which. Without this the raw read swung between 0.45 and 3.4 GB/s from run to run."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return "cold (page cache dropped)"
+    except OSError:
+        for file in [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]:
+            with open(file, "rb") as f:
+                while f.read(64 << 20):
+                    pass
+        return "warm (files read once first)"
 
 
 def _step_latencies(store: DreamZeroSessions, kv: dz._SelfAttnKV, n: int, first: int) -> list[float]:
@@ -75,12 +97,13 @@ def run() -> dict:
     try:
         saves, loads, raw_w, raw_r = [], [], [], []
         for i in range(3):  # side by side: raw disk, save, load, each round
-            w, r = _raw_write_read(work / f"raw{i}", nbytes)
-            raw_w.append(w)
-            raw_r.append(r)
+            raw_w.append(_raw_write(work / f"raw{i}", nbytes))
             t0 = time.perf_counter()
             store.save("deploy", work / f"ck{i}", **hooks)
             saves.append(time.perf_counter() - t0)
+            cache = _same_cache_state(work / f"raw{i}")
+            raw_r.append(_raw_read(work / f"raw{i}", nbytes))
+            _same_cache_state(work / f"ck{i}")
             t0 = time.perf_counter()
             fs.read_session("deploy", work / f"ck{i}", **hooks)
             loads.append(time.perf_counter() - t0)
@@ -104,8 +127,16 @@ def run() -> dict:
     raw_w_bw, raw_r_bw = nbytes / med(raw_w), nbytes / med(raw_r)
     rows = [
         ("session bytes (deduplicated) / on disk", f"{nbytes / MIB:.1f} MiB", f"{disk / MIB:.1f} MiB"),
-        ("raw write + fsync / raw read, same disk", f"{raw_w_bw / MIB:.0f} MiB/s", f"{raw_r_bw / MIB:.0f} MiB/s"),
-        ("save_session (sync) / read_session", f"{save_bw / MIB:.0f} MiB/s", f"{load_bw / MIB:.0f} MiB/s"),
+        (
+            f"raw write + fsync / raw read ({cache.split(' ')[0]}), same disk",
+            f"{raw_w_bw / MIB:.0f} MiB/s",
+            f"{raw_r_bw / MIB:.0f} MiB/s",
+        ),
+        (
+            f"save_session (sync) / read_session ({cache.split(' ')[0]})",
+            f"{save_bw / MIB:.0f} MiB/s",
+            f"{load_bw / MIB:.0f} MiB/s",
+        ),
         ("save / load median time", fmt_time(med(saves)), fmt_time(med(loads))),
         ("model step, no save / async save in flight", fmt_time(med(quiet)), fmt_time(med(busy)) if busy else "-"),
         ("steps measured during async saves", str(len(busy)), "-"),
@@ -123,14 +154,14 @@ def run() -> dict:
             ),
         ],
         "notes": (
-            "One deploy-shape DreamZero session after 16 steps (the 603 MiB feat map filled with random values so "
+            f"One deploy-shape DreamZero session after 16 steps (the 603 MiB feat map filled with random values so "
             "that compression cannot shrink it, frames, latents, the encoder ring, and its self-attention KV "
             "exported from the paged engine), saved with save_session (orbax "
             "CheckpointManager, OCDBT, arrays uncompressed) and read back with read_session (checksums verified). The raw "
             "baseline writes the same number of bytes to a file in the same temporary directory with fsync (the save "
             "fsyncs too: tensorstore syncs each file it writes), and "
-            "reads it back with numpy; both reads are from a warm page cache, as the load's is (the run cannot "
-            "drop caches). Step latency: a small-shape DreamZero step on another session of the same store, "
+            f"reads it back with numpy. Before each timed read the page cache is put in the same state for both: "
+            f"{cache}. Step latency: a small-shape DreamZero step on another session of the same store, "
             "30 steps without a save against every step taken while an asynchronous save of the big session "
             "is in flight, three rounds each."
         ),

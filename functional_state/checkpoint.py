@@ -35,6 +35,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,29 @@ def _sha(data: Any) -> str:
     return hashlib.sha256(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data).hexdigest()
 
 
+_ALIGN = 64  # what JAX needs to alias host memory through DLPack (torch's own allocator gives the same)
+_PARALLEL_MIN = 8 << 20  # below this many bytes, threads cost more than they save
+
+
+def _aligned_copy(src: np.ndarray) -> np.ndarray:
+    """A copy of the 1-D uint8 array ``src`` in ``_ALIGN``-byte aligned memory of its own."""
+    buf = np.empty(src.nbytes + _ALIGN, np.uint8)
+    start = -buf.ctypes.data % _ALIGN
+    out = buf[start : start + src.nbytes]
+    np.copyto(out, src)
+    return out
+
+
+def _in_parallel(fn: Callable[[Any], Any], jobs: list[Any], nbytes: int) -> list[Any]:
+    """``[fn(job) for job in jobs]``, on threads when there is enough data to share out: hashing and numpy
+    copies release the GIL, so a checkpoint's checksums and copies use every core."""
+    workers = min(len(jobs), os.cpu_count() or 1, 8)
+    if workers < 2 or nbytes < _PARALLEL_MIN:
+        return [fn(job) for job in jobs]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(fn, jobs))
+
+
 # --- encoding: state -> (JSON nodes, arrays) ------------------------------------------------------------
 
 
@@ -126,6 +150,7 @@ class _Writer:
         self.hooks = dict(hooks or {})
         self.copy_host = copy_host  # an asynchronous save copies host buffers a model might change in place
         self.keep: list[Any] = []  # objects whose memory the saved arrays view, kept alive until written
+        self._to_hash: list[tuple[str, Any]] = []  # (leaf key, its data): checksummed together in `checksums`
         # Parked leaves are encoded from views of their host copies: where each really belongs.
         self._device_of: dict[int, Any] = {}
         self._sharding_of: dict[int, Any] = {}
@@ -192,7 +217,8 @@ class _Writer:
                 host = host.copy()
             self.keep.append(raw)
             self.arrays[key] = host
-            self.leaves[key] = {"kind": "torch_storage", "nbytes": int(host.nbytes), "sha256": _sha(host)}
+            self.leaves[key] = {"kind": "torch_storage", "nbytes": int(host.nbytes)}
+            self._to_hash.append((key, host))
         return {
             "t": "torch",
             "storage": key,
@@ -221,9 +247,9 @@ class _Writer:
             "shape": list(a.shape),
             "sharding": _encode_sharding(sharding),
         }
-        if a.is_fully_addressable:
-            info["sha256"] = _sha(np.asarray(a))
         self.leaves[key] = info
+        if a.is_fully_addressable:
+            self._to_hash.append((key, a))
         return {"t": "jax", "key": key}
 
     def _numpy(self, a: np.ndarray, where: str) -> dict[str, Any]:
@@ -232,8 +258,17 @@ class _Writer:
         key = self._key()
         raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         self.arrays[key] = raw.copy() if self.copy_host and raw.base is not None else raw
-        self.leaves[key] = {"kind": "numpy", "nbytes": int(raw.nbytes), "sha256": _sha(raw)}
+        self.leaves[key] = {"kind": "numpy", "nbytes": int(raw.nbytes)}
+        self._to_hash.append((key, raw))
         return {"t": "numpy", "key": key, "dtype": a.dtype.name, "shape": list(a.shape)}
+
+    def checksums(self) -> None:
+        """Give every leaf its SHA-256, largest first across the cores."""
+        jobs = sorted(self._to_hash, key=lambda job: -job[1].nbytes)
+        digests = _in_parallel(lambda job: _sha(np.asarray(job[1])), jobs, sum(job[1].nbytes for job in jobs))
+        for (key, _), digest in zip(jobs, digests):
+            self.leaves[key]["sha256"] = digest
+        self._to_hash = []
 
     def object(self, obj: Any, where: str) -> dict[str, Any]:
         if isinstance(obj, PagedKVHandle):
@@ -400,8 +435,9 @@ class _Reader:
         storage = self.storages.get(skey)
         if storage is None:
             data = np.asarray(self.arrays[node["storage"]], dtype=np.uint8)
-            host = torch.empty(data.size, dtype=torch.uint8)  # torch's allocator aligns what JAX may alias
-            host.numpy()[:] = data
+            if not (data.flags.writeable and data.ctypes.data % _ALIGN == 0):
+                data = _aligned_copy(data)
+            host = torch.from_numpy(data)  # `_read` made it an aligned copy of its own: handed over as it is
             storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
         dtype = getattr(torch, node["dtype"])
         out = torch.empty(0, dtype=dtype, device=device).set_(
@@ -513,6 +549,7 @@ def _write(path: Any, manifest: dict[str, Any], writer: _Writer, asynchronous: b
     previous = _latest_step(root)
     if previous is None and root.is_dir() and any(root.iterdir()):
         raise CheckpointError(f"{root} is a non-empty directory that holds no checkpoint; refusing to write into it.")
+    writer.checksums()
     manifest["leaves"] = writer.leaves
     step = 0 if previous is None else previous + 1
     options = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=asynchronous, create=True)
@@ -599,15 +636,29 @@ def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             ) from e
     finally:
         manager.close()
-    for key, info in manifest["leaves"].items():
-        got = arrays.get(key)
-        if got is None:
-            raise CheckpointError(f"{root}: leaf {key!r} is missing from the arrays.")
-        if "sha256" in info and _sha(np.asarray(got)) != info["sha256"]:
+    leaves = manifest["leaves"]
+    missing = [key for key in leaves if arrays.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{root}: leaf {missing[0]!r} is missing from the arrays.")
+
+    def verify(key: str) -> tuple[Any, bool]:
+        got, info = arrays[key], leaves[key]
+        if info["kind"] == "torch_storage":  # copied out once, aligned, and the copy is what gets checked
+            got = _aligned_copy(np.asarray(got, dtype=np.uint8))
+        return got, "sha256" not in info or _sha(np.asarray(got)) == info["sha256"]
+
+    keys = list(leaves)
+    results = _in_parallel(
+        verify, keys, sum(int(np.asarray(arrays[k]).nbytes) for k in keys if leaves[k]["kind"] != "jax")
+    )
+    for key, (got, ok) in zip(keys, results):
+        if not ok:
+            info = leaves[key]
             raise CheckpointError(
                 f"{root}: leaf {key!r} ({info['kind']}, {info.get('dtype', 'bytes')}) fails its checksum: the "
                 f"checkpoint is corrupted."
             )
+        arrays[key] = got
     return manifest, arrays
 
 

@@ -195,8 +195,11 @@ def _largest_data_file(path: Path) -> Path:
     return max(files, key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.parametrize("threads", [False, True])
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_a_damaged_checkpoint_is_refused_and_nothing_changes(tmp_path, damage):
+def test_a_damaged_checkpoint_is_refused_and_nothing_changes(tmp_path, damage, threads, monkeypatch):
+    if threads:  # checksums verified on threads, as for a large checkpoint
+        monkeypatch.setattr(fs.checkpoint, "_PARALLEL_MIN", 0)
     _, path = _saved(tmp_path)
     target = _largest_data_file(path)
     data = bytearray(target.read_bytes())
