@@ -271,10 +271,10 @@ class SessionStateManager:
 
         with self._lock:
             state = self._state
-            uid = ms.incarnation(state, sid)
-            if uid is not None:  # a hit: the common case, kept short (a hit adds no bytes: no budget check)
+            node = state._nodes.get(sid)
+            if node is not None:  # a hit: the common case, kept short (a hit adds no bytes: no budget check)
                 self._state = state = ms.get_or_create(state, sid)[0]
-                cell = self._cells.get(uid)
+                cell = self._cells.get(node[ms._U])
                 if cell is None:
                     cell = self._cell(state, sid)
             else:
@@ -446,12 +446,13 @@ class SessionStateManager:
     # --- handle plumbing ---------------------------------------------------------------------------
     @staticmethod
     def _in_table(state: ManagerState, cell: _Cell) -> bool:
-        return ms.incarnation(state, cell.session_id) == cell.uid
+        node = state._nodes.get(cell.session_id)  # (the cell's id was checked when it was made)
+        return node is not None and node[ms._U] == cell.uid
 
     def _read(self, cell: _Cell) -> SessionState:
-        state = self._state  # one atomic read: a consistent snapshot
-        if self._in_table(state, cell):
-            return ms.lookup(state, cell.session_id)
+        node = self._state._nodes.get(cell.session_id)  # one atomic read: a consistent snapshot
+        if node is not None and node[ms._U] == cell.uid:
+            return node[ms._S]
         return cell.session
 
     def _store(self, state: ManagerState, cell: _Cell, session: SessionState) -> ManagerState:
