@@ -4,7 +4,7 @@ A checkpoint is an orbax `CheckpointManager` directory (one step kept): an ``arr
 buffer (JAX arrays as they are, sharded or not; each torch *storage* once, as raw bytes; numpy arrays as raw
 bytes) and a ``manifest`` item (JSON) recording the library version, the layout, each session's structure
 (objects with their lifecycle status and ring positions, staged payloads, attrs and fork policies) and, per
-leaf, its dtype, shape and SHA-256. orbax writes a step to a temporary directory and renames it when
+leaf, its dtype, shape and checksum (XXH3-128). orbax writes a step to a temporary directory and renames it when
 complete, so a checkpoint is complete or absent, and a save that dies part-way leaves the previous one.
 
 Restoring is not recomputing: counters, ring order, staged payloads, parked objects (parked again on load)
@@ -89,8 +89,25 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
-def _sha(data: Any) -> str:
-    return hashlib.sha256(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data).hexdigest()
+# A leaf's checksum guards against corruption and truncation, not tampering: XXH3-128 finds those as surely as
+# SHA-256 and runs at 20 GB/s per core here against SHA-256's 2 GB/s, which made checking a 600 MiB load take
+# longer than reading it. Checkpoints of earlier versions carry SHA-256 and are checked with it.
+_CHECKSUM = "xxh3_128"
+
+
+def _checksum(data: Any, algorithm: str = _CHECKSUM) -> str:
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    if algorithm == "sha256":
+        return hashlib.sha256(raw).hexdigest()
+    return _xxhash().xxh3_128(raw).hexdigest()
+
+
+def _xxhash() -> Any:
+    try:
+        import xxhash
+    except ImportError as e:  # pragma: no cover - the checkpoint extra is missing
+        raise ImportError("functional_state checkpoints need xxhash: pip install 'functional-state[checkpoint]'") from e
+    return xxhash
 
 
 _ALIGN = 64  # what JAX needs to alias host memory through DLPack (torch's own allocator gives the same)
@@ -263,11 +280,11 @@ class _Writer:
         return {"t": "numpy", "key": key, "dtype": a.dtype.name, "shape": list(a.shape)}
 
     def checksums(self) -> None:
-        """Give every leaf its SHA-256, largest first across the cores."""
+        """Give every leaf its checksum, largest first across the cores."""
         jobs = sorted(self._to_hash, key=lambda job: -job[1].nbytes)
-        digests = _in_parallel(lambda job: _sha(np.asarray(job[1])), jobs, sum(job[1].nbytes for job in jobs))
+        digests = _in_parallel(lambda job: _checksum(np.asarray(job[1])), jobs, sum(job[1].nbytes for job in jobs))
         for (key, _), digest in zip(jobs, digests):
-            self.leaves[key]["sha256"] = digest
+            self.leaves[key][_CHECKSUM] = digest
         self._to_hash = []
 
     def object(self, obj: Any, where: str) -> dict[str, Any]:
@@ -645,7 +662,10 @@ def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         got, info = arrays[key], leaves[key]
         if info["kind"] == "torch_storage":  # copied out once, aligned, and the copy is what gets checked
             got = _aligned_copy(np.asarray(got, dtype=np.uint8))
-        return got, "sha256" not in info or _sha(np.asarray(got)) == info["sha256"]
+        for algorithm in (_CHECKSUM, "sha256"):
+            if algorithm in info:
+                return got, _checksum(np.asarray(got), algorithm) == info[algorithm]
+        return got, True  # a leaf no process could read whole (sharded over several hosts) has none
 
     keys = list(leaves)
     results = _in_parallel(

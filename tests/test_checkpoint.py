@@ -246,7 +246,7 @@ def test_bad_paths_layouts_attrs_and_ids_each_get_a_specific_error(tmp_path):
     meta = next(path.glob("[0-9]*")) / "manifest" / "metadata"
     manifest = json.loads(meta.read_text())
     good = meta.read_text()
-    manifest["leaves"]["leaf2"]["sha256"] = "0" * 64  # the bytes no longer match what the manifest promises
+    manifest["leaves"]["leaf2"]["xxh3_128"] = "0" * 32  # the bytes no longer match what the manifest promises
     meta.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"leaf 'leaf2' \(.*\) fails its checksum"):
         fs.load_session(empty, "a", path)
@@ -255,6 +255,25 @@ def test_bad_paths_layouts_attrs_and_ids_each_get_a_specific_error(tmp_path):
     meta.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="layout 99"):
         fs.load_session(empty, "a", path)
+
+
+def test_a_checkpoint_with_sha256_checksums_as_earlier_versions_wrote_still_verifies(tmp_path):
+    import hashlib
+
+    t = torch.arange(64, dtype=torch.float32)
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    fs.save_session(fs.put(s, "a", "v", fs.DenseValue.create(t)), "a", tmp_path / "ck")
+    meta = next((tmp_path / "ck").glob("[0-9]*")) / "manifest" / "metadata"
+    manifest = json.loads(meta.read_text())
+    ((_, info),) = manifest["leaves"].items()  # the tensor's storage, the one leaf
+    del info["xxh3_128"]
+    info["sha256"] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
+    meta.write_text(json.dumps(manifest))
+    assert torch.equal(fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v"), t)
+    info["sha256"] = hashlib.sha256(b"other bytes").hexdigest()
+    meta.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="fails its checksum"):
+        fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
 
 
 def test_engine_kv_is_refused_without_hooks_and_travels_with_them(tmp_path):
