@@ -34,7 +34,7 @@ import hashlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -476,7 +476,14 @@ class _Reader:
         return obj.park() if node.get("parked") else obj
 
     def session(self, node: dict[str, Any]) -> SessionState:
-        objects = {}
+        objects: dict[str, Any] = {}
+        try:
+            return self._session(node, objects)
+        except BaseException as e:
+            _release_kv(objects.values(), e)  # blocks an import hook took for a session that is not built
+            raise
+
+    def _session(self, node: dict[str, Any], objects: dict[str, Any]) -> SessionState:
         for name, v in node["objects"].items():
             if v["t"] != "hooked":
                 objects[name] = self.object(v)
@@ -499,6 +506,28 @@ class _Reader:
                 value = self.hooks[key][1](value)
             attrs[key] = value
         return SessionState(objects, attrs, node.get("policies") or {})
+
+
+def _release_kv(objects: Iterable[Any], error: BaseException) -> None:
+    """Hand back to their engines the blocks held by the `PagedKVHandle` among ``objects``, which import hooks
+    allocated for a load that failed (``error``): a load that fails leaves the engine as it found it too.
+
+    Every handle in a loaded session comes from an import hook (a save refuses a handle without one), so all
+    of its blocks are the load's own. A failing free is noted on ``error`` rather than hiding it.
+    """
+    for obj in objects:
+        if isinstance(obj, PagedKVHandle) and obj.resident:
+            ids = tuple(sorted(set(obj.block_ids) | set(obj.staged or ())))
+            if ids:
+                try:
+                    obj.pool.free_fn(ids)
+                except Exception as free_error:
+                    error.add_note(f"handing back KV blocks {ids} of the failed load also failed: {free_error!r}")
+
+
+def _release_sessions(sessions: Iterable[SessionState], error: BaseException) -> None:
+    for session in sessions:
+        _release_kv(session.objects.values(), error)
 
 
 def _decode_static(node: dict[str, Any]) -> Any:
@@ -796,7 +825,8 @@ def load_session(
     Raises:
       CheckpointError: ``path`` is not a checkpoint, is damaged (the leaf is named), was written with another
         layout, or does not hold ``session_id``. SessionExistsError: the id is taken and not ``replace``.
-      Nothing changes unless the load fully succeeds (this is a pure function).
+      Nothing changes unless the load fully succeeds (this is a pure function), and a load that fails hands
+      the KV blocks its import hooks took back to their engines.
     """
     target = ms._resolve_id(as_id if as_id is not None else session_id, "load_session")
     _check_free(state, target, replace)
@@ -808,7 +838,11 @@ def load_session(
         attr_hooks=attr_hooks,
         object_hooks=object_hooks,
     )
-    return install_session(state, target, session, replace=replace)
+    try:
+        return install_session(state, target, session, replace=replace)
+    except BaseException as e:
+        _release_sessions([session], e)
+        raise
 
 
 def _check_free(state: ManagerState, sid: str, replace: bool) -> None:
@@ -879,8 +913,12 @@ def load(
         raise CheckpointError(f"{path} holds a session checkpoint, not a table; use load_session.")
     reader = _Reader(arrays, attr_hooks, torch_device, object_hooks)
     state = ManagerState.create(table["max_sessions"], table["byte_budget"], table["evict_when_full"])
-    for entry in manifest["sessions"]:  # least recently used first: each insertion is the most recent
-        state = install_session(state, entry["id"], reader.session(entry))
+    try:
+        for entry in manifest["sessions"]:  # least recently used first: each insertion is the most recent
+            state = install_session(state, entry["id"], reader.session(entry))
+    except BaseException as e:
+        _release_sessions(ms.sessions(state).values(), e)
+        raise
     meta = list(state._meta)
     meta[ms._HITS : ms._RESTORES + 1] = table["counters"]
     return ms._state(state._nodes, tuple(meta), state._acct)

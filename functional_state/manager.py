@@ -350,7 +350,11 @@ class SessionStateManager:
             insert = lambda s: _ckpt.install_session(s, target, session, replace=replace)
             return self._insertion(state, target, insert), target
 
-        self._swap(op, writer=target)
+        try:
+            self._swap(op, writer=target)
+        except BaseException as e:  # not installed (the id was taken meanwhile, or it exceeds the budget)
+            _ckpt._release_sessions([session], e)
+            raise
         return self.get_session(target)
 
     def load(self, path: Any, *, placement: Any = None, torch_device: Any = None, **hooks: Any) -> None:
@@ -363,7 +367,11 @@ class SessionStateManager:
                 self._detach(state, sid)
             return table, None
 
-        self._swap(op)
+        try:
+            self._swap(op)
+        except BaseException as e:
+            _ckpt._release_sessions(ms.sessions(table).values(), e)
+            raise
 
     def drop_session(self, session_id: str | None) -> bool:
         """Remove a session from the table; True if it was there. Live handles keep their state."""

@@ -297,6 +297,39 @@ def test_engine_kv_is_refused_without_hooks_and_travels_with_them(tmp_path):
         assert torch.equal(x, y)
 
 
+def _kv_session(engine, sid: str, state: ManagerState | None = None) -> ManagerState:
+    """A session holding engine KV and an attr that only a hook can save."""
+    s, _ = fs.get_or_create(state if state is not None else ManagerState.create(), sid)
+    s = fs.put(s, sid, "kv", fs.PagedKVHandle.create(engine.pool, engine.allocate(2)))
+    return fs.set_attr(s, sid, "opaque", object())
+
+
+def test_a_load_that_fails_hands_the_kv_blocks_it_took_back_to_the_engine(tmp_path):
+    from functional_state import BudgetExceededError
+    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+
+    source = ReferenceKVEngine(num_blocks=8, block_size=2, heads=1, head_dim=4)
+    s = _kv_session(source, "b", _kv_session(source, "a"))
+    save_hooks = {"object_hooks": {"kv": source.checkpoint_hooks()}, "attr_hooks": {"opaque": (str, lambda v: v)}}
+    fs.save_session(s, "a", tmp_path / "one", **save_hooks)
+    fs.save(s, tmp_path / "table", **save_hooks)
+    engine = ReferenceKVEngine(num_blocks=8, block_size=2, heads=1, head_dim=4)
+    free = engine.free_block_count()
+    only_kv = {"object_hooks": {"kv": engine.checkpoint_hooks()}}  # the attr hook is missing: the load fails
+    with pytest.raises(CheckpointError, match="attr 'opaque'"):
+        fs.load_session(ManagerState.create(), "a", tmp_path / "one", **only_kv)
+    assert engine.free_block_count() == free  # the blocks the KV import took came back
+    with pytest.raises(CheckpointError, match="attr 'opaque'"):
+        fs.load(tmp_path / "table", **only_kv)
+    assert engine.free_block_count() == free
+    manager = SessionStateManager(byte_budget={"*": 8})  # smaller than the session: refused at install
+    with pytest.raises(BudgetExceededError):
+        manager.load_session("a", tmp_path / "one", **only_kv, attr_hooks={"opaque": (str, lambda v: v)})
+    assert engine.free_block_count() == free and "a" not in manager
+    loaded = fs.load(tmp_path / "table", **only_kv, attr_hooks={"opaque": (str, lambda v: v)})
+    assert engine.free_block_count() == free - 4 and loaded.session_ids == ("a", "b")
+
+
 # --- resume and migrate across processes -------------------------------------------------------------------
 
 
