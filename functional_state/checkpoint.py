@@ -452,9 +452,9 @@ class _Reader:
         storage = self.storages.get(skey)
         if storage is None:
             data = np.asarray(self.arrays[node["storage"]], dtype=np.uint8)
-            if not (data.flags.writeable and data.ctypes.data % _ALIGN == 0):
-                data = _aligned_copy(data)
-            host = torch.from_numpy(data)  # `_read` made it an aligned copy of its own: handed over as it is
+            if device.type == "cpu" and not (data.flags.writeable and data.ctypes.data % _ALIGN == 0):
+                data = _aligned_copy(data)  # (`_read` made host-bound storages aligned copies already)
+            host = torch.from_numpy(data)
             storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
         dtype = getattr(torch, node["dtype"])
         out = torch.empty(0, dtype=dtype, device=device).set_(
@@ -649,7 +649,7 @@ def has_checkpoint(path: Any) -> bool:
     return _latest_step(Path(os.fspath(path)).absolute()) is not None
 
 
-def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _read(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     ocp = _ocp()
     root = Path(os.fspath(path)).absolute()
     step = _latest_step(root)
@@ -687,19 +687,19 @@ def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     if missing:
         raise CheckpointError(f"{root}: leaf {missing[0]!r} is missing from the arrays.")
 
+    on_cpu = _storages_on_cpu(manifest, torch_device)
+
     def verify(key: str) -> tuple[Any, bool]:
         got, info = arrays[key], leaves[key]
-        if info["kind"] == "torch_storage":  # copied out once, aligned, and the copy is what gets checked
+        if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
             got = _aligned_copy(np.asarray(got, dtype=np.uint8))
         for algorithm in (_CHECKSUM, "sha256"):
             if algorithm in info:
                 return got, _checksum(np.asarray(got), algorithm) == info[algorithm]
         return got, True  # a leaf no process could read whole (sharded over several hosts) has none
 
-    keys = list(leaves)
-    results = _in_parallel(
-        verify, keys, sum(int(np.asarray(arrays[k]).nbytes) for k in keys if leaves[k]["kind"] != "jax")
-    )
+    keys = sorted(leaves, key=lambda k: -_leaf_nbytes(leaves[k]))  # largest first, so the cores finish together
+    results = _in_parallel(verify, keys, sum(_leaf_nbytes(info) for info in leaves.values()))
     for key, (got, ok) in zip(keys, results):
         if not ok:
             info = leaves[key]
@@ -709,6 +709,31 @@ def _read(path: Any, placement: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             )
         arrays[key] = got
     return manifest, arrays
+
+
+def _storages_on_cpu(manifest: dict[str, Any], torch_device: Any) -> set[str]:
+    """The torch storages a load leaves in host memory: the ones to copy into memory JAX can alias. A storage
+    bound for a GPU goes there from orbax's read buffer directly, with no host copy between."""
+    storages = {key for key, info in manifest["leaves"].items() if info["kind"] == "torch_storage"}
+    if torch_device is not None:
+        return storages if str(torch_device).split(":")[0] == "cpu" else set()
+    found: set[str] = set()
+    stack: list[Any] = [manifest["sessions"]]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if x.get("t") == "torch" and str(x.get("device", "cpu")).split(":")[0] == "cpu":
+                found.add(x["storage"])
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return found & storages
+
+
+def _leaf_nbytes(info: dict[str, Any]) -> int:
+    if "nbytes" in info:
+        return int(info["nbytes"])
+    return int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
 
 
 def _check_manifest(manifest: Any, root: Path) -> None:
@@ -788,7 +813,7 @@ def read_session(
       CheckpointError: see `load_session`.
     """
     sid = ms._resolve_id(session_id, "read_session")
-    manifest, arrays = _read(path, placement)
+    manifest, arrays = _read(path, placement, torch_device)
     entries = {e["id"]: e for e in manifest["sessions"]}
     if sid not in entries:
         raise CheckpointError(f"{path}: holds sessions {sorted(entries)[:8]}, not {sid!r}.")
@@ -907,7 +932,7 @@ def load(
     Raises:
       CheckpointError: see `load_session`; also a checkpoint of one session (use `load_session`).
     """
-    manifest, arrays = _read(path, placement)
+    manifest, arrays = _read(path, placement, torch_device)
     table = manifest.get("table")
     if table is None:
         raise CheckpointError(f"{path} holds a session checkpoint, not a table; use load_session.")

@@ -399,6 +399,24 @@ def test_a_bridge_alias_comes_back_as_an_alias_of_the_restored_storage(tmp_path)
     np.testing.assert_array_equal(np.asarray(value[0]), p.numpy())
 
 
+def test_host_bound_storages_come_back_aligned_and_gpu_bound_ones_skip_the_host_copy(tmp_path):
+    from functional_state.checkpoint import _storages_on_cpu
+
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "v", fs.DenseValue.create([torch.arange(1000.0), torch.ones(7, dtype=torch.int16)]))
+    fs.save_session(s, "a", tmp_path / "ck")
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
+    assert all(t.data_ptr() % 64 == 0 for t in loaded)  # what JAX needs to alias them without a copy
+    manifest = json.loads((next((tmp_path / "ck").glob("[0-9]*")) / "manifest" / "metadata").read_text())
+    first, second = sorted(manifest["leaves"])
+    assert _storages_on_cpu(manifest, None) == {first, second}
+    node = manifest["sessions"][0]["objects"]["v"]["fields"]["value"]["items"][0]
+    node["device"] = "cuda:0"  # as if saved from a GPU: it loads onto the GPU, straight from the read buffer
+    assert _storages_on_cpu(manifest, None) == {first, second} - {node["storage"]}
+    assert _storages_on_cpu(manifest, "cpu") == {first, second}
+    assert _storages_on_cpu(manifest, torch.device("cuda", 1)) == set()
+
+
 def test_arrays_are_written_uncompressed_and_a_compressed_checkpoint_still_loads(tmp_path):
     import orbax.checkpoint as ocp
 
