@@ -304,3 +304,11 @@ def test_one_gib_wrap_is_zero_copy_in_rss():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["same_ptr"]
     assert result["rss_delta"] < 16 * 2**20, result
+
+
+def test_a_copy_jax_made_of_an_aliasable_tensor_is_an_error_not_a_silent_alias(monkeypatch):
+    real = jax.dlpack.from_dlpack
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda x: jnp.array(real(x), copy=True))
+    t = torch.arange(16, dtype=torch.float32)
+    with pytest.raises(CopyRequiredError, match="please report this layout"):
+        to_jax(t, strict=True)

@@ -25,9 +25,9 @@ from functional_state import (
     InvalidArgumentError,
     InvalidTypeError,
     SessionStateError,
-    register_alias,
 )
 from functional_state.accounting import alias_owner
+from functional_state.parking import _jax_alias
 
 from . import _report
 
@@ -142,18 +142,15 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _import(t: torch.Tensor, count: bool = True) -> jax.Array:
     """DLPack import of an aliasable tensor, with the pointer check that proves no copy happened."""
-    exported = t.detach()  # JAX keeps this object (and so the storage) alive; requires_grad is dropped
-    if exported.device.type == "cuda":
-        with torch.cuda.device(exported.device):  # torch exports only tensors of the current device
-            array = jax.dlpack.from_dlpack(exported)
-    else:
-        array = jax.dlpack.from_dlpack(exported)
-    if exported.numel() and array.unsafe_buffer_pointer() != exported.data_ptr():
+    # The core's import (shared with restoring a parked alias): it detaches (JAX keeps the detached tensor, and
+    # so the storage, alive; requires_grad is dropped), imports under the tensor's CUDA device, checks the
+    # pointers, and registers the alias only when JAX did not copy.
+    array = _jax_alias(t, _AliasRecord)
+    if alias_owner(array) is None:
         raise CopyRequiredError(
             f"`to_jax`: JAX copied a tensor the bridge judged aliasable (shape {tuple(t.shape)}, dtype {t.dtype}, "
             f"strides {tuple(t.stride())}); please report this layout."
         )
-    register_alias(array, _AliasRecord(exported))
     if count:
         _report.record("wrapped", _nbytes(t))
     return array
