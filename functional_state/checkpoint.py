@@ -451,10 +451,9 @@ class _Reader:
         skey = (node["storage"], str(device))
         storage = self.storages.get(skey)
         if storage is None:
-            data = np.asarray(self.arrays[node["storage"]], dtype=np.uint8)
-            if device.type == "cpu" and not (data.flags.writeable and data.ctypes.data % _ALIGN == 0):
-                data = _aligned_copy(data)  # (`_read` made host-bound storages aligned copies already)
-            host = torch.from_numpy(data)
+            # `_read` already made each host-bound storage an aligned copy of its own (`_storages_on_cpu` picks
+            # them by the same device rule as here); one bound for a GPU is copied there from orbax's buffer.
+            host = torch.from_numpy(np.asarray(self.arrays[node["storage"]], dtype=np.uint8))
             storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
         dtype = getattr(torch, node["dtype"])
         out = torch.empty(0, dtype=dtype, device=device).set_(
