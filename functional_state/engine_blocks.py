@@ -5,7 +5,8 @@ in which fewer handles hold some blocks. `released_blocks(before, after)` names 
 in ``before`` and none holds in ``after`` (reference counts across forks and sessions), and
 `free_released(before, after)` calls each pool's ``free`` with them. The `SessionStateManager` does this for
 every write it makes, so each block goes back exactly once; a caller of the pure API who keeps only
-``after`` does it once per transition.
+``after`` does it once per transition. `free_acquired(before, after)` is the mirror image: it hands back
+the blocks a change that will not be installed allocated (a refused restore's ``reload``).
 """
 
 from __future__ import annotations
