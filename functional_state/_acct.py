@@ -128,8 +128,8 @@ class Acct:
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the extents held at least once
         # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
-        # the blocks whose last handle let go, newest first, (depth, keys, previous); `root` identifies the
-        # lineage (accountings derived from one build), within which logs can be compared.
+        # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
+        # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
         self.kv = kv
         self.log = log
         self.root = root if root is not None else object()
@@ -202,9 +202,11 @@ class Acct:
                 else:
                     counts.pop(("held", uid), None)
             kv = counts.finish()
-            if released:
-                depth = 0 if log is None or log is _CUT else log[0] + 1
-                log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), _CUT)
+            # Every change of the held blocks is a node, even one that releases nothing: reaching
+            # ``before``'s node from ``after``'s then proves ``after`` descends from ``before`` (a table
+            # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
+            depth = 0 if log is None or log is _CUT else log[0] + 1
+            log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), _CUT)
         return Acct(refs.finish(), totals.finish(), kv, log, self.root)
 
     def swap(self, old: Any, new: Any) -> Acct:

@@ -166,9 +166,13 @@ class PagedKVPool:
         self.block_nbytes = sum(self.layer_block_bytes)
         if self.block_nbytes * self.num_blocks >= _EXTENT_WINDOW:
             raise InvalidArgumentError("`PagedKVPool`: a pool of 256 TiB or more is beyond the accounting's window.")
+        # Blocks handed back to the engine by a change whose other frees failed, so the table that still
+        # holds them was kept: the change's retry must not free them again (see `engine_blocks`).
+        self._handed_back: set[int] = set()
+        self._handed_back_lock = threading.Lock()
         _POOLS[self.uid] = self
         self._register()
-        weakref.finalize(self, _forget, self.uid)
+        weakref.finalize(self, _forget, accounting._POOL_LIVE, self.uid)
 
     def _check_layers(self, layers: list[Any], device: str | None, block_size: int | None) -> None:
         if not layers:
@@ -213,7 +217,7 @@ class PagedKVPool:
         if all(_weakrefable(x) for x in layers):
             # A layer the engine frees takes the pool out of the accounting at once: its memory may hold
             # other tensors next, which must not be counted as this pool's blocks.
-            callback = functools.partial(_layer_died, self.uid, weakref.ref(self))
+            callback = functools.partial(_layer_died, self.uid, weakref.ref(self), accounting._POOL_LIVE)
             self._layers: list[weakref.ref] | None = [weakref.ref(x, callback) for x in layers]
         else:
             self._layers = None
@@ -294,7 +298,27 @@ class PagedKVPool:
         if len(set(ids)) != len(ids):
             dup = sorted({b for b in ids if ids.count(b) > 1})
             raise InvalidArgumentError(f"`{what}`: block ids {dup[:5]} repeat; each block appears once.")
+        if self._handed_back:
+            # Ids entering a handle are the engine's allocation (again): they are owed to it once more.
+            with self._handed_back_lock:
+                self._handed_back.difference_update(ids)
         return tuple(ids)
+
+    def _still_owed(self, block_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """``block_ids`` minus those already handed back to the engine by an attempt that was not installed."""
+        if not self._handed_back:
+            return block_ids
+        with self._handed_back_lock:
+            return tuple(b for b in block_ids if b not in self._handed_back)
+
+    def _note_handed_back(self, block_ids: Iterable[int], settled: bool) -> None:
+        """Record that the engine took ``block_ids`` back; ``settled``: the change releasing them is complete
+        (its caller installs the state that no longer holds them), so nothing about them is owed or recorded."""
+        with self._handed_back_lock:
+            if settled:
+                self._handed_back.difference_update(block_ids)
+            else:
+                self._handed_back.update(block_ids)
 
     def extents(self, block_ids: Iterable[int]) -> list[tuple[str, int, int]]:
         """The accounting extents of ``block_ids``: one per block per layer."""
@@ -347,16 +371,24 @@ def _pool_still_there(uid: int, key: str, start: int) -> bool:
 accounting._POOL_CHECK = _pool_still_there
 
 
-def _layer_died(uid: int, pool_ref: weakref.ref, layer_ref: weakref.ref) -> None:
+def _layer_died(uid: int, pool_ref: weakref.ref, live: set[int], layer_ref: weakref.ref) -> None:
+    # A weakref callback: it also runs while the interpreter shuts down, after module globals (builtins
+    # too) may have been cleared, so it reads only what it was bound with (``live`` is the accounting's set).
     pool = pool_ref()
-    if pool is None or any(layer_ref is r for r in pool._layers or ()):  # not a layer `update` replaced
-        accounting._POOL_LIVE.discard(uid)
+    if pool is not None:
+        for ref in pool._layers or ():
+            if ref is layer_ref:
+                break
+        else:
+            return  # a layer `update` replaced: the pool lives on in its new layers
+    live.discard(uid)
 
 
-def _forget(uid: int) -> None:
+def _forget(live: set[int], uid: int) -> None:
     # A finalizer: it may run inside any allocation, even one made while `_STORAGES_LOCK` is held, so it
-    # takes no lock; the registry entries are purged at the next registration.
-    accounting._POOL_LIVE.discard(uid)
+    # takes no lock (the registry entries are purged at the next registration), and at shutdown, so it
+    # reads no module global.
+    live.discard(uid)
 
 
 def _purge_locked(uid: int) -> None:

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import gc
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +29,7 @@ from functional_state import (
     PoolChangedError,
     SessionStateManager,
 )
+from functional_state.engine_blocks import free_acquired
 from helpers import assert_unchanged, snapshot
 from torch_bridge.adapters.paged_engine import EngineError, ReferenceKVEngine
 
@@ -391,3 +397,134 @@ def test_a_freed_pool_layer_leaves_the_accounting_so_reused_memory_counts_as_its
     assert fs.nbytes_by_device(again) == {"cpu": 64 * 1024 * 4}
     assert pool.uid not in fs.accounting._POOL_LIVE
     del ptr
+
+
+# --- issue 19: frees across several pools, exit, and undoing a refused restore ---------------------------
+
+
+def _two_pool_session() -> tuple[ReferenceKVEngine, ReferenceKVEngine, SessionStateManager]:
+    """A manager whose session "a" holds blocks of two engines (reference engines raise on a double free)."""
+    e1, e2 = _engine(name="kv1"), _engine(name="kv2")
+    manager = SessionStateManager()
+    a = manager.get_or_create_session("a")
+    a.put("kv1", PagedKVHandle.create(e1.pool, e1.allocate(2)))
+    a.put("kv2", PagedKVHandle.create(e2.pool, e2.allocate(3)))
+    return e1, e2, manager
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_retry_after_one_of_two_pools_failed_to_free_frees_each_block_once(failing):
+    # Regression (issue 19): the retry freed the other pool's blocks a second time; a real engine refuses a
+    # double free, so the session could then never be dropped. Both orders: whichever pool is freed first.
+    e1, e2, manager = _two_pool_session()
+    engines = (e1, e2)
+    engines[failing].fail_next_free = True
+    with pytest.raises(KVFreeError, match="injected"):
+        manager.drop_session("a")
+    assert "a" in manager
+    manager.drop_session("a")  # the retry hands back only what the engines were still owed
+    assert e1.freed_log == [(0, 1)] and e2.freed_log == [(0, 1, 2)]
+    assert e1.allocated == set() and e2.allocated == set()
+    assert e1.free_block_count() == e2.free_block_count() == 32
+
+
+def test_free_released_after_a_partial_failure_frees_only_what_is_still_owed():
+    e1, e2 = _engine(name="kv1"), _engine(name="kv2")
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "kv1", PagedKVHandle.create(e1.pool, e1.allocate(2)))
+    s = fs.put(s, "a", "kv2", PagedKVHandle.create(e2.pool, e2.allocate(2)))
+    after, _ = fs.drop_session(s, "a")
+    order = list(fs.released_blocks(s, after))  # the order free_released calls the engines in
+    second = e1 if order[1] is e1.pool else e2
+    second.fail_next_free = True
+    with pytest.raises(KVFreeError, match=rf"pools already freed: \['{order[0].name}'\]"):
+        fs.free_released(s, after)
+    assert fs.free_released(s, after) == {e1.pool: (0, 1), e2.pool: (0, 1)}  # what the change released
+    assert e1.freed_log == [(0, 1)] and e2.freed_log == [(0, 1)]  # each engine called once per block
+    with pytest.raises(KVFreeError, match="double free"):
+        fs.free_released(s, after)  # a completed transition replayed is still the caller's double free
+
+
+def test_a_process_that_made_pools_exits_without_errors_on_stderr():
+    # Regression (issue 19): the layer weakref callback ran during interpreter shutdown, after module globals
+    # were cleared, and every such process printed "Exception ignored in ... _layer_died ... AttributeError".
+    script = textwrap.dedent(
+        """
+        import jax.numpy as jnp, torch
+        import functional_state as fs
+        from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+        layer = torch.zeros(4, 2)
+        pool = fs.PagedKVPool(layer, free=lambda ids: None)
+        jlayer = jnp.zeros((4, 2))
+        jpool = fs.PagedKVPool(jlayer, free=lambda ids: None)
+        engine = ReferenceKVEngine(num_blocks=4, block_size=2, heads=1, head_dim=2)
+        h = fs.PagedKVHandle.create(engine.pool, engine.allocate(1))
+        print("ok")
+        """
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert out.stderr == ""
+
+
+def test_a_block_the_engine_hands_out_again_after_a_partial_failure_is_owed_again():
+    e1, e2 = _engine(num_blocks=2, name="kv1"), _engine(num_blocks=2, name="kv2")
+    manager = SessionStateManager()
+    a = manager.get_or_create_session("a")
+    a.put("kv1", PagedKVHandle.create(e1.pool, e1.allocate(2)))
+    a.put("kv2", PagedKVHandle.create(e2.pool, e2.allocate(2)))
+    order = list(fs.released_blocks(manager.state, fs.drop_session(manager.state, "a")[0]))
+    first, second = (e1, e2) if order[0] is e1.pool else (e2, e1)
+    second.fail_next_free = True
+    with pytest.raises(KVFreeError):
+        manager.drop_session("a")
+    assert first.freed_log == [(0, 1)] and "a" in manager
+    reused = first.allocate(1)  # the engine hands block 0 out again, to another session
+    manager.get_or_create_session("c").put("kv", PagedKVHandle.create(first.pool, reused))
+    manager.drop_session("a")  # block 1 was already handed back; block 0 is c's now
+    manager.drop_session("c")
+    assert first.freed_log == [(0, 1), (0,)] and first.allocated == set() and first.free_block_count() == 2
+    assert second.freed_log == [(0, 1)] and second.allocated == set()
+
+
+def test_free_acquired_undoes_a_restore_keeping_the_parked_copy():
+    # Issue 19: a restore the byte budget refuses must hand its reloaded blocks back; `free_acquired` does,
+    # and the parked state it falls back to still restores the same K/V, bit for bit.
+    engine = _engine(offload=True)
+    ids = engine.allocate(2)
+    engine.write(ids[0], 0, torch.randn(2, 8).to(torch.bfloat16), torch.randn(2, 8).to(torch.bfloat16))
+    engine.write(ids[1], 3, torch.randn(2, 8).to(torch.bfloat16), torch.randn(2, 8).to(torch.bfloat16))
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "kv", PagedKVHandle.create(engine.pool, ids))
+    original = [t.clone() for t in fs.lookup(s, "a").objects["kv"].view()]
+    parked, _ = fs.park(s, "a", "kv")
+    fs.free_released(s, parked)
+    free_before = engine.free_block_count()
+    snap = snapshot(parked)
+    restored, _ = fs.restore(parked, "a", "kv")
+    reloaded = fs.lookup(restored, "a").objects["kv"].block_ids
+    assert engine.free_block_count() == free_before - 2
+    assert free_acquired(parked, restored) == {engine.pool: tuple(sorted(reloaded))}
+    assert engine.free_block_count() == free_before and engine.allocated == set()
+    assert_unchanged(parked, snap)  # the parked handle and its host copy, bit for bit
+    token = fs.lookup(parked, "a").objects["kv"].host_copy
+    assert token is not None
+    again, _ = fs.restore(parked, "a", "kv")
+    for x, y in zip(original, fs.lookup(again, "a").objects["kv"].view()):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_released_blocks_between_a_table_and_its_ancestor_or_sibling():
+    # Regression (issue 19): a change that only added blocks left the release log as it was, so a table
+    # compared with its ancestor (a refused restore undone) or a sibling looked released-nothing.
+    engine = _engine(offload=True)
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "kv", PagedKVHandle.create(engine.pool, engine.allocate(2)))
+    fs.released_blocks(s, s)  # s's accounting is built now: the tables below derive theirs from it
+    grown = fs.commit(s, "a", "kv", list(engine.allocate(1)))
+    assert fs.released_blocks(grown, s) == {engine.pool: (2,)}  # grown holds block 2, its ancestor does not
+    shrunk, _ = fs.evict(s, "a", "kv")
+    assert fs.released_blocks(grown, shrunk) == {engine.pool: (0, 1, 2)}  # siblings
+    assert fs.released_blocks(s, grown) == {} and fs.released_blocks(s, shrunk) == {engine.pool: (0, 1)}
