@@ -800,11 +800,11 @@ def park(
     Returns:
       ``(state, moved)``: ``moved`` is the change in bytes per pool, e.g.
       ``{"cuda:0": -n, "cpu/pinned_host": n}`` (on the CPU backend, ``{"cpu": -n, "cpu/pinned_host": n}``),
-      measured on the table's accounting: it equals the change in ``stats(exact=True)``. A staged payload
-      that shares the committed storage keeps it on the device, and then only the host pool moves.
+      measured on the table's accounting: it equals the change in ``stats(exact=True)``.
 
     Raises:
-      SharedStorageError: something else in the table holds the storage (the message says what).
+      SharedStorageError: something else in the table holds the storage (the message says what), or the
+        object's own staged payload does.
       DeletedArrayError: the object holds a JAX array that was deleted (donated); nothing changes.
       ObjectParkedError, NotAllocatedError, NotResidentError: the object is not resident.
       SessionStateLostError, ObjectNotFoundError: no such session or object.
@@ -843,8 +843,8 @@ def park(
         )
     try:
         parked = obj.park()
-    except DeletedArrayError as e:
-        raise DeletedArrayError(f"`park`: object {name!r} of session {sid!r}: {e}") from None
+    except (DeletedArrayError, SharedStorageError) as e:  # the object's own refusal, told with its address
+        raise type(e)(f"`park`: object {name!r} of session {sid!r}: {e}") from None
     new, moved = _replace_object(state, obj, parked, targets, _PARKS)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("park: %s, moved %s", sorted(f"{s}/{n}" for s, names in targets.items() for n in names), moved)

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import jax
 
-from . import accounting, parking
+from . import _holders, accounting, parking
 from ._pytree import MISSING, replace
 from ._repr import repr_html
 from .errors import (
@@ -42,6 +42,7 @@ from .errors import (
     NotParkedError,
     NotResidentError,
     ObjectParkedError,
+    SharedStorageError,
 )
 
 __all__ = ["EVICTED", "PARKED", "RESIDENT", "STATUSES", "UNALLOCATED", "StateObject", "Status"]
@@ -258,8 +259,16 @@ class StateObject(abc.ABC):
 
         Raises:
           ObjectParkedError: already parked. NotAllocatedError, NotResidentError: nothing to park.
+          SharedStorageError: the staged payload shares storage with the committed value.
+          DeletedArrayError: a JAX array to park was deleted (donated).
         """
         self._require_resident("park")
+        if self.staged is not None and _holders.buffer_keys(self._committed_roots()) & _holders.buffer_keys(self.staged):
+            raise SharedStorageError(
+                f"`{type(self).__name__}.park`: the staged payload shares storage with the committed value, so "
+                f"parking would free no device memory (and a restore would hold those bytes twice). Commit the "
+                f"staged payload (`commit()`) or drop it (`discard()`) first."
+            )
         record = parking.park_values(self._parkable_fields(), f"{type(self).__name__}.park")
         return replace(self, status=PARKED, host_copy=record, **self._parked_fields())
 
