@@ -263,7 +263,8 @@ class StateObject(abc.ABC):
           DeletedArrayError: a JAX array to park was deleted (donated).
         """
         self._require_resident("park")
-        if self.staged is not None and _holders.buffer_keys(self._committed_roots()) & _holders.buffer_keys(self.staged):
+        staged_keys = _holders.buffer_keys(self.staged) if self.staged is not None else set()
+        if staged_keys and staged_keys & _holders.buffer_keys(self._committed_roots()):
             raise SharedStorageError(
                 f"`{type(self).__name__}.park`: the staged payload shares storage with the committed value, so "
                 f"parking would free no device memory (and a restore would hold those bytes twice). Commit the "
