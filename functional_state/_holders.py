@@ -31,13 +31,14 @@ def buffer_keys(tree: Any) -> set[tuple[str, int]]:
     return {(key, start) for key, start, _ in extents}
 
 
-def holders_except(sessions: dict[str, Any], excluded: dict[str, str]) -> dict[str, list[Any]]:
-    """Per session id, everything the session holds except object ``excluded[sid]`` (when given)."""
+def holders_except(sessions: dict[str, Any], excluded: dict[str, Any]) -> dict[str, list[Any]]:
+    """Per session id, everything the session holds except objects ``excluded[sid]`` (a name or names)."""
     out: dict[str, list[Any]] = {}
     for sid, session in sessions.items():
-        name = excluded.get(sid)
-        if name is None:
+        names = excluded.get(sid)
+        if names is None:
             out[sid] = [session]
         else:
-            out[sid] = [o for n, o in session._objects.items() if n != name] + list(session._attrs.values())
+            names = {names} if isinstance(names, str) else set(names)
+            out[sid] = [o for n, o in session._objects.items() if n not in names] + list(session._attrs.values())
     return out

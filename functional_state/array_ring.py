@@ -18,6 +18,8 @@ __all__ = ["ArrayRing"]
 
 
 def _raise_short_window(size: Any, k: int, capacity: int) -> None:
+    if int(size) >= k:
+        return  # under vmap the check runs for every ring of the batch: only a short one raises
     raise InvalidArgumentError(
         f"`ArrayRing.latest`: asked for k={k} frames but the ring holds only {int(size)} (capacity {capacity}). "
         f"A shorter window is never returned, and never zero-filled: commit more frames first or ask for fewer."
@@ -144,7 +146,8 @@ class ArrayRing(StateObject):
           ValueError: ``k`` is not an int in ``[0, capacity]``, or the ring holds fewer than ``k`` frames.
             Outside jit this raises at the call. Inside jit ``size`` is only known when the computation
             runs, so the check runs there and the error surfaces as a ``JaxRuntimeError`` carrying this
-            message when the result is computed: never a zero-filled frame.
+            message when the result is computed: never a zero-filled frame. Under ``jax.vmap`` each ring of
+            the batch is checked on its own count, and only a ring holding fewer than ``k`` frames raises.
         """
         self._require_resident("latest")
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= self.capacity:
@@ -157,6 +160,8 @@ class ArrayRing(StateObject):
         if isinstance(self.size, jax.core.Tracer):
             if k:
                 capacity = self.capacity
+                # Under vmap a batched `cond` becomes a select that runs both branches, so the callback
+                # gets each ring's own size and decides itself; unbatched, it runs only for a short ring.
                 jax.lax.cond(
                     self.size < k,
                     lambda s: jax.debug.callback(lambda v: _raise_short_window(v, k, capacity), s),

@@ -12,6 +12,7 @@ __all__ = [
     "BudgetExceededError",
     "CheckpointError",
     "CopyRequiredError",
+    "DeletedArrayError",
     "InvalidArgumentError",
     "InvalidTypeError",
     "KVFreeError",
@@ -89,6 +90,10 @@ class NotParkedError(SessionStateError, RuntimeError):
 
 class SharedStorageError(SessionStateError, RuntimeError):
     """Parking an object would free nothing: something else in the table holds the same storage."""
+
+
+class DeletedArrayError(SessionStateError, RuntimeError):
+    """A state object holds a JAX array that was deleted (donated to a jitted call): it has no bytes to move."""
 
 
 class StateShapeError(SessionStateError, ValueError):

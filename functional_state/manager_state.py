@@ -14,6 +14,7 @@ pytree to map or jit over, and `with_sessions` puts a mapped tree back (Flax NNX
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
@@ -26,6 +27,7 @@ from ._pytree import MISSING
 from ._repr import repr_html
 from .budget import normalize_budget
 from .errors import (
+    DeletedArrayError,
     InvalidArgumentError,
     InvalidTypeError,
     ObjectNotFoundError,
@@ -94,6 +96,7 @@ _RESTORES: Final = 8
 Meta = tuple[Any, ...]
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
+_log = logging.getLogger("functional_state")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,6 +449,8 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str, mis
                 f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
             )
         victim = mm[head]
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", head, len(mm), sid)
         del mm[head]
         if acct is not None:
             acct = acct.remove_session(victim[_S])
@@ -733,6 +738,7 @@ def evict(state: ManagerState, session_id: str | None, name: str) -> tuple[Manag
     sid, node = _node(state, session_id, "evict")
     _object(node, name, "evict")
     new_session, freed = node[_S].evict(name)
+    _log.debug("evict: object %r of session %r, %d bytes freed", name, sid, freed)
     return _set_session(state, sid, node, new_session), freed
 
 
@@ -748,22 +754,58 @@ def _with_counter(state: ManagerState, nodes: immutables.Map, index: int, add: i
     return _state(nodes, tuple(meta), acct)
 
 
+def _replace_object(
+    state: ManagerState, old: StateObject, new: StateObject, targets: dict[str, list[str]], counter: int
+) -> tuple[ManagerState, dict[str, int]]:
+    """``state`` with object ``old`` replaced by ``new`` under ``targets`` (session -> names), and the
+    change in bytes per pool that makes, measured: the table's accounting (objects, and attrs re-read)
+    before and after, each buffer counted once, exactly as `stats` counts it."""
+    sessions_now = [node[_S] for node in state._nodes.values()]
+    before = state._acct if state._acct is not None else Acct.build(sessions_now)
+    after = before
+    mm = state._nodes.mutate()
+    for target, names in targets.items():
+        n = mm[target]
+        session = n[_S]
+        for name in names:
+            session = session._with_object(name, new)
+            after = after.swap(old, new)
+        mm[target] = (session, n[_P], n[_N], n[_U])
+    moved = _pool_delta(totals_with_attrs(before, sessions_now)[0], totals_with_attrs(after, sessions_now)[0])
+    count = sum(len(names) for names in targets.values())
+    return _with_counter(state, mm.finish(), counter, count, None if state._acct is None else after), moved
+
+
+def _holding(state: ManagerState, obj: StateObject) -> dict[str, list[str]]:
+    """``{session id: names}`` under which the table holds this very object (forks, or a second name)."""
+    out: dict[str, list[str]] = {}
+    for sid, node in state._nodes.items():
+        names = [n for n, o in node[_S]._objects.items() if o is obj]
+        if names:
+            out[sid] = names
+    return out
+
+
 def park(
     state: ManagerState, session_id: str | None, name: str, *, with_sharers: bool = False
 ) -> tuple[ManagerState, dict[str, int]]:
     """Move object ``name``'s committed storage to host memory (see `functional_state.parking`).
 
     Parking frees device memory only if nothing else holds the storage, so it is refused when something
-    does: another object or an attr of the session, or another session. A fork that holds the very same
-    object is the one exception that can be parked with it: ``with_sharers=True`` parks the object in every
-    session that holds it, as one shared host copy (forks keep sharing, now in host memory).
+    does: another object or an attr of the session, or another session. The very same object held
+    elsewhere (by a fork, or under another name in any session) is the one exception that can be parked with
+    it: ``with_sharers=True`` parks it wherever the table holds it, as one shared host copy (forks keep
+    sharing, now in host memory, and `restore` gives them one device copy again).
 
     Returns:
       ``(state, moved)``: ``moved`` is the change in bytes per pool, e.g.
-      ``{"cuda:0": -n, "cpu/pinned_host": n}`` (on the CPU backend, ``{"cpu": -n, "cpu/pinned_host": n}``).
+      ``{"cuda:0": -n, "cpu/pinned_host": n}`` (on the CPU backend, ``{"cpu": -n, "cpu/pinned_host": n}``),
+      measured on the table's accounting: it equals the change in ``stats(exact=True)``.
 
     Raises:
-      SharedStorageError: something else in the table holds the storage (the message says what).
+      SharedStorageError: something else in the table holds the storage (the message says what), or the
+        object's own staged payload does.
+      DeletedArrayError: the object holds a JAX array that was deleted (donated); nothing changes.
       ObjectParkedError, NotAllocatedError, NotResidentError: the object is not resident.
       SessionStateLostError, ObjectNotFoundError: no such session or object.
 
@@ -782,37 +824,42 @@ def park(
     obj = _object(node, name, "park")
     obj._require_resident("park")
     sessions_now = {s: n[_S] for s, n in state._nodes.items()}
-    targets = [sid]
-    if with_sharers:
-        targets += [s for s, sess in sessions_now.items() if s != sid and sess._objects.get(name) is obj]
+    holding = _holding(state, obj)
+    targets = holding if with_sharers else {sid: [name]}
     mine = _holders.buffer_keys(obj._committed_roots())
-    others = _holders.holders_except(sessions_now, dict.fromkeys(targets, name))
+    others = _holders.holders_except(sessions_now, targets)
     holders = sorted(s for s, values in others.items() if mine & _holders.buffer_keys(values))
     if holders:
-        hint = "" if with_sharers else " If they are forks holding this very object, pass with_sharers=True."
+        same = sorted(f"{s}/{n}" for s, names in holding.items() for n in names if (s, n) != (sid, name))
+        hint = (
+            f" {same[:5]} hold this very object: pass with_sharers=True to park it there too."
+            if same and not with_sharers
+            else ""
+        )
         raise SharedStorageError(
             f"`park`: object {name!r} of session {sid!r} shares its storage with something else in session(s) "
             f"{holders[:5]}{' ...' if len(holders) > 5 else ''} (another object, an attr, or a fork): parking it "
             f"would copy it to host memory and free no device memory.{hint}"
         )
-    parked = obj.park()
-    mm = state._nodes.mutate()
-    acct = state._acct
-    for target in targets:
-        n = mm[target]
-        mm[target] = (n[_S]._with_object(name, parked), n[_P], n[_N], n[_U])
-        if acct is not None:
-            acct = acct.swap(obj, parked)
-    moved = _pool_delta(obj.nbytes_by_device(), accounting.nbytes_by_device(parked.host_copy))
-    return _with_counter(state, mm.finish(), _PARKS, len(targets), acct), moved
+    try:
+        parked = obj.park()
+    except (DeletedArrayError, SharedStorageError) as e:  # the object's own refusal, told with its address
+        raise type(e)(f"`park`: object {name!r} of session {sid!r}: {e}") from None
+    new, moved = _replace_object(state, obj, parked, targets, _PARKS)
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("park: %s, moved %s", sorted(f"{s}/{n}" for s, names in targets.items() for n in names), moved)
+    return new, moved
 
 
 def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, dict[str, int]]:
     """Bring a parked object's storage back where it was, bit for bit, in this session.
 
+    Forks parked together (``with_sharers``) restore to one device copy: restoring the object in a second
+    session reuses the copy the first restore made (see `StateObject.restore`).
+
     Returns:
-      ``(state, moved)``: the change in bytes per pool. The host copy is released only if no other session
-      (a fork parked with ``with_sharers``) still holds the parked object.
+      ``(state, moved)``: the change in bytes per pool, measured as `park` measures it. The host copy is
+      released only if no other session (a fork parked with ``with_sharers``) still holds the parked object.
 
     Raises:
       NotParkedError: the object is not parked.
@@ -821,12 +868,10 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
     sid, node = _node(state, session_id, "restore")
     obj = _object(node, name, "restore")
     restored = obj.restore()
-    shared = any(s != sid and n[_S]._objects.get(name) is obj for s, n in state._nodes.items())
-    before = {} if shared else accounting.nbytes_by_device(obj.host_copy)
-    moved = _pool_delta(before, restored.nbytes_by_device())
-    nodes = state._nodes.set(sid, (node[_S]._with_object(name, restored), node[_P], node[_N], node[_U]))
-    acct = None if state._acct is None else state._acct.swap(obj, restored)
-    return _with_counter(state, nodes, _RESTORES, 1, acct), moved
+    new, moved = _replace_object(state, obj, restored, {sid: [name]}, _RESTORES)
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("restore: object %r of session %r, moved %s", name, sid, moved)
+    return new, moved
 
 
 def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
@@ -842,6 +887,7 @@ def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSt
     head, tail = _unlink(mm, node, head, tail)
     del mm[sid]
     acct = None if state._acct is None else state._acct.remove_session(node[_S])
+    _log.info("drop_session: session %r left the table (%d objects)", sid, len(node[_S]._objects))
     return _state(mm.finish(), (head, tail, *rest), acct), True
 
 

@@ -17,6 +17,11 @@ into a `ParkedStorage`; `restore_values` gives them back.
   keep alive) and come back as JAX arrays over the restored storage.
 * Anything else (numpy arrays, which already live in host memory, Python values) is kept as it is.
 
+A leaf that appears more than once (one JAX array under two names) is copied once and restored as one
+array, so the restore holds exactly the device memory the park released. A torch tensor keeps
+``requires_grad`` (as a checkpoint does). A JAX array that was deleted (donated to a jitted call) holds no
+bytes to park: `park_values` refuses it with `DeletedArrayError` before moving anything.
+
 The accounting files parked bytes under the host pools: ``cpu/pinned_host`` (JAX's pinned host memory
 kind, and pinned torch buffers) and ``cpu/unpinned_host`` (pageable torch buffers, the only kind torch
 has without CUDA), apart from the device pools (``cpu``, ``cuda:0``), so a CPU run shows the move too.
@@ -32,6 +37,7 @@ import jax
 import numpy as np
 
 from . import accounting
+from .errors import DeletedArrayError
 
 __all__ = ["HOST_KINDS", "ParkedStorage", "park_values", "restore_values"]
 
@@ -59,6 +65,7 @@ class _TorchLeaf:
     conj: bool
     neg: bool
     jax_owner_type: type | None  # not None: the leaf was a bridge alias of this storage, owned by this type
+    requires_grad: bool = False  # a torch leaf's autograd flag, kept across the round trip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +118,7 @@ def _torch() -> Any:
 def _bytes_view(t: Any) -> Any:
     """A 1-D uint8 tensor over the whole storage of ``t`` (same device, no copy)."""
     torch = _torch()
+    t = t.detach()  # the bytes, not the autograd graph (an out= copy refuses tensors that require grad)
     if t.storage_offset() == 0 and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         flat = t.reshape(-1).view(torch.uint8)  # the cheap path: the tensor spans its storage from the start
         if flat.numel() == t.untyped_storage().nbytes():
@@ -145,8 +153,15 @@ def _as_torch(leaf: Any) -> tuple[Any, Any]:
     return None, None
 
 
-def park_values(values: Any) -> ParkedStorage:
+def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
     """Copy the storage of every array in ``values`` (any pytree) to host memory; see the module docstring.
+
+    Args:
+      values: the pytree to park.
+      what: the call named in an error message.
+
+    Raises:
+      DeletedArrayError: a JAX array in ``values`` was deleted (donated); nothing was copied.
 
     Example:
       >>> import jax.numpy as jnp
@@ -158,7 +173,7 @@ def park_values(values: Any) -> ParkedStorage:
     """
     leaves, treedef = jax.tree_util.tree_flatten(values)
     recipes: list[Any] = [None] * len(leaves)
-    jax_index: list[int] = []
+    jax_index: dict[int, list[int]] = {}  # id(array) -> the leaves that are that array
     storage_ids: dict[tuple[Any, int], int] = {}
     sources: list[Any] = []  # one tensor per distinct storage
     for i, leaf in enumerate(leaves):
@@ -178,19 +193,34 @@ def park_values(values: Any) -> ParkedStorage:
                 bool(tensor.is_conj()),
                 bool(tensor.is_neg()),
                 None if owner is None else type(owner),
+                owner is None and bool(tensor.requires_grad),
             )
         elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            jax_index.append(i)
+            if leaf.is_deleted():
+                _raise_deleted(values, i, leaf, what)
+            jax_index.setdefault(id(leaf), []).append(i)
         else:
             recipes[i] = leaf
     if jax_index:
-        arrays = [leaves[i] for i in jax_index]
+        arrays = [leaves[same[0]] for same in jax_index.values()]
         targets = [a.sharding.with_memory_kind("pinned_host") for a in arrays]
         hosts = jax.device_put(arrays, targets)
-        for i, a, host in zip(jax_index, arrays, hosts):
-            recipes[i] = _JaxLeaf(host, a.sharding)
+        for same, a, host in zip(jax_index.values(), arrays, hosts):
+            recipe = _JaxLeaf(host, a.sharding)
+            for i in same:  # one host array per distinct array, so its restore is one array again
+                recipes[i] = recipe
     storages, buffers = _copy_storages_to_host(sources)
     return ParkedStorage(treedef, tuple(recipes), tuple(storages), tuple(buffers))
+
+
+def _raise_deleted(values: Any, index: int, leaf: Any, what: str) -> None:
+    path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(values)[0][index][0])
+    raise DeletedArrayError(
+        f"`{what}`: the JAX array at {path or 'the root'} ({leaf.dtype}{list(leaf.shape)}) was deleted, most "
+        f"likely donated to a jitted call (`donate_argnums`, or `step(..., donate=True)` on another copy of "
+        f"this state): its bytes are gone, so there is nothing to park. Use the state that call returned, or "
+        f"commit a fresh value first."
+    )
 
 
 def _chunks(members: list[int], sizes: dict[int, int]) -> list[list[int]]:
@@ -240,14 +270,14 @@ def _copy_storages_to_host(sources: list[Any]) -> tuple[list[_Storage], list[Any
 
 def restore_values(parked: ParkedStorage) -> Any:
     """The values `park_values` was given, back on their devices (fresh device buffers), bit for bit."""
-    jax_index = [i for i, leaf in enumerate(parked.leaves) if isinstance(leaf, _JaxLeaf)]
+    recipes: dict[int, _JaxLeaf] = {id(x): x for x in parked.leaves if isinstance(x, _JaxLeaf)}  # each once
     out: list[Any] = list(parked.leaves)
-    if jax_index:
-        restored = jax.device_put(
-            [parked.leaves[i].host for i in jax_index], [parked.leaves[i].sharding for i in jax_index]
-        )
-        for i, array in zip(jax_index, restored):
-            out[i] = array
+    if recipes:
+        restored = jax.device_put([r.host for r in recipes.values()], [r.sharding for r in recipes.values()])
+        by_recipe = dict(zip(recipes, restored))
+        for i, leaf in enumerate(parked.leaves):
+            if isinstance(leaf, _JaxLeaf):
+                out[i] = by_recipe[id(leaf)]
     if parked.storages:
         device_storages = _copy_storages_to_device(parked)
         for i, leaf in enumerate(parked.leaves):
@@ -285,6 +315,8 @@ def _rebuild(leaf: _TorchLeaf, storage: Any) -> Any:
         t = t.conj()
     if leaf.neg:
         t = torch._neg_view(t)
+    if leaf.requires_grad:
+        t.requires_grad_(True)
     if leaf.jax_owner_type is None:
         return t
     return _jax_alias(t, leaf.jax_owner_type)

@@ -27,9 +27,12 @@ raise. `SessionState.recomputable` says whether the source is resident right now
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from . import accounting, parking
+import jax
+
+from . import _holders, accounting, parking
 from ._pytree import MISSING, replace
 from ._repr import repr_html
 from .errors import (
@@ -39,6 +42,7 @@ from .errors import (
     NotParkedError,
     NotResidentError,
     ObjectParkedError,
+    SharedStorageError,
 )
 
 __all__ = ["EVICTED", "PARKED", "RESIDENT", "STATUSES", "UNALLOCATED", "StateObject", "Status"]
@@ -64,8 +68,9 @@ class StateObject(abc.ABC):
     """
 
     # The extents this object's buffers occupy, computed once by the accounting (objects are immutable) and
-    # never copied by `replace`: a memo outside the pytree, not state.
-    __slots__ = ("_acct_cache",)
+    # never copied by `replace`: a memo outside the pytree, not state. `_restored` is a parked object's memo
+    # of its restore (a weak reference), so forks parked together restore to one device copy.
+    __slots__ = ("__weakref__", "_acct_cache", "_restored")
 
     # Provided by subclasses as dataclass fields.
     staged: Any
@@ -254,13 +259,26 @@ class StateObject(abc.ABC):
 
         Raises:
           ObjectParkedError: already parked. NotAllocatedError, NotResidentError: nothing to park.
+          SharedStorageError: the staged payload shares storage with the committed value.
+          DeletedArrayError: a JAX array to park was deleted (donated).
         """
         self._require_resident("park")
-        record = parking.park_values(self._parkable_fields())
+        staged_keys = _holders.buffer_keys(self.staged) if self.staged is not None else set()
+        if staged_keys and staged_keys & _holders.buffer_keys(self._committed_roots()):
+            raise SharedStorageError(
+                f"`{type(self).__name__}.park`: the staged payload shares storage with the committed value, so "
+                f"parking would free no device memory (and a restore would hold those bytes twice). Commit the "
+                f"staged payload (`commit()`) or drop it (`discard()`) first."
+            )
+        record = parking.park_values(self._parkable_fields(), f"{type(self).__name__}.park")
         return replace(self, status=PARKED, host_copy=record, **self._parked_fields())
 
     def restore(self: S) -> S:
         """Return a resident copy of a parked object, its storage back where it was, bit for bit.
+
+        While the resident copy an earlier ``restore()`` of this very object returned is alive, that copy is
+        returned again: forks that share one parked object (parked with ``with_sharers``) share one device
+        copy once restored, as they shared one before parking.
 
         Raises:
           NotParkedError: the object is not parked.
@@ -270,7 +288,12 @@ class StateObject(abc.ABC):
                 f"`{type(self).__name__}.restore` called on a {self.status} object: only a parked object can be "
                 f"restored."
             )
-        return replace(self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy))
+        memo = getattr(self, "_restored", None)
+        restored = memo() if memo is not None else None
+        if restored is None or _holds_deleted(restored._parkable_fields()):  # (donated since: rebuild it)
+            restored = replace(self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy))
+            _RESTORED_SLOT.__set__(self, weakref.ref(restored))  # past the frozen __setattr__: a memo
+        return restored
 
     # --- accounting --------------------------------------------------------------------------------
     def nbytes_by_device(self) -> dict[str, int]:
@@ -283,6 +306,13 @@ class StateObject(abc.ABC):
 
     def _accounting_children(self) -> tuple[Any, ...]:
         return (self._committed_roots(), self.staged, self.host_copy)
+
+
+_RESTORED_SLOT = StateObject.__dict__["_restored"]
+
+
+def _holds_deleted(values: Any) -> bool:
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(values))
 
 
 def _check_source(source: Any, what: str, cost: Any = 1.0) -> None:

@@ -189,3 +189,39 @@ def test_pure(op):
     snap = snapshot(ring)
     op(ring)
     assert_unchanged(ring, snap)
+
+
+def _batch(counts, capacity=4):
+    """Rings holding ``counts[i]`` frames (frame j of ring i is filled with 10 * i + j), stacked for vmap."""
+    rings = []
+    for i, n in enumerate(counts):
+        ring = ArrayRing.create(capacity, (2,))
+        for j in range(n):
+            ring = ring.commit(_frame(10 * i + j, (2,)))
+        rings.append(ring)
+    return rings, jax.tree.map(lambda *xs: jnp.stack(xs), *rings)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_latest_under_vmap_checks_each_ring_on_its_own_count(jit):
+    # Regression: under vmap the `cond` guarding the check became a select that always ran the raising branch,
+    # so `latest(k)` raised for every batch, even when every ring held k frames.
+    rings, batch = _batch([2, 3, 6])
+    snap = snapshot(batch)
+    read = jax.vmap(lambda r: r.latest(2))
+    if jit:
+        read = jax.jit(read)
+    got = jax.block_until_ready(read(batch))
+    assert got.shape == (3, 2, 2)
+    for ring, window in zip(rings, got):
+        np.testing.assert_array_equal(window, ring.latest(2))  # the eager, unbatched answer
+    assert_unchanged(batch, snap)
+    np.testing.assert_array_equal(jax.vmap(lambda r: r.latest(0))(batch).shape, (3, 0, 2))
+
+
+def test_latest_under_vmap_still_refuses_a_short_ring_eagerly_and_under_jit():
+    _, batch = _batch([3, 1, 4])
+    with pytest.raises(InvalidArgumentError, match="asked for k=2 frames but the ring holds only 1"):
+        jax.vmap(lambda r: r.latest(2))(batch)
+    with pytest.raises(Exception, match="asked for k=2 frames but the ring holds only 1"):
+        jax.block_until_ready(jax.jit(jax.vmap(lambda r: r.latest(2)))(batch))

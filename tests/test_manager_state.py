@@ -1,3 +1,4 @@
+import logging
 import sys
 
 import chex
@@ -102,6 +103,7 @@ def test_every_table_operation_does_bounded_work_at_any_size():
         "commit": lambda s: fs.set_attr(s, "s4", "k", 1),
     }
     for name, op in ops.items():
+        op(small)  # warm one-time caches (the logger's level cache fills on its first call in a test)
         assert _calls_during(lambda: op(large)) <= _calls_during(lambda: op(small)) + 2, name
 
 
@@ -508,3 +510,35 @@ def test_repr_and_bool():
     state = ManagerState.create()
     assert bool(state) and len(state) == 0
     assert repr(_populated()) == "ManagerState(sessions=2/4, hits=0, misses=2, evictions=0, ids=['a', 'b'])"
+
+
+def test_evictions_parks_restores_and_drops_are_logged(caplog):
+    # Regression: the table's releases were silent; debug for routine events, info for a dropped session.
+    state = ManagerState.create(max_sessions=2)
+    for sid in ("a", "b"):
+        state, _ = fs.get_or_create(state, sid)
+        state = fs.put(state, sid, "ring", ArrayRing.create(2, (4,)))
+    with caplog.at_level(logging.DEBUG, logger="functional_state"):
+        parked, _ = fs.park(state, "a", "ring")
+        restored, _ = fs.restore(parked, "a", "ring")
+        evicted, _ = fs.evict(restored, "b", "ring")
+        full, _ = fs.get_or_create(evicted, "c")  # drops "a", the least recent
+        fs.drop_session(full, "b")
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "functional_state"]
+    levels = dict(zip(("park", "restore", "evict", "LRU eviction", "drop_session"), [None] * 5))
+    for level, message in records:
+        for key in levels:
+            if message.startswith(key):
+                levels[key] = level
+                assert "'a'" in message or "'b'" in message or "a/ring" in message, message
+    assert levels == {
+        "park": logging.DEBUG,
+        "restore": logging.DEBUG,
+        "evict": logging.DEBUG,
+        "LRU eviction": logging.DEBUG,
+        "drop_session": logging.INFO,
+    }, records
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="functional_state"):
+        fs.evict(restored, "b", "ring")
+    assert not caplog.records  # routine events stay below INFO

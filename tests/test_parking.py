@@ -318,3 +318,238 @@ def test_storages_pack_into_bounded_host_buffers_and_restore_exactly(monkeypatch
     back = restore_values(parked)
     assert all(torch.equal(a, b) for a, b in zip(back, tensors))
     assert len({t.untyped_storage().data_ptr() for t in back}) == 7  # separate storages stay separate
+
+
+# --- issue 19: sharers under any name, measured moves, one device copy, donated arrays, requires_grad ------
+
+
+def _pools(stats: dict) -> dict:
+    return {k: v for k, v in stats.items() if k.startswith("nbytes:")}
+
+
+def _exact_delta(before, after) -> dict:
+    """The change in bytes per pool between two tables, as stats(exact=True) measures it."""
+    b, a = _pools(fs.stats(before, exact=True)), _pools(fs.stats(after, exact=True))
+    return {k[len("nbytes:") :]: a.get(k, 0) - b.get(k, 0) for k in sorted({*a, *b}) if a.get(k, 0) != b.get(k, 0)}
+
+
+def test_a_budgeted_write_parks_an_object_two_sessions_hold_under_different_names():
+    # Regression: the planner groups sharers by object identity, but `park(with_sharers=True)` matched them by
+    # name, so a write that needed this park raised SharedStorageError instead of parking.
+    manager = fs.SessionStateManager(byte_budget={"cpu": 3000})
+    cache = DenseValue.create(torch.ones(512))  # 2,048 bytes
+    manager.get_or_create_session("a").put("x", cache)
+    manager.get_or_create_session("b").put("y", cache)
+    manager.get_or_create_session("c").put("z", DenseValue.create(torch.ones(256)))  # over budget: parks x/y
+    a, b = manager.state, manager.state
+    x, y = fs.lookup(a, "a").get("x"), fs.lookup(b, "b").get("y")
+    assert x is y and x.parked  # one shared host copy, under both names
+    s = manager.stats(exact=True)
+    assert (s["nbytes:cpu"], s["nbytes:cpu/unpinned_host"], s["parks"]) == (1024, 2048, 2)
+    assert torch.equal(manager.get_session("b").view("y"), torch.ones(512))  # restored on access, intact
+
+
+def test_with_sharers_parks_the_very_object_under_every_name_and_refuses_other_holders():
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    cache = DenseValue.create(torch.ones(64))
+    state = fs.put(fs.put(state, "a", "x", cache), "a", "again", cache)
+    state, _ = fs.get_or_create(state, "b")
+    state = fs.put(state, "b", "y", cache)
+    snap = snapshot(state)
+    with pytest.raises(SharedStorageError, match=r"\['a/again', 'b/y'\] hold this very object.*with_sharers=True"):
+        fs.park(state, "a", "x")
+    parked, moved = fs.park(state, "a", "x", with_sharers=True)
+    assert_unchanged(state, snap)
+    objs = [fs.lookup(parked, s).get(n) for s, n in (("a", "x"), ("a", "again"), ("b", "y"))]
+    assert all(o is objs[0] and o.parked for o in objs) and parked.parks == 3
+    assert moved == _exact_delta(state, parked) == {"cpu": -256, "cpu/unpinned_host": 256}
+    # A different object over the same storage is not the object: it still holds the device memory.
+    other = fs.put(state, "b", "view", DenseValue.create(cache.value[:8]))
+    with pytest.raises(SharedStorageError, match=r"\['b'\]"):
+        fs.park(other, "a", "x", with_sharers=True)
+
+
+def _torch_cache(state):
+    return fs.put(state, "a", "o", DenseValue.create([torch.ones(100), torch.zeros(3, 5)]))
+
+
+def _jax_ring(state):
+    return fs.commit(fs.put(state, "a", "o", ArrayRing.create(4, (64,))), "a", "o", jnp.ones(64))
+
+
+def _numpy_cache(state):
+    return fs.put(state, "a", "o", DenseValue.create([np.ones(10), np.zeros(4)]))
+
+
+def _mixed(state):
+    t = torch.arange(32.0)
+    return fs.put(state, "a", "o", DenseValue.create([t, to_jax(t), jnp.ones(16), np.ones(8), t[4:]]))
+
+
+def _frames(state):
+    return fs.put(state, "a", "o", LatentBuffer.create(maxlen=3).commit(torch.ones(64)).commit(jnp.ones(8)))
+
+
+def _jax_array_twice(state):
+    x = jnp.arange(50.0)
+    return fs.put(state, "a", "o", DenseValue.create([x, x]))
+
+
+def _staged_torch_shares_committed(state):
+    t = torch.ones(256)
+    return fs.put(state, "a", "o", DenseValue.create(t).stage(t))
+
+
+def _staged_jax_shares_committed(state):
+    x = jnp.ones(128)
+    return fs.put(state, "a", "o", DenseValue.create(x).stage(x))
+
+
+def _staged_view_of_committed(state):
+    t = torch.ones(256)
+    return fs.put(state, "a", "o", DenseValue.create(t).stage(t[8:]))
+
+
+def _staged_apart(state):
+    return fs.stage(_frames(state), "a", "o", torch.full((64,), 2.0))  # staged bytes stay on the device
+
+
+def _forks(state):
+    return fs.fork_session(_jax_ring(state), "a", "b")
+
+
+def _forks_torch(state):
+    return fs.fork_session(_torch_cache(fs.set_attr(state, "a", "note", np.ones(4))), "a", "b")
+
+
+MAKERS = [
+    _torch_cache,
+    _jax_ring,
+    _numpy_cache,
+    _mixed,
+    _frames,
+    _jax_array_twice,
+    _staged_apart,
+    _forks,
+    _forks_torch,
+]
+
+
+@pytest.mark.parametrize("make", MAKERS, ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("tracked", [False, True], ids=["untracked", "tracked"])
+def test_park_and_restore_report_exactly_the_change_stats_measures(make, tracked):
+    # Regression: park and restore reported the object's own bytes, not what moved (a JAX array held twice
+    # parked as two host copies); and forks parked together came back as one device copy per session.
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = make(state)
+    if tracked:
+        fs.stats(state)  # the incremental accounting now follows the table
+    sharers = [sid for sid in state.session_ids if fs.lookup(state, sid).get("o", None) is not None]
+    snap = snapshot(state)
+    parked, moved = fs.park(state, "a", "o", with_sharers=len(sharers) > 1)
+    assert_unchanged(state, snap)
+    assert moved == _exact_delta(state, parked)
+    snap_parked = snapshot(parked)
+    restored = parked
+    for sid in sharers:
+        before = restored
+        restored, moved_back = fs.restore(restored, sid, "o")
+        assert moved_back == _exact_delta(before, restored), sid
+    assert_unchanged(parked, snap_parked)
+    assert _exact_delta(state, restored) == {}  # everything back where it was, counted once
+    assert fs.stats(restored) == {**fs.stats(restored, exact=True), "parks": parked.parks}
+    for sid in sharers:
+        back, orig = fs.view(restored, sid, "o"), fs.view(state, sid, "o")
+        for x, y in zip(jax.tree.leaves(back), jax.tree.leaves(orig)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(
+    "make", [_staged_torch_shares_committed, _staged_jax_shares_committed, _staged_view_of_committed]
+)
+def test_park_refuses_an_object_whose_staged_payload_shares_the_committed_storage(make):
+    # Regression: such a park reported the committed bytes as leaving the device, but the staged payload kept
+    # them there (and a restore then held them twice).
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = make(state)
+    snap = snapshot(state)
+    with pytest.raises(SharedStorageError, match="object 'o' of session 'a'.*staged payload shares storage"):
+        fs.park(state, "a", "o")
+    assert_unchanged(state, snap)
+    assert state.parks == 0 and fs.lookup(state, "a").get("o").resident
+    discarded = fs.discard(state, "a", "o")  # what the message says to do
+    parked, moved = fs.park(discarded, "a", "o")
+    assert moved == _exact_delta(discarded, parked) and moved["cpu"] < 0
+
+
+@pytest.mark.parametrize("make", [_forks, _forks_torch], ids=["jax", "torch"])
+def test_forks_parked_together_restore_to_one_shared_device_buffer(make):
+    # Regression: 4,096 B of forks became 8,192 B once both sessions restored their parked object.
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = make(state)
+    device = fs.stats(state, exact=True)["nbytes:cpu"]
+    parked, _ = fs.park(state, "a", "o", with_sharers=True)
+    restored, _ = fs.restore(parked, "a", "o")
+    assert fs.lookup(restored, "b").get("o").parked  # "b" keeps the host copy until it restores
+    restored, _ = fs.restore(restored, "b", "o")
+    a, b = fs.lookup(restored, "a").get("o"), fs.lookup(restored, "b").get("o")
+    assert a is b and a.resident  # one object again, as the forks shared before parking
+    s = fs.stats(restored, exact=True)
+    assert s["nbytes:cpu"] == device and s["parked_nbytes"] == 0 and "nbytes:cpu/pinned_host" not in s
+
+
+def test_a_restore_whose_earlier_copy_was_donated_builds_a_fresh_one():
+    ring = ArrayRing.create(2, (8,)).commit(jnp.ones(8))
+    parked = ring.park()
+    first = parked.restore()
+    assert parked.restore() is first  # the live copy is reused ...
+    first.storage.delete()  # ... until its buffer is donated
+    again = parked.restore()
+    assert again is not first and np.asarray(again.latest(1)).tolist() == [[1.0] * 8]
+
+
+def test_parking_a_donated_jax_array_raises_a_library_error_and_changes_nothing():
+    # Regression: a raw RuntimeError ("Array has been deleted") escaped from jax.device_put.
+    gone = jnp.ones(8)
+    gone.delete()
+    cache = DenseValue.create([jnp.zeros(4), gone])
+    with pytest.raises(fs.DeletedArrayError, match=r"`DenseValue.park`: the JAX array at \['value'\]\[1\].*donated"):
+        cache.park()
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "cache", cache)
+    with pytest.raises(fs.DeletedArrayError, match="object 'cache' of session 'a'.*deleted") as info:
+        fs.park(state, "a", "cache")
+    assert isinstance(info.value, fs.SessionStateError)
+    assert fs.lookup(state, "a").get("cache") is cache and state.parks == 0
+    manager = fs.SessionStateManager()
+    manager.get_or_create_session("a").put("cache", cache)
+    before = manager.state
+    with pytest.raises(fs.DeletedArrayError):
+        manager.park("a", "cache")
+    assert manager.state is before and manager.stats()["parks"] == 0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.ones(3, 4, requires_grad=True),
+        lambda: torch.ones(6, requires_grad=True) * 2,  # not a leaf: restored as a leaf that requires grad
+        lambda: torch.arange(12.0, requires_grad=True).reshape(3, 4).t(),
+        lambda: torch.ones(4),
+    ],
+    ids=["leaf", "non-leaf", "view", "no-grad"],
+)
+def test_park_and_restore_keep_requires_grad(make):
+    # Regression: restored tensors came back with requires_grad=False (a checkpoint keeps it).
+    t = make()
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "w", DenseValue.create(t))
+    snap = snapshot(state)
+    parked, _ = fs.park(state, "a", "w")
+    back = fs.view(fs.restore(parked, "a", "w")[0], "a", "w")
+    assert_unchanged(state, snap)
+    assert back.requires_grad == t.requires_grad and torch.equal(back.detach(), t.detach())
+    assert back.stride() == t.stride()
+    if back.requires_grad:  # a leaf of its own graph, as a checkpoint restores it
+        back.sum().backward()
+        assert back.is_leaf and torch.equal(back.grad, torch.ones_like(back))
