@@ -175,8 +175,8 @@ class SessionStateManager:
         try:
             self._state = self._settle(before, after, writer, dropped=dropped(before) if dropped else None)
         except BaseException:
-            if restoring:
-                self._hand_back(before, after)
+            if restoring and writer is not None:
+                self._hand_back(before, after, writer)
             raise
         return out
 
@@ -286,16 +286,25 @@ class SessionStateManager:
                     _log.debug("session %r: detached handle's KV %r evicted (its blocks went back)", cell.session_id, name)
             cell.session = session
 
-    def _hand_back(self, before: ManagerState, restored: ManagerState) -> None:
-        """Under the lock, when a write that restored parked objects (``before`` to ``restored``) is refused:
-        the engine blocks their ``reload`` took, which no state will hold, go back to their engines. The
-        parked objects in the table keep their host copies, so they can be restored later."""
-        if not _POOLS or type(before) is not ManagerState or type(restored) is not ManagerState:
+    def _hand_back(self, before: ManagerState, restored: ManagerState, sid: str) -> None:
+        """Under the lock, when a write that restored parked objects of ``sid`` (``before`` to ``restored``)
+        is refused: the engine blocks their ``reload`` took, which no state will hold, go back to their
+        engines. The parked objects in the table keep their host copies, so they can be restored later."""
+        if not _POOLS or before is restored:
             return
-        try:
-            free_released(restored, before)  # blocks held in `restored` and not in `before`: the reloaded ones
-        except KVFreeError:
-            _log.warning("a refused restore could not hand its reloaded KV blocks back", exc_info=True)
+        old, new = ms.lookup(before, sid, None), ms.lookup(restored, sid, None)
+        if old is None or new is None:
+            return
+        reloaded: dict[Any, list[int]] = {}
+        for name, obj in new.objects.items():
+            prev = old.objects.get(name)
+            if isinstance(obj, PagedKVHandle) and isinstance(prev, PagedKVHandle) and prev.parked and obj.resident:
+                reloaded.setdefault(obj.pool, []).extend(obj.block_ids)  # fresh blocks: no one else holds them
+        for pool, ids in reloaded.items():
+            try:
+                pool.free_fn(tuple(sorted(ids)))
+            except Exception:
+                _log.warning("KV pool %r: a refused restore could not hand its reloaded blocks back", pool.name, exc_info=True)
 
     def _admit(
         self, before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool = False
@@ -623,7 +632,7 @@ class SessionStateManager:
                 else:
                     cell.session = session = session.update(name, lambda o: o.restore())
         except BaseException:
-            self._hand_back(start, state)  # the reloads that succeeded before one failed
+            self._hand_back(start, state, cell.session_id)  # the reloads that succeeded before one failed
             raise
         if in_table:
             session = ms.lookup(state, cell.session_id)
@@ -645,7 +654,7 @@ class SessionStateManager:
                 try:
                     self._state = self._settle(state, new, cell.session_id, attrs_unchanged=True)
                 except BaseException:
-                    self._hand_back(state, new)
+                    self._hand_back(state, new, cell.session_id)
                     raise
                 session = ms.lookup(self._state, cell.session_id)
             return session, n
@@ -695,7 +704,7 @@ class SessionStateManager:
                             raise
             except BaseException:
                 if state is not start:
-                    self._hand_back(start, state)
+                    self._hand_back(start, state, cell.session_id)
                 raise
 
     def _commit(self, cell: _Cell, name: str, payload: Any) -> None:
