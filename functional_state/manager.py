@@ -29,7 +29,7 @@ from . import checkpoint as _ckpt
 from . import manager_state as ms
 from ._pytree import MISSING
 from .engine_blocks import free_released
-from .errors import KVFreeError, ObjectParkedError, SessionStateError, SessionStateLostError
+from .errors import ObjectParkedError, SessionStateError, SessionStateLostError
 from .manager_state import ManagerState
 from .paged_kv import _POOLS, PagedKVHandle
 from .planner import LEVERS, _attr_bytes, attr_surplus, enforce_budget, over_budget_objects
@@ -283,7 +283,9 @@ class SessionStateManager:
             for name, obj in session.objects.items():
                 if isinstance(obj, PagedKVHandle) and freed.get(obj.pool.uid, set()) & set(obj.held_blocks()):
                     session = session.update(name, lambda o: o.evict()[0])
-                    _log.debug("session %r: detached handle's KV %r evicted (its blocks went back)", cell.session_id, name)
+                    _log.debug(
+                        "session %r: detached handle's KV %r evicted (its blocks went back)", cell.session_id, name
+                    )
             cell.session = session
 
     def _hand_back(self, before: ManagerState, restored: ManagerState, sid: str) -> None:
@@ -304,7 +306,9 @@ class SessionStateManager:
             try:
                 pool.free_fn(tuple(sorted(ids)))
             except Exception:
-                _log.warning("KV pool %r: a refused restore could not hand its reloaded blocks back", pool.name, exc_info=True)
+                _log.warning(
+                    "KV pool %r: a refused restore could not hand its reloaded blocks back", pool.name, exc_info=True
+                )
 
     def _admit(
         self, before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool = False
