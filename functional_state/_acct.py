@@ -278,6 +278,7 @@ class Acct:
             and type(new) is PagedKVHandle
             and old.pool is new.pool
             and old.staged == new.staged
+            and old.host_copy is new.host_copy  # (a restore also only adds blocks, but lets go of its host copy)
             and new.block_ids[: len(old.block_ids)] == old.block_ids
         ):  # a commit of new blocks: priced by those blocks alone
             tail = new.block_ids[len(old.block_ids) :]

@@ -17,18 +17,19 @@ Session handles give the object API the bespoke caches had:
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
-from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from . import checkpoint as _ckpt
 from . import manager_state as ms
 from ._pytree import MISSING
 from .engine_blocks import free_released
-from .errors import ObjectParkedError, SessionStateError
+from .errors import ObjectParkedError, SessionStateError, SessionStateLostError
 from .manager_state import ManagerState
 from .paged_kv import _POOLS, PagedKVHandle
 from .planner import LEVERS, _attr_bytes, attr_surplus, enforce_budget, over_budget_objects
@@ -41,20 +42,45 @@ __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 ObjectT = TypeVar("ObjectT", bound=StateObject)
 _Result = TypeVar("_Result")
 
+_log = logging.getLogger("functional_state")
+_DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
+
 
 class ReentrantWriteError(SessionStateError, RuntimeError):
     """A ``transact`` function (or a factory) wrote to the very session it is computing a new state for."""
 
 
 class _Cell:
-    """The latest state of one session incarnation, shared by all of its handles."""
+    """The latest state of one session incarnation, shared by all of its handles.
 
-    __slots__ = ("__weakref__", "session", "session_id", "uid")
+    ``left`` says why the incarnation left the table (None while it is there); ``closed`` is True when it
+    left because a caller removed it (a drop): its handles then refuse writes, which could reach no session.
+    """
+
+    __slots__ = ("__weakref__", "closed", "left", "session", "session_id", "uid")
 
     def __init__(self, uid: int, session_id: str, session: SessionState):
         self.uid = uid
         self.session_id = session_id
         self.session = session
+        self.left: str | None = None
+        self.closed = False
+
+
+class _Departure(NamedTuple):
+    """A session incarnation a write took out of the table, and the last state it had there."""
+
+    sid: str
+    uid: int
+    session: SessionState
+    reason: str  # "evicted (...)" or "dropped (...)", for logs and errors
+    closed: bool  # a caller removed it: its handles refuse writes
+
+
+def _holds(state: ManagerState, sid: str, uid: int) -> bool:
+    """Whether ``state`` holds incarnation ``uid`` of ``sid``."""
+    node = state._nodes.get(sid)
+    return node is not None and node[ms._U] == uid
 
 
 class SessionStateManager:
@@ -105,7 +131,7 @@ class SessionStateManager:
         # still holding it then work on its own copy (and `_detached` tracks it for `step`).
         self._cells: dict[int, _Cell] = {}
         self._detached: weakref.WeakSet[_Cell] = weakref.WeakSet()
-        self._detaching: list[_Cell] = []  # cells the write in progress detached (restored if it fails)
+        self._departed: OrderedDict[str, str] = OrderedDict()  # id -> why it last left (for errors)
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
         self._writing = threading.local()  # uids whose transaction this thread is computing
 
@@ -120,14 +146,52 @@ class SessionStateManager:
     def __bool__(self) -> bool:
         return True  # an empty manager is still a manager
 
-    def _swap(self, op: Callable[[ManagerState], tuple[ManagerState, _Result]], writer: str | None = None) -> _Result:
+    def _swap(
+        self,
+        op: Callable[[ManagerState], tuple[ManagerState, _Result]],
+        writer: str | None = None,
+        *,
+        dropped: Callable[[ManagerState], Mapping[str, str]] | None = None,
+        restoring: bool = False,
+    ) -> _Result:
         """Apply library code ``op`` to the table under the lock (no user code may run inside), keeping the
-        byte budget (``writer``, the session written, is never released to make room)."""
+        byte budget (``writer``, the session written, is never released to make room).
+
+        ``dropped(before)`` names the sessions the op removes at a caller's request, with why (see `_settle`).
+        ``restoring``: the op restores parked objects; if the write is refused, the engine blocks their
+        ``reload`` took go back (`_hand_back`)."""
         with self._lock:
-            before = self._state
-            after, out = op(before)
-            self._state = self._settle(before, after, writer)
+            return self._swap_locked(op, writer, dropped, restoring)
+
+    def _swap_locked(
+        self,
+        op: Callable[[ManagerState], tuple[ManagerState, _Result]],
+        writer: str | None,
+        dropped: Callable[[ManagerState], Mapping[str, str]] | None,
+        restoring: bool,
+    ) -> _Result:
+        before = self._state
+        after, out = op(before)
+        try:
+            self._state = self._settle(before, after, writer, dropped=dropped(before) if dropped else None)
+        except BaseException:
+            if restoring and writer is not None:
+                self._hand_back(before, after, writer)
+            raise
         return out
+
+    def _swap_cell(
+        self,
+        op: Callable[[ManagerState], ManagerState],
+        sid: str,
+        writer: str | None = None,
+        dropped: Callable[[ManagerState], Mapping[str, str]] | None = None,
+    ) -> _Cell:
+        """`_swap`, then the cell of ``sid`` in the installed table (made only once the write is in: a cell
+        made for a write that was refused would name an incarnation number the next insertion reuses)."""
+        with self._lock:
+            self._swap_locked(lambda state: (op(state), None), writer, dropped, False)
+            return self._cell(self._state, sid)
 
     def _settle(
         self,
@@ -136,43 +200,122 @@ class SessionStateManager:
         writer: str | None,
         attrs_unchanged: bool = False,
         admit: bool = True,
+        dropped: Mapping[str, str] | None = None,
     ) -> ManagerState:
-        """Under the lock: the state a write installs. ``after`` brought within the byte budget (`_admit`),
-        then the engine KV blocks no handle holds any more handed back to their engines, each exactly once.
-        A failing engine callback raises `KVFreeError` and the write is not made (sessions it would have
-        detached stay in the table)."""
-        try:
-            final = self._admit(before, after, writer, attrs_unchanged) if admit else after
-            # (A state a donating step consumed held no fewer blocks than its successor: a step changes one
-            # object's arrays, never which handles the table holds.)
-            if _POOLS and final is not before and type(before) is ManagerState:
-                released = free_released(before, final)
-                if released:
-                    self._evict_detached_handles(released)
+        """Under the lock: the state a write installs, and the one place handles learn that sessions left.
+
+        ``after`` is brought within the byte budget (`_admit`); then the sessions that left the table are
+        found by comparing ``before`` with the result, by incarnation (an LRU eviction, a drop, a release by
+        the budget: whatever the op did, never a prediction of it); the engine KV blocks no handle holds
+        any more go back to their engines, each exactly once; and only then the handles of the sessions
+        that left switch to their own copies. A refused budget or a failing engine callback (`KVFreeError`)
+        raises before anything changed.
+
+        ``dropped``: ids the op removes at a caller's request, with why (``"dropped (...)"``): these leave
+        even if an id's incarnation number reappears (a table replaced by `load`), and their handles refuse
+        writes. Other departures are evictions, whose handles keep working on their own copy."""
+        final = self._admit(before, after, writer, attrs_unchanged) if admit else after
+        if final is before:
             return final
-        except BaseException:
-            for cell in self._detaching:  # the write is not made: the sessions it detached stay
-                self._cells[cell.uid] = cell
-                self._detached.discard(cell)
-            raise
-        finally:
-            self._detaching.clear()
+        left = self._departures(before, after, final, dropped or {})
+        # (A state a donating step consumed held no fewer blocks than its successor: a step changes one
+        # object's arrays, never which handles the table holds.)
+        released = free_released(before, final) if _POOLS and type(before) is ManagerState else {}
+        if left:
+            self._detach(left)
+        if released:
+            self._evict_detached_handles(released)
+        return final
+
+    def _departures(
+        self, before: ManagerState, after: ManagerState, final: ManagerState, dropped: Mapping[str, str]
+    ) -> list[_Departure]:
+        """The incarnations in ``before`` that ``final`` no longer holds: those ``op`` removed (``before`` to
+        ``after``), then those the budget released (``after`` to ``final``)."""
+        out: list[_Departure] = []
+        # A table derived from `before` gained exactly one incarnation number per insertion, so when its
+        # size grew by that much, no session left (the per-write common case: no walk).
+        inserted = after._meta[ms._UID] - before._meta[ms._UID]
+        if dropped or len(after) - len(before) != inserted:
+            evicted = f"evicted (LRU: the table holds at most max_sessions={before.max_sessions})"
+            for sid, node in before._nodes.items():
+                uid = node[ms._U]
+                if sid in dropped:
+                    out.append(_Departure(sid, uid, node[ms._S], dropped[sid], True))
+                elif not _holds(after, sid, uid):
+                    out.append(_Departure(sid, uid, node[ms._S], evicted, False))
+        if final is not after and len(final) < len(after):
+            gone = {d.uid for d in out}
+            budget = "dropped by the byte budget (to make room; released like an LRU eviction)"
+            for sid, node in after._nodes.items():
+                uid = node[ms._U]
+                if uid not in gone and not _holds(final, sid, uid):
+                    out.append(_Departure(sid, uid, node[ms._S], budget, False))
+        return out
+
+    def _detach(self, left: list[_Departure]) -> None:
+        """Under the lock, once a write that took sessions out of the table is certain to be installed: the
+        live handles of each keep its last state as their own copy (handles of a session in the table read
+        and write the table; only on leaving does the copy matter, so writes never pay for keeping it)."""
+        for d in left:
+            self._departed[d.sid] = d.reason
+            self._departed.move_to_end(d.sid)
+            if len(self._departed) > _DEPARTED_KEPT:
+                self._departed.popitem(last=False)
+            if d.closed or d.reason.startswith("dropped"):
+                _log.info("session %r %s", d.sid, d.reason)
+            else:
+                _log.debug("session %r %s", d.sid, d.reason)
+            cell = self._cells.pop(d.uid, None)
+            if cell is not None:
+                cell.session = d.session  # first: a lock-free reader that sees `left` must find the copy
+                cell.closed = d.closed
+                cell.left = d.reason
+                self._detached.add(cell)
 
     def _evict_detached_handles(self, released: dict[Any, tuple[int, ...]]) -> None:
         """Handles of sessions that left the table keep their copy, minus the engine blocks just freed: a
-        handle whose blocks went back to the engine is evicted there, so it never reads recycled memory."""
-        for cell in self._detaching:
+        handle holding a block that went back to the engine is evicted there, so it never reads recycled
+        memory."""
+        freed = {pool.uid: set(ids) for pool, ids in released.items()}
+        for cell in list(self._detached):
             session = cell.session
             for name, obj in session.objects.items():
-                if isinstance(obj, PagedKVHandle) and obj.pool in released:
+                if isinstance(obj, PagedKVHandle) and freed.get(obj.pool.uid, set()) & set(obj.held_blocks()):
                     session = session.update(name, lambda o: o.evict()[0])
+                    _log.debug(
+                        "session %r: detached handle's KV %r evicted (its blocks went back)", cell.session_id, name
+                    )
             cell.session = session
+
+    def _hand_back(self, before: ManagerState, restored: ManagerState, sid: str) -> None:
+        """Under the lock, when a write that restored parked objects of ``sid`` (``before`` to ``restored``)
+        is refused: the engine blocks their ``reload`` took, which no state will hold, go back to their
+        engines. The parked objects in the table keep their host copies, so they can be restored later."""
+        if not _POOLS or before is restored:
+            return
+        old, new = ms.lookup(before, sid, None), ms.lookup(restored, sid, None)
+        if old is None or new is None:
+            return
+        reloaded: dict[Any, list[int]] = {}
+        for name, obj in new.objects.items():
+            prev = old.objects.get(name)
+            if isinstance(obj, PagedKVHandle) and isinstance(prev, PagedKVHandle) and prev.parked and obj.resident:
+                reloaded.setdefault(obj.pool, []).extend(obj.block_ids)  # fresh blocks: no one else holds them
+        for pool, ids in reloaded.items():
+            try:
+                pool.free_fn(tuple(sorted(ids)))
+            except Exception:
+                _log.warning(
+                    "KV pool %r: a refused restore could not hand its reloaded blocks back", pool.name, exc_info=True
+                )
 
     def _admit(
         self, before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool = False
     ) -> ManagerState:
         """Under the lock: ``after`` brought within the byte budget, or BudgetExceededError (nothing changes).
-        Sessions the budget drops leave their handles working on their own copy, as an eviction does.
+        Sessions the budget drops leave their handles working on their own copy, as an eviction does
+        (`_settle` detaches them).
 
         The common case is a write that stays within budget: it is decided from the kept object totals plus
         an upper bound on the attr bytes beyond them, with no walk of the table. The bound is exact after a
@@ -188,10 +331,6 @@ class SessionStateManager:
         if writer is not None and writer in after:
             protect.add(writer)
         enforced = enforce_budget(after, protect, levers=self._levers)
-        if len(enforced) < len(after):
-            for cell in list(self._cells.values()):
-                if cell.session_id not in enforced:
-                    self._detach(after, cell.session_id)
         self._attr_surplus = attr_surplus(enforced)
         return enforced
 
@@ -242,23 +381,14 @@ class SessionStateManager:
             self._cells[uid] = cell
         return cell
 
-    def _detach(self, state: ManagerState, sid: str | None) -> None:
-        """Before ``sid`` leaves the table: its live handles keep its last state as their own copy.
-
-        Handles of a session in the table read and write the table; only on leaving does the copy matter,
-        so writes never pay for keeping it current."""
-        uid = ms.incarnation(state, sid) if sid is not None else None
-        cell = self._cells.pop(uid, None) if uid is not None else None
-        if cell is not None:
-            cell.session = ms.lookup(state, sid)
-            self._detached.add(cell)
-            self._detaching.append(cell)
-
-    def _insertion(self, state: ManagerState, sid: str, insert: Callable[[ManagerState], ManagerState]) -> ManagerState:
-        """Run ``insert`` (which adds ``sid``), detaching the least recent session first if it will be evicted."""
-        if sid not in state and len(state) >= state.max_sessions and state.evict_when_full:
-            self._detach(state, state.least_recent)
-        return insert(state)
+    def _require(self, state: ManagerState, sid: str, what: str) -> None:
+        """Refuse an absent session that this shell saw leave, saying how it left (the pure functions can
+        only say it is absent)."""
+        if sid not in state and sid in self._departed:
+            raise SessionStateLostError(
+                f"`{what}`: session {sid!r} was {self._departed[sid]}, so a continuation cannot resume it. "
+                f"Start a new session with `get_or_create_session`."
+            )
 
     # --- sessions ----------------------------------------------------------------------------------
     def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
@@ -277,9 +407,8 @@ class SessionStateManager:
                 cell = self._cells.get(node[ms._U])
                 if cell is None:
                     cell = self._cell(state, sid)
-            else:
-                new = self._insertion(state, sid, lambda s: ms.get_or_create(s, sid)[0])
-                self._state = state = self._settle(state, new, sid, admit=False)
+            else:  # a miss adds an empty session (no bytes), evicting the least recent one at the cap
+                self._state = state = self._settle(state, ms.get_or_create(state, sid)[0], sid, admit=False)
                 cell = self._cell(state, sid)
         return SessionHandle(self, cell)
 
@@ -287,15 +416,16 @@ class SessionStateManager:
         """A handle on an existing session, for continuations.
 
         Raises:
-          SessionStateLostError: the session is unknown, evicted or dropped; nothing is created.
+          SessionStateLostError: the session is unknown, evicted or dropped (the message says which, for a
+            session this manager saw leave); nothing is created.
         """
         sid = ms.resolve_session_id(session_id)
 
-        def op(state: ManagerState) -> tuple[ManagerState, _Cell]:
-            state, _ = ms.get_session(state, sid)
-            return state, self._cell(state, sid)
+        def op(state: ManagerState) -> ManagerState:
+            self._require(state, sid, "get_session")
+            return ms.get_session(state, sid)[0]
 
-        return SessionHandle(self, self._swap(op))
+        return SessionHandle(self, self._swap_cell(op, sid))
 
     def fork_session(self, source_id: str | None, new_id: str | None) -> SessionHandle:
         """Fork a session (see `functional_state.fork_session`); returns a handle on the fork.
@@ -306,11 +436,12 @@ class SessionStateManager:
         """
         nid = ms.resolve_session_id(new_id)
 
-        def op(state: ManagerState) -> tuple[ManagerState, _Cell]:
-            state = self._insertion(state, nid, lambda s: ms.fork_session(s, source_id, nid))
-            return state, self._cell(state, nid)
+        def op(state: ManagerState) -> ManagerState:
+            if source_id is None or isinstance(source_id, str):
+                self._require(state, ms.resolve_session_id(source_id), "fork_session")
+            return ms.fork_session(state, source_id, nid)
 
-        return SessionHandle(self, self._swap(op, writer=nid))
+        return SessionHandle(self, self._swap_cell(op, nid, writer=nid))
 
     # --- checkpoints -------------------------------------------------------------------------------
     def save_session(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
@@ -343,44 +474,39 @@ class SessionStateManager:
         _ckpt._check_free(self._state, target, replace)  # fail before reading the checkpoint
         session = _ckpt.read_session(session_id, path, placement=placement, torch_device=torch_device, **hooks)
 
-        def op(state: ManagerState) -> tuple[ManagerState, str]:
-            if target in state:
-                _ckpt._check_free(state, target, replace)
-                self._detach(state, target)
-            insert = lambda s: _ckpt.install_session(s, target, session, replace=replace)
-            return self._insertion(state, target, insert), target
+        def op(state: ManagerState) -> ManagerState:
+            _ckpt._check_free(state, target, replace)
+            return _ckpt.install_session(state, target, session, replace=replace)
 
+        replaced = {target: "dropped (replaced by `load_session(..., replace=True)`)"}
         try:
-            self._swap(op, writer=target)
+            cell = self._swap_cell(op, target, writer=target, dropped=lambda state: replaced)
         except BaseException as e:  # not installed (the id was taken meanwhile, or it exceeds the budget)
             _ckpt._release_sessions([session], e)
             raise
-        return self.get_session(target)
+        return SessionHandle(self, cell)
 
     def load(self, path: Any, *, placement: Any = None, torch_device: Any = None, **hooks: Any) -> None:
         """Replace the whole table by the one a `save` wrote (its sessions, recency, counters, config). Handles
         on the sessions it replaces keep their own copies, as after a drop."""
         table = _ckpt.load(path, placement=placement, torch_device=torch_device, **hooks)
 
-        def op(state: ManagerState) -> tuple[ManagerState, None]:
-            for sid in state.session_ids:
-                self._detach(state, sid)
-            return table, None
+        def replaced(state: ManagerState) -> dict[str, str]:
+            return dict.fromkeys(state.session_ids, "dropped (the table was replaced by `load`)")
 
         try:
-            self._swap(op)
+            self._swap(lambda state: (table, None), dropped=replaced)
         except BaseException as e:
             _ckpt._release_sessions(ms.sessions(table).values(), e)
             raise
 
     def drop_session(self, session_id: str | None) -> bool:
-        """Remove a session from the table; True if it was there. Live handles keep their state."""
-        return self._swap(lambda state: self._drop(state, session_id))
-
-    def _drop(self, state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
-        if session_id in state:
-            self._detach(state, ms.resolve_session_id(session_id))
-        return ms.drop_session(state, session_id)
+        """Remove a session from the table; True if it was there. Live handles keep their last state to
+        read, and refuse writes (which could reach no session): `SessionStateLostError`."""
+        sid = ms.resolve_session_id(session_id)
+        return self._swap(
+            lambda state: ms.drop_session(state, sid), dropped=lambda state: {sid: "dropped (`drop_session`)"}
+        )
 
     def raise_max_sessions(self, n: int) -> None:
         """Raise the count cap (see `functional_state.raise_max_sessions`)."""
@@ -405,6 +531,7 @@ class SessionStateManager:
         sid = ms.resolve_session_id(session_id)
 
         def op(state: ManagerState) -> tuple[ManagerState, None]:
+            self._require(state, sid, "step")
             self._refuse_reentrant_table_write(state, sid, "step")
             if state in self._published:
                 # A caller holds this very table: nothing in it may be donated, and it must stay usable.
@@ -418,24 +545,38 @@ class SessionStateManager:
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes
-        moved per pool. Handles restore it on their next access."""
+        moved per pool. Handles restore it on their next access.
+
+        Under a byte budget the session parked is the writer: a host pool the park would leave over its
+        budget may release other sessions, never this one.
+
+        Raises:
+          BudgetExceededError: the host copy does not fit even so; nothing changed.
+        """
         sid = ms.resolve_session_id(session_id)
 
         def op(state: ManagerState) -> tuple[ManagerState, dict[str, int]]:
+            self._require(state, sid, "park")
             self._refuse_reentrant_table_write(state, sid, "park")
             return ms.park(state, sid, name, with_sharers=with_sharers)
 
-        return self._swap(op)
+        return self._swap(op, writer=sid)
 
     def restore(self, session_id: str | None, name: str) -> dict[str, int]:
-        """Restore a parked object (see `functional_state.restore`); returns the bytes moved per pool."""
+        """Restore a parked object (see `functional_state.restore`); returns the bytes moved per pool.
+
+        Raises:
+          BudgetExceededError: the restored object does not fit the budget; nothing changed (engine blocks a
+            KV ``reload`` took go back, and the object stays parked, restorable later).
+        """
         sid = ms.resolve_session_id(session_id)
 
         def op(state: ManagerState) -> tuple[ManagerState, dict[str, int]]:
+            self._require(state, sid, "restore")
             self._refuse_reentrant_table_write(state, sid, "restore")
             return ms.restore(state, sid, name)
 
-        return self._swap(op, writer=sid)
+        return self._swap(op, writer=sid, restoring=True)
 
     def _refuse_reentrant_table_write(self, state: ManagerState, sid: str, what: str) -> None:
         uid = ms.incarnation(state, sid)
@@ -455,13 +596,20 @@ class SessionStateManager:
     @staticmethod
     def _in_table(state: ManagerState, cell: _Cell) -> bool:
         node = state._nodes.get(cell.session_id)  # (the cell's id was checked when it was made)
-        return node is not None and node[ms._U] == cell.uid
+        return cell.left is None and node is not None and node[ms._U] == cell.uid
 
     def _read(self, cell: _Cell) -> SessionState:
         node = self._state._nodes.get(cell.session_id)  # one atomic read: a consistent snapshot
-        if node is not None and node[ms._U] == cell.uid:
+        if cell.left is None and node is not None and node[ms._U] == cell.uid:
             return node[ms._S]
         return cell.session
+
+    def _closed(self, cell: _Cell, what: str) -> SessionStateLostError:
+        return SessionStateLostError(
+            f"`{what}`: session {cell.session_id!r} was {cell.left}; this handle is detached from the manager "
+            f"and a write through it would reach no session, so it is refused. Its last state is still "
+            f"readable (`handle.state`); start a new session with `get_or_create_session`."
+        )
 
     def _store(self, state: ManagerState, cell: _Cell, session: SessionState) -> ManagerState:
         """Under the lock: make ``session`` the cell's state, in the table if the cell is still there."""
@@ -470,66 +618,117 @@ class SessionStateManager:
         cell.session = session
         return state
 
-    def _restore_parked(self, cell: _Cell, names: list[str] | None = None) -> int:
-        """Restore parked objects of the cell's session (``names``, or all of them): what a handle does when
-        it meets a parked object. Returns how many it restored (each counted in ``stats()["restores"]``)."""
-        with self._lock:
-            state = self._state
-            in_table = self._in_table(state, cell)
-            session = ms.lookup(state, cell.session_id) if in_table else cell.session
-            todo = [n for n, o in session.objects.items() if o.parked and (names is None or n in names)]
+    def _restore_locked(
+        self, state: ManagerState, cell: _Cell, names: Iterable[str] | None
+    ) -> tuple[ManagerState, SessionState, int]:
+        """Under the lock: ``state`` with the cell's parked objects (``names``, or all) restored, not yet
+        installed; for a detached cell its copy is restored instead (and ``state`` returned as it was).
+        Returns ``(state, session as restored, how many were restored)``."""
+        in_table = self._in_table(state, cell)
+        session = ms.lookup(state, cell.session_id) if in_table else cell.session
+        wanted = None if names is None else set(names)
+        todo = [n for n, o in session.objects.items() if o.parked and (wanted is None or n in wanted)]
+        start = state
+        try:
             for name in todo:
                 if in_table:
                     state, _ = ms.restore(state, cell.session_id, name)
                 else:
-                    session = session.update(name, lambda o: o.restore())
-            if in_table:
-                self._state = self._settle(self._state, state, cell.session_id)
-            else:
-                cell.session = session
-        return len(todo)
+                    cell.session = session = session.update(name, lambda o: o.restore())
+        except BaseException:
+            self._hand_back(start, state, cell.session_id)  # the reloads that succeeded before one failed
+            raise
+        if in_table:
+            session = ms.lookup(state, cell.session_id)
+        return state, session, len(todo)
 
-    def _apply(self, cell: _Cell, op: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
-        """Apply library code ``op`` to the cell's session under the lock (restoring parked objects it meets)."""
-        self._check_not_reentrant(cell)
-        for attempt in range(2):
-            try:
-                with self._lock:
-                    state = self._state
-                    if self._in_table(state, cell):
-                        new, out = op(ms.lookup(state, cell.session_id))
-                        self._state = self._settle(state, self._store(state, cell, new), cell.session_id)
-                    else:
-                        cell.session, out = op(cell.session)
-                return out
-            except ObjectParkedError:
-                if attempt or not self._restore_parked(cell):
+    def _restore_parked(self, cell: _Cell, names: Iterable[str] | None = None) -> tuple[SessionState, int]:
+        """Restore parked objects of the cell's session (``names``, or all of them): what a handle does when
+        it meets a parked object. Returns the session as restored (read under the same lock, so no other
+        thread parked anything again in between) and how many it restored (each counted in
+        ``stats()["restores"]``).
+
+        Raises:
+          BudgetExceededError: the restored objects do not fit the budget; nothing changed.
+        """
+        with self._lock:
+            state = self._state
+            new, session, n = self._restore_locked(state, cell, names)
+            if new is not state:
+                try:
+                    self._state = self._settle(state, new, cell.session_id, attrs_unchanged=True)
+                except BaseException:
+                    self._hand_back(state, new, cell.session_id)
                     raise
-        raise AssertionError("unreachable")
+                session = ms.lookup(self._state, cell.session_id)
+            return session, n
+
+    def _write(
+        self,
+        cell: _Cell,
+        what: str,
+        op: Callable[[SessionState], tuple[SessionState, _Result]],
+        names: Iterable[str] | None = None,
+        *,
+        table_op: Callable[[ManagerState], ManagerState] | None = None,
+        attrs_unchanged: bool = False,
+    ) -> _Result:
+        """The one write path of handles: library code ``op`` applied to the cell's session under the lock.
+
+        A parked object ``op`` meets is restored first (``names``, or every parked object), under the same
+        lock, and the restores land only with the write: no other thread can park it again in between, and
+        a refused write (bad input, the budget) leaves the table as it was, handing back any engine blocks
+        a KV restore took. ``table_op`` is the same write on the table, when a faster pure function exists.
+
+        Raises:
+          SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
+        """
+        if cell.uid in self._writing_set():
+            self._check_not_reentrant(cell)
+        with self._lock:
+            if cell.closed:
+                raise self._closed(cell, what)
+            start = state = self._state
+            try:
+                while True:
+                    try:
+                        if self._in_table(state, cell):
+                            if table_op is not None:
+                                new, out = table_op(state), None
+                            else:
+                                session, out = op(ms.lookup(state, cell.session_id))
+                                new = self._store(state, cell, session)
+                            self._state = self._settle(start, new, cell.session_id, attrs_unchanged=attrs_unchanged)
+                        else:
+                            cell.session, out = op(cell.session)
+                        return out  # type: ignore[return-value]
+                    except ObjectParkedError:
+                        state, _, restored = self._restore_locked(state, cell, names)
+                        if not restored:
+                            raise
+            except BaseException:
+                if state is not start:
+                    self._hand_back(start, state, cell.session_id)
+                raise
 
     def _commit(self, cell: _Cell, name: str, payload: Any) -> None:
         """`SessionHandle.commit`: the per-step write, one pure call under the lock."""
-        if cell.uid in self._writing_set():
-            self._check_not_reentrant(cell)
-        for attempt in range(2):
-            try:
-                with self._lock:
-                    state = self._state
-                    if self._in_table(state, cell):
-                        new = ms.commit(state, cell.session_id, name, payload)
-                        self._state = self._settle(state, new, cell.session_id, attrs_unchanged=True)
-                    else:
-                        cell.session = cell.session.update(name, lambda obj: obj.commit(payload))
-                return
-            except ObjectParkedError:
-                if attempt or not self._restore_parked(cell, [name]):
-                    raise
+        self._write(
+            cell,
+            "commit",
+            lambda s: (s.update(name, lambda obj: obj.commit(payload)), None),
+            (name,),
+            table_op=lambda state: ms.commit(state, cell.session_id, name, payload),
+            attrs_unchanged=True,
+        )
 
     def _transact(self, cell: _Cell, fn: Callable[[SessionState], tuple[SessionState, _Result]]) -> _Result:
         """Run user code ``fn`` on the cell's session outside the lock; swap its result in if the session is
         unchanged, else run it again on the newer session (compare and retry). The session is pinned
         meanwhile: the byte budget never releases a session inside a transaction."""
         self._check_not_reentrant(cell)
+        if cell.closed:
+            raise self._closed(cell, "transact")
         with self.pin(cell.session_id):
             return self._transact_pinned(cell, fn)
 
@@ -542,7 +741,7 @@ class SessionStateManager:
                 new, out = fn(current)
             except ObjectParkedError:
                 writing.discard(cell.uid)
-                if self._restore_parked(cell):  # fn met a parked object: restore and run it again
+                if self._restore_parked(cell)[1]:  # fn met a parked object: restore and run it again
                     continue
                 raise
             finally:
@@ -550,6 +749,8 @@ class SessionStateManager:
             if not isinstance(new, SessionState):
                 raise ms.InvalidTypeError(f"a transaction must return a SessionState, got {type(new).__name__}.")
             with self._lock:
+                if cell.closed:
+                    raise self._closed(cell, "transact")
                 state = self._state
                 latest = ms.lookup(state, cell.session_id) if self._in_table(state, cell) else cell.session
                 if latest is current:
@@ -621,8 +822,7 @@ class SessionHandle:
         """The state object ``name`` (immutable snapshot); a parked object is restored first."""
         obj = self.state.get(name, default)
         if isinstance(obj, StateObject) and obj.parked:
-            self._manager._restore_parked(self._cell, [name])
-            obj = self.state.get(name, default)
+            obj = self._manager._restore_parked(self._cell, [name])[0].get(name, default)
         return obj
 
     def park(self, name: str, *, with_sharers: bool = False) -> dict[str, int]:
@@ -631,22 +831,22 @@ class SessionHandle:
         self._manager._check_not_reentrant(self._cell)
         if self.in_table:
             return self._manager.park(self.session_id, name, with_sharers=with_sharers)
-        return self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.park()), {}))
+        return self._manager._write(self._cell, "park", lambda s: (s.update(name, lambda o: o.park()), {}), ())
 
     def restore(self, name: str) -> dict[str, int]:
         """Restore a parked object now (handles also do it on first access). Returns the bytes moved per pool."""
         self._manager._check_not_reentrant(self._cell)
         if self.in_table:
             return self._manager.restore(self.session_id, name)
-        return self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.restore()), {}))
+        return self._manager._write(self._cell, "restore", lambda s: (s.update(name, lambda o: o.restore()), {}), ())
 
     def put(self, name: str, obj: StateObject) -> SessionHandle:
-        self._manager._apply(self._cell, lambda s: (s.put(name, obj), None))
+        self._manager._write(self._cell, "put", lambda s: (s.put(name, obj), None))
         return self
 
     def remove(self, name: str) -> SessionHandle:
         """Remove object ``name`` (a no-op if absent)."""
-        self._manager._apply(self._cell, lambda s: (s.remove(name), None))
+        self._manager._write(self._cell, "remove", lambda s: (s.remove(name), None))
         return self
 
     def get_or_create(self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None) -> ObjectT:
@@ -657,15 +857,14 @@ class SessionHandle:
         """
         try:
             obj = self.state._reusable(name, cls)
-        except ObjectParkedError:
-            self._manager._restore_parked(self._cell, [name])
-            obj = self.state._reusable(name, cls)
+        except ObjectParkedError:  # restored and read under one lock: no other thread parks it in between
+            obj = self._manager._restore_parked(self._cell, [name])[0]._reusable(name, cls)
         if obj is not None:
             return obj
         return self._manager._transact(self._cell, lambda s: s.get_or_create(name, factory, cls))
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
-        self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.stage(payload)), None))
+        self._manager._write(self._cell, "stage", lambda s: (s.update(name, lambda o: o.stage(payload)), None), (name,))
         return self
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
@@ -676,7 +875,7 @@ class SessionHandle:
         return self.commit(name, payload)
 
     def discard(self, name: str) -> SessionHandle:
-        self._manager._apply(self._cell, lambda s: (s.update(name, lambda o: o.discard()), None))
+        self._manager._write(self._cell, "discard", lambda s: (s.update(name, lambda o: o.discard()), None), (name,))
         return self
 
     def view(self, name: str, include_staged: bool = True) -> Any:
@@ -684,7 +883,7 @@ class SessionHandle:
 
     def evict(self, name: str) -> int:
         """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""
-        return self._manager._apply(self._cell, lambda s: s.evict(name))
+        return self._manager._write(self._cell, "evict", lambda s: s.evict(name), (name,))
 
     def step(self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False) -> SessionHandle:
         """`SessionStateManager.step` on this session (which must be in the table)."""
@@ -696,16 +895,16 @@ class SessionHandle:
         return self.state.get_attr(key, default)
 
     def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> SessionHandle:
-        self._manager._apply(self._cell, lambda s: (s.set_attr(key, value, on_fork=on_fork), None))
+        self._manager._write(self._cell, "set_attr", lambda s: (s.set_attr(key, value, on_fork=on_fork), None))
         return self
 
     def del_attr(self, key: str) -> SessionHandle:
-        self._manager._apply(self._cell, lambda s: (s.del_attr(key), None))
+        self._manager._write(self._cell, "del_attr", lambda s: (s.del_attr(key), None))
         return self
 
     def reset(self) -> SessionHandle:
         """Reset every object and clear the attrs."""
-        self._manager._apply(self._cell, lambda s: (s.reset(), None))
+        self._manager._write(self._cell, "reset", lambda s: (s.reset(), None))
         return self
 
     def nbytes_by_device(self) -> dict[str, int]:

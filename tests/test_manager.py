@@ -289,3 +289,198 @@ def test_shell_step_never_donates_what_a_fork_a_snapshot_or_a_holder_still_reads
     np.testing.assert_array_equal(held.view()[:, 0], [1.0, 2.0, 3.0])
     assert m.stats()["deleted_arrays"] == 0
     np.testing.assert_array_equal(h.view("ring")[:, 0], [1.0, 2.0, 3.0, 4.0])
+
+
+# --- issue 19: handles detach exactly the sessions that left; nothing the shell does loses data ---------------
+
+
+def test_a_fork_at_the_cap_detaches_the_session_it_evicted_not_a_resident_one():
+    # Regression: the shell detached `least_recent` before the fork touched its source, so the fork evicted
+    # another session and the still-resident one's handles read an empty copy.
+    m = SessionStateManager(max_sessions=2)
+    a = m.get_or_create_session("a").put("buf", LatentBuffer.create()).commit("buf", 0)
+    b = m.get_or_create_session("b").put("buf", LatentBuffer.create()).commit("buf", 1)
+    c = m.fork_session("a", "c")  # a is touched first, so b (now least recent) is evicted
+    assert m.state.session_ids == ("a", "c")
+    assert a.in_table and a.view("buf") == (0,) and c.view("buf") == (0,)
+    assert not b.in_table and b.view("buf") == (1,)  # b keeps its own copy
+    a.commit("buf", 2)
+    assert fs.lookup(m.state, "a").get("buf").view() == (0, 2)  # a's handle still writes the table
+
+
+def test_a_refused_fork_at_the_cap_detaches_nothing():
+    m = SessionStateManager(max_sessions=2)
+    a = m.get_or_create_session("a").put("buf", LatentBuffer.create()).commit("buf", 1)
+    m.get_or_create_session("b")
+    with pytest.raises(SessionStateLostError):
+        m.fork_session("ghost", "c")
+    assert a.in_table and a.view("buf") == (1,)
+    a.commit("buf", 2)
+    assert fs.lookup(m.state, "a").get("buf").view() == (1, 2)
+    m.get_or_create_session("x")  # now a is evicted: its handle keeps the state it had, writes included
+    assert not a.in_table and a.view("buf") == (1, 2)
+
+
+def test_a_refused_fork_leaves_no_handle_for_the_next_session_to_inherit():
+    # Regression: the fork made its handle's cell before the write was refused; the next insertion reused
+    # the incarnation number, and its handle was the refused fork's.
+    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+
+    engine = ReferenceKVEngine(num_blocks=8, block_size=16, heads=2, head_dim=8)
+    m = SessionStateManager(max_sessions=2)
+    m.get_or_create_session("a").put("kv", fs.PagedKVHandle.create(engine.pool, engine.allocate(2)))
+    m.get_or_create_session("b")
+    engine.fail_next_free = True  # the fork evicts a: handing its blocks back fails, so the fork is refused
+    with pytest.raises(fs.KVFreeError):
+        m.fork_session("b", "c")
+    assert m.state.session_ids == ("a", "b")
+    h = m.get_or_create_session("x")  # evicts a (the free works now)
+    assert h.session_id == "x" and h.in_table and fs.lookup(m.state, "x") is h.state
+
+
+def test_park_under_a_host_pool_budget_never_drops_the_parked_session():
+    # Regression: `park` passed no writer to the budget, which dropped the very session it had parked.
+    m = SessionStateManager(byte_budget={"cpu/unpinned_host": 1024})
+    h = m.get_or_create_session("a").put("x", fs.DenseValue.create(torch.zeros(1024)))  # 4 KiB
+    with pytest.raises(fs.BudgetExceededError, match="cpu/unpinned_host"):
+        m.park("a", "x")
+    assert "a" in m and h.in_table and h.get("x").resident
+    assert torch.equal(h.view("x"), torch.zeros(1024))
+    with pytest.raises(fs.BudgetExceededError):
+        h.park("x")  # through the handle: the same
+    assert "a" in m and m.stats()["parks"] == 0
+
+
+def _bytes(stats):
+    return {k: v for k, v in stats.items() if k.startswith("nbytes:") or k == "total_nbytes"}
+
+
+class _ReleaseHook:
+    """A lock that runs ``hook()`` after every release (another thread's write landing in between)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.hook = lambda: None
+
+    def __enter__(self):
+        self._lock.acquire()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+        self.hook()
+
+
+def _repark_after_a_restore(m, lock, sid, name):
+    """Arm ``lock`` so that the first release after ``name`` is restored parks it again (once)."""
+    fired = []
+
+    def hook():
+        if not fired and not fs.lookup(m.state, sid).get(name).parked:
+            fired.append(True)
+            m.park(sid, name)
+
+    lock.hook = hook
+    return fired
+
+
+@pytest.mark.parametrize("use", ["commit", "view", "get_or_create"])
+def test_a_restore_on_access_and_its_use_happen_under_one_lock(use):
+    # Regression: a handle restored a parked object, released the lock, another thread parked it again, and
+    # the handle's single retry raised ObjectParkedError.
+    lock = _ReleaseHook()
+    m = SessionStateManager(lock_factory=lambda: lock)
+    h = m.get_or_create_session("a").put("buf", LatentBuffer.create(maxlen=4)).commit("buf", np.int64(1))
+    m.park("a", "buf")
+    fired = _repark_after_a_restore(m, lock, "a", "buf")
+    if use == "commit":
+        h.commit("buf", np.int64(2))
+        lock.hook = lambda: None
+        assert [int(x) for x in h.view("buf")] == [1, 2]
+    elif use == "view":
+        assert [int(x) for x in h.view("buf")] == [1]
+    else:
+        assert [int(x) for x in h.get_or_create("buf", LatentBuffer.create, LatentBuffer).view()] == [1]
+    assert fired  # the other thread's park did run in between
+
+
+def test_a_dropped_handle_refuses_writes_and_says_it_was_dropped(caplog):
+    # Regression: after drop_session a handle accepted commit silently, and the write went nowhere.
+    m = SessionStateManager()
+    h = m.get_or_create_session("a").put("buf", LatentBuffer.create()).commit("buf", 1)
+    with caplog.at_level("DEBUG", logger="functional_state"):
+        assert m.drop_session("a")
+    assert any(r.levelname == "INFO" and "'a' dropped" in r.getMessage() for r in caplog.records)
+    for write in (
+        lambda: h.commit("buf", 2),
+        lambda: h.put("x", LatentBuffer.create()),
+        lambda: h.set_attr("k", 1),
+        lambda: h.update("buf", lambda o: o.commit(2)),
+        lambda: h.transact(lambda s: s),
+    ):
+        with pytest.raises(SessionStateLostError, match=r"'a' was dropped \(`drop_session`\).*refused"):
+            write()
+    assert h.view("buf") == (1,) and "a" not in m  # its last state is still readable; nothing came back
+    with pytest.raises(SessionStateLostError, match=r"'a' was dropped"):
+        m.get_session("a")
+    fresh = m.get_or_create_session("a")  # a new incarnation is writable, the old handle still is not
+    fresh.put("buf", LatentBuffer.create()).commit("buf", 9)
+    with pytest.raises(SessionStateLostError):
+        h.commit("buf", 3)
+    assert fresh.view("buf") == (9,)
+
+
+def test_an_evicted_session_is_named_as_evicted_and_its_handle_keeps_working(caplog):
+    m = SessionStateManager(max_sessions=1)
+    h = m.get_or_create_session("a").put("buf", LatentBuffer.create()).commit("buf", 1)
+    with caplog.at_level("DEBUG", logger="functional_state"):
+        m.get_or_create_session("b")
+    assert any(r.levelname == "DEBUG" and "'a' evicted (LRU" in r.getMessage() for r in caplog.records)
+    for lost in (lambda: m.get_session("a"), lambda: m.park("a", "buf"), lambda: m.fork_session("a", "c")):
+        with pytest.raises(SessionStateLostError, match=r"'a' was evicted \(LRU.*max_sessions=1"):
+            lost()
+    with pytest.raises(SessionStateLostError, match=r"'a' was evicted \(LRU"):
+        h.step("buf", lambda o: o)  # step needs the session in the table
+    h.commit("buf", 2)  # an evicted handle keeps its own copy (nothing is lost mid-generation)
+    assert h.view("buf") == (1, 2) and "a" not in m
+
+
+def test_a_budget_refused_kv_restore_hands_the_reloaded_blocks_back_and_stays_parked():
+    # Regression: a KV restore the budget refused kept the blocks the engine reloaded (leaked) and left the
+    # handle unusable.
+    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+
+    engine = ReferenceKVEngine(num_blocks=8, block_size=16, heads=2, head_dim=8, offload=True)
+    ids = engine.allocate(2)
+    engine.write(ids[0], 3, torch.full((2, 8), 1.5), torch.full((2, 8), -2.5))
+    block = 2 * 16 * 2 * 8 * 2  # K and V of one block, bf16
+    m = SessionStateManager(byte_budget={"cpu": 3 * block})
+    a = m.get_or_create_session("a").put("kv", fs.PagedKVHandle.create(engine.pool, ids))
+    want = [t.clone() for t in a.view("kv")]
+    m.fork_session("a", "b")
+    m.park("a", "kv", with_sharers=True)  # one host copy shared by a and b; the blocks go back
+    assert engine.free_block_count() == 8
+    with m.pin("b"):  # b keeps the host copy: restoring a's blocks beside it is over budget
+        free = engine.free_block_count()
+        for restore in (lambda: m.restore("a", "kv"), lambda: a.view("kv"), lambda: a.restore("kv")):
+            with pytest.raises(fs.BudgetExceededError):
+                restore()
+            assert engine.free_block_count() == free and engine.allocated == set()
+            assert fs.lookup(m.state, "a").get("kv").parked and fs.lookup(m.state, "b").get("kv").parked
+        assert _bytes(m.stats()) == _bytes(m.stats(exact=True))
+    got = a.view("kv")  # b unpinned: the budget may release it now; a's K/V comes back bit for bit
+    assert all(torch.equal(x, y) for x, y in zip(want, got))
+    assert m.stats()["nbytes:cpu"] == m.stats(exact=True)["nbytes:cpu"] <= 3 * block
+    assert engine.allocated == set(fs.lookup(m.state, "a").get("kv").block_ids)
+
+
+def test_kv_restore_moves_the_kept_accounting_like_a_walk():
+    # Regression (_acct._swap_handle): a restore was priced as a commit of new blocks, so the kept totals
+    # kept counting the host copy it let go of.
+    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+
+    engine = ReferenceKVEngine(num_blocks=8, block_size=16, heads=2, head_dim=8, offload=True)
+    m = SessionStateManager()
+    m.get_or_create_session("a").put("kv", fs.PagedKVHandle.create(engine.pool, engine.allocate(2)))
+    m.park("a", "kv")
+    m.restore("a", "kv")
+    assert m.stats()["nbytes:cpu"] == m.stats(exact=True)["nbytes:cpu"] == 2 * 2 * 16 * 2 * 8 * 2
