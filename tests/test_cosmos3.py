@@ -155,7 +155,11 @@ MALFORMED = {
     "a dict": ({0: _kv()[0]}, _GOOD_FREQS, r"non-empty list of per-layer \(K, V\) pairs .*got dict"),
     "a triple": ([(*_kv()[0], _kv()[0][0])], _GOOD_FREQS, r"cached_kv\[0\] must be a \(K, V\) pair .*tuple of 3"),
     "a single tensor per layer": ([_kv()[0][0]], _GOOD_FREQS, r"cached_kv\[0\] must be a \(K, V\) pair .*tensor"),
-    "a non-tensor V": ([(_kv()[0][0], [1.0])], _GOOD_FREQS, r"cached_kv\[0\]: V must be a torch tensor, got a list of 1 item"),
+    "a non-tensor V": (
+        [(_kv()[0][0], [1.0])],
+        _GOOD_FREQS,
+        r"cached_kv\[0\]: V must be a torch tensor, got a list of 1 item",
+    ),
     "K and V dtypes differ": (
         [(_kv()[0][0], _kv()[0][1].float())],
         _GOOD_FREQS,

@@ -66,7 +66,9 @@ def _tensor_like(t: torch.Tensor) -> str:
 def _check_pair(pair: Any, what: str, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
     """``pair`` as two torch tensors of one dtype on one device, or `BranchStateError` naming what is wrong."""
     if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-        raise BranchStateError(f"{what} must be a ({names[0]}, {names[1]}) pair of torch tensors, got {_describe(pair)}.")
+        raise BranchStateError(
+            f"{what} must be a ({names[0]}, {names[1]}) pair of torch tensors, got {_describe(pair)}."
+        )
     for name, t in zip(names, pair):
         if not isinstance(t, torch.Tensor):
             raise BranchStateError(f"{what}: {name} must be a torch tensor, got {_describe(t)}.")

@@ -106,7 +106,9 @@ class FeatMapView(MutableSequence[Any]):
 
 def _check_window(window: Any) -> None:
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise InvalidArgumentError(f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {window!r}.")
+        raise InvalidArgumentError(
+            f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {window!r}."
+        )
 
 
 def _to_state(value: Any) -> Any:
