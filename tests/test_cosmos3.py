@@ -138,6 +138,67 @@ def test_set_branch_validates_before_writing(kv, freqs, match):
     assert fs.sessions(manager.state)["r"] is before
 
 
+def _kv(layers=2, dtype=torch.bfloat16, text_len=7):
+    shapes = Cosmos3Shapes(**{**SHAPES.__dict__, "num_layers": layers, "dtype": dtype, "text_len": text_len})
+    return encode_und_kv(shapes, 0)
+
+
+_GOOD_FREQS = build_freqs_gen(SHAPES)
+MALFORMED = {
+    # name: (cached_kv, freqs_gen, what the message must say)
+    "one stacked tensor": (
+        torch.stack([torch.stack(pair) for pair in _kv()]),
+        _GOOD_FREQS,
+        r"per-layer \(K, V\) pairs of torch tensors, got one stacked tensor \(a torch.bfloat16 tensor of shape "
+        r"\(2, 2, 1, 2, 7, 16\) on cpu\)",
+    ),
+    "a dict": ({0: _kv()[0]}, _GOOD_FREQS, r"non-empty list of per-layer \(K, V\) pairs .*got dict"),
+    "a triple": ([(*_kv()[0], _kv()[0][0])], _GOOD_FREQS, r"cached_kv\[0\] must be a \(K, V\) pair .*tuple of 3"),
+    "a single tensor per layer": ([_kv()[0][0]], _GOOD_FREQS, r"cached_kv\[0\] must be a \(K, V\) pair .*tensor"),
+    "a non-tensor V": (
+        [(_kv()[0][0], [1.0])],
+        _GOOD_FREQS,
+        r"cached_kv\[0\]: V must be a torch tensor, got a list of 1 item",
+    ),
+    "K and V dtypes differ": (
+        [(_kv()[0][0], _kv()[0][1].float())],
+        _GOOD_FREQS,
+        r"cached_kv\[0\]: K \(.*bfloat16.*\) and V \(.*float32.*\) must share a dtype",
+    ),
+    "a layer of another dtype": (
+        [_kv()[0], _kv(dtype=torch.float16)[1]],
+        _GOOD_FREQS,
+        r"cached_kv\[1\] K has shape \(1, 2, 7, 16\), torch.float16, cpu but layer 0's K has .*torch.bfloat16",
+    ),
+    "a layer of another shape": (
+        [_kv()[0], _kv(text_len=5)[1]],
+        _GOOD_FREQS,
+        r"cached_kv\[1\] K has shape \(1, 2, 5, 16\).* layer 0's K has shape \(1, 2, 7, 16\)",
+    ),
+    "freqs not a pair": (_kv(), _GOOD_FREQS[0], r"freqs_gen must be a \(cos, sin\) pair .*tensor of shape"),
+    "freqs of two shapes": (_kv(), (_GOOD_FREQS[0], _GOOD_FREQS[1][:3]), "freqs_gen cos has shape .* but sin has"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+@pytest.mark.parametrize("via", ["capture_from_transformer", "set_branch"])
+def test_malformed_kv_or_freqs_raise_a_branch_error_and_change_nothing(case, via):
+    # Regression (issue 19): one stacked tensor in `cached_kv` leaked torch's RuntimeError ("Boolean value of
+    # Tensor ... is ambiguous") from capture; layers of mismatched shape or dtype were stored without a word.
+    kv, freqs, match = MALFORMED[case]
+    manager = SessionStateManager()
+    adapter, transformer = Cosmos3StateAdapter("r", manager), Cosmos3TransformerCache()
+    transformer.cached_kv, transformer.freqs_gen = kv, freqs
+    before = fs.sessions(manager.state)["r"]
+    with pytest.raises(BranchStateError, match=f"`{via}`: .*{match}"):
+        if via == "set_branch":
+            adapter.set_branch(False, kv, freqs)
+        else:
+            adapter.capture_from_transformer(transformer, False)
+    assert fs.sessions(manager.state)["r"] is before and not adapter.is_branch_initialized(False)
+    assert transformer.cached_kv is kv and transformer.freqs_gen is freqs  # the transformer is left as it was
+
+
 def test_partially_stored_branch_raises_on_read():
     manager = SessionStateManager()
     adapter = Cosmos3StateAdapter("r", manager)

@@ -318,6 +318,52 @@ def test_lru_cap_and_pinned_eviction():
     assert "a" not in cache and len(cache) == 2
 
 
+def test_a_strict_adapter_refuses_use_once_its_session_left_the_table():
+    # Regression (issue 19): an adapter whose session was evicted or dropped kept accepting writes into a copy no
+    # request would read again. Strict (what `DreamZeroSessions` hands out), every use raises instead.
+    manager = SessionStateManager(max_sessions=2)
+    strict = DreamZeroStateAdapter("a", manager, strict=True)
+    strict.call_count = 5
+    DreamZeroStateAdapter("b", manager)
+    DreamZeroStateAdapter("c", manager)  # the count cap evicts "a" (least recently used)
+    assert not strict.in_table and "a" not in manager
+    for use in (
+        lambda: strict.call_count,
+        lambda: setattr(strict, "call_count", 6),
+        lambda: strict.append_video_latents(torch.ones(1, 1, 16, 4, 8, dtype=torch.bfloat16)),
+        lambda: strict.accumulate_frames(_frame(0)),
+        strict.get_concatenated_video_latents,
+    ):
+        with pytest.raises(fs.SessionStateLostError, match="'a': this state object refers to a session that is no"):
+            use()
+    assert "a" not in manager and strict.session_id == "a" and "detached" in repr(strict)  # nothing re-created
+    fresh = DreamZeroStateAdapter("a", manager, strict=True)  # a new incarnation: the old adapter stays dead
+    assert fresh.in_table and fresh.call_count == 0 and not strict.in_table
+    with pytest.raises(fs.SessionStateLostError):
+        strict.call_count  # noqa: B018
+
+
+def test_from_handle_creates_nothing_and_building_an_adapter_restores_nothing():
+    manager = SessionStateManager()
+    with pytest.raises(fs.SessionStateLostError):
+        DreamZeroStateAdapter.from_handle(manager.get_session("ghost"))
+    assert "ghost" not in manager
+    state = DreamZeroStateAdapter("s", manager)
+    state.append_video_latents(torch.ones(1, 1, 16, 4, 8, dtype=torch.bfloat16))
+    state.vae_enc_feat_map = [torch.zeros(8)]
+    state._session.park("video_latents")
+    state.park_feat_map()
+    # Regression (issue 19): a store now builds an adapter per request when the caller keeps none; building one
+    # restored every parked buffer at once (undoing the budget's parking). Parked objects wait for their use.
+    again = DreamZeroStateAdapter.from_handle(manager.get_session("s"))
+    also = DreamZeroStateAdapter("s", manager)
+    assert manager.stats()["restores"] == 0 and manager.stats()["parks"] == 2
+    assert again.get_concatenated_video_latents().shape == (1, 16, 1, 4, 8) and also.vae_enc_feat_map is not None
+    assert manager.stats()["restores"] == 2
+    with pytest.raises(ValueError, match="window of 2 frames; this adapter asks for 3"):
+        DreamZeroStateAdapter.from_handle(manager.get_session("s"), vae_encoder_window=3)
+
+
 def test_session_reset_leaves_a_fresh_adapter_with_defaults():
     manager = SessionStateManager()
     a = DreamZeroStateAdapter("s", manager)

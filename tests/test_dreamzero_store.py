@@ -1,12 +1,21 @@
 """The DreamZero serving lifecycle, on both paths: begin, resume, close, exports, admission, capacity."""
 
+import gc
 import hashlib
+import weakref
 
+import numpy as np
 import pytest
 import torch
 
-from functional_state import InvalidArgumentError, SessionAdmissionError, SessionStateLostError
-from functional_state.config import enable_override
+from functional_state import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    SessionAdmissionError,
+    SessionStateLostError,
+    incarnation,
+)
+from functional_state.config import ENV_MAX_SESSIONS, enable_override
 from torch_bridge.adapters import (
     BespokeDreamZeroCache,
     DreamZeroSessions,
@@ -14,7 +23,7 @@ from torch_bridge.adapters import (
     begins_session,
 )
 from torch_bridge.adapters import dreamzero_rollout as rollout
-from torch_bridge.adapters.dreamzero_store import default_resident_bound, estimate_session_nbytes
+from torch_bridge.adapters.dreamzero_store import MIB, default_resident_bound, estimate_session_nbytes
 
 PATHS = ["bespoke", "manager"]
 
@@ -154,13 +163,165 @@ def test_set_resident_capacity_raises_both_bounds_never_lowers_them():
     store = DreamZeroSessions(enable_session_state_manager=False, resident_bound=2)
     store.set_resident_capacity(5)
     assert store.resident_bound == 5 and store.manager.state.max_sessions == 5
-    for ignored in (3, 0, -4, True, 2.5, "9"):
-        store.set_resident_capacity(ignored)
-        assert store.resident_bound == 5 and store.manager.state.max_sessions == 5
+    store.set_resident_capacity(3)  # a lower capacity never lowers the bound (that would drop sessions)
+    assert store.resident_bound == 5 and store.manager.state.max_sessions == 5
     for i in range(5):
         store.begin(f"s{i}")
     with pytest.raises(SessionAdmissionError):
         store.begin("one-more")
+
+
+@pytest.mark.parametrize("n", [np.int64(5), np.int32(5), np.uint8(5)])
+def test_set_resident_capacity_accepts_numpy_integers(n):
+    # Regression (issue 19): an np.int64 capacity was silently ignored (isinstance(n, int) is False for it).
+    store = DreamZeroSessions(enable_session_state_manager=True, resident_bound=2)
+    store.set_resident_capacity(n)
+    assert store.resident_bound == 5 and type(store.resident_bound) is int and store.manager.state.max_sessions == 5
+    for i in range(5):
+        store.begin(f"s{i}")
+    assert len(store) == 5
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (True, InvalidTypeError, "got the bool True"),
+        (2.5, InvalidTypeError, r"got 2\.5 \(float\)"),
+        (9.0, InvalidTypeError, r"got 9\.0 \(float\)"),
+        ("9", InvalidTypeError, r"got '9' \(str\)"),
+        (None, InvalidTypeError, "got None"),
+        (0, InvalidArgumentError, r"\(>= 1\), got 0"),
+        (-4, InvalidArgumentError, r"\(>= 1\), got -4"),
+        (np.int64(-1), InvalidArgumentError, r"got -1"),
+    ],
+)
+def test_set_resident_capacity_refuses_what_is_not_a_positive_integer(bad, error, match):
+    # Regression (issue 19): these were ignored without a word, so a runner never learnt its capacity was lost.
+    store = DreamZeroSessions(enable_session_state_manager=True, resident_bound=2)
+    with pytest.raises(error, match=r"`DreamZeroSessions.set_resident_capacity: n` .*" + match):
+        store.set_resident_capacity(bad)
+    assert store.resident_bound == 2 and store.manager.state.max_sessions == 2
+
+
+def test_the_max_sessions_variable_sets_the_store_bound_unless_an_argument_does(monkeypatch, caplog):
+    # Regression (issue 19): OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS had no effect on the store.
+    monkeypatch.setenv(ENV_MAX_SESSIONS, "3")
+    for enabled in (False, True):
+        store = DreamZeroSessions(enable_session_state_manager=enabled)
+        assert store.resident_bound == 3 and store.manager.state.max_sessions == 3
+        for i in range(3):
+            store.begin(f"s{i}")
+        with pytest.raises(SessionAdmissionError, match="3 of 3 resident"):
+            store.begin("s3")
+    explicit = DreamZeroSessions(enable_session_state_manager=True, resident_bound=np.int64(5))
+    assert explicit.resident_bound == 5 and explicit.manager.state.max_sessions == 5  # code beats the variable
+    monkeypatch.setenv(ENV_MAX_SESSIONS, "many")
+    with caplog.at_level("WARNING"):
+        fallback = DreamZeroSessions(enable_session_state_manager=True)
+    assert fallback.resident_bound == default_resident_bound() and "not a positive int" in caplog.text
+    monkeypatch.delenv(ENV_MAX_SESSIONS)
+    assert DreamZeroSessions(enable_session_state_manager=True).resident_bound == default_resident_bound()
+    for bad, error in ((2.0, InvalidTypeError), (True, InvalidTypeError), (0, InvalidArgumentError)):
+        with pytest.raises(error, match="resident_bound"):
+            DreamZeroSessions(resident_bound=bad)
+
+
+def _budget_store(levers=("drop",)):
+    """A manager-backed store whose byte budget holds one 1 MiB feat map, not two."""
+    return DreamZeroSessions(
+        enable_session_state_manager=True, resident_bound=8, byte_budget={"cpu": 3 * MIB // 2}, release_levers=levers
+    )
+
+
+def _feat_map_session(store, sid):
+    """Begin ``sid`` with a 1 MiB feat map; returns a weakref to the tensor (the caller keeps no reference)."""
+    tensor = torch.full((MIB // 4,), 1.0)
+    ref = weakref.ref(tensor)
+    store.begin(sid).vae_enc_feat_map = [tensor]
+    return ref
+
+
+def test_a_session_the_budget_drops_is_freed_not_kept_alive_by_the_store():
+    # Regression (issue 19): the store cached its adapters strongly, so a dropped session's feat map stayed in
+    # memory (held by the adapter's detached copy) while stats() said its bytes were freed.
+    store = _budget_store()
+    first = _feat_map_session(store, "a")
+    second = _feat_map_session(store, "b")  # over budget: the planner drops "a" (b is the writer)
+    assert "a" not in store and "b" in store and store.manager.stats()["evictions"] == 1
+    assert store.manager.stats()["nbytes:cpu"] == MIB
+    gc.collect()
+    assert first() is None, "the dropped session's feat map is still alive"
+    assert second() is not None  # the live one is held by the table
+    with pytest.raises(SessionStateLostError, match="'a' cannot be continued"):
+        store.resume("a")
+
+
+def test_the_store_never_serves_an_adapter_of_a_replaced_incarnation():
+    # Regression (issue 19): after a drop and a re-create directly in the manager, `resume` served the cached
+    # adapter of the old incarnation: it read the old history and its writes never reached the table.
+    store = _store("manager")
+    old = store.begin("a")
+    old.call_count = 7
+    old.vae_enc_feat_map = [torch.ones(4)]
+    old_incarnation = incarnation(store.manager.state, "a")
+    store.manager.drop_session("a")
+    store.manager.get_or_create_session("a")  # a new incarnation under the same id
+    assert incarnation(store.manager.state, "a") != old_incarnation
+    new = store.resume("a")
+    assert new is not old and new.in_table and not old.in_table
+    assert new.call_count == 0 and new.vae_enc_feat_map is None  # the new session's (empty) history
+    new.call_count = 3
+    assert store.manager.get_session("a").get_attr("call_count") == 3  # its writes reach the table
+    assert store.resume("a") is new and store.current is new
+    with pytest.raises(SessionStateLostError, match="no longer in the manager"):
+        old.call_count  # noqa: B018 (the old incarnation's state is dead, not served stale)
+
+
+def test_the_store_cache_never_outlives_the_table_under_pressure():
+    # Regression (issue 19): sessions released by the budget stayed in the adapter cache, which grew without
+    # bound beyond the count cap; the cache holds at most what the table holds.
+    store = _budget_store()
+    for i in range(20):
+        _feat_map_session(store, f"s{i}")
+        gc.collect()
+        assert len(store.manager) <= store.resident_bound
+        assert set(store._adapters) <= {f"s{j}" for j in range(20) if f"s{j}" in store}
+    assert store.manager.stats()["evictions"] == 19 and len(store._adapters) <= 1
+
+
+@pytest.mark.parametrize("release", ["close", "budget drop", "restart"])
+def test_a_state_used_after_its_session_left_the_table_raises(release):
+    # Regression (issue 19): writes through a state whose session was dropped went to a detached copy nobody
+    # reads (and reads served the dropped history): no error, no effect.
+    store = _budget_store()
+    state = store.begin("a")
+    state.call_count = 2
+    if release == "close":
+        store.close("a")
+    elif release == "budget drop":
+        state.vae_enc_feat_map = [torch.zeros(MIB // 4)]
+        _feat_map_session(store, "b")
+    else:
+        store.begin("a")  # a begin of a live session restarts it: old states refer to the old incarnation
+    writes = [
+        lambda: setattr(state, "call_count", 3),
+        lambda: state.append_video_latents(torch.ones(1, 1, 16, 4, 8, dtype=torch.bfloat16)),
+        lambda: state.accumulate_frames(torch.zeros(8, 16, 3, dtype=torch.uint8)),
+        lambda: state.append_vae_encoder_chunk(torch.zeros(1, 32, 1, 4, 4)),
+        lambda: setattr(state, "vae_enc_feat_map", [torch.zeros(4)]),
+        state.reset,
+        state.park_feat_map,
+    ]
+    for write in writes:
+        with pytest.raises(SessionStateLostError, match="'a': this state object refers to a session that is no"):
+            write()
+    with pytest.raises(SessionStateLostError):
+        state.call_count  # noqa: B018
+    if release == "restart":
+        assert store.resume("a").call_count == 0  # the live incarnation is untouched by the refused writes
+    else:
+        assert "a" not in store and "a" not in store.manager  # nothing was re-created silently
+    assert not state.in_table and "'a'" in repr(state)  # still describable
 
 
 def test_the_default_bound_is_sized_by_bytes_not_by_the_64_slot_cap():

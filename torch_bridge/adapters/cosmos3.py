@@ -50,10 +50,71 @@ def _slot(value: Any) -> LatentBuffer:
     return LatentBuffer.create(maxlen=1).commit(value)
 
 
-def _check_pair(pair: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, torch.Tensor) for t in pair)):
-        raise BranchStateError(f"{what} must be a pair of torch tensors, got {type(pair).__name__}: {pair!r:.80}")
-    return pair[0], pair[1]
+def _describe(value: Any) -> str:
+    """What a caller passed, for an error message: a tensor's shape and dtype, a sequence's length."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} item(s)"
+    return f"{type(value).__name__} {value!r:.60}"
+
+
+def _tensor_like(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, {t.dtype}, {t.device}"
+
+
+def _check_pair(pair: Any, what: str, names: tuple[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pair`` as two torch tensors of one dtype on one device, or `BranchStateError` naming what is wrong."""
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise BranchStateError(
+            f"{what} must be a ({names[0]}, {names[1]}) pair of torch tensors, got {_describe(pair)}."
+        )
+    for name, t in zip(names, pair):
+        if not isinstance(t, torch.Tensor):
+            raise BranchStateError(f"{what}: {name} must be a torch tensor, got {_describe(t)}.")
+    a, b = pair
+    if a.dtype != b.dtype or a.device != b.device:
+        raise BranchStateError(
+            f"{what}: {names[0]} ({_tensor_like(a)}) and {names[1]} ({_tensor_like(b)}) must share a dtype and a "
+            f"device."
+        )
+    return a, b
+
+
+def _check_kv(cached_kv: Any, what: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``cached_kv`` as per-layer (K, V) pairs that agree across layers (every layer's K like layer 0's K in
+    shape, dtype and device, and V like layer 0's V), or `BranchStateError` saying what was expected and got."""
+    if isinstance(cached_kv, torch.Tensor):
+        raise BranchStateError(
+            f"{what}: cached_kv must be a non-empty list of per-layer (K, V) pairs of torch tensors, got one "
+            f"stacked tensor ({_describe(cached_kv)}). Split it into one (K, V) pair per layer. Nothing was stored."
+        )
+    if not isinstance(cached_kv, (list, tuple)) or not cached_kv:
+        raise BranchStateError(
+            f"{what}: cached_kv must be a non-empty list of per-layer (K, V) pairs of torch tensors, got "
+            f"{_describe(cached_kv)}. Nothing was stored."
+        )
+    pairs = [_check_pair(p, f"{what}: cached_kv[{i}]", ("K", "V")) for i, p in enumerate(cached_kv)]
+    k0, v0 = pairs[0]
+    for i, (k, v) in enumerate(pairs[1:], start=1):
+        for name, t, t0 in (("K", k, k0), ("V", v, v0)):
+            if t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device:
+                raise BranchStateError(
+                    f"{what}: cached_kv[{i}] {name} has {_tensor_like(t)} but layer 0's {name} has "
+                    f"{_tensor_like(t0)}; every layer's K/V must match layer 0 in shape, dtype and device. "
+                    f"Nothing was stored."
+                )
+    return pairs
+
+
+def _check_freqs(freqs_gen: Any, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = _check_pair(freqs_gen, f"{what}: freqs_gen", ("cos", "sin"))
+    if cos.shape != sin.shape:
+        raise BranchStateError(
+            f"{what}: freqs_gen cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; the (cos, sin) "
+            f"tables must have one shape."
+        )
+    return cos, sin
 
 
 class Cosmos3StateAdapter:
@@ -117,15 +178,16 @@ class Cosmos3StateAdapter:
         """Store a branch (replacing any stored one), by reference, in one atomic update.
 
         Raises:
-          BranchStateError: ``cached_kv`` is empty or not a list of (K, V) tensor pairs, or ``freqs_gen``
-            is not a (cos, sin) pair. Nothing is written then.
+          BranchStateError: ``cached_kv`` is not a non-empty list of per-layer (K, V) tensor pairs (one stacked
+            tensor, a pair of another length, a non-tensor, K and V of different dtypes or devices, layers that
+            differ in shape, dtype or device), or ``freqs_gen`` is not a (cos, sin) pair of one shape and dtype.
+            Nothing is written then.
         """
-        if not isinstance(cached_kv, (list, tuple)) or not cached_kv:
-            raise BranchStateError(
-                f"`set_branch`: cached_kv must be a non-empty list of per-layer (K, V) pairs, got {cached_kv!r:.80}."
-            )
-        pairs = [_check_pair(p, f"`set_branch`: cached_kv[{i}]") for i, p in enumerate(cached_kv)]
-        cos, sin = _check_pair(freqs_gen, "`set_branch`: freqs_gen")
+        self._store_branch(is_negative, cached_kv, freqs_gen, "`set_branch`")
+
+    def _store_branch(self, is_negative: bool, cached_kv: Any, freqs_gen: Any, what: str) -> None:
+        pairs = _check_kv(cached_kv, what)
+        cos, sin = _check_freqs(freqs_gen, what)
         branch = _branch(is_negative)
         objects = {_kv_name(branch, i): _slot((wrap(k), wrap(v))) for i, (k, v) in enumerate(pairs)}
         objects[_freqs_name(branch)] = _slot((wrap(cos), wrap(sin)))
@@ -178,19 +240,22 @@ class Cosmos3StateAdapter:
           True if stored now, False if the branch was already stored (a no-op: encode-once).
 
         Raises:
-          BranchStateError: the transformer holds no K/V or no freqs; nothing is written.
+          BranchStateError: the transformer holds no K/V or no freqs, or holds them in another form than
+            `set_branch` accepts (e.g. one stacked tensor instead of per-layer (K, V) pairs); nothing is written.
         """
         if self.is_branch_initialized(is_negative):
             return False
         kv = getattr(transformer, "cached_kv", None)
         freqs = getattr(transformer, "freqs_gen", None)
-        if not kv or freqs is None:
-            missing = [name for name, absent in (("cached_kv", not kv), ("freqs_gen", freqs is None)) if absent]
+        # No truth test on the fields: a tensor there (one stacked K/V) has no truth value; `_check_kv` names it.
+        kv_absent = kv is None or (isinstance(kv, (list, tuple)) and not kv)
+        if kv_absent or freqs is None:
+            missing = [name for name, absent in (("cached_kv", kv_absent), ("freqs_gen", freqs is None)) if absent]
             raise BranchStateError(
                 f"`capture_from_transformer`: the transformer holds no {' and no '.join(missing)}; run the UND encode for the "
                 f"{_branch(is_negative)} branch first. Nothing was stored."
             )
-        self.set_branch(is_negative, kv, freqs)
+        self._store_branch(is_negative, kv, freqs, "`capture_from_transformer`")
         return True
 
     def reset(self) -> None:

@@ -41,6 +41,7 @@ from functional_state import (
     SessionAttr,
     SessionHandle,
     SessionState,
+    SessionStateLostError,
     SessionStateManager,
     nbytes_by_device,
 )
@@ -103,6 +104,13 @@ class FeatMapView(MutableSequence[Any]):
         return f"FeatMapView({len(self)} items of session {self._handle.session_id!r})"
 
 
+def _check_window(window: Any) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise InvalidArgumentError(
+            f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {window!r}."
+        )
+
+
 def _to_state(value: Any) -> Any:
     return wrap(value) if isinstance(value, torch.Tensor) else value
 
@@ -140,6 +148,10 @@ class DreamZeroStateAdapter(ResetRules):
       manager: the manager holding the session.
       vae_encoder_window: latent frames the encoder ring retains (>= the largest ``num_frames`` the
         pipeline reads with `observation_latents`).
+      strict: once the session incarnation leaves the table (closed, dropped, evicted, or replaced by a new
+        session under the same id), every read and write raises `SessionStateLostError` instead of working
+        on the detached copy (what `DreamZeroSessions` hands out: its continuations never restart silently).
+        Off, the adapter keeps the state it holds, as the bespoke state does after an LRU eviction.
 
     Raises:
       ValueError: ``vae_encoder_window`` is not a positive int, or differs from the window the session
@@ -168,22 +180,73 @@ class DreamZeroStateAdapter(ResetRules):
         default=None, on_fork="copy_container", doc="frames waiting for a full encoder chunk (appended in place)"
     )
 
-    def __init__(self, session_id: str | None, manager: SessionStateManager, *, vae_encoder_window: int = 2):
-        if isinstance(vae_encoder_window, bool) or not isinstance(vae_encoder_window, int) or vae_encoder_window <= 0:
-            raise InvalidArgumentError(
-                f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {vae_encoder_window!r}."
-            )
+    def __init__(
+        self,
+        session_id: str | None,
+        manager: SessionStateManager,
+        *,
+        vae_encoder_window: int = 2,
+        strict: bool = False,
+    ):
+        _check_window(vae_encoder_window)
+        self._attach(manager.get_or_create_session(session_id), vae_encoder_window, strict)
+
+    @classmethod
+    def from_handle(
+        cls, handle: SessionHandle, *, vae_encoder_window: int = 2, strict: bool = False
+    ) -> DreamZeroStateAdapter:
+        """An adapter over the session incarnation ``handle`` names; creates nothing (what a store uses to serve
+        an existing session). ``strict`` as for the constructor.
+
+        Raises:
+          ValueError: as the constructor.
+        """
+        _check_window(vae_encoder_window)
+        adapter = cls.__new__(cls)
+        adapter._attach(handle, vae_encoder_window, strict)
+        return adapter
+
+    def _attach(self, handle: SessionHandle, vae_encoder_window: int, strict: bool) -> None:
         self._window = vae_encoder_window
-        self._session = manager.get_or_create_session(session_id)
-        existing = self._session.get(_ENCODER, None)
-        if existing is not None and existing.resident and existing.maxlen != vae_encoder_window:
+        self._strict = bool(strict)
+        self._handle = handle
+        # Read without restoring: building an adapter (a store builds one per request when the caller keeps
+        # none) must not pull parked buffers back into device memory; they are restored when used.
+        state = handle.state
+        existing = state.get(_ENCODER, None)
+        if existing is not None and (existing.resident or existing.parked) and existing.maxlen != vae_encoder_window:
             raise InvalidArgumentError(
-                f"`DreamZeroStateAdapter`: session {self._session.session_id!r} keeps a VAE encoder window of "
+                f"`DreamZeroStateAdapter`: session {handle.session_id!r} keeps a VAE encoder window of "
                 f"{existing.maxlen} frames; this adapter asks for {vae_encoder_window}. Use the same window for "
                 f"every adapter of a session."
             )
         for name in (_FRAMES, _LATENTS, _ENCODER):
-            self._buffer(name)
+            if state.get(name, None) is None:
+                self._buffer(name)  # a lost buffer (reset, eviction) is rebuilt by `_buffer` where it is used
+
+    @property
+    def _session(self) -> SessionHandle:
+        """The handle every read and write goes through (`SessionAttr` too). A strict adapter refuses to be
+        used once its incarnation left the table: its writes would reach only a detached copy, never the table,
+        and its reads would serve history the table no longer has."""
+        handle = self._handle
+        if self._strict and not handle.in_table:
+            raise SessionStateLostError(
+                f"DreamZero session {handle.session_id!r}: this state object refers to a session that is no longer "
+                f"in the manager (closed, restarted, or dropped by the byte budget); it neither reads nor writes "
+                f"any more, so nothing is served stale or written nowhere. Get the session's state from the store "
+                f"again (`resume`), or begin it anew (reset=True) if it is gone."
+            )
+        return handle
+
+    @_session.setter
+    def _session(self, handle: SessionHandle) -> None:
+        self._handle = handle
+
+    @property
+    def in_table(self) -> bool:
+        """Whether the session incarnation this adapter was made for is still in the manager's table."""
+        return self._handle.in_table
 
     def _new_buffer(self, name: str) -> LatentBuffer:
         maxlen = {_FRAMES: FRAMES_PER_CHUNK, _LATENTS: None, _ENCODER: self._window}[name]
@@ -207,7 +270,7 @@ class DreamZeroStateAdapter(ResetRules):
 
     @property
     def session_id(self) -> str:
-        return self._session.session_id
+        return self._handle.session_id
 
     # the VAE feat map: a DenseValue behind a list view
     @property
@@ -352,4 +415,4 @@ class DreamZeroStateAdapter(ResetRules):
         return sum(self._session.state.nbytes_by_device().values())
 
     def __repr__(self) -> str:
-        return f"DreamZeroStateAdapter({self.session_id!r}, window={self._window}, {self._session!r})"
+        return f"DreamZeroStateAdapter({self.session_id!r}, window={self._window}, {self._handle!r})"

@@ -10,6 +10,10 @@ and serving it fresh state would restart the rollout silently, producing normal-
 * `resume` returns the session's state, or raises `SessionStateLostError` saying how to recover; it never
   creates anything.
 * `close` releases a session; releasing twice, or an unknown id, is a no-op.
+* a state handed out serves only the session incarnation it was made for: once that leaves the table
+  (closed, restarted, dropped by the byte budget) it raises `SessionStateLostError` on every use rather
+  than read stale history or write where nobody reads. The store holds its states weakly, so a dropped
+  session's buffers are freed as soon as no caller holds them.
 * the export helpers read and clear the accumulated video latents of a live session and never create one.
 
 Both paths implement this, switched by ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` as everywhere else: the
@@ -25,6 +29,9 @@ session count it can hold with `set_resident_capacity`.
 
 from __future__ import annotations
 
+import logging
+import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,6 +41,7 @@ import torch
 from functional_state import (
     LEVERS,
     InvalidArgumentError,
+    InvalidTypeError,
     SessionAdmissionError,
     SessionStateLostError,
     SessionStateManager,
@@ -52,6 +60,8 @@ __all__ = [
     "default_resident_bound",
     "estimate_session_nbytes",
 ]
+
+_log = logging.getLogger("functional_state")
 
 MIB = 2**20
 DEFAULT_RESIDENT_BYTES = 8 * 2**30  # what resident DreamZero sessions may hold together, by default
@@ -99,6 +109,27 @@ def default_resident_bound(per_session_bytes: int | None = None, budget: int = D
     if per <= 0:
         raise InvalidArgumentError(f"`default_resident_bound`: per_session_bytes must be positive, got {per}.")
     return max(1, budget // per)
+
+
+def _session_count(value: Any, what: str) -> int:
+    """``value`` as a positive session count: any integer (``int``, ``np.int64``, anything `operator.index`
+    accepts), never a bool or a float.
+
+    Raises:
+      InvalidTypeError: not an integer. InvalidArgumentError: below 1.
+    """
+    if isinstance(value, bool):
+        raise InvalidTypeError(f"`{what}` must be a positive integer session count, got the bool {value!r}.")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise InvalidTypeError(
+            f"`{what}` must be a positive integer session count, got {value!r} ({type(value).__name__}); pass "
+            f"an int (round a computed capacity down with int())."
+        ) from None
+    if n < 1:
+        raise InvalidArgumentError(f"`{what}` must be a positive integer session count (>= 1), got {n}.")
+    return n
 
 
 def _flag(value: Any) -> bool | None:
@@ -158,8 +189,10 @@ class DreamZeroSessions:
     Args:
       enable_session_state_manager: the config value of the flag; the environment overrides it (see
         `resolve_session_state_config`). Off: bespoke states; on: adapters over a `SessionStateManager`.
-      resident_bound: sessions that may be resident at once; None sizes it by bytes
-        (`default_resident_bound`).
+      resident_bound: sessions that may be resident at once (any positive integer). None: the
+        ``OMNI_DIFFUSION_SESSION_STATE_MANAGER_MAX_SESSIONS`` environment variable when it is set to a
+        positive int (see `resolve_session_state_config`), else sized by bytes (`default_resident_bound`).
+        An explicit value is code, not config, so the variable does not override it.
       vae_encoder_window: the manager-backed adapters' encoder ring length.
       byte_budget: the manager's byte budget (see `SessionStateManager`): under pressure the planner parks
         the feat maps of the least recently used sessions (restored on their next request) before it
@@ -187,10 +220,14 @@ class DreamZeroSessions:
         byte_budget: Any = None,
         release_levers: Iterable[str] = LEVERS,
     ):
-        self.enabled = resolve_session_state_config(enable_session_state_manager).enabled
-        bound = default_resident_bound() if resident_bound is None else resident_bound
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound <= 0:
-            raise InvalidArgumentError(f"`DreamZeroSessions`: resident_bound must be a positive int, got {bound!r}.")
+        # The byte-sized bound is the "config" value the environment's cap overrides (the resolver owns the
+        # parsing and the warning on a bad value); an explicit resident_bound overrides both.
+        config = resolve_session_state_config(enable_session_state_manager, default_resident_bound())
+        self.enabled = config.enabled
+        if resident_bound is None:
+            bound = config.max_sessions
+        else:
+            bound = _session_count(resident_bound, "DreamZeroSessions: resident_bound")
         self._bound = bound
         self._window = vae_encoder_window
         # The two stores share one bound and one policy; the flag picks which one serves.
@@ -198,7 +235,10 @@ class DreamZeroSessions:
         self.manager = SessionStateManager(
             max_sessions=bound, evict_when_full=False, byte_budget=byte_budget, release_levers=release_levers
         )
-        self._adapters: dict[str, DreamZeroStateAdapter] = {}
+        # The adapters handed out, weakly: the store never keeps a session's data alive (the table does, and
+        # the callers holding its state), so a session the budget drops is freed once no caller holds it. A
+        # cached adapter is served only while its incarnation is the one in the table (`_adapter`).
+        self._adapters: weakref.WeakValueDictionary[str, DreamZeroStateAdapter] = weakref.WeakValueDictionary()
         self.current_session_id: str | None = None  # the pipeline-level alias: the session being served
 
     # --- capacity --------------------------------------------------------------------------------------
@@ -207,12 +247,19 @@ class DreamZeroSessions:
         return self._bound
 
     def set_resident_capacity(self, n: Any) -> None:
-        """A runner publishes how many sessions its memory holds: the bound of both stores rises to ``n``.
-        It never lowers the bound (that would have to drop sessions) and ignores non-positive values."""
-        if isinstance(n, bool) or not isinstance(n, int) or n <= self._bound:
+        """A runner publishes how many sessions its memory holds: the bound of both stores rises to ``n``
+        (any positive integer, e.g. ``np.int64``). A value at or below the bound leaves it as it is: lowering
+        it would have to drop sessions.
+
+        Raises:
+          InvalidTypeError: ``n`` is not an integer (a bool, a float, a string). InvalidArgumentError:
+            ``n`` < 1. The bound is unchanged then.
+        """
+        count = _session_count(n, "DreamZeroSessions.set_resident_capacity: n")
+        if count <= self._bound:
             return
-        self._bound = n
-        self.manager.raise_max_sessions(n)
+        self.manager.raise_max_sessions(count)
+        self._bound = count
 
     def __len__(self) -> int:
         return len(self.manager) if self.enabled else len(self._bespoke)
@@ -243,16 +290,18 @@ class DreamZeroSessions:
                 f"raise the bound with set_resident_capacity if memory allows."
             )
         self.close(sid)  # a begin of an existing session restarts it clean
+        state: Any
         if self.enabled:
-            self.manager.get_or_create_session(sid)  # admission is checked above; this cannot evict
-            self._adapters[sid] = DreamZeroStateAdapter(sid, self.manager, vae_encoder_window=self._window)
+            handle = self.manager.get_or_create_session(sid)  # admission is checked above; this cannot evict
+            self._adapters[sid] = state = self._new_adapter(handle)
         else:
-            self._bespoke[sid] = BespokeDreamZeroState()
+            self._bespoke[sid] = state = BespokeDreamZeroState()
         self.current_session_id = sid
-        return self._state(sid)
+        return state
 
     def resume(self, session_id: str | None) -> Any:
-        """The state of a live session, for a continuation; the same object each time.
+        """The state of a live session, for a continuation; the same object each time while a caller holds
+        it (the store itself holds its states weakly).
 
         Raises:
           SessionStateLostError: the session is unknown, was closed, or is gone; nothing is created.
@@ -261,11 +310,13 @@ class DreamZeroSessions:
         if sid not in self:
             raise _lost(sid, "it is not resident (never begun, closed, or lost)")
         if self.enabled:
-            self.manager.get_session(sid)  # a use: keeps recency meaningful for a later planner
+            handle = self.manager.get_session(sid)  # a use: keeps recency meaningful for a later planner
+            state: Any = self._adapter(sid, handle)
         else:
             self._bespoke.move_to_end(sid)
+            state = self._bespoke[sid]
         self.current_session_id = sid
-        return self._state(sid)
+        return state
 
     def close(self, session_id: str | None) -> bool:
         """Release a session and its buffers. Returns whether it was resident; closing again is a no-op.
@@ -311,8 +362,7 @@ class DreamZeroSessions:
                 f"DreamZero session {sid!r} refused: {len(self)} of {self._bound} resident sessions are in use."
             )
         self.manager.load_session(sid, path, **kwargs)
-        self._adapters.pop(sid, None)
-        return self.resume(sid)
+        return self.resume(sid)  # a new incarnation: `_adapter` never serves an adapter of the old one
 
     def _require_manager(self, what: str) -> None:
         if not self.enabled:
@@ -321,15 +371,29 @@ class DreamZeroSessions:
                 f"(enable_session_state_manager); the bespoke state has no checkpoint format."
             )
 
-    def _state(self, sid: str) -> Any:
-        if self.enabled:
-            adapter = self._adapters.get(sid)
-            if adapter is None:  # resident but built by another path: a view over the same session
-                adapter = self._adapters[sid] = DreamZeroStateAdapter(
-                    sid, self.manager, vae_encoder_window=self._window
-                )
+    def _new_adapter(self, handle: Any) -> DreamZeroStateAdapter:
+        # strict: once its session leaves the table the adapter raises instead of working on a detached copy
+        return DreamZeroStateAdapter.from_handle(handle, vae_encoder_window=self._window, strict=True)
+
+    def _adapter(self, sid: str, handle: Any = None) -> DreamZeroStateAdapter:
+        """The adapter of the session ``sid`` the table holds now: the cached one if it was made for that very
+        incarnation, else a new one over it. An adapter of an incarnation that left the table (closed, dropped
+        by the budget, or replaced by a new session under the same id) is never served.
+
+        Raises:
+          SessionStateLostError: the table holds no session ``sid``; nothing is created.
+        """
+        adapter = self._adapters.get(sid)
+        if adapter is not None and adapter.in_table:
             return adapter
-        return self._bespoke[sid]
+        if adapter is not None:
+            _log.debug("DreamZero store: session %r was replaced or dropped in the manager; new adapter", sid)
+        handle = handle if handle is not None else self.manager.get_session(sid)
+        self._adapters[sid] = adapter = self._new_adapter(handle)
+        return adapter
+
+    def _state(self, sid: str) -> Any:
+        return self._adapter(sid) if self.enabled else self._bespoke[sid]
 
     def _live(self, session_id: str | None, what: str) -> Any:
         sid = resolve_session_id(session_id)
