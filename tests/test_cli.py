@@ -120,6 +120,7 @@ def test_benchmarks_run_writes_its_report_only_with_write(tmp_path, monkeypatch,
 
 def test_ab_exits_nonzero_when_a_digest_differs(monkeypatch, capsys):
     pytest.importorskip("rich", reason="the command line's tables need the [cli] extra")
+
     def fake(flag, extra):
         return {
             "digest": "same" if flag == "0" or "--deploy-shapes" not in extra else "other",
