@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from . import accounting, parking
 from ._pytree import MISSING, replace
-from ._repr import repr_html
+from ._repr import repr_html, treescope_repr
 from .errors import (
     InvalidArgumentError,
     NotAllocatedError,
@@ -150,6 +150,9 @@ class StateObject(abc.ABC):
 
     def _repr_html_(self) -> str | None:
         return repr_html(self)
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return treescope_repr(self, path, subtree_renderer)
 
     def _require_resident(self, what: str) -> None:
         if self.status == RESIDENT:
