@@ -1,4 +1,4 @@
-"""Run the benchmarks side by side and write BENCHMARKS.md. ``python benchmarks/run.py [name ...]``."""
+"""Run the benchmarks side by side; with ``--write``, rewrite BENCHMARKS.md. ``python benchmarks/run.py [--write] [name ...]``."""
 
 from __future__ import annotations
 
@@ -74,9 +74,11 @@ def _section(name: str, result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run functional-state benchmarks and write BENCHMARKS.md.")
+    parser = argparse.ArgumentParser(description="Run functional-state benchmarks; with --write, write BENCHMARKS.md.")
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {_available()})")
-    parser.add_argument("--output", default=str(HERE.parent / "BENCHMARKS.md"), help="where to write the report")
+    parser.add_argument("--output", default=str(HERE.parent / "BENCHMARKS.md"), help="where --write writes the report")
+    # BENCHMARKS.md is tracked: a run only prints unless asked to replace it (`make bench` asks).
+    parser.add_argument("--write", action="store_true", help="write the report to --output (else print only)")
     args = parser.parse_args(argv)
     names = args.names or _available()
     unknown = [n for n in names if n not in _available()]
@@ -100,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine is shared and noisy. Absolute times are for orientation only; the ratios are the claims. "
         "Each section names the command that reproduces it.\n\n" + "\n".join(ordered)
     )
+    if not args.write:
+        print(f"[bench] {args.output} left as it was (pass --write to replace it)")
+        return 0
     Path(args.output).write_text(text)
     print(f"[bench] wrote {args.output}")
     return 0

@@ -24,7 +24,7 @@ import jax
 from . import _holders, accounting
 from ._acct import Acct, totals_with_attrs
 from ._pytree import MISSING
-from ._repr import repr_html
+from ._repr import repr_html, treescope_repr
 from .budget import normalize_budget
 from .errors import (
     DeletedArrayError,
@@ -240,8 +240,6 @@ class ManagerState:
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         """Render as the table a user thinks of (sessions in LRU order, counters), not the internal map."""
-        from treescope import repr_lib
-
         attributes = {
             "sessions": sessions(self),
             "max_sessions": self.max_sessions,
@@ -251,7 +249,7 @@ class ManagerState:
             "misses": self.misses,
             "evictions": self.evictions,
         }
-        return repr_lib.render_object_constructor(type(self), attributes, path, subtree_renderer)
+        return treescope_repr(self, path, subtree_renderer, attributes)
 
     def __repr__(self) -> str:
         ids = list(self.session_ids[-8:])

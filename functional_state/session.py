@@ -13,7 +13,7 @@ import numpy as np
 
 from . import accounting
 from ._pytree import MISSING
-from ._repr import repr_html, short
+from ._repr import repr_html, short, treescope_repr
 from .errors import AttrNotFoundError, InvalidArgumentError, InvalidTypeError, ObjectNotFoundError
 from .state_object import PARKED, RESIDENT, StateObject
 
@@ -305,10 +305,8 @@ class SessionState:
         return (*self._objects.values(), *self._attrs.values())
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
-        from treescope import repr_lib
-
         attributes = {"objects": dict(sorted(self._objects.items())), "attrs": dict(sorted(self._attrs.items()))}
-        return repr_lib.render_object_constructor(type(self), attributes, path, subtree_renderer)
+        return treescope_repr(self, path, subtree_renderer, attributes)
 
     def __repr__(self) -> str:
         objs = ", ".join(f"{n!r}: {self._objects[n]!r}" for n in self.names)

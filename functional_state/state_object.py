@@ -34,7 +34,7 @@ import jax
 
 from . import _holders, accounting, parking
 from ._pytree import MISSING, replace
-from ._repr import repr_html
+from ._repr import repr_html, treescope_repr
 from .errors import (
     InvalidArgumentError,
     NotAllocatedError,
@@ -155,6 +155,9 @@ class StateObject(abc.ABC):
 
     def _repr_html_(self) -> str | None:
         return repr_html(self)
+
+    def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
+        return treescope_repr(self, path, subtree_renderer)
 
     def _require_resident(self, what: str) -> None:
         if self.status == RESIDENT:

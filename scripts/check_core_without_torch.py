@@ -25,4 +25,14 @@ else:
 script = Path(sys.executable).with_name("functional-state")
 out = subprocess.run([str(script), "demo"], capture_output=True, text=True)
 assert out.returncode == 2 and "functional-state[torch,cli]" in out.stderr, (out.returncode, out.stderr)
+
+# --version and --help need neither torch nor the [cli] extra.
+for args, expected in [
+    (["--version"], f"functional-state {fs.__version__}"),
+    (["--help"], "usage: functional-state"),
+    (["demo", "--help"], "usage: functional-state demo"),
+]:
+    for cmd in ([str(script), *args], [sys.executable, "-m", "functional_state", *args]):
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        assert out.returncode == 0 and out.stdout.startswith(expected), (cmd, out.returncode, out.stdout, out.stderr)
 print(f"core without torch: ok (functional_state {fs.__version__}, jax only)")

@@ -34,18 +34,26 @@ def _table_meta(state: fs.ManagerState) -> tuple:
     )
 
 
+_TABLE = "ManagerState"  # a snapshot of a table starts with this tag; one of a pytree with its PyTreeDef
+
+
+def _is_table_snapshot(snap: tuple) -> bool:
+    # Compare the tag only when it is a str: PyTreeDef.__eq__ raises TypeError for a str on jaxlib < 0.8.
+    return isinstance(snap[0], str) and snap[0] == _TABLE
+
+
 def snapshot(tree: Any) -> tuple:
     """A deep, bitwise snapshot: structure (incl. aux data), every leaf's bytes or identity, and for a
     `ManagerState` its recency order, incarnations, counters and config."""
     if isinstance(tree, fs.ManagerState):
-        return ("ManagerState", _table_meta(tree), snapshot(fs.sessions(tree)))
+        return (_TABLE, _table_meta(tree), snapshot(fs.sessions(tree)))
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return treedef, [(jax.tree_util.keystr(p), _leaf_fingerprint(x)) for p, x in leaves_with_paths]
 
 
 def assert_unchanged(tree: Any, snap: tuple) -> None:
     """Fail, naming the first difference, if ``tree`` no longer matches ``snap``."""
-    if snap[0] == "ManagerState":
+    if _is_table_snapshot(snap):
         assert isinstance(tree, fs.ManagerState)
         assert _table_meta(tree) == snap[1], f"table changed: {snap[1]} -> {_table_meta(tree)}"
         assert_unchanged(fs.sessions(tree), snap[2])

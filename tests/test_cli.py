@@ -1,10 +1,14 @@
+import importlib.util
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from torch_bridge import cli
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args, **kw):
@@ -26,6 +30,10 @@ def _run(*args, **kw):
             "functional-state demo: error: argument --feat-map-mib: expected a number >= 0",
         ),
         (["--bogus"], "functional-state: error: unrecognized arguments: --bogus"),
+        # An option the subcommand does not know is blamed on the subcommand, not on `functional-state`.
+        (["demo", "--bogus"], "functional-state demo: error: unrecognized arguments: --bogus"),
+        (["ab", "--steps", "3"], "functional-state ab: error: unrecognized arguments: --steps 3"),
+        (["bench", "--bogus"], "functional-state bench: error: unrecognized arguments: --bogus"),
         (
             ["ab", "--ab-steps", "x"],
             "functional-state ab: error: argument --ab-steps: expected a positive integer, got 'x'",
@@ -66,7 +74,53 @@ def test_version():
     assert out.returncode == 0 and out.stdout.strip() == f"functional-state {functional_state.__version__}"
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["demo", "--help"], ["bench", "--help"]])
+def test_version_and_help_import_neither_torch_nor_the_cli_extras(args):
+    # `--help` and `--version` must work on a core-only install (scripts/check_core_without_torch.py runs
+    # them there); here: they never import torch, torch_bridge or rich.
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from functional_state.__main__ import main
+        try:
+            main({args!r})
+        except SystemExit as e:
+            assert e.code == 0, e.code
+        loaded = sorted(m for m in ("torch", "torch_bridge", "rich", "matplotlib") if m in sys.modules)
+        assert not loaded, loaded
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "functional-state" in out.stdout
+
+
+def test_bench_rewrites_benchmarks_md_only_with_write(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    assert cli.main(["bench", "ring"]) == 0
+    assert cli.main(["bench", "--write", "ring"]) == 0
+    assert "--write" not in calls[0] and calls[0][-1] == "ring"
+    assert "--write" in calls[1] and calls[1][-1] == "ring"
+
+
+def test_benchmarks_run_writes_its_report_only_with_write(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("_bench_run", ROOT / "benchmarks" / "run.py")
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    result = {"title": "Ring", "header": ["a", "b"], "rows": [[1, 2]], "ratio": ("speedup", 2.0), "notes": "n"}
+    monkeypatch.setattr(run, "_run_isolated", lambda name: result)
+    monkeypatch.setattr(run, "_machine", lambda: "test machine")
+    report = tmp_path / "BENCHMARKS.md"
+    assert run.main(["ring", "--output", str(report)]) == 0
+    assert not report.exists() and "## Ring" in capsys.readouterr().out  # printed, not written
+    assert run.main(["ring", "--output", str(report), "--write"]) == 0
+    assert "## Ring" in report.read_text() and "**speedup: 2**" in report.read_text()
+
+
 def test_ab_exits_nonzero_when_a_digest_differs(monkeypatch, capsys):
+    pytest.importorskip("rich", reason="the command line's tables need the [cli] extra")
+
     def fake(flag, extra):
         return {
             "digest": "same" if flag == "0" or "--deploy-shapes" not in extra else "other",
@@ -83,6 +137,8 @@ def test_ab_exits_nonzero_when_a_digest_differs(monkeypatch, capsys):
 
 
 def test_demo_runs_end_to_end_and_writes_the_plot(tmp_path):
+    for extra in ("rich", "matplotlib"):
+        pytest.importorskip(extra, reason="the demo's tables and plot need the [cli] extra")
     out = _run(
         "demo",
         "--sessions",

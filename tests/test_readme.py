@@ -35,3 +35,15 @@ def test_every_python_block_runs_and_prints_what_its_comments_say():
     i = printed.index("park ('old',)")
     assert printed[i + 1] == "16384"
     assert printed[-2:] == ["False", "SessionStateLostError"]
+
+
+def test_install_lines_work_from_a_clone_and_name_every_extra():
+    # Regression: the README began with `pip install functional-state`, which no package index serves.
+    import tomllib
+
+    text = README.read_text()
+    installs = re.findall(r"^pip install (.+?)\s+#", text, flags=re.M)
+    assert installs and all(line.startswith("-e ") for line in installs), installs
+    named = set(re.findall(r"\.\[(\w+)\]", " ".join(installs)))
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert named == set(extras) - {"dev"}, (named, set(extras))

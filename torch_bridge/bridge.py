@@ -15,7 +15,7 @@ only: work queued on other torch streams must be synchronized by the caller befo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 import jax
 import torch
@@ -156,8 +156,16 @@ def _import(t: torch.Tensor, count: bool = True) -> jax.Array:
     return array
 
 
+@overload
+def to_jax(tensor: torch.Tensor, *, strict: Literal[True]) -> jax.Array: ...
+@overload
+def to_jax(tensor: torch.Tensor, *, strict: bool = False) -> jax.Array | torch.Tensor: ...
 def to_jax(tensor: torch.Tensor, *, strict: bool = False) -> jax.Array | torch.Tensor:
     """A JAX array over the tensor's memory, bit-exact and of the same dtype.
+
+    Typed as such: with ``strict=True`` the result is always a `jax.Array` (anything else raises), so
+    ``to_jax(t, strict=True).unsafe_buffer_pointer()`` type-checks; without it the result may be the tensor
+    itself (below), and a type checker asks you to narrow it (``isinstance(a, jax.Array)``).
 
     Args:
       tensor: a CPU or CUDA torch tensor (``requires_grad`` is fine: it is detached, not copied).

@@ -3,6 +3,9 @@
 ``demo`` runs concurrent DreamZero sessions and Cosmos3 requests through one manager at the deploy shapes,
 checks A/B equivalence in fresh processes, prints the memory picture and writes a plot. Every section that
 takes more than a moment shows its progress; log lines and warnings print above the progress bars.
+
+The parser lives in `functional_state.__main__` (no torch, no extras), which calls `run` here once a command
+is parsed; ``--help`` and ``--version`` never import this module.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from functional_state import __version__
-
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 2**20
 
@@ -35,37 +36,6 @@ _DREAMZERO_COMPONENTS = {
     "vae_pending_body_frames": ("attr", "bounded (< 4 frames)"),
     "conditioning": ("attr", "bounded"),
 }
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (and exit status 2) instead of usage + error."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Show defaults in --help and keep descriptions as written."""
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 class MissingExtraError(RuntimeError):
@@ -400,11 +370,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 # --- bench ------------------------------------------------------------------------------------------------
 
 
-def _benchmark_names() -> list[str]:
-    bench_dir = ROOT / "benchmarks"
-    return sorted(p.stem.removeprefix("bench_") for p in bench_dir.glob("bench_*.py")) if bench_dir.is_dir() else []
-
-
 def _cmd_bench(args: argparse.Namespace) -> int:
     script = ROOT / "benchmarks" / "run.py"
     if not script.exists():
@@ -412,92 +377,29 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             f"functional-state bench: error: {script} not found; `bench` runs from a source checkout", file=sys.stderr
         )
         return 2
-    return subprocess.call([sys.executable, str(script), *getattr(args, "names", [])])
+    write = ["--write"] if getattr(args, "write", False) else []
+    return subprocess.call([sys.executable, str(script), *write, *getattr(args, "names", [])])
 
 
-# --- parser -----------------------------------------------------------------------------------------------
+# --- dispatch ---------------------------------------------------------------------------------------------
+
+_COMMANDS = {"demo": _cmd_demo, "ab": _cmd_ab, "bench": _cmd_bench}
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="functional-state",
-        description="functional-state: immutable per-session state for world models. Run the demo, the A/B "
-        "equivalence check, or the benchmarks.",
-        formatter_class=_Formatter,
-    )
-    parser.add_argument("--version", action="version", version=f"functional-state {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench}", parser_class=_Parser)
-
-    def add_common(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--feat-map-mib",
-            type=_non_negative_float,
-            default=24.0,
-            help="DreamZero VAE feat map size in MiB (deploy: 603; smaller keeps the demo light)",
-        )
-        p.add_argument("--ab-steps", type=_positive_int, default=400, help="steps of the small-shape A/B run")
-        p.add_argument("--ab-deploy-steps", type=_positive_int, default=48, help="steps of the deploy-shape A/B run")
-
-    demo = sub.add_parser(
-        "demo",
-        help="run the tour",
-        formatter_class=_Formatter,
-        description="Concurrent DreamZero sessions and Cosmos3 requests through one manager, the A/B check in "
-        "fresh processes, the per-session memory table, and a bytes-per-step plot. Exits 1 if any digest differs.",
-    )
-    add_common(demo)
-    demo.add_argument("--sessions", type=_positive_int, default=3, help="concurrent DreamZero sessions")
-    demo.add_argument("--steps", type=_positive_int, default=60, help="steps per DreamZero session")
-    demo.add_argument("--requests", type=_positive_int, default=4, help="concurrent Cosmos3 requests")
-    demo.add_argument("--plot-steps", type=_positive_int, default=240, help="steps of the bytes-per-step plot")
-    demo.add_argument("--budget-steps", type=_positive_int, default=12, help="steps of the byte-budget run")
-    demo.add_argument("--out-dir", default="out", help="where the PNG goes")
-    demo.add_argument("--no-plot", action="store_true", help="skip the plot")
-    demo.set_defaults(func=_cmd_demo)
-
-    ab = sub.add_parser(
-        "ab",
-        help="A/B: flag off vs on in fresh processes; exit 1 if any digest differs",
-        formatter_class=_Formatter,
-        description="Run the deterministic DreamZero rollout twice per configuration, each time in a fresh "
-        "process, with only OMNI_DIFFUSION_SESSION_STATE_MANAGER flipped (0: the bespoke state, 1: the manager-"
-        "backed adapter), and compare the digests of every per-step output. Exits 1 if any digest differs.",
-    )
-    add_common(ab)
-    ab.set_defaults(func=_cmd_ab)
-
-    names = _benchmark_names()
-    bench = sub.add_parser(
-        "bench",
-        help="run benchmarks/ and write BENCHMARKS.md",
-        formatter_class=_Formatter,
-        description="Run the benchmarks side by side and rewrite BENCHMARKS.md (from a source checkout). "
-        f"Benchmarks: {', '.join(names) if names else '(none found: not a source checkout)'}.",
-    )
-    bench.add_argument(
-        "names",
-        nargs="*",
-        choices=names or None,
-        metavar="NAME",
-        default=argparse.SUPPRESS,
-        help="benchmarks to run; all when none is named",
-    )
-    bench.set_defaults(func=_cmd_bench)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``functional-state`` console script."""
-    parser = _parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.command is None:
-        parser.print_help()
-        return 0
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command (``functional_state.__main__.parse`` parses); a missing extra exits 2."""
     try:
-        return args.func(args)
+        return _COMMANDS[args.command](args)
     except MissingExtraError as e:
         print(e, file=sys.stderr)
         return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``functional-state`` console script (the same as ``functional_state.__main__.main``)."""
+    from functional_state.__main__ import main as fs_main
+
+    return fs_main(argv)
 
 
 if __name__ == "__main__":
