@@ -499,7 +499,7 @@ def test_every_error_is_a_session_state_error():
 
 
 def test_treescope_renders_the_table_not_the_internal_map():
-    import treescope
+    treescope = pytest.importorskip("treescope")
 
     text = treescope.render_to_text(_populated())
     assert "sessions={" in text and "'a': SessionState(" in text and "objects={" in text

@@ -223,6 +223,7 @@ def test_pure(name):
 
 
 def test_notebooks_render_states_with_treescope():
+    pytest.importorskip("treescope")
     import functional_state as fs
 
     s, _ = _session()
