@@ -4,8 +4,16 @@ A checkpoint is an orbax `CheckpointManager` directory (one step kept): an ``arr
 buffer (JAX arrays as they are, sharded or not; each torch *storage* once, as raw bytes; numpy arrays as raw
 bytes) and a ``manifest`` item (JSON) recording the library version, the layout, each session's structure
 (objects with their lifecycle status and ring positions, staged payloads, attrs and fork policies) and, per
-leaf, its dtype, shape and checksum (XXH3-128). orbax writes a step to a temporary directory and renames it when
-complete, so a checkpoint is complete or absent, and a save that dies part-way leaves the previous one.
+leaf, its dtype, shape and checksum (XXH3-128); the manifest carries a checksum of its own, and a load checks
+it and every leaf's before it builds anything. orbax writes a step to a temporary directory and renames it
+when complete, so a checkpoint is complete or absent, and a save that dies part-way (killed, out of space)
+leaves the previous one, which is deleted only once the new one is complete.
+
+A save writes only into a directory it made (marked ``_FUNCTIONAL_STATE``) or one holding its checkpoints, and
+refuses one holding anything that looks like a step but is not one of ours. Saves into one directory
+are serialised within a process: a second waits for the first, an asynchronous one included. An
+asynchronous save nobody waits for still completes: its handle finishes on a thread of its own, and one still
+running at interpreter exit is waited for then (a failure nobody heard is printed to stderr).
 
 Restoring is not recomputing: counters, ring order, staged payloads, parked objects (parked again on load)
 and views that shared one torch storage (one storage again; a JAX array that aliased a torch tensor through
@@ -1048,7 +1056,8 @@ def save_session(
 
     Args:
       asynchronous: return once the values are captured; the write completes in the background
-        (``handle.wait()``). Host buffers a model could change in place are copied first.
+        (``handle.wait()``), even if nobody waits: at exit, Python waits for it. Host buffers a model could
+        change in place are copied first. A save to a path with a save in flight waits for that one first.
       attr_hooks: ``{attr: (export, import)}`` for attrs of other types: ``export(value)`` returns a
         checkpointable value, and `load_session` calls ``import`` on it.
       object_hooks: the same for objects by name (an engine-owned `PagedKVHandle`: export its K/V, import it
@@ -1059,7 +1068,8 @@ def save_session(
 
     Raises:
       CheckpointError: an object or attr that cannot be checkpointed (named, before anything is written),
-        or ``path`` is something other than a checkpoint directory.
+        ``path`` is something other than a checkpoint directory (a file, a broken link, another tool's
+        directory), or the write failed (out of space, say); the previous checkpoint at ``path`` stays.
       SessionStateLostError: no such session.
     """
     sid, node = ms._node(state, session_id, "save_session")

@@ -78,7 +78,10 @@ def _restored_bits(state: ManagerState, sid: str) -> dict:
 
 
 def _expected_bits() -> dict:
-    return {name: [_bits(v) for v in (o.value if isinstance(o.value, (list, tuple)) else [o.value])] for name, o in _objects().items()}
+    return {
+        name: [_bits(v) for v in (o.value if isinstance(o.value, (list, tuple)) else [o.value])]
+        for name, o in _objects().items()
+    }
 
 
 # --- 1. parked objects with many storages --------------------------------------------------------------------
@@ -166,7 +169,7 @@ def test_saves_racing_to_one_directory_are_serialised_and_never_lose_the_checkpo
             threading.Event().wait(delay)
             try:
                 fs.save_session(states[gen], "a", path, asynchronous=asynchronous).wait()
-            except BaseException as e:  # noqa: BLE001 - reported below, with the round
+            except BaseException as e:  # reported below, with the round
                 errors.append(e)
 
         threads = [
@@ -179,7 +182,7 @@ def test_saves_racing_to_one_directory_are_serialised_and_never_lose_the_checkpo
             t.join()
         assert not errors, f"round {round_}: {errors!r}"
         assert _loaded_generation(path) in gens  # whichever finished last, whole
-        assert sorted(p.name for p in path.iterdir() if p.name.isdigit()) == [str(max(int(p.name) for p in path.iterdir() if p.name.isdigit()))]
+        assert len([p for p in path.iterdir() if p.name.isdigit()]) == 1  # and only it: the older steps are gone
 
 
 # --- 3. a pending asynchronous save at exit ------------------------------------------------------------------
@@ -232,7 +235,11 @@ def _ring_checkpoint(tmp_path) -> Path:
 
 @pytest.mark.parametrize(
     "old, new",
-    [('"shape": [2, 2]', '"shape": [2, 0]'), ('"capacity": {"t": "v", "v": 3}', '"capacity": {"t": "v", "v": 2}'), ("xxh3_128", "xxh3_129")],
+    [
+        ('"shape": [2, 2]', '"shape": [2, 0]'),
+        ('"capacity": {"t": "v", "v": 3}', '"capacity": {"t": "v", "v": 2}'),
+        ("xxh3_128", "xxh3_129"),
+    ],
 )
 def test_a_one_character_edit_of_the_manifest_is_refused(tmp_path, old, new):
     path = _ring_checkpoint(tmp_path)
