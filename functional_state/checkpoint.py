@@ -4,8 +4,16 @@ A checkpoint is an orbax `CheckpointManager` directory (one step kept): an ``arr
 buffer (JAX arrays as they are, sharded or not; each torch *storage* once, as raw bytes; numpy arrays as raw
 bytes) and a ``manifest`` item (JSON) recording the library version, the layout, each session's structure
 (objects with their lifecycle status and ring positions, staged payloads, attrs and fork policies) and, per
-leaf, its dtype, shape and checksum (XXH3-128). orbax writes a step to a temporary directory and renames it when
-complete, so a checkpoint is complete or absent, and a save that dies part-way leaves the previous one.
+leaf, its dtype, shape and checksum (XXH3-128); the manifest carries a checksum of its own, and a load checks
+it and every leaf's before it builds anything. orbax writes a step to a temporary directory and renames it
+when complete, so a checkpoint is complete or absent, and a save that dies part-way (killed, out of space)
+leaves the previous one, which is deleted only once the new one is complete.
+
+A save writes only into a directory it made (marked ``_FUNCTIONAL_STATE``) or one holding its checkpoints, and
+refuses one holding anything that looks like a step but is not one of ours. Saves into one directory
+are serialised within a process: a second waits for the first, an asynchronous one included. An
+asynchronous save nobody waits for still completes: its handle finishes on a thread of its own, and one still
+running at interpreter exit is waited for then (a failure nobody heard is printed to stderr).
 
 Restoring is not recomputing: counters, ring order, staged payloads, parked objects (parked again on load)
 and views that shared one torch storage (one storage again; a JAX array that aliased a torch tensor through
@@ -31,7 +39,11 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
+import json
+import logging
 import os
+import re
+import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -47,11 +59,11 @@ from . import manager_state as ms
 from ._version import __version__
 from .array_ring import ArrayRing
 from .dense_value import DenseValue
-from .errors import CheckpointError, InvalidTypeError, SessionExistsError
+from .errors import CheckpointError, InvalidTypeError, SessionExistsError, SessionStateError
 from .latent_buffer import LatentBuffer
 from .manager_state import ManagerState
 from .paged_kv import PagedKVHandle
-from .parking import _jax_alias, _JaxLeaf, _rebuild, _TorchLeaf
+from .parking import _host_storage, _jax_alias, _JaxLeaf, _rebuild, _TorchLeaf
 from .session import SessionState
 from .state_object import PARKED, RESIDENT, StateObject
 
@@ -69,6 +81,8 @@ __all__ = [
 
 FORMAT = "functional-state checkpoint"
 LAYOUT = 1  # bumped when the manifest's meaning changes; a reader refuses layouts it does not know
+
+_log = logging.getLogger("functional_state")
 
 _TYPES: dict[str, type[StateObject]] = {"LatentBuffer": LatentBuffer, "ArrayRing": ArrayRing, "DenseValue": DenseValue}
 
@@ -163,7 +177,7 @@ class _Writer:
         self.object_hooks = dict(object_hooks or {})
         self.arrays: dict[str, Any] = {}
         self.leaves: dict[str, dict[str, Any]] = {}
-        self.storages: dict[tuple[str, int], str] = {}  # (device, storage pointer) -> leaf key
+        self.storages: dict[tuple[str, int, int], str] = {}  # (device, storage pointer, bytes) -> leaf key
         self.hooks = dict(hooks or {})
         self.copy_host = copy_host  # an asynchronous save copies host buffers a model might change in place
         self.keep: list[Any] = []  # objects whose memory the saved arrays view, kept alive until written
@@ -224,7 +238,8 @@ class _Writer:
                 f"{where}: a lazily conjugated or negated tensor; call .resolve_conj()/.resolve_neg()."
             )
         storage = t.untyped_storage()
-        skey = (str(t.device), storage.data_ptr())
+        # The size too: an empty storage can start where the next one in a shared host buffer starts.
+        skey = (str(t.device), storage.data_ptr(), storage.nbytes())
         key = self.storages.get(skey)
         if key is None:
             key = self.storages[skey] = self._key()
@@ -314,17 +329,17 @@ class _Writer:
         return {"t": "obj", "type": name, "static": static, "fields": fields, "parked": parked}
 
     def _unparked_view(self, obj: Any) -> Any:
+        """``obj`` as the resident object its host copy stands for, its leaves views of that copy: rebuilt by
+        parking's own `_rebuild` over each storage's own bytes (`_host_storage`), as a restore would."""
         parked = obj.host_copy
         leaves: list[Any] = []
         for leaf in parked.leaves:
             if isinstance(leaf, _TorchLeaf):
-                s = parked.storages[leaf.storage]
-                host = parked.buffers[s.buffer][s.start : s.start + s.nbytes]
                 plain = _TorchLeaf(
                     leaf.storage, leaf.dtype, leaf.shape, leaf.stride, leaf.offset, leaf.conj, leaf.neg, None
                 )
-                t = _rebuild(plain, host)
-                self._device_of[id(t)] = s.device
+                t = _rebuild(plain, _host_storage(parked, leaf.storage))
+                self._device_of[id(t)] = parked.storages[leaf.storage].device
                 leaves.append(t if leaf.jax_owner_type is None else _AliasLeaf(t, leaf.jax_owner_type))
             elif isinstance(leaf, _JaxLeaf):
                 self._sharding_of[id(leaf.host)] = leaf.sharding
@@ -554,59 +569,234 @@ def _ocp() -> Any:
 
 class SaveHandle:
     """A save in progress (``asynchronous=True``) or done. ``wait()`` blocks until the checkpoint is complete
-    on disk (and raises what the save raised); ``done()`` says whether it is."""
+    on disk (and raises what the save raised, as often as it is called); ``done()`` says whether the save has
+    finished, either way.
 
-    def __init__(self, manager: Any, keep: list[Any], path: Path):
+    An asynchronous save finishes on a thread of its own, so it completes (and frees the host copies it
+    holds) whether or not anyone waits; one still running when the interpreter exits is waited for then.
+    """
+
+    def __init__(self, manager: Any, keep: list[Any], path: Path, step: int, asynchronous: bool):
         self._manager = manager
         self._keep = keep  # buffers the write reads from stay alive until it is complete
-        self._lock = threading.Lock()
-        self._finished = False
+        self._step = step
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._heard = False  # whether a caller was told of the error (else it is reported at exit)
         self.path = path
+        if asynchronous:
+            with _REGISTRY_LOCK:
+                _PENDING.add(self)
+            threading.Thread(target=self._finish, name=f"functional_state save {path.name}", daemon=True).start()
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+            _drop_steps_before(self.path, self._step)
+        except BaseException as e:
+            self._error = e
+            _log.debug("saving %s failed: %r", self.path, e)
+        finally:
+            try:
+                self._manager.close()
+            except Exception as e:
+                self._error = self._error or e
+            self._keep = []
+            with _REGISTRY_LOCK:
+                _PENDING.discard(self)
+            self._finished.set()
 
     def wait(self) -> Path:
-        with self._lock:
-            if not self._finished:
-                try:
-                    self._manager.wait_until_finished()
-                    self._manager.close()
-                except Exception as e:
-                    raise CheckpointError(f"saving {self.path} failed: {type(e).__name__}: {e}") from e
-                finally:
-                    self._finished = True
-                    self._keep = []
+        self._finished.wait()
+        if self._error is not None:
+            self._heard = True
+            raise CheckpointError(
+                f"saving {self.path} failed ({type(self._error).__name__}: {self._error}); the checkpoint that was "
+                f"there before, if any, is still the one there."
+            ) from self._error
         return self.path
 
     def done(self) -> bool:
-        if self._finished:
-            return True
-        running = getattr(self._manager, "is_saving_in_progress", None)
-        return running is not None and not running()
+        return self._finished.is_set()
 
     def __repr__(self) -> str:
-        return f"SaveHandle({str(self.path)!r}, {'done' if self._finished else 'pending'})"
+        return f"SaveHandle({str(self.path)!r}, {'done' if self.done() else 'pending'})"
+
+
+# One writer per checkpoint directory: orbax numbers a new step after the ones it finds and deletes the older
+# ones once it is complete, so two saves into one directory at once would both write one step, or one would
+# delete the other's. `_write` holds the directory's lock while it writes (and, for an asynchronous save, the
+# next save to the directory first waits for it). Within one process; one process writes a directory at a time.
+_REGISTRY_LOCK = threading.Lock()
+_PATH_LOCKS: dict[str, threading.Lock] = {}
+_IN_FLIGHT: dict[str, SaveHandle] = {}  # resolved directory -> its asynchronous save, until the next save there
+_PENDING: set[SaveHandle] = set()  # asynchronous saves not finished yet, waited for at exit
+_AT_EXIT: list[bool] = []  # whether `_finish_pending_saves` is registered
+
+
+def _path_lock(key: str) -> threading.Lock:
+    with _REGISTRY_LOCK:
+        return _PATH_LOCKS.setdefault(key, threading.Lock())
+
+
+def _finish_pending_saves() -> None:
+    """At exit, let every asynchronous save finish, and say on stderr which failed unheard.
+
+    Registered with ``threading._register_atexit``: Python runs those before it shuts down the thread pools
+    that orbax's background commit submits to (`concurrent.futures` registers its shutdown the same way, at
+    import, and they run last in first out), and before it joins threads. A plain ``atexit`` hook runs after
+    both, when the commit has already failed with "cannot schedule new futures after shutdown".
+    """
+    with _REGISTRY_LOCK:
+        pending = list(_PENDING)
+    for handle in pending:
+        handle._finished.wait()
+        if handle._error is not None and not handle._heard:
+            print(
+                f"functional_state: the asynchronous save to {handle.path} failed before exit "
+                f"({type(handle._error).__name__}: {handle._error}); the checkpoint there is the previous one.",
+                file=sys.stderr,
+            )
+
+
+def _wait_at_exit() -> bool:
+    """Make sure pending saves are waited for at exit; False when the interpreter is already exiting."""
+    with _REGISTRY_LOCK:
+        if _AT_EXIT:
+            return True
+        try:
+            threading._register_atexit(_finish_pending_saves)  # type: ignore[attr-defined]
+        except RuntimeError:  # shutting down already: too late for a background write
+            return False
+        _AT_EXIT.append(True)
+        return True
 
 
 def _write(path: Any, manifest: dict[str, Any], writer: _Writer, asynchronous: bool) -> SaveHandle:
     ocp = _ocp()
     root = Path(os.fspath(path)).absolute()
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(f"{root} exists and is not a directory; a checkpoint is a directory.")
-    previous = _latest_step(root)
-    if previous is None and root.is_dir() and any(root.iterdir()):
-        raise CheckpointError(f"{root} is a non-empty directory that holds no checkpoint; refusing to write into it.")
     writer.checksums()
     manifest["leaves"] = writer.leaves
-    step = 0 if previous is None else previous + 1
-    options = ocp.CheckpointManagerOptions(max_to_keep=1, enable_async_checkpointing=asynchronous, create=True)
-    manager = _manager(ocp, root, options)
-    manager.save(
-        step,
-        args=ocp.args.Composite(arrays=ocp.args.PyTreeSave(writer.arrays), manifest=ocp.args.JsonSave(manifest)),
-    )
-    handle = SaveHandle(manager, writer.keep, root)
-    if not asynchronous:
-        handle.wait()
+    _seal(manifest)
+    if asynchronous and not _wait_at_exit():
+        asynchronous = False  # a save asked for while the interpreter exits finishes before it returns
+    key = os.path.realpath(root)
+    with _path_lock(key):
+        earlier = _IN_FLIGHT.pop(key, None)
+        if earlier is not None:
+            earlier._finished.wait()  # its outcome is for its own caller's wait()
+        step = _prepare_directory(root)
+        # Orbax keeps every step: `_drop_steps_before` removes the old ones itself, in a way a kill cannot
+        # leave half done.
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True)
+        manager = None
+        try:
+            manager = _manager(ocp, root, options)
+            args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(writer.arrays), manifest=ocp.args.JsonSave(manifest))
+            if not manager.save(step, args=args):
+                raise RuntimeError(f"orbax declined to write step {step}")
+        except Exception as e:
+            if manager is not None:
+                try:
+                    manager.close()
+                except Exception as close_error:
+                    e.add_note(f"closing the orbax manager also failed: {close_error!r}")
+            raise CheckpointError(
+                f"saving {root} failed ({type(e).__name__}: {str(e)[:300]}); the checkpoint that was there before, "
+                f"if any, is still the one there."
+            ) from e
+        handle = SaveHandle(manager, writer.keep, root, step, asynchronous)
+        if asynchronous:
+            _IN_FLIGHT[key] = handle
+        else:
+            handle.wait()
     return handle
+
+
+_MARKER = "_FUNCTIONAL_STATE"  # in a checkpoint directory: written by functional_state, before its first step
+_STEP_NAME = re.compile(r"(0|[1-9][0-9]*)")  # the step directories orbax finds
+_DROPPED = ".functional-state-dropped"  # an old step renamed out of the way, about to be deleted
+
+
+def _drop_steps_before(root: Path, step: int) -> None:
+    """Delete the steps of ours older than ``step`` (complete now). Each is first renamed out of the step
+    namespace, in one atomic step, so a process killed part-way leaves a whole step or a renamed remnant that
+    the next save clears; never a step with half its files."""
+    for old in sorted(s for s, manifest in _steps(root).items() if s < step and manifest is not None):
+        dropped = root / f"{old}{_DROPPED}"
+        try:
+            os.replace(root / str(old), dropped)
+            shutil.rmtree(dropped)
+        except OSError as e:  # the new checkpoint is complete and found first; the old one only takes space
+            _log.warning("checkpoint %s: removing old step %d failed: %r", root, old, e)
+
+
+def _prepare_directory(root: Path) -> int:
+    """The step a save writes into ``root``, made ready for it; refuses a directory it might damage.
+
+    A save writes only into a directory that does not exist, is empty, or is a checkpoint directory: marked
+    as ours, or holding a step with our manifest (as earlier versions left them). Every step directory in it
+    must hold our manifest, since orbax deletes the old steps once the new one is complete.
+    """
+    try:
+        if os.path.lexists(root) and not root.is_dir():
+            what = "a symlink that leads to no directory" if root.is_symlink() else "not a directory"
+            raise CheckpointError(f"{root} exists and is {what}; a checkpoint is a directory.")
+        steps = _steps(root)
+        if root.is_dir():
+            foreign = sorted(step for step, manifest in steps.items() if manifest is None)
+            if foreign:
+                raise CheckpointError(
+                    f"{root / str(foreign[0])} looks like a checkpoint step but holds no functional_state "
+                    f"manifest; a save there would delete it, so nothing was written. Save elsewhere, or remove it."
+                )
+            marked = _is_marked(root)
+            if not marked and not steps and any(root.iterdir()):
+                raise CheckpointError(
+                    f"{root} is a non-empty directory that holds no checkpoint; refusing to write into it."
+                )
+        else:
+            root.mkdir(parents=True)
+            marked = False
+        if marked:  # what an earlier save here renamed away and did not finish deleting
+            for p in root.glob(f"*{_DROPPED}"):
+                shutil.rmtree(p, ignore_errors=True)
+        else:
+            tmp = root / f"{_MARKER}.tmp"
+            tmp.write_text(json.dumps({"format": FORMAT}))
+            os.replace(tmp, root / _MARKER)
+    except OSError as e:
+        raise CheckpointError(f"{root} cannot be used as a checkpoint directory ({type(e).__name__}: {e}).") from e
+    return max(steps, default=-1) + 1
+
+
+def _is_marked(root: Path) -> bool:
+    try:
+        return json.loads((root / _MARKER).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _steps(root: Path) -> dict[int, dict[str, Any] | None]:
+    """Each complete step directory in ``root`` (what orbax counts as one), with its manifest when that is a
+    functional_state manifest (else None: damaged, or another tool's directory)."""
+    if not root.is_dir():
+        return {}
+    out: dict[int, dict[str, Any] | None] = {}
+    for p in root.iterdir():
+        if _STEP_NAME.fullmatch(p.name) and p.is_dir():
+            out[int(p.name)] = _step_manifest(p)
+    return out
+
+
+def _step_manifest(step_dir: Path) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((step_dir / "manifest" / "metadata").read_bytes())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
 
 def _manager(ocp: Any, root: Path, options: Any) -> Any:
@@ -628,17 +818,20 @@ def _manager(ocp: Any, root: Path, options: Any) -> Any:
 
 
 def _latest_step(root: Path) -> int | None:
-    if not root.is_dir():
+    """The newest step in ``root``, if its manifest is ours."""
+    try:
+        steps = _steps(root)
+    except OSError:
         return None
-    steps = [int(p.name) for p in root.iterdir() if p.name.isdigit() and (p / "manifest").is_dir()]
-    return max(steps) if steps else None
+    return max(steps) if steps and steps[max(steps)] is not None else None
 
 
 def has_checkpoint(path: Any) -> bool:
     """Whether ``path`` holds a complete checkpoint (a save still being written does not count).
 
     A loader in another process can poll this to wait for a migrating session: orbax writes each step into a
-    temporary directory and renames it into place only once every array and the manifest are on disk.
+    temporary directory and renames it into place only once every array and the manifest are on disk. Another
+    tool's directory that merely looks like a step (no functional_state manifest in it) does not count.
 
     Example:
         >>> import tempfile
@@ -649,19 +842,36 @@ def has_checkpoint(path: Any) -> bool:
 
 
 def _read(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    ocp = _ocp()
     root = Path(os.fspath(path)).absolute()
-    step = _latest_step(root)
-    if step is None:
+    try:
+        return _read_step(root, placement, torch_device)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # fields a manifest lacks or garbles
+        raise CheckpointError(
+            f"{root}: the manifest does not describe a checkpoint this version can read ({type(e).__name__}: "
+            f"{str(e)[:200]}); it is damaged or was not written by functional_state."
+        ) from e
+    except OSError as e:
+        raise CheckpointError(f"{root} cannot be read ({type(e).__name__}: {e}).") from e
+
+
+def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    ocp = _ocp()
+    steps = _steps(root)
+    if not steps:
         what = "does not exist" if not root.exists() else "holds no complete checkpoint"
         raise CheckpointError(f"{root} {what} (expected a directory written by functional_state's save).")
+    step = max(steps)
+    manifest = steps[step]
+    if manifest is None:
+        raise CheckpointError(
+            f"{root / str(step)}: its manifest is missing, unreadable or not functional_state's; the checkpoint is "
+            f"damaged or another tool wrote this directory."
+        )
+    _check_manifest(manifest, root)
     manager = _manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
     try:
-        try:
-            manifest = manager.restore(step, args=ocp.args.Composite(manifest=ocp.args.JsonRestore()))["manifest"]
-        except Exception as e:
-            raise CheckpointError(f"{root}: the manifest cannot be read ({type(e).__name__}: {e}).") from e
-        _check_manifest(manifest, root)
         abstract: dict[str, Any] = {}
         for key, info in manifest["leaves"].items():
             if info["kind"] == "jax":
@@ -735,7 +945,27 @@ def _leaf_nbytes(info: dict[str, Any]) -> int:
     return int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
 
 
+# The manifest's own checksum, over its canonical JSON without this field. Versions before it wrote manifests
+# with exactly the `_UNSEALED_FIELDS`; such a manifest still loads (unverified, as it always did), while one
+# with any other field and no checksum (a checksum field with its name damaged, say) is refused.
+_SEAL = "manifest_xxh3_128"
+_UNSEALED_FIELDS = frozenset({"format", "layout", "library_version", "kind", "sessions", "leaves", "table"})
+_LEAF_KINDS = frozenset({"jax", "torch_storage", "numpy"})
+_COUNTERS = 5  # hits, misses, evictions, parks, restores
+
+
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in manifest.items() if k != _SEAL}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _seal(manifest: dict[str, Any]) -> None:
+    manifest[_SEAL] = _xxhash().xxh3_128(_canonical(manifest)).hexdigest()
+
+
 def _check_manifest(manifest: Any, root: Path) -> None:
+    """Refuse a manifest that is not ours, of another layout, fails its checksum, or lacks what a load reads,
+    before anything is built from it."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{root} is an orbax checkpoint, but not one functional_state wrote.")
     if manifest.get("layout") != LAYOUT:
@@ -743,6 +973,55 @@ def _check_manifest(manifest: Any, root: Path) -> None:
             f"{root} has checkpoint layout {manifest.get('layout')!r} (written by functional-state "
             f"{manifest.get('library_version')}); this version ({__version__}) reads layout {LAYOUT}."
         )
+    if _SEAL in manifest:
+        if manifest[_SEAL] != _xxhash().xxh3_128(_canonical(manifest)).hexdigest():
+            raise CheckpointError(f"{root}: the manifest fails its checksum: the checkpoint is corrupted.")
+    elif not set(manifest) <= _UNSEALED_FIELDS:
+        extra = sorted(set(manifest) - _UNSEALED_FIELDS)
+        raise CheckpointError(
+            f"{root}: the manifest has no checksum but has fields {extra} no unchecksummed (earlier) manifest has: "
+            f"the checkpoint is corrupted."
+        )
+    _check_fields(manifest, root)
+
+
+def _check_fields(manifest: dict[str, Any], root: Path) -> None:
+    def bad(what: str, expected: str) -> CheckpointError:
+        return CheckpointError(f"{root}: the manifest's {what} is not {expected}; the checkpoint is damaged.")
+
+    def count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if manifest.get("kind") not in ("session", "table"):
+        raise bad("kind", "'session' or 'table'")
+    sessions, leaves = manifest.get("sessions"), manifest.get("leaves")
+    if not isinstance(sessions, list) or not all(
+        isinstance(e, dict)
+        and isinstance(e.get("id"), str)
+        and isinstance(e.get("objects"), dict)
+        and isinstance(e.get("attrs"), dict)
+        for e in sessions
+    ):
+        raise bad("'sessions'", "a list of sessions (each with an id, objects and attrs)")
+    if not isinstance(leaves, dict) or not all(
+        isinstance(info, dict) and info.get("kind") in _LEAF_KINDS for info in leaves.values()
+    ):
+        raise bad("'leaves'", f"a mapping of leaf keys to leaves of kinds {sorted(_LEAF_KINDS)}")
+    for key, info in leaves.items():
+        if info["kind"] == "jax":
+            if not (isinstance(info.get("shape"), list) and all(map(count, info["shape"]))):
+                raise bad(f"leaf {key!r} shape", "a list of sizes")
+            if not isinstance(info.get("dtype"), str) or not isinstance(info.get("sharding"), dict):
+                raise bad(f"leaf {key!r}", "a JAX array with a dtype and a sharding")
+        elif not count(info.get("nbytes")):
+            raise bad(f"leaf {key!r} nbytes", "a byte count")
+    if manifest["kind"] == "table":
+        table = manifest.get("table")
+        if not isinstance(table, dict) or not {"max_sessions", "byte_budget", "evict_when_full"} <= set(table):
+            raise bad("'table'", "the table's configuration and counters")
+        counters = table.get("counters")
+        if not (isinstance(counters, list) and len(counters) == _COUNTERS and all(map(count, counters))):
+            raise bad("table counters", f"{_COUNTERS} counts (hits, misses, evictions, parks, restores)")
 
 
 def _placement_for(placement: Any, key: str, info: dict[str, Any]) -> Any:
@@ -777,7 +1056,8 @@ def save_session(
 
     Args:
       asynchronous: return once the values are captured; the write completes in the background
-        (``handle.wait()``). Host buffers a model could change in place are copied first.
+        (``handle.wait()``), even if nobody waits: at exit, Python waits for it. Host buffers a model could
+        change in place are copied first. A save to a path with a save in flight waits for that one first.
       attr_hooks: ``{attr: (export, import)}`` for attrs of other types: ``export(value)`` returns a
         checkpointable value, and `load_session` calls ``import`` on it.
       object_hooks: the same for objects by name (an engine-owned `PagedKVHandle`: export its K/V, import it
@@ -788,7 +1068,8 @@ def save_session(
 
     Raises:
       CheckpointError: an object or attr that cannot be checkpointed (named, before anything is written),
-        or ``path`` is something other than a checkpoint directory.
+        ``path`` is something other than a checkpoint directory (a file, a broken link, another tool's
+        directory), or the write failed (out of space, say); the previous checkpoint at ``path`` stays.
       SessionStateLostError: no such session.
     """
     sid, node = ms._node(state, session_id, "save_session")
@@ -933,16 +1214,21 @@ def load(
     """
     manifest, arrays = _read(path, placement, torch_device)
     table = manifest.get("table")
-    if table is None:
+    if manifest["kind"] != "table" or table is None:
         raise CheckpointError(f"{path} holds a session checkpoint, not a table; use load_session.")
     reader = _Reader(arrays, attr_hooks, torch_device, object_hooks)
-    state = ManagerState.create(table["max_sessions"], table["byte_budget"], table["evict_when_full"])
+    try:
+        state = ManagerState.create(table["max_sessions"], table["byte_budget"], table["evict_when_full"])
+    except SessionStateError as e:
+        raise CheckpointError(f"{path}: the table's configuration is not one a table can have ({e}).") from e
     try:
         for entry in manifest["sessions"]:  # least recently used first: each insertion is the most recent
             state = install_session(state, entry["id"], reader.session(entry))
     except BaseException as e:
         _release_sessions(ms.sessions(state).values(), e)
-        raise
+        if isinstance(e, (SessionStateError, KeyboardInterrupt)) or not isinstance(e, Exception):
+            raise
+        raise CheckpointError(f"{path}: a session cannot be rebuilt ({type(e).__name__}: {e}).") from e
     meta = list(state._meta)
     meta[ms._HITS : ms._RESTORES + 1] = table["counters"]
     return ms._state(state._nodes, tuple(meta), state._acct)

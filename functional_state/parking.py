@@ -306,8 +306,26 @@ def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
     return result
 
 
-def _rebuild(leaf: _TorchLeaf, storage: Any) -> Any:
+def _host_storage(parked: ParkedStorage, index: int) -> Any:
+    """Storage ``index`` of ``parked`` as it sits in its host buffer: a 1-D uint8 CPU tensor over exactly its
+    bytes, with a storage of its own (no copy), which `_rebuild` can rebuild the storage's leaves over.
+
+    Storages share host buffers back to back, so a plain slice of the buffer would still report the whole
+    buffer as its storage; through numpy, the view gets a storage that starts where this one starts.
+    """
     torch = _torch()
+    s = parked.storages[index]
+    if not s.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(parked.buffers[s.buffer].numpy()[s.start : s.start + s.nbytes])
+
+
+def _rebuild(leaf: _TorchLeaf, storage: Any) -> Any:
+    """``leaf`` as a view of ``storage``, a uint8 tensor that spans a whole storage (its offsets index that)."""
+    torch = _torch()
+    if storage.storage_offset() or storage.numel() != storage.untyped_storage().nbytes():
+        # A slice of a larger buffer: every offset would land in someone else's bytes.
+        raise AssertionError("_rebuild needs a tensor that spans its whole storage, not a slice of one")
     t = torch.empty(0, dtype=leaf.dtype, device=storage.device).set_(
         storage.untyped_storage(), leaf.offset, leaf.shape, leaf.stride
     )

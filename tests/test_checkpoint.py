@@ -189,6 +189,20 @@ def _saved(tmp_path) -> tuple[ManagerState, Path]:
     return s, path
 
 
+def _manifest_file(path: Path) -> Path:
+    return next(path.glob("[0-9]*")) / "manifest" / "metadata"
+
+
+def _rewrite_manifest(path: Path, manifest: dict, *, seal: bool) -> None:
+    """Write ``manifest`` over the checkpoint's: resealed with its checksum (to reach the checks past it), or
+    without one, as versions before the manifest checksum wrote it."""
+    manifest = dict(manifest)
+    manifest.pop(fs.checkpoint._SEAL, None)
+    if seal:
+        fs.checkpoint._seal(manifest)
+    _manifest_file(path).write_text(json.dumps(manifest))
+
+
 def _largest_data_file(path: Path) -> Path:
     """The file holding the array data orbax reads (its merged OCDBT store: ``<step>/arrays/d/*``)."""
     files = [p for p in path.glob("[0-9]*/arrays/d/*") if p.is_file()]
@@ -243,11 +257,11 @@ def test_bad_paths_layouts_attrs_and_ids_each_get_a_specific_error(tmp_path):
     assert hooked.done()
     with pytest.raises(CheckpointError, match="export hook"):
         fs.load_session(empty, "a", tmp_path / "hooked")
-    meta = next(path.glob("[0-9]*")) / "manifest" / "metadata"
+    meta = _manifest_file(path)
     manifest = json.loads(meta.read_text())
     good = meta.read_text()
     manifest["leaves"]["leaf2"]["xxh3_128"] = "0" * 32  # the bytes no longer match what the manifest promises
-    meta.write_text(json.dumps(manifest))
+    _rewrite_manifest(path, manifest, seal=True)
     with pytest.raises(CheckpointError, match=r"leaf 'leaf2' \(.*\) fails its checksum"):
         fs.load_session(empty, "a", path)
     manifest = json.loads(good)
@@ -263,15 +277,14 @@ def test_a_checkpoint_with_sha256_checksums_as_earlier_versions_wrote_still_veri
     t = torch.arange(64, dtype=torch.float32)
     s, _ = fs.get_or_create(ManagerState.create(), "a")
     fs.save_session(fs.put(s, "a", "v", fs.DenseValue.create(t)), "a", tmp_path / "ck")
-    meta = next((tmp_path / "ck").glob("[0-9]*")) / "manifest" / "metadata"
-    manifest = json.loads(meta.read_text())
+    manifest = json.loads(_manifest_file(tmp_path / "ck").read_text())
     ((_, info),) = manifest["leaves"].items()  # the tensor's storage, the one leaf
     del info["xxh3_128"]
     info["sha256"] = hashlib.sha256(t.numpy().tobytes()).hexdigest()
-    meta.write_text(json.dumps(manifest))
+    _rewrite_manifest(tmp_path / "ck", manifest, seal=False)  # those versions wrote no manifest checksum
     assert torch.equal(fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v"), t)
     info["sha256"] = hashlib.sha256(b"other bytes").hexdigest()
-    meta.write_text(json.dumps(manifest))
+    _rewrite_manifest(tmp_path / "ck", manifest, seal=False)
     with pytest.raises(CheckpointError, match="fails its checksum"):
         fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
 
