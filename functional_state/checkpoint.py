@@ -336,7 +336,15 @@ class _Writer:
         for leaf in parked.leaves:
             if isinstance(leaf, _TorchLeaf):
                 plain = _TorchLeaf(
-                    leaf.storage, leaf.dtype, leaf.shape, leaf.stride, leaf.offset, leaf.conj, leaf.neg, None
+                    leaf.storage,
+                    leaf.dtype,
+                    leaf.shape,
+                    leaf.stride,
+                    leaf.offset,
+                    leaf.conj,
+                    leaf.neg,
+                    None,
+                    leaf.requires_grad,  # saved as a resident leaf's flag is, so the load sets it again
                 )
                 t = _rebuild(plain, _host_storage(parked, leaf.storage))
                 self._device_of[id(t)] = parked.storages[leaf.storage].device

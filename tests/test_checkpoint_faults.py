@@ -87,6 +87,20 @@ def _expected_bits() -> dict:
 # --- 1. parked objects with many storages --------------------------------------------------------------------
 
 
+def test_a_parked_tensor_keeps_requires_grad_through_a_checkpoint(tmp_path):
+    # Regression: the writer rebuilt parked leaves without their autograd flag, so a parked tensor that
+    # required grad came back without it (a resident one kept it).
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    leaves = [torch.arange(8.0, requires_grad=True), torch.full((4,), 2.0), torch.arange(6)[2:]]
+    s = fs.put(s, "a", "v", fs.DenseValue.create(leaves))
+    s, _ = fs.park(s, "a", "v")
+    fs.save_session(s, "a", tmp_path / "ck")
+    back, _ = fs.restore(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
+    got = fs.view(back, "a", "v")
+    assert [t.requires_grad for t in got] == [True, False, False]
+    assert [_bits(t) for t in got] == [_bits(t) for t in leaves]
+
+
 def test_a_parked_object_with_many_storages_comes_back_bit_exact_from_save_session(tmp_path):
     s = _table()
     assert all(o.parked for o in fs.lookup(s, "a").objects.values())
