@@ -25,7 +25,11 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_POOL = re.compile(r"^(cpu|[a-z][a-z0-9_]*:\d+)(/(pinned_host|unpinned_host))?$")
+# Pools exactly as `stats()` names them: the host ("cpu") and its two memory kinds for parked storage, and
+# devices as "<platform>:<index>" ("cuda:0", "tpu:3"). Never "cpu:0" (one host pool) nor "gpu:0" (JAX's GPU
+# platform is filed as "cuda"), and memory kinds exist only for the host.
+_POOL = re.compile(r"^(cpu(/(pinned_host|unpinned_host))?|(?!cpu:|gpu:)[a-z][a-z0-9_]*:\d+)$")
+POOL_FORMS = "'cpu', 'cpu/pinned_host', 'cpu/unpinned_host', or a device such as 'cuda:0' or 'tpu:0'"
 
 
 def format_bytes(n: int) -> str:
