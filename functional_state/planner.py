@@ -315,10 +315,10 @@ def plan_release(
                     skipped.append(f"{sid}/{name}: engine pool {obj.pool.name!r} offers no offload")
                     continue
                 committed, parked = _park_effect(obj, ledger)
-                change = ledger.change([extents] * len(sharers), [parked] * len(sharers))
-                if not committed <= change.left:
+                if not committed <= ledger.change([extents] * len(sharers)).left:  # what `park` refuses
                     skipped.append(f"{sid}/{name}: something else holds part of its storage; parking frees nothing")
                     continue
+                change = ledger.change([extents] * len(sharers), [parked] * len(sharers))
                 if change.frees.get(pool, 0) <= 0:
                     skipped.append(f"{sid}/{name}: parking frees nothing in {pool!r} (its bytes would stay there)")
                     continue
