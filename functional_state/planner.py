@@ -13,10 +13,12 @@ over its budget. The levers, least loss first:
    `SessionStateLostError`).
 
 Never touched: a protected session; an attr on its own (attrs leave only with their session, and their
-bytes are reported as unreleasable); bytes something else still holds. Every action's freed bytes are
-marginal and deduplicated: what really leaves the pool, given the actions before it, so an object a
-protected fork shares frees nothing and the planner moves on to a candidate that frees something. Each
-lever is one pass in recency (or cost) order: a plan over n sessions costs O(n log n).
+bytes are reported as unreleasable); bytes something else still holds. Every action is priced by applying
+it to one ledger of holders (`_Ledger.change`), given the actions before it: what leaves each pool, and
+what a park puts into its host pools (as `park` really moves it: numpy stays, torch and JAX go to their
+host memory kinds), so an object a protected fork shares frees nothing and the planner moves on to a
+candidate that frees something. `enforce_budget` measures the result before it returns it. Each lever is
+one pass in recency (or cost) order: a plan over n sessions costs O(n log n).
 """
 
 from __future__ import annotations
@@ -222,11 +224,13 @@ def plan_release(
       state: the table (unchanged: planning is pure).
       pool: the pool to free, as `stats` names it (``"cuda:0"``, ``"cpu"``).
       need_bytes: bytes to free (an int or a size such as ``"600MiB"``).
-      protect: session ids never touched (a session being served, a request in flight).
+      protect: a session id, or an iterable of ids, never touched (a session being served, a request in
+        flight). A str is one id.
       levers: which levers may be used, in the fixed order park, evict, drop.
 
     Raises:
-      InvalidArgumentError: an unknown pool name, a negative need, ids not in the table, an unknown lever.
+      InvalidArgumentError: a pool `stats` never names, a negative or absurd need, ids not in the table, an
+        unknown lever.
 
     Example:
       >>> import torch, functional_state as fs
@@ -369,7 +373,7 @@ def plan_release(
             if sid in protected or sid in dropped or done():
                 continue
             # What each object holds once this plan's earlier parks and evictions ran: all of it leaves now.
-            objects = [now.get((sid, n)) or object_extents(o) for n, o in session._objects.items()]
+            objects = [now[(sid, n)] if (sid, n) in now else object_extents(o) for n, o in session._objects.items()]
             change = ledger.change(objects, (), attr_sets.get(sid, _NO_EXTENTS))
             if change.frees.get(pool, 0) <= 0:
                 note = f"{sid}: dropping it frees nothing in {pool!r} (its storage is held elsewhere)"
@@ -405,8 +409,8 @@ def _park_effect(obj: Any, ledger: _Ledger) -> tuple[frozenset[Extent], frozense
     if type(obj) is PagedKVHandle:  # the engine's offload token: host memory of the size of the blocks
         committed = frozenset(obj.pool.extents(obj.block_ids))
         kept = frozenset(obj.pool.extents(obj.staged or ()))
-        host = [ledger.virtual("cpu", len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
-        return committed, kept | frozenset(host)
+        token = [ledger.virtual("cpu", len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
+        return committed, kept | frozenset(token)
     committed = _extents_of(obj._committed_roots())
     kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
     host_bytes: dict[str, int] = {}

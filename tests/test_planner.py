@@ -494,3 +494,14 @@ def test_planner_decisions_are_logged(caplog):
     records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "functional_state"]
     assert any(level == logging.DEBUG and "park  s0/cache" in msg for level, msg in records), records
     assert any(level == logging.INFO and "drop  s0" in msg for level, msg in records), records
+
+
+def test_a_drop_after_an_eviction_prices_the_evicted_object_as_it_is_then():
+    # The evicted buffer holds nothing; its item a fork still holds must not be counted as leaving again.
+    state = _one({"src": DenseValue.create([torch.zeros(8)])}, protect_other=False)
+    state = fs.put(state, "s0", "buf", LatentBuffer.create(recompute_source="src").commit(torch.zeros(256)))
+    state = fs.fork_session(state, "s0", "f0")
+    state = fs.commit(fs.commit(state, "f0", "buf", torch.zeros(256)), "s0", "buf", torch.zeros(256))
+    assert plan_release(state, "cpu", KIB + 64, protect=["f0"], levers=["evict", "drop"]) is None
+    plan = plan_release(state, "cpu", KIB, protect=["f0"], levers=["evict", "drop"])
+    assert _promised(plan) == _measured(state, apply_plan(state, plan)) == {"cpu": KIB}
