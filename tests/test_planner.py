@@ -505,3 +505,22 @@ def test_a_drop_after_an_eviction_prices_the_evicted_object_as_it_is_then():
     assert plan_release(state, "cpu", KIB + 64, protect=["f0"], levers=["evict", "drop"]) is None
     plan = plan_release(state, "cpu", KIB, protect=["f0"], levers=["evict", "drop"])
     assert _promised(plan) == _measured(state, apply_plan(state, plan)) == {"cpu": KIB}
+
+
+def test_the_same_object_under_two_names_is_never_parked_as_a_fork():
+    # Regression (issue 19; found by tests/test_planner_machine.py): the planner grouped sharers by identity,
+    # `park(with_sharers=True)` finds them by name, so enforcing a budget crashed with SharedStorageError.
+    obj = DenseValue.create([torch.ones(64)])
+    state = ManagerState.create(byte_budget={"cpu": 768})
+    for sid, name in (("a", "x"), ("b", "y")):
+        state, _ = fs.get_or_create(state, sid)
+        state = fs.put(state, sid, name, obj)
+    plan = plan_release(state, "cpu", 1, levers=["park"])
+    assert plan is None  # b/y holds a/x's storage (and the other way round): parking either frees nothing
+    state, _ = fs.get_or_create(state, "c")
+    state = fs.put(state, "c", "x", DenseValue.create([torch.ones(192)]))
+    snap = snapshot(state)
+    # Refused, not crashed: no lever frees the shared storage alone (dropping a, or b, frees nothing).
+    with pytest.raises(BudgetExceededError, match="frees only 0 B"):
+        fs.enforce_budget(state, protect=["c"])
+    assert_unchanged(state, snap)
