@@ -244,7 +244,7 @@ class PlannerMachine(RuleBasedStateMachine):
 
 PlannerMachine.TestCase.settings = settings(
     max_examples=300,
-    stateful_step_count=20,
+    stateful_step_count=40,
     deadline=None,
     derandomize=True,  # the same 300 runs every time: CI stays deterministic
     suppress_health_check=list(HealthCheck),
