@@ -383,7 +383,9 @@ def plan_release(
             take(ReleaseAction("drop", (sid,), None, change.frees, "least recently used session"), change, {})
             dropped.add(sid)
     if not done():
-        _log.debug("plan_release: %s cannot free %s in pool %r", "no plan", format_bytes(need), pool)
+        _log.debug(
+            "plan_release: no plan frees %s in pool %r (freeable: %s)", format_bytes(need), pool, format_bytes(freed)
+        )
         return None
     return ReleasePlan(pool, need, tuple(actions), tuple(skipped), unreleasable, weakref.ref(state))
 
