@@ -8,9 +8,9 @@ carries them (the spec keeps environment overrides for the A/B flag and the stre
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 
 from .errors import InvalidArgumentError
@@ -24,8 +24,13 @@ _UNITS = {
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }  # fmt: skip
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_POOL = re.compile(r"^(cpu|[a-z][a-z0-9_]*:\d+)(/(pinned_host|unpinned_host))?$")
+_SIZE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$")
+MAX_BYTES = 2**63 - 1  # the largest size a pool can report (a signed 64-bit count); anything above is a typo
+# Pools exactly as `stats()` names them: the host ("cpu") and its two memory kinds for parked storage, and
+# devices as "<platform>:<index>" ("cuda:0", "tpu:3"). Never "cpu:0" (one host pool) nor "gpu:0" (JAX's GPU
+# platform is filed as "cuda"), and memory kinds exist only for the host.
+_POOL = re.compile(r"^(cpu(/(pinned_host|unpinned_host))?|(?!cpu:|gpu:)[a-z][a-z0-9_]*:\d+)$")
+POOL_FORMS = "'cpu', 'cpu/pinned_host', 'cpu/unpinned_host', or a device such as 'cuda:0' or 'tpu:0'"
 
 
 def format_bytes(n: int) -> str:
@@ -50,8 +55,11 @@ def parse_bytes(value: Any, what: str = "parse_bytes") -> int:
     Binary units (KiB, MiB, GiB, TiB, and K, M, G, T) are powers of 1024; decimal ones (kB, MB, GB, TB)
     powers of 1000.
 
+    Sizes are read exactly (no floating point): ``"9007199254740993"`` is that many bytes.
+
     Raises:
-      InvalidArgumentError: negative, fractional bytes, an unknown unit, or not a size at all.
+      InvalidArgumentError: negative, fractional bytes, an unknown unit, more than 2**63 - 1 bytes, or not a
+        size at all.
 
     Example:
       >>> parse_bytes("40GiB"), parse_bytes("1.5 MB"), parse_bytes(4096)
@@ -62,19 +70,39 @@ def parse_bytes(value: Any, what: str = "parse_bytes") -> int:
     if isinstance(value, int):
         if value < 0:
             raise InvalidArgumentError(f"`{what}`: a size cannot be negative, got {value}.")
-        return value
+        return _at_most_max(value, value, what)
     if isinstance(value, str):
+        if len(value) > 64:  # no size is written this long (and int() of thousands of digits is slow)
+            raise InvalidArgumentError(
+                f"`{what}`: {_shown(value)} is too long to be a size; sizes are at most 2**63 - 1 bytes (8 EiB)."
+            )
         match = _SIZE.match(value)
-        unit = match.group(2).lower() if match else None
+        unit = match.group(3).lower() if match else None
         if match and unit in _UNITS:
-            nbytes = float(match.group(1)) * _UNITS[unit]
-            if nbytes == math.floor(nbytes):
-                return int(nbytes)
+            whole, frac = match.group(1), match.group(2) or ""
+            # Exact arithmetic: a float would round "9007199254740993" and overflow on 400 digits.
+            nbytes = (int(whole) + Fraction(int(frac or "0"), 10 ** len(frac))) * _UNITS[unit]
+            if nbytes.denominator == 1:
+                return _at_most_max(int(nbytes), value, what)
         raise InvalidArgumentError(
-            f"`{what}`: cannot read {value!r} as a size; write a byte count or a number and a unit, e.g. '40GiB', "
-            f"'512 MiB', '1.5GB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)."
+            f"`{what}`: cannot read {_shown(value)} as a size; write a byte count or a number and a unit, e.g. '40GiB', "
+            f"'512 MiB', '1.5GB' (units: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB; whole bytes only)."
         )
     raise InvalidArgumentError(f"`{what}`: expected a byte count or a size like '40GiB', got {type(value).__name__}.")
+
+
+def _at_most_max(nbytes: int, value: Any, what: str) -> int:
+    if nbytes > MAX_BYTES:
+        raise InvalidArgumentError(
+            f"`{what}`: {_shown(value)} is more than 2**63 - 1 bytes (8 EiB), the largest size a pool can hold; "
+            f"check the number and its unit."
+        )
+    return nbytes
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 48 else f"{text[:24]}... ({len(text)} characters)"
 
 
 def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] | None:
@@ -82,7 +110,8 @@ def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] |
     device pool (key ``"*"``).
 
     Raises:
-      InvalidArgumentError: a pool name `stats()` would never report, or a size that is not one.
+      InvalidArgumentError: a pool name `stats()` would never report (``"cpu:0"``, ``"gpu:0"``,
+        ``"cuda:0/pinned_host"``: host memory kinds exist only under ``"cpu"``), or a size that is not one.
 
     Example:
       >>> normalize_budget({"cuda:0": "40GiB", "cpu/pinned_host": "64GiB"})
@@ -103,8 +132,8 @@ def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] |
     for pool, size in budget.items():
         if pool != ANY_DEVICE and (not isinstance(pool, str) or not _POOL.match(pool)):
             raise InvalidArgumentError(
-                f"`{what}`: unknown pool {pool!r}; pools are named as stats() names them: 'cpu', 'cuda:0', "
-                f"'cpu/pinned_host', 'cpu/unpinned_host', or '*' for every device pool."
+                f"`{what}`: unknown pool {pool!r}; stats() never reports it, so its budget would never be "
+                f"enforced. Name pools as stats() does: {POOL_FORMS}, or '*' for every device pool."
             )
         out[pool] = parse_bytes(size, f"{what}[{pool!r}]")
     return dict(sorted(out.items()))

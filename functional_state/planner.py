@@ -13,24 +13,29 @@ over its budget. The levers, least loss first:
    `SessionStateLostError`).
 
 Never touched: a protected session; an attr on its own (attrs leave only with their session, and their
-bytes are reported as unreleasable); bytes something else still holds. Every action's freed bytes are
-marginal and deduplicated: what really leaves the pool, given the actions before it, so an object a
-protected fork shares frees nothing and the planner moves on to a candidate that frees something. Each
-lever is one pass in recency (or cost) order: a plan over n sessions costs O(n log n).
+bytes are reported as unreleasable); bytes something else still holds. Every action is priced by applying
+it to one ledger of holders (`_Ledger.change`), given the actions before it: what leaves each pool, and
+what a park puts into its host pools (as `park` really moves it: numpy stays, torch and JAX go to their
+host memory kinds), so an object a protected fork shares frees nothing and the planner moves on to a
+candidate that frees something. `enforce_budget` measures the result before it returns it. Each lever is
+one pass in recency (or cost) order: a plan over n sessions costs O(n log n).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import weakref
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from . import accounting
+import jax
+
+from . import accounting, parking
 from ._acct import Extent, object_extents
-from .budget import _POOL, ANY_DEVICE, format_bytes, parse_bytes
+from .budget import _POOL, ANY_DEVICE, POOL_FORMS, format_bytes, parse_bytes
 from .errors import BudgetExceededError, InvalidArgumentError
 from .manager_state import (
     _S,
@@ -44,6 +49,8 @@ from .manager_state import (
     stats,
 )
 from .paged_kv import PagedKVHandle
+
+_log = logging.getLogger("functional_state")
 
 __all__ = ["LEVERS", "ReleaseAction", "ReleasePlan", "apply_plan", "enforce_budget", "plan_release"]
 
@@ -99,46 +106,100 @@ class ReleasePlan:
 
 
 class _Ledger:
-    """Holder counts as the plan's earlier actions would leave them, to price each next action."""
+    """Who holds each extent as the plan's actions so far would leave it; every action is priced here.
+
+    An action is a change of holders: the objects it replaces (``remove``) by what they become (``add``), and
+    the attrs that leave with a dropped session. Its price is measured, not estimated: the extents that stop
+    being held (bytes freed) and those that start (bytes a park fills a host pool with), per pool. Parks,
+    evictions and drops all go through `change`, so "what does this free" has one answer in the planner.
+    """
 
     def __init__(self, refs: Any, attr_holders: Counter[Extent]):
         self.refs = refs  # extent -> objects holding it (the table's accounting)
         self.attr_holders = attr_holders  # extent -> sessions whose attrs hold it
-        self.gone: Counter[Extent] = Counter()  # holder objects released so far
-        self.attrs_gone: Counter[Extent] = Counter()
+        self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
+        self.attrs: Counter[Extent] = Counter()
+        self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has
 
-    def freed(self, objects: Iterable[frozenset[Extent]], attrs: Iterable[Extent] = ()) -> set[Extent]:
-        """The extents that no holder would keep once ``objects`` (and sessions' ``attrs``) let go."""
-        less = Counter(e for extents in objects for e in extents)
-        less_attrs = Counter(attrs)
-        out = set()
-        for e in set(less) | set(less_attrs):
-            objects_left = self.refs.get(e, 0) - self.gone[e] - less[e]
-            attrs_left = self.attr_holders[e] - self.attrs_gone[e] - less_attrs[e]
-            if objects_left <= 0 and attrs_left <= 0:
-                out.add(e)
-        return out
+    def held(self, e: Extent, d_objects: int = 0, d_attrs: int = 0) -> bool:
+        objects = self.refs.get(e, 0) + self.objects[e] + d_objects
+        return objects > 0 or self.attr_holders[e] + self.attrs[e] + d_attrs > 0
 
-    def release(self, objects: Iterable[frozenset[Extent]], attrs: Iterable[Extent] = ()) -> None:
-        for extents in objects:
-            self.gone.update(extents)
-        self.attrs_gone.update(attrs)
+    def virtual(self, pool: str, nbytes: int) -> Extent:
+        """An extent for a host copy that does not exist yet (a park's), disjoint from every real buffer."""
+        start = self._next_virtual
+        self._next_virtual += nbytes
+        return (pool, start, start + nbytes)
+
+    def change(
+        self, remove: Iterable[frozenset[Extent]], add: Iterable[frozenset[Extent]] = (), attrs: Iterable[Extent] = ()
+    ) -> _Change:
+        """The effect of objects ``remove`` becoming ``add`` (and sessions' ``attrs`` letting go), not yet taken."""
+        d: Counter[Extent] = Counter()
+        for extents in remove:
+            for e in extents:
+                d[e] -= 1
+        for extents in add:
+            for e in extents:
+                d[e] += 1
+        d_attrs: Counter[Extent] = Counter()
+        for e in attrs:
+            d_attrs[e] -= 1
+        left, came = [], []
+        for e in d.keys() | d_attrs.keys():
+            before, after = self.held(e), self.held(e, d[e], d_attrs[e])
+            if before and not after:
+                left.append(e)
+            elif after and not before:
+                came.append(e)
+        frees = _by_pool(left)
+        for pool, n in _by_pool(came).items():
+            frees[pool] = frees.get(pool, 0) - n
+        return _Change({p: n for p, n in sorted(frees.items()) if n}, frozenset(left), d, d_attrs)
+
+    def take(self, change: _Change) -> None:
+        self.objects.update(change.objects)
+        self.attrs.update(change.attrs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Change:
+    frees: dict[str, int]  # pool -> bytes leaving (negative: arriving)
+    left: frozenset[Extent]  # extents no holder keeps afterwards
+    objects: Counter[Extent]
+    attrs: Counter[Extent]
 
 
 def _by_pool(extents: Iterable[Extent]) -> dict[str, int]:
     return accounting._union_by_device(list(extents))
 
 
-def _check_plan_args(
-    state: Any, pool: Any, protect: Iterable[str | None], levers: Iterable[str]
-) -> tuple[set[str], tuple[str, ...]]:
+def _protect_ids(protect: Any, what: str) -> set[str]:
+    """The session ids ``protect`` names: one id (a str, or None for ``"default"``) or an iterable of them."""
+    if protect is None or isinstance(protect, str):
+        protect = (protect,)  # one id, never read character by character
+    try:
+        ids = list(protect)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"`{what}`: protect must be a session id or an iterable of them, got {type(protect).__name__}."
+        ) from None
+    bad = [p for p in ids if p is not None and (not isinstance(p, str) or not p)]
+    if bad:
+        raise InvalidArgumentError(
+            f"`{what}`: protect must hold session ids (non-empty str, or None for 'default'); got {bad[:5]!r}."
+        )
+    return {p if p is not None else "default" for p in ids}
+
+
+def _check_plan_args(state: Any, pool: Any, protect: Any, levers: Iterable[str]) -> tuple[set[str], tuple[str, ...]]:
     if type(state) is not ManagerState:
         _check_state(state, "plan_release")
     if not isinstance(pool, str) or not _POOL.match(pool):
         raise InvalidArgumentError(
-            f"`plan_release`: pool must be a pool as stats() names it ('cuda:0', 'cpu', 'cpu/pinned_host'), got {pool!r}."
+            f"`plan_release`: pool must be a pool as stats() names it ({POOL_FORMS}), got {pool!r}."
         )
-    protected = {p if p is not None else "default" for p in protect}
+    protected = _protect_ids(protect, "plan_release")
     unknown = sorted(p for p in protected if p not in state)
     if unknown:
         raise InvalidArgumentError(f"`plan_release`: protect names sessions that are not in the table: {unknown}.")
@@ -163,11 +224,13 @@ def plan_release(
       state: the table (unchanged: planning is pure).
       pool: the pool to free, as `stats` names it (``"cuda:0"``, ``"cpu"``).
       need_bytes: bytes to free (an int or a size such as ``"600MiB"``).
-      protect: session ids never touched (a session being served, a request in flight).
+      protect: a session id, or an iterable of ids, never touched (a session being served, a request in
+        flight). A str is one id.
       levers: which levers may be used, in the fixed order park, evict, drop.
 
     Raises:
-      InvalidArgumentError: an unknown pool name, a negative need, ids not in the table, an unknown lever.
+      InvalidArgumentError: a pool `stats` never names, a negative or absurd need, ids not in the table, an
+        unknown lever.
 
     Example:
       >>> import torch, functional_state as fs
@@ -199,15 +262,21 @@ def plan_release(
             for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
                 attr_holders[e] += 1
     unreleasable = _by_pool(e for extents in attr_sets.values() for e in extents).get(pool, 0)
-    first_holder: dict[int, str] = {}  # id(object) -> least recent session holding that very object
-    more_holders: dict[int, list[str]] = {}  # ... and the others (forks share objects), only where any
+    # Sharers of an object: the sessions holding that very object under the same name (forks), as
+    # `park(with_sharers=True)` finds them. The same object under another name is "something else".
+    first_holder: dict[tuple[int, str], str] = {}  # (id(object), name) -> least recent session holding it
+    more_holders: dict[tuple[int, str], list[str]] = {}  # ... and the others, only where any
     for sid, session in zip(sids, objs):
-        for obj in session._objects.values():
-            if first_holder.setdefault(id(obj), sid) is not sid:
-                more_holders.setdefault(id(obj), []).append(sid)
+        for name, obj in session._objects.items():
+            if first_holder.setdefault((id(obj), name), sid) is not sid:
+                more_holders.setdefault((id(obj), name), []).append(sid)
     budget = state.byte_budget or {}
-    host_used = {k: v for k, v in acct.totals.items() if "/" in k}
+    # Bytes per pool as the plan leaves them (attrs included): to keep a park's host pool within its budget.
+    held = dict(acct.totals)
+    for p, n in _by_pool(e for e in attr_holders if e not in acct.refs).items():
+        held[p] = held.get(p, 0) + n
     ledger = _Ledger(acct.refs, attr_holders)
+    now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
     actions: list[ReleaseAction] = []
     skipped: list[str] = []
     freed = 0
@@ -216,14 +285,16 @@ def plan_release(
     def done() -> bool:
         return freed >= need
 
-    def take(action: ReleaseAction, objects: list[frozenset[Extent]], attrs: Iterable[Extent] = ()) -> None:
+    def take(action: ReleaseAction, change: _Change, became: dict[tuple[str, str], frozenset[Extent]]) -> None:
         nonlocal freed
-        ledger.release(objects, attrs)
+        ledger.take(change)
+        now.update(became)
+        for p, n in change.frees.items():
+            held[p] = held.get(p, 0) - n
         actions.append(action)
         freed += action.frees.get(pool, 0)
 
-    for sid in protected:
-        skipped.append(f"{sid}: protected")
+    skipped.extend(f"{sid}: protected" for sid in sorted(protected))
     if "park" in levers and not done():
         for sid, session in zip(sids, objs):
             if sid in protected or done():
@@ -236,7 +307,7 @@ def plan_release(
                 extents = object_extents(obj)
                 if not any(e[0] == pool for e in extents):
                     continue
-                sharers = [first_holder[id(obj)], *more_holders.get(id(obj), ())]
+                sharers = [first_holder[(id(obj), name)], *more_holders.get((id(obj), name), ())]
                 if any(s in protected for s in sharers):
                     skipped.append(
                         f"{sid}/{name}: its storage is shared with a protected session; parking frees nothing"
@@ -244,32 +315,31 @@ def plan_release(
                     continue
                 if sharers[0] != sid:
                     continue  # a fork's object: considered once, at its least recent holder
-                if type(obj) is PagedKVHandle:
-                    if not obj.parkable:
-                        skipped.append(f"{sid}/{name}: engine pool {obj.pool.name!r} offers no offload")
-                        continue
-                    committed = frozenset(obj.pool.extents(obj.block_ids))
-                    staged = frozenset(obj.pool.extents(obj.staged or ()))
-                else:
-                    committed, staged = _extents_of(obj._committed_roots()), _extents_of(obj.staged)
-                gone = ledger.freed([committed] * len(sharers)) - staged
-                if gone != committed:
+                if type(obj) is PagedKVHandle and not obj.parkable:
+                    skipped.append(f"{sid}/{name}: engine pool {obj.pool.name!r} offers no offload")
+                    continue
+                committed, parked = _park_effect(obj, ledger)
+                if not committed <= ledger.change([extents] * len(sharers)).left:  # what `park` refuses
                     skipped.append(f"{sid}/{name}: something else holds part of its storage; parking frees nothing")
                     continue
-                moves = _by_pool(committed)
-                if pool not in moves:
+                change = ledger.change([extents] * len(sharers), [parked] * len(sharers))
+                if change.frees.get(pool, 0) <= 0:
+                    skipped.append(f"{sid}/{name}: parking frees nothing in {pool!r} (its bytes would stay there)")
                     continue
-                host = _host_pool_of(obj)
-                if host == pool:
-                    skipped.append(f"{sid}/{name}: parking would move its bytes within {pool!r}")
+                full = [
+                    p
+                    for p, n in change.frees.items()
+                    if n < 0 and (limit := _limit(budget, p)) is not None and held.get(p, 0) - n > limit
+                ]
+                if full:
+                    skipped.append(f"{sid}/{name}: host pool {full[0]!r} has no room under its budget")
                     continue
-                if host in budget and host_used.get(host, 0) + sum(moves.values()) > budget[host]:
-                    skipped.append(f"{sid}/{name}: host pool {host!r} has no room under its budget")
-                    continue
-                host_used[host] = host_used.get(host, 0) + sum(moves.values())
-                frees = {**moves, host: -sum(moves.values())}
                 why = "least recently used session" if len(sharers) == 1 else f"least recently used; forks {sharers}"
-                take(ReleaseAction("park", tuple(sharers), name, frees, why), [committed] * len(sharers))
+                take(
+                    ReleaseAction("park", tuple(sharers), name, change.frees, why),
+                    change,
+                    {(s, name): parked for s in sharers},
+                )
                 released.update((s, name) for s in sharers)
     if "evict" in levers and not done():
         candidates = []
@@ -277,18 +347,23 @@ def plan_release(
             if sid in protected:
                 continue
             for name, obj in session._objects.items():
-                if obj.resident and obj.recompute_source is not None and session.recomputable(name):
+                if (sid, name) in released or not obj.resident or obj.recompute_source is None:
+                    continue
+                if session.recomputable(name) and (sid, obj.recompute_source) not in released:
                     candidates.append((obj.recompute_cost, rank, sid, name, obj))
         for cost, _, sid, name, obj in sorted(candidates, key=lambda c: c[:4]):
             if done():
                 break
-            extents = object_extents(obj)
-            frees = _by_pool(ledger.freed([extents]))
-            if not frees.get(pool):
+            if (sid, obj.recompute_source) in released:
+                skipped.append(f"{sid}/{name}: its recompute source {obj.recompute_source!r} leaves in this plan")
+                continue
+            evicted = object_extents(obj.evict()[0])  # priced by what evicting really keeps (the staged payload)
+            change = ledger.change([object_extents(obj)], [evicted])
+            if change.frees.get(pool, 0) <= 0:
                 skipped.append(f"{sid}/{name}: evicting frees nothing in {pool!r} (storage held elsewhere)")
                 continue
             reason = f"recomputable from {obj.recompute_source!r} (cost {cost:g})"
-            take(ReleaseAction("evict", (sid,), name, frees, reason), [extents])
+            take(ReleaseAction("evict", (sid,), name, change.frees, reason), change, {(sid, name): evicted})
             released.add((sid, name))
     if "drop" in levers and not done():
         # Two passes: a session whose storage a later session shares frees nothing at first, and its bytes
@@ -297,26 +372,67 @@ def plan_release(
         for sid, session in itertools.chain(zip(sids, objs), zip(sids, objs)):
             if sid in protected or sid in dropped or done():
                 continue
-            # Objects this plan already parked or evicted were priced then; the rest leave with the session.
-            objects = [object_extents(o) for n, o in session._objects.items() if (sid, n) not in released]
-            frees = _by_pool(ledger.freed(objects, attr_sets.get(sid, _NO_EXTENTS)))
-            if not frees.get(pool):
+            # What each object holds once this plan's earlier parks and evictions ran: all of it leaves now.
+            objects = [now[(sid, n)] if (sid, n) in now else object_extents(o) for n, o in session._objects.items()]
+            change = ledger.change(objects, (), attr_sets.get(sid, _NO_EXTENTS))
+            if change.frees.get(pool, 0) <= 0:
                 note = f"{sid}: dropping it frees nothing in {pool!r} (its storage is held elsewhere)"
                 if note not in skipped:
                     skipped.append(note)
                 continue
-            take(
-                ReleaseAction("drop", (sid,), None, frees, "least recently used session"),
-                objects,
-                attr_sets.get(sid, _NO_EXTENTS),
-            )
+            take(ReleaseAction("drop", (sid,), None, change.frees, "least recently used session"), change, {})
             dropped.add(sid)
     if not done():
+        _log.debug(
+            "plan_release: no plan frees %s in pool %r (freeable: %s)", format_bytes(need), pool, format_bytes(freed)
+        )
         return None
     return ReleasePlan(pool, need, tuple(actions), tuple(skipped), unreleasable, weakref.ref(state))
 
 
 _NO_EXTENTS: frozenset[Extent] = frozenset()
+
+
+def _limit(budget: dict[str, int], pool: str) -> int | None:
+    """The budget of ``pool`` (``"*"`` covers each device pool), or None."""
+    return budget.get(pool, budget.get(ANY_DEVICE) if "/" not in pool else None)
+
+
+def _park_effect(obj: Any, ledger: _Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:
+    """``(committed, parked)``: the extents of ``obj``'s committed storage (all must be free for `park` to
+    proceed), and the extents the parked object holds, its host copies as fresh extents of their host pool.
+
+    This follows `functional_state.parking.park_values` leaf by leaf: a torch storage (or the storage a bridge
+    alias lives in) moves whole, to pinned host memory from a GPU and pageable memory from the CPU; a JAX array
+    moves to its ``pinned_host`` memory kind; anything else (numpy arrays) stays as it is, and stays held. The
+    staged payload stays too. `enforce_budget` measures the applied plan, so a drift between the two is
+    refused, never installed.
+    """
+    if type(obj) is PagedKVHandle:  # the engine's offload token: host memory of the size of the blocks
+        committed = frozenset(obj.pool.extents(obj.block_ids))
+        kept = frozenset(obj.pool.extents(obj.staged or ()))
+        token = [ledger.virtual("cpu", len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
+        return committed, kept | frozenset(token)
+    committed = _extents_of(obj._committed_roots())
+    kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
+    host_bytes: dict[str, int] = {}
+    storages: set[tuple[Any, int]] = set()
+    for i, leaf in enumerate(_leaves(obj._parkable_fields())):
+        tensor, _ = parking._as_torch(leaf)
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
+            if key not in storages:
+                storages.add(key)
+                kind = "cpu/pinned_host" if tensor.device.type == "cuda" else "cpu/unpinned_host"
+                host_bytes[kind] = host_bytes.get(kind, 0) + storage.nbytes()
+        elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            n = sum(s.data.on_device_size_in_bytes() for s in leaf.addressable_shards)
+            host_bytes["cpu/pinned_host"] = host_bytes.get("cpu/pinned_host", 0) + n
+        else:
+            kept_values.append(leaf)
+    host = frozenset(ledger.virtual(p, n) for p, n in sorted(host_bytes.items()) if n)
+    return committed, _extents_of(kept_values) | host
 
 
 def _sessions_lru(state: ManagerState) -> tuple[list[str], list[Any]]:
@@ -340,23 +456,7 @@ def _extents_of(tree: Any) -> frozenset[Extent]:
     return frozenset(out)
 
 
-def _host_pool_of(obj: Any) -> str:
-    """Where parking ``obj`` puts its bytes: pinned host memory for JAX arrays and GPU tensors, pageable
-    host memory for CPU torch tensors (torch pins only with CUDA)."""
-    import sys
-
-    if type(obj) is PagedKVHandle:
-        return "cpu"  # the engine's offload copy: host memory it manages
-    torch = sys.modules.get("torch")
-    for leaf in _leaves(obj._committed_roots()):
-        if torch is not None and isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu":
-            return "cpu/unpinned_host"
-    return "cpu/pinned_host"
-
-
 def _leaves(tree: Any) -> list[Any]:
-    import jax
-
     try:
         return jax.tree_util.tree_leaves(tree)
     except Exception:
@@ -380,6 +480,8 @@ def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
         )
     for action in plan.actions:
         sid = action.session_ids[0]
+        # Drops lose a session (info); parks and evictions lose nothing a recompute cannot rebuild (debug).
+        _log.log(logging.INFO if action.kind == "drop" else logging.DEBUG, "release plan for %r: %s", plan.pool, action)
         if action.kind == "park":
             state, _ = park(state, sid, action.name, with_sharers=len(action.session_ids) > 1)  # type: ignore[arg-type]
         elif action.kind == "evict":
@@ -438,36 +540,62 @@ def _over(state: ManagerState, held: dict[str, int]) -> dict[str, tuple[int, int
     return out
 
 
-def enforce_budget(
-    state: ManagerState, protect: Iterable[str | None] = (), *, levers: Iterable[str] = LEVERS
-) -> ManagerState:
+def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[str] = LEVERS) -> ManagerState:
     """Bring every pool within the table's byte budget, releasing what `plan_release` chooses.
 
-    Returns the state unchanged when every pool is within budget.
+    Pools are planned one at a time, each on the state the plans before it left, and the result is measured
+    before it is returned: a pool still over its budget is an error, never a returned state.
+
+    Args:
+      state: the table (unchanged).
+      protect: a session id, or ids, never touched.
+      levers: which levers may be used (see `plan_release`).
+
+    Returns:
+      The state within budget; ``state`` itself when every pool already is.
 
     Raises:
       BudgetExceededError: a pool cannot be brought within budget even by releasing everything allowed (say,
-        a protected session alone holds more); nothing is changed then.
+        a protected session alone holds more), or a plan did not free what it promised; nothing is changed.
     """
+    protected = sorted(_protect_ids(protect, "enforce_budget"))
     levers = tuple(levers)
-    for pool, (held, limit) in over_budget(state).items():
-        plan = plan_release(state, pool, held - limit, protect, levers=levers)
-        if plan is None:
-            releasable = _releasable(state, pool, protect, levers)
+    planned: dict[str, ReleasePlan] = {}
+    current = state
+    while True:
+        over = over_budget(current)
+        if not over:
+            return current
+        pool, (held, limit) = min(over.items())
+        if pool in planned:  # measured after applying: the plan did not hold
+            plan = planned[pool]
+            raise BudgetExceededError(
+                f"pool {pool!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)} even "
+                f"after the release plan for it, which promised to free {format_bytes(plan.freed)} there:\n{plan}\n"
+                f"The plan was not installed; the state is as it was.",
+                pool=pool,
+                budget=limit,
+                held=held,
+                releasable=plan.freed,
+            )
+        found = plan_release(current, pool, held - limit, protected, levers=levers)
+        if found is None:
+            releasable = _releasable(current, pool, protected, levers)
             raise BudgetExceededError(
                 f"pool {pool!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)}, and releasing "
-                f"everything allowed ({', '.join(levers) or 'no levers'}; protected: {sorted(map(str, protect))}) frees "
+                f"everything allowed ({', '.join(levers) or 'no levers'}; protected: {protected}) frees "
                 f"only {format_bytes(releasable)}. The last change was refused; the state is as it was.",
                 pool=pool,
                 budget=limit,
                 held=held,
                 releasable=releasable,
             )
-        state = apply_plan(state, plan)
-    return state
+        _log.debug("enforce_budget: pool %r over budget by %s\n%s", pool, format_bytes(held - limit), found)
+        current = apply_plan(current, found)
+        planned[pool] = found
 
 
-def _releasable(state: ManagerState, pool: str, protect: Iterable[str | None], levers: tuple[str, ...]) -> int:
+def _releasable(state: ManagerState, pool: str, protect: list[str], levers: tuple[str, ...]) -> int:
     """The most the planner could free in ``pool``: a plan for an unreachable need, stopped at exhaustion."""
     lo, hi = 0, sum(v for k, v in stats(state).items() if k == f"nbytes:{pool}")
     while lo < hi:  # the largest need that still has a plan (plans are monotone in the need)

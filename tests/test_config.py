@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from functional_state import resolve_session_state_config
+from functional_state import InvalidArgumentError, resolve_session_state_config
 from functional_state.config import ENV_ENABLE, ENV_MAX_SESSIONS
 
 
@@ -79,3 +79,10 @@ def test_enable_override_sets_and_restores(monkeypatch, preset):
     import os
 
     assert os.environ.get(ENV_ENABLE) == preset
+
+
+@pytest.mark.parametrize("pool", ["cpu:0", "gpu:0", "cuda:0/pinned_host"])
+def test_config_refuses_budgets_on_pools_stats_never_names(pool):
+    # Regression (issue 19): such a budget was accepted and never enforced.
+    with pytest.raises(InvalidArgumentError, match=f"unknown pool '{pool}'"):
+        resolve_session_state_config(byte_budget={pool: "1GiB"})

@@ -1,7 +1,10 @@
 """Byte budgets and the release planner: sizes, plans that read like decisions, marginal bytes, enforcement."""
 
+import logging
 import sys
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -344,3 +347,180 @@ BudgetMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBudgetMachine = BudgetMachine.TestCase
+
+
+# --- issue 19: every plan frees what it says, measured -------------------------------------------------------
+
+
+def _pools(state) -> dict[str, int]:
+    return {k[len("nbytes:") :]: v for k, v in fs.stats(state, exact=True).items() if k.startswith("nbytes:")}
+
+
+def _measured(before, after) -> dict[str, int]:
+    """Bytes leaving each pool between two states (negative: arriving), as actions list them."""
+    b, a = _pools(before), _pools(after)
+    return {p: b.get(p, 0) - a.get(p, 0) for p in sorted({*a, *b}) if b.get(p, 0) != a.get(p, 0)}
+
+
+def _promised(plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for action in plan.actions:
+        for pool, n in action.frees.items():
+            out[pool] = out.get(pool, 0) + n
+    return {p: n for p, n in sorted(out.items()) if n}
+
+
+def _one(objects: dict, protect_other: bool = True):
+    """Session "s0" holding ``objects``; with ``protect_other``, a protected "keep" session beside it."""
+    state = ManagerState.create()
+    state, _ = fs.get_or_create(state, "s0")
+    for name, obj in objects.items():
+        state = fs.put(state, "s0", name, obj)
+    if protect_other:
+        state, _ = fs.get_or_create(state, "keep")
+        state = fs.put(state, "keep", "cache", DenseValue.create([torch.zeros(256)]))
+    return state
+
+
+def test_the_evict_lever_never_reoffers_what_the_park_lever_took():
+    # Regression (issue 19): a recomputable object was parked, then "evicted" again in the same plan, its
+    # bytes promised twice.
+    state = _one({"src": DenseValue.create([torch.zeros(256)]), "buf": LatentBuffer.create(recompute_source="src")})
+    state = fs.commit(state, "s0", "buf", torch.zeros(256))
+    # Parking src and buf frees 2 KiB; there is no third KiB to evict (the old plan promised buf twice).
+    assert plan_release(state, "cpu", 3 * KIB, protect=["keep"], levers=["park", "evict"]) is None
+    plan = plan_release(state, "cpu", 2 * KIB, protect=["keep"], levers=["park", "evict"])
+    assert [(a.kind, a.name) for a in plan.actions] == [("park", "buf"), ("park", "src")]
+    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+
+
+def test_an_eviction_is_priced_without_the_staged_payload_it_keeps():
+    # Regression (issue 19): evicting was priced at the object's whole extents, staged bytes included.
+    buf = LatentBuffer.create(recompute_source="src").commit(torch.zeros(256)).stage(torch.zeros(512))
+    state = _one({"src": DenseValue.create([torch.zeros(8)]), "buf": buf})
+    plan = plan_release(state, "cpu", 1, protect=["keep"], levers=["evict"])
+    assert plan.actions[0].frees == {"cpu": KIB}  # the 2 KiB staged payload stays
+    after = apply_plan(state, plan)
+    assert _promised(plan) == _measured(state, after) and fs.lookup(after, "s0").get("buf").staged is not None
+    assert plan_release(state, "cpu", KIB + 1, protect=["keep"], levers=["evict"]) is None
+
+
+def test_parking_numpy_frees_nothing_and_is_not_offered():
+    # Regression (issue 19): park keeps numpy arrays as they are, but the planner priced them as moved.
+    state = _one({"np": DenseValue.create([np.zeros(128)])})
+    assert plan_release(state, "cpu", 1, protect=["keep"], levers=["park"]) is None
+    state = _one({"both": DenseValue.create([np.zeros(128), torch.zeros(256)])})
+    plan = plan_release(state, "cpu", 1, protect=["keep"], levers=["park"])
+    assert plan.actions[0].frees == {"cpu": KIB, "cpu/unpinned_host": -KIB}  # the torch half only
+    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+
+
+def test_a_mixed_torch_and_jax_object_parks_into_both_host_pools():
+    # Regression (issue 19): all its bytes were filed under cpu/unpinned_host; JAX's go to cpu/pinned_host.
+    mixed = DenseValue.create([torch.zeros(256), jnp.zeros(512, jnp.float32)])
+    state = _one({"mixed": mixed})
+    plan = plan_release(state, "cpu", 1, protect=["keep"], levers=["park"])
+    assert plan.actions[0].frees == {"cpu": 3 * KIB, "cpu/pinned_host": -2 * KIB, "cpu/unpinned_host": -KIB}
+    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+    # A pinned-host budget with room for the torch half alone: the park would break it, so it is not planned.
+    tight = ManagerState.create(byte_budget={"cpu": 16 * KIB, "cpu/pinned_host": KIB})
+    tight, _ = fs.get_or_create(tight, "s0")
+    tight = fs.put(tight, "s0", "mixed", mixed)
+    assert plan_release(tight, "cpu", 1, levers=["park"]) is None
+    assert "host pool 'cpu/pinned_host' has no room" in str(plan_release(tight, "cpu", 1, levers=["park", "drop"]))
+
+
+def test_a_drop_lists_the_host_bytes_that_leave_with_it():
+    # Regression (issue 19): a session parked earlier in the plan and then dropped took its host copy along,
+    # and the drop did not say so.
+    state = _one({"cache": DenseValue.create([torch.zeros(1024)]), "np": DenseValue.create([np.zeros(512)])})
+    plan = plan_release(state, "cpu", 6 * KIB, protect=["keep"], levers=["park", "drop"])
+    assert [a.kind for a in plan.actions] == ["park", "drop"]
+    assert plan.actions[1].frees == {"cpu": 4 * KIB, "cpu/unpinned_host": 4 * KIB}
+    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+
+
+def test_enforce_budget_never_installs_a_state_over_budget():
+    # Regression (issue 19; found by tests/test_planner_machine.py): the park lever parked a recomputable
+    # buffer and the evict lever then "evicted" it again, so the plan freed less than it promised and
+    # enforce_budget returned a table holding 1152 B against a budget of 1024.
+    state = ManagerState.create(byte_budget={"cpu": 1024})
+    state, _ = fs.get_or_create(state, "a")
+    state = fs.put(state, "a", "src", DenseValue.create([torch.ones(64)]))
+    state = fs.put(state, "a", "x", LatentBuffer.create(recompute_source="src").commit(torch.ones(64)))
+    state = fs.set_attr(state, "a", "prompt", torch.ones(32))
+    state, _ = fs.get_or_create(state, "b")
+    state = fs.put(state, "b", "x", DenseValue.create([torch.ones(256)]))
+    enforced = fs.enforce_budget(state, protect=["b"])
+    assert _pools(enforced)["cpu"] <= 1024
+
+
+def test_enforce_budget_refuses_a_plan_that_does_not_hold(monkeypatch):
+    # Regression (issue 19): enforce_budget installed whatever the applied plans left, over budget or not.
+    state = _table(n=3, budget={"cpu": 10 * KIB})
+    snap = snapshot(state)
+    monkeypatch.setattr(fs.planner, "apply_plan", lambda s, plan: s)  # a plan that frees nothing it promised
+    with pytest.raises(BudgetExceededError, match="even after the release plan for it") as e:
+        fs.enforce_budget(state)
+    assert (e.value.pool, e.value.budget, e.value.held) == ("cpu", 10 * KIB, 12 * KIB + 192)
+    assert_unchanged(state, snap)
+
+
+def test_a_str_protect_is_one_session_id():
+    # Regression (issue 19): protect="s0" was read character by character ("s", "0": not in the table).
+    state = _table(n=2)
+    plan = plan_release(state, "cpu", 4 * KIB, protect="s0")
+    assert [a.session_ids for a in plan.actions] == [("s1",)] and "s0: protected" in plan.skipped
+    assert fs.enforce_budget(ManagerState.create(byte_budget=1), protect="s0") is not None
+    with pytest.raises(InvalidArgumentError, match="protect must hold session ids"):
+        plan_release(state, "cpu", 1, protect=[3])
+
+
+def test_plans_are_deterministic():
+    # Regression (issue 19): the protected sessions were listed in set order, which varies between runs.
+    state = _table(n=9, kib=1)
+    ids = [f"s{i}" for i in range(1, 9)]
+    plan = plan_release(state, "cpu", KIB, protect=ids)
+    assert [s for s in plan.skipped if s.endswith(": protected")] == [f"{sid}: protected" for sid in sorted(ids)]
+    assert plan == plan_release(state, "cpu", KIB, protect=reversed(ids))
+
+
+def test_planner_decisions_are_logged(caplog):
+    # Regression (issue 19): parks, evictions and drops happened without a word in the log.
+    state = _table(n=3, budget={"cpu": 10 * KIB})
+    with caplog.at_level(logging.DEBUG, logger="functional_state"):
+        fs.enforce_budget(state)
+        fs.enforce_budget(_table(n=3, budget={"cpu": 10 * KIB}), levers=["drop"])
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "functional_state"]
+    assert any(level == logging.DEBUG and "park  s0/cache" in msg for level, msg in records), records
+    assert any(level == logging.INFO and "drop  s0" in msg for level, msg in records), records
+
+
+def test_a_drop_after_an_eviction_prices_the_evicted_object_as_it_is_then():
+    # The evicted buffer holds nothing; its item a fork still holds must not be counted as leaving again.
+    state = _one({"src": DenseValue.create([torch.zeros(8)])}, protect_other=False)
+    state = fs.put(state, "s0", "buf", LatentBuffer.create(recompute_source="src").commit(torch.zeros(256)))
+    state = fs.fork_session(state, "s0", "f0")
+    state = fs.commit(fs.commit(state, "f0", "buf", torch.zeros(256)), "s0", "buf", torch.zeros(256))
+    assert plan_release(state, "cpu", KIB + 64, protect=["f0"], levers=["evict", "drop"]) is None
+    plan = plan_release(state, "cpu", KIB, protect=["f0"], levers=["evict", "drop"])
+    assert _promised(plan) == _measured(state, apply_plan(state, plan)) == {"cpu": KIB}
+
+
+def test_the_same_object_under_two_names_is_never_parked_as_a_fork():
+    # Regression (issue 19; found by tests/test_planner_machine.py): the planner grouped sharers by identity,
+    # `park(with_sharers=True)` finds them by name, so enforcing a budget crashed with SharedStorageError.
+    obj = DenseValue.create([torch.ones(64)])
+    state = ManagerState.create(byte_budget={"cpu": 768})
+    for sid, name in (("a", "x"), ("b", "y")):
+        state, _ = fs.get_or_create(state, sid)
+        state = fs.put(state, sid, name, obj)
+    plan = plan_release(state, "cpu", 1, levers=["park"])
+    assert plan is None  # b/y holds a/x's storage (and the other way round): parking either frees nothing
+    state, _ = fs.get_or_create(state, "c")
+    state = fs.put(state, "c", "x", DenseValue.create([torch.ones(192)]))
+    snap = snapshot(state)
+    # Refused, not crashed: no lever frees the shared storage alone (dropping a, or b, frees nothing).
+    with pytest.raises(BudgetExceededError, match="frees only 0 B"):
+        fs.enforce_budget(state, protect=["c"])
+    assert_unchanged(state, snap)
