@@ -64,10 +64,11 @@ class ReleaseAction:
     """One step of a plan: park or evict object ``name``, or drop the session (``name`` None)."""
 
     kind: Lever
-    session_ids: tuple[str, ...]  # one session; a park of an object forks share names all of them
+    session_ids: tuple[str, ...]  # one session; a park of a shared object names every session holding it
     name: str | None
     frees: dict[str, int]  # pool -> bytes leaving it (a park also lists the host pool it fills, negative)
     reason: str
+    holders: tuple[tuple[str, str], ...] = ()  # a park: every (session, name) holding the object, parked together
 
     def __str__(self) -> str:
         target = "+".join(self.session_ids) + (f"/{self.name}" if self.name else "")
@@ -262,14 +263,14 @@ def plan_release(
             for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
                 attr_holders[e] += 1
     unreleasable = _by_pool(e for extents in attr_sets.values() for e in extents).get(pool, 0)
-    # Sharers of an object: the sessions holding that very object under the same name (forks), as
-    # `park(with_sharers=True)` finds them. The same object under another name is "something else".
-    first_holder: dict[tuple[int, str], str] = {}  # (id(object), name) -> least recent session holding it
-    more_holders: dict[tuple[int, str], list[str]] = {}  # ... and the others, only where any
+    # Sharers of an object: every (session, name) holding that very object (forks, or one cache put under
+    # two names), as `park(with_sharers=True)` finds and parks them, least recent first.
+    first_holder: dict[int, tuple[str, str]] = {}  # id(object) -> its least recent (session, name)
+    more_holders: dict[int, list[tuple[str, str]]] = {}  # ... and the others, only where any
     for sid, session in zip(sids, objs):
-        for name, obj in session._objects.items():
-            if first_holder.setdefault((id(obj), name), sid) is not sid:
-                more_holders.setdefault((id(obj), name), []).append(sid)
+        for name, obj in sorted(session._objects.items()):
+            if first_holder.setdefault(id(obj), (sid, name)) != (sid, name):
+                more_holders.setdefault(id(obj), []).append((sid, name))
     budget = state.byte_budget or {}
     # Bytes per pool as the plan leaves them (attrs included): to keep a park's host pool within its budget.
     held = dict(acct.totals)
@@ -307,22 +308,23 @@ def plan_release(
                 extents = object_extents(obj)
                 if not any(e[0] == pool for e in extents):
                     continue
-                sharers = [first_holder[(id(obj), name)], *more_holders.get((id(obj), name), ())]
+                holders = [first_holder[id(obj)], *more_holders.get(id(obj), ())]
+                sharers = list(dict.fromkeys(s for s, _ in holders))
                 if any(s in protected for s in sharers):
                     skipped.append(
                         f"{sid}/{name}: its storage is shared with a protected session; parking frees nothing"
                     )
                     continue
-                if sharers[0] != sid:
-                    continue  # a fork's object: considered once, at its least recent holder
+                if holders[0] != (sid, name):
+                    continue  # a shared object: considered once, at its least recent holder
                 if type(obj) is PagedKVHandle and not obj.parkable:
                     skipped.append(f"{sid}/{name}: engine pool {obj.pool.name!r} offers no offload")
                     continue
                 committed, parked = _park_effect(obj, ledger)
-                if not committed <= ledger.change([extents] * len(sharers)).left:  # what `park` refuses
+                if not committed <= ledger.change([extents] * len(holders)).left:  # what `park` refuses
                     skipped.append(f"{sid}/{name}: something else holds part of its storage; parking frees nothing")
                     continue
-                change = ledger.change([extents] * len(sharers), [parked] * len(sharers))
+                change = ledger.change([extents] * len(holders), [parked] * len(holders))
                 if change.frees.get(pool, 0) <= 0:
                     skipped.append(f"{sid}/{name}: parking frees nothing in {pool!r} (its bytes would stay there)")
                     continue
@@ -334,13 +336,17 @@ def plan_release(
                 if full:
                     skipped.append(f"{sid}/{name}: host pool {full[0]!r} has no room under its budget")
                     continue
-                why = "least recently used session" if len(sharers) == 1 else f"least recently used; forks {sharers}"
-                take(
-                    ReleaseAction("park", tuple(sharers), name, change.frees, why),
-                    change,
-                    {(s, name): parked for s in sharers},
+                why = (
+                    "least recently used session"
+                    if len(holders) == 1
+                    else f"least recently used; held as {['/'.join(h) for h in holders]}"
                 )
-                released.update((s, name) for s in sharers)
+                take(
+                    ReleaseAction("park", tuple(sharers), name, change.frees, why, tuple(holders)),
+                    change,
+                    dict.fromkeys(holders, parked),
+                )
+                released.update(holders)
     if "evict" in levers and not done():
         candidates = []
         for rank, (sid, session) in enumerate(zip(sids, objs)):
@@ -483,7 +489,7 @@ def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
         # Drops lose a session (info); parks and evictions lose nothing a recompute cannot rebuild (debug).
         _log.log(logging.INFO if action.kind == "drop" else logging.DEBUG, "release plan for %r: %s", plan.pool, action)
         if action.kind == "park":
-            state, _ = park(state, sid, action.name, with_sharers=len(action.session_ids) > 1)  # type: ignore[arg-type]
+            state, _ = park(state, sid, action.name, with_sharers=len(action.holders) > 1)  # type: ignore[arg-type]
         elif action.kind == "evict":
             state, _ = evict(state, sid, action.name)  # type: ignore[arg-type]
         else:

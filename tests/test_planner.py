@@ -507,20 +507,25 @@ def test_a_drop_after_an_eviction_prices_the_evicted_object_as_it_is_then():
     assert _promised(plan) == _measured(state, apply_plan(state, plan)) == {"cpu": KIB}
 
 
-def test_the_same_object_under_two_names_is_never_parked_as_a_fork():
-    # Regression (issue 19; found by tests/test_planner_machine.py): the planner grouped sharers by identity,
-    # `park(with_sharers=True)` finds them by name, so enforcing a budget crashed with SharedStorageError.
+def test_the_same_object_under_two_names_is_parked_under_both_at_once():
+    # Regression (issue 19; found by tests/test_planner_machine.py): the planner grouped sharers one way and
+    # `park(with_sharers=True)` found them another, so enforcing a budget crashed with SharedStorageError.
+    # Both now find every (session, name) holding the very object, and park it under all of them at once.
     obj = DenseValue.create([torch.ones(64)])
     state = ManagerState.create(byte_budget={"cpu": 768})
     for sid, name in (("a", "x"), ("b", "y")):
         state, _ = fs.get_or_create(state, sid)
         state = fs.put(state, sid, name, obj)
-    plan = plan_release(state, "cpu", 1, levers=["park"])
-    assert plan is None  # b/y holds a/x's storage (and the other way round): parking either frees nothing
     state, _ = fs.get_or_create(state, "c")
     state = fs.put(state, "c", "x", DenseValue.create([torch.ones(192)]))
     snap = snapshot(state)
-    # Refused, not crashed: no lever frees the shared storage alone (dropping a, or b, frees nothing).
-    with pytest.raises(BudgetExceededError, match="frees only 0 B"):
-        fs.enforce_budget(state, protect=["c"])
+    plan = plan_release(state, "cpu", 1, levers=["park"], protect="c")
+    assert plan is not None and [a.holders for a in plan.actions] == [(("a", "x"), ("b", "y"))]
+    before = fs.stats(state, exact=True)
+    enforced = fs.enforce_budget(state, protect=["c"], levers=["park"])
     assert_unchanged(state, snap)
+    after = fs.stats(enforced, exact=True)
+    assert before["nbytes:cpu"] - after["nbytes:cpu"] == plan.actions[0].frees["cpu"] == 256
+    assert after["nbytes:cpu"] <= 768
+    x, y = fs.lookup(enforced, "a").get("x"), fs.lookup(enforced, "b").get("y")
+    assert x is y and x.parked
