@@ -969,12 +969,10 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
         per_device, report = accounting.walk(*sessions_now)
     else:
         per_device, report = totals_with_attrs(_track(state), sessions_now)
-    parked_pools = {k: v for k, v in _track(state).totals.items() if "/" in k} if not exact else None
-    if parked_pools is None:
-        parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
-        parked_nbytes = accounting.total_nbytes(*parked)
-    else:
-        parked_nbytes = sum(parked_pools.values())
+    # Read from the host copies themselves, in both modes: a parked copy need not sit in a host pool (numpy
+    # stays where it was, an engine's offload token is the engine's), so host-pool totals undercount it.
+    parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
+    parked_nbytes = accounting.total_nbytes(*parked)
     out: dict[str, Any] = {
         "sessions": len(state),
         "max_sessions": state.max_sessions,

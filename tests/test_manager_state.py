@@ -542,3 +542,14 @@ def test_evictions_parks_restores_and_drops_are_logged(caplog):
     with caplog.at_level(logging.INFO, logger="functional_state"):
         fs.evict(restored, "b", "ring")
     assert not caplog.records  # routine events stay below INFO
+
+
+@pytest.mark.parametrize("make", [lambda: np.ones(256, np.float32), lambda: torch.ones(256), lambda: jnp.ones(256)])
+def test_stats_and_exact_stats_agree_on_parked_bytes(make):
+    # Regression (issue 19): the kept figure summed only the host pools, so a parked numpy array (which
+    # park keeps where it is) showed parked_nbytes 0 against the exact walk's 1 KiB.
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "x", fs.DenseValue.create(make()))
+    s, _ = fs.park(s, "a", "x")
+    fast, exact = fs.stats(s), fs.stats(s, exact=True)
+    assert fast == exact and fast["parked_nbytes"] == 1024
