@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 NOTORCH := .venv-notorch
 LOWEST := .venv-lowest
 
-.PHONY: demo test test-lowest docs lint typecheck check-core-install bench ab clean-venv
+.PHONY: demo test test-lowest docs notebooks lint typecheck check-core-install bench ab clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ check-core-install: $(STAMP)
 # The API reference and guides in site/; any warning (a broken reference, a missing docstring page) fails it.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # not --quiet: it hides the warnings --strict counts
+
+# Executes notebooks/*.ipynb in place, outputs normalised (no timings, paths, addresses), to be committed:
+# a rerun on unchanged code writes the same files; tests/test_notebooks.py checks the committed ones.
+notebooks: $(STAMP)
+	$(PY) scripts/execute_notebooks.py
 
 # The lowest versions pyproject.toml allows (constraints-lowest.txt: each direct dependency at its floor;
 # torch stays 2.13.0, the only torch wheel on CI's disk) in a fresh venv, on a smoke subset of the tests.
