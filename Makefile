@@ -25,8 +25,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# mypy on the package and tests/typing_usage.py (a user's code, with the README's torch block); pyright on that
+# file from outside the tree, so the package resolves through the install (.pth) as in a user's project.
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+	tmp=$$(mktemp -d) && cp tests/typing_usage.py $$tmp/ && cd $$tmp && \
+		$(CURDIR)/$(VENV)/bin/pyright --pythonpath $(CURDIR)/$(PY) typing_usage.py; rc=$$?; rm -rf $$tmp; exit $$rc
 
 # The core installs and runs without torch: a fresh venv with no extras (jax comes from pip's cache).
 check-core-install: $(STAMP)

@@ -51,3 +51,17 @@ def test_install_lines_work_from_a_clone_and_name_every_extra():
     named = set(re.findall(r"\.\[(\w+)\]", " ".join(installs)))
     extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert named == set(extras) - {"dev"}, (named, set(extras))
+
+
+def test_the_torch_pipeline_block_is_the_one_the_type_checkers_see():
+    # Regression: the block called `to_jax(t).unsafe_buffer_pointer()` and `.observation_latents(1).shape`,
+    # both errors under mypy and pyright (a union with torch.Tensor, and with None). `make typecheck` checks
+    # tests/typing_usage.py with both; this keeps its copy of the block equal to the README's.
+    import ast
+    import textwrap
+
+    block = next(b for b in grab_code_blocks(README.read_text(), lang="python") if "from torch_bridge import" in b)
+    source = (README.parent / "tests" / "typing_usage.py").read_text()
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "readme_torch_pipeline")
+    body = "\n".join(source.splitlines()[fn.body[0].lineno - 1 : fn.end_lineno])
+    assert textwrap.dedent(body).strip() == block.strip()
