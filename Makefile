@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 NOTORCH := .venv-notorch
 LOWEST := .venv-lowest
 
-.PHONY: demo test test-lowest docs lint typecheck check-core-install bench ab clean-venv
+.PHONY: demo test test-lowest docs notebooks lint typecheck check-core-install bench ab clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# mypy on the package and tests/typing_usage.py (a user's code, with the README's torch block); pyright on that
+# file from outside the tree, so the package resolves through the install (.pth) as in a user's project.
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
+	tmp=$$(mktemp -d) && cp tests/typing_usage.py $$tmp/ && cd $$tmp && \
+		$(CURDIR)/$(VENV)/bin/pyright --pythonpath $(CURDIR)/$(PY) typing_usage.py; rc=$$?; rm -rf $$tmp; exit $$rc
 
 # The core installs and runs without torch: a fresh venv with no extras (jax comes from pip's cache).
 check-core-install: $(STAMP)
@@ -40,6 +44,11 @@ check-core-install: $(STAMP)
 # The API reference and guides in site/; any warning (a broken reference, a missing docstring page) fails it.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # not --quiet: it hides the warnings --strict counts
+
+# Executes notebooks/*.ipynb in place, outputs normalised (no timings, paths, addresses), to be committed:
+# a rerun on unchanged code writes the same files; tests/test_notebooks.py checks the committed ones.
+notebooks: $(STAMP)
+	$(PY) scripts/execute_notebooks.py
 
 # The lowest versions pyproject.toml allows (constraints-lowest.txt: each direct dependency at its floor;
 # torch stays 2.13.0, the only torch wheel on CI's disk) in a fresh venv, on a smoke subset of the tests.

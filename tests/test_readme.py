@@ -1,15 +1,17 @@
-"""Every Python block of README.md runs as written, in order, in one namespace (as a reader would paste them)."""
+"""Every Python block of README.md runs as written, in order, in one namespace (as a reader would paste them).
 
-import contextlib
-import io
+The blocks are found and run by mktestdocs (`check_md_file(..., memory=True)`: one namespace for the whole
+file). A block a reader should not run is fenced ```` ```python notest ````, which mktestdocs skips; any other
+word after ``python`` would skip a block silently, so the fences themselves are checked here too.
+"""
+
 import re
 from pathlib import Path
 
+from mktestdocs import check_md_file, grab_code_blocks
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+SKIP_MARK = "notest"
 
 
 def test_readme_starts_with_the_two_commands():
@@ -17,15 +19,17 @@ def test_readme_starts_with_the_two_commands():
     assert [line.split()[:2] for line in first] == [["make", "demo"], ["make", "test"]]
 
 
-def test_every_python_block_runs_and_prints_what_its_comments_say():
-    blocks = _blocks()
-    assert len(blocks) >= 4
-    namespace: dict = {}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        for i, block in enumerate(blocks):
-            exec(compile(block, f"README.md block {i + 1}", "exec"), namespace)
-    printed = out.getvalue().splitlines()
+def test_python_fences_are_run_or_explicitly_skipped():
+    # mktestdocs runs a fence whose info string is exactly `python`; `python notest` is our explicit skip.
+    infos = re.findall(r"^```(py\S*(?:[ \t]+\S+)*)[ \t]*$", README.read_text(), flags=re.M)
+    assert infos and set(infos) <= {"python", f"python {SKIP_MARK}"}, infos
+    run = grab_code_blocks(README.read_text(), lang="python")
+    assert len(run) == infos.count("python") >= 4
+
+
+def test_every_python_block_runs_and_prints_what_its_comments_say(capsys):
+    check_md_file(README, memory=True)
+    printed = capsys.readouterr().out.splitlines()
     # The outputs the README promises in its comments.
     assert printed[0] == "(0, 16) (1, 16)"
     assert printed[1] == "256"
@@ -47,3 +51,17 @@ def test_install_lines_work_from_a_clone_and_name_every_extra():
     named = set(re.findall(r"\.\[(\w+)\]", " ".join(installs)))
     extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert named == set(extras) - {"dev"}, (named, set(extras))
+
+
+def test_the_torch_pipeline_block_is_the_one_the_type_checkers_see():
+    # Regression: the block called `to_jax(t).unsafe_buffer_pointer()` and `.observation_latents(1).shape`,
+    # both errors under mypy and pyright (a union with torch.Tensor, and with None). `make typecheck` checks
+    # tests/typing_usage.py with both; this keeps its copy of the block equal to the README's.
+    import ast
+    import textwrap
+
+    block = next(b for b in grab_code_blocks(README.read_text(), lang="python") if "from torch_bridge import" in b)
+    source = (README.parent / "tests" / "typing_usage.py").read_text()
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "readme_torch_pipeline")
+    body = "\n".join(source.splitlines()[fn.body[0].lineno - 1 : fn.end_lineno])
+    assert textwrap.dedent(body).strip() == block.strip()

@@ -1,6 +1,6 @@
 """Type-checked by mypy (`make typecheck` lists this file), never run: a user's code against the public types.
 
-A wrong overload or a return type widened to a union makes `make typecheck` fail here.
+A wrong overload or a return type widened to a union makes `make typecheck` fail here (mypy, then pyright).
 """
 
 from typing import assert_type
@@ -8,6 +8,7 @@ from typing import assert_type
 import jax
 import torch
 
+import functional_state as fs
 from torch_bridge import to_jax
 
 
@@ -20,3 +21,35 @@ def pointer_of_a_lenient_alias(t: torch.Tensor) -> int:
     a = to_jax(t)  # may be the tensor itself (a dtype JAX lacks): narrow before using jax.Array methods
     assert_type(a, jax.Array | torch.Tensor)
     return a.unsafe_buffer_pointer() if isinstance(a, jax.Array) else a.data_ptr()
+
+
+def readme_torch_pipeline(manager: fs.SessionStateManager) -> None:
+    # README.md's "Inside a torch pipeline" block, verbatim (tests/test_readme.py keeps the two equal): what a
+    # user pastes must type-check as it stands.
+    from torch_bridge import to_jax, to_torch
+    from torch_bridge.adapters import DreamZeroStateAdapter, request_session
+    from torch_bridge.adapters.cosmos3_bespoke import (
+        Cosmos3Shapes,
+        Cosmos3TransformerCache,
+        build_freqs_gen,
+        encode_und_kv,
+    )
+
+    t = torch.arange(8, dtype=torch.float32)
+    a = to_jax(t, strict=True)  # a JAX array over the same memory (pointers checked; strict: never the tensor back)
+    print(a.unsafe_buffer_pointer() == t.data_ptr(), to_torch(a) is not None)
+
+    # DreamZero: the same surface as the bespoke per-session state, over a manager session.
+    state = DreamZeroStateAdapter("robot-0", manager, vae_encoder_window=2)
+    window = state.accumulate_frames(torch.zeros(352, 640, 3, dtype=torch.uint8))  # stitched camera frame
+    state.append_vae_encoder_chunk(torch.zeros(1, 32, 1, 44, 80, dtype=torch.bfloat16))
+    latents = state.observation_latents(1)  # None until the first chunk is encoded
+    print(window.shape, latents.shape if latents is not None else None)
+
+    # Cosmos3: per-request encode-once K/V, dropped when the request ends (also on error).
+    shapes = Cosmos3Shapes(num_layers=2)
+    transformer = Cosmos3TransformerCache()
+    with request_session(manager, "request-7") as kv:
+        transformer.cached_kv, transformer.freqs_gen = encode_und_kv(shapes, seed=0), build_freqs_gen(shapes)
+        kv.capture_from_transformer(transformer, is_negative=False)  # the cond branch, stored once
+    print("request-7" in manager)  # False
