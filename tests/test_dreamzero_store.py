@@ -1,5 +1,6 @@
 """The DreamZero serving lifecycle, on both paths: begin, resume, close, exports, admission, capacity."""
 
+import dataclasses
 import gc
 import hashlib
 import weakref
@@ -401,6 +402,29 @@ def test_flag_flip_ab_through_the_store_is_bit_identical():
         with enable_override(enabled):
             digests[enabled] = rollout.run_rollout(rollout.small_config(steps=60, sessions=3)).digest
     assert digests[False] == digests[True]
+
+
+def test_flag_flip_ab_with_diffusers_real_wan_encoder_is_bit_identical_and_the_encoder_ring_stays_flat():
+    """The A/B check on real model code: diffusers' `WanEncoder3d` (tiny, seeded) reads and writes its own
+    feat cache through the state, on the bespoke path (a list) and the manager path (a `DenseValue`, parked
+    between steps too); the manager's encoder ring stays flat while the bespoke history grows."""
+    pytest.importorskip("diffusers")
+    cfg = rollout.small_config(steps=33, sessions=2, prompt_every=10**6, vae_encoder="wan", trace_bytes=True)
+    with enable_override(False):
+        bespoke = rollout.run_rollout(cfg)
+    with enable_override(True):
+        managed = rollout.run_rollout(cfg)
+        parked = rollout.run_rollout(dataclasses.replace(cfg, park_feat_map=True))
+    stand_in = rollout.run_rollout(dataclasses.replace(cfg, vae_encoder="stand-in"))
+    assert bespoke.digest == managed.digest == parked.digest != stand_in.digest
+    nets = rollout._Networks(cfg)
+    assert type(nets.wan).__module__.startswith("diffusers.") and nets.wan_convs > 0
+    feat = {r.components["session-0"]["vae_enc_feat_map"] for r in (bespoke, managed)}
+    assert len(feat) == 1 and feat.pop() > 0  # the model's own cache, the same bytes on both paths
+    ring = [t["vae_encoder_out"] for t in managed.bytes_trace]
+    history = [t["vae_encoder_out"] for t in bespoke.bytes_trace]
+    assert len(set(ring[8:])) == 1  # bounded by vae_encoder_window once the ring fills
+    assert history[-1] >= 4 * ring[-1] and history == sorted(history)  # the bespoke history keeps growing
 
 
 def test_the_store_repr_and_alias_of_torch_state():

@@ -31,6 +31,8 @@ from .paged_engine import ReferenceKVEngine
 
 MIB = 2**20
 DEPLOY_FEAT_MAP_BYTES = 603 * MIB
+VAE_ENCODERS = ("wan", "stand-in")
+WAN_BASE_DIM = 8  # the tiny real encoder: Wan 2.1's layout (4 levels, 8x spatial, 4x temporal), few channels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +58,10 @@ class RolloutConfig:
     resident_bound: int | None = None  # sessions the store admits (None: sized by bytes, at least `sessions`)
     trace_pools: bool = False  # manager path: record stats() pools, parks and restores after every round
     self_attn_kv: bool = True  # the generator attends over a self-attention KV in a reference paged engine
+    # The causal VAE encoder: "wan" runs diffusers' real `WanEncoder3d` (tiny, random init, seeded; needs the
+    # [diffusers] extra), its feat cache the model's own (``feat_map_bytes`` then unused); "stand-in" runs the
+    # elementwise stand-in over a feat map of ``feat_map_bytes``.
+    vae_encoder: str = "stand-in"
 
     def __post_init__(self) -> None:
         for name in (
@@ -73,6 +79,10 @@ class RolloutConfig:
                 raise InvalidArgumentError(f"RolloutConfig.{name} must be a positive int, got {value!r}.")
         if self.feat_map_bytes < 0:
             raise InvalidArgumentError(f"RolloutConfig.feat_map_bytes must be >= 0, got {self.feat_map_bytes}.")
+        if self.vae_encoder not in VAE_ENCODERS:
+            raise InvalidArgumentError(
+                f"RolloutConfig.vae_encoder must be one of {VAE_ENCODERS}, got {self.vae_encoder!r}."
+            )
         if self.num_frame_per_block > self.vae_encoder_window:
             raise InvalidArgumentError(
                 f"RolloutConfig: num_frame_per_block={self.num_frame_per_block} exceeds vae_encoder_window="
@@ -90,14 +100,39 @@ class RolloutConfig:
         return h // 8, w // 8  # 44x80 at deploy shapes
 
 
+def wan_encoder(cfg: RolloutConfig) -> Any:
+    """diffusers' real Wan 2.1 causal VAE encoder, tiny (``WAN_BASE_DIM`` channels, one res block per level),
+    random init from a fixed seed: ``encoder_channels`` output channels (the latent distribution's mean and
+    log-variance)."""
+    from .wan import require_diffusers
+
+    wan = require_diffusers()
+    if cfg.encoder_channels % 2:
+        raise InvalidArgumentError(
+            f"RolloutConfig.encoder_channels must be even with vae_encoder='wan', got {cfg.encoder_channels}."
+        )
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(1234)
+        vae = wan.AutoencoderKLWan(base_dim=WAN_BASE_DIM, z_dim=cfg.encoder_channels // 2, num_res_blocks=1)
+    finally:
+        torch.random.set_rng_state(state)
+    return vae.encoder.eval()
+
+
 class _Networks:
-    """Stand-in encoder, quant_conv, text encoder and generator: elementwise ops only (bitwise stable)."""
+    """The encoder (diffusers' real `WanEncoder3d`, or a stand-in), and stand-in quant_conv, text encoder and
+    generator: elementwise ops only (bitwise stable)."""
 
     def __init__(self, cfg: RolloutConfig):
         g = torch.Generator().manual_seed(1234)
         self.cfg = cfg
         self.enc_w = torch.randn(cfg.encoder_channels, 3, generator=g)
         self.quant_w = torch.randn(cfg.latent_channels, cfg.encoder_channels, generator=g) / cfg.encoder_channels
+        self.wan = wan_encoder(cfg) if cfg.vae_encoder == "wan" else None
+        self.wan_convs = (
+            0 if self.wan is None else sum(type(m).__name__ == "WanCausalConv3d" for m in self.wan.modules())
+        )
 
     def _mix(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A 1x1(x1) conv over dim 1 as a sum of scaled channels (pointwise in time and space)."""
@@ -111,8 +146,13 @@ class _Networks:
 
         Like the causal VAE encoder, it reads its feature cache and replaces one cached tensor with a new one
         (``feat_map[i] = ...``: the list is mutated item by item, never reassigned), so the output depends on
-        every chunk encoded before.
+        every chunk encoded before. The real Wan encoder reads and writes the cache as diffusers does.
         """
+        if self.wan is not None:
+            video = torch.stack(frames).permute(3, 0, 1, 2).unsqueeze(0).float() / 127.5 - 1.0  # (1, 3, T, H, W)
+            with torch.no_grad():
+                out = self.wan(video, feat_cache=feat_map, feat_idx=[0])  # (1, C_enc, 1, h, w)
+            return out.to(torch.bfloat16)
         x = torch.stack(frames).float().mean(0)  # (H, W, 3)
         x = torch.nn.functional.avg_pool2d(x.permute(2, 0, 1).unsqueeze(0), 8)  # (1, 3, h, w)
         out = self._mix(x / 255.0, self.enc_w).unsqueeze(2)
@@ -223,7 +263,9 @@ def _tokens(session: int, prompt_index: int) -> torch.Tensor:
     return torch.randint(0, 32_000, (12,), generator=g)
 
 
-def _feat_map(cfg: RolloutConfig) -> list:
+def _feat_map(cfg: RolloutConfig, nets: _Networks | None = None) -> list:
+    if nets is not None and nets.wan is not None:
+        return [None] * nets.wan_convs  # the model's own cache, filled by its first chunk
     per = cfg.feat_map_bytes // (2 * cfg.feat_map_entries)
     return [torch.zeros(per, dtype=torch.bfloat16) for _ in range(cfg.feat_map_entries)]
 
@@ -270,7 +312,7 @@ def _step(
 
     new_latent = False
     if not state.vae_stream_initialized:
-        state.vae_enc_feat_map = _feat_map(cfg)
+        state.vae_enc_feat_map = _feat_map(cfg, nets)
         state.vae_stream_initialized = True
         state.vae_pending_body_frames = []
         state.append_vae_encoder_chunk(nets.encode([frame], state.vae_enc_feat_map))
@@ -412,12 +454,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enable", action="store_true", help="config value of enable_session_state_manager")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     parser.add_argument("--park-feat-map", action="store_true", help="manager path: park feat maps after each step")
+    parser.add_argument("--vae-encoder", choices=VAE_ENCODERS, default="stand-in", help="the causal VAE encoder")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = dict(
         steps=args.steps,
         sessions=args.sessions,
         enable_session_state_manager=args.enable,
         park_feat_map=args.park_feat_map,
+        vae_encoder=args.vae_encoder,
     )
     if args.feat_map_mib is not None:
         overrides["feat_map_bytes"] = int(args.feat_map_mib * MIB)
