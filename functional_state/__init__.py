@@ -4,6 +4,7 @@ The pure core (`ManagerState` and the functions over it) never mutates its input
 is a thread-safe imperative shell that swaps one immutable value under a lock.
 """
 
+from ._pytree import pytree_dataclass
 from ._version import __version__
 from .accounting import nbytes_by_device, register_alias, total_nbytes
 from .array_ring import ArrayRing
@@ -151,6 +152,7 @@ __all__ = [
     "parse_bytes",
     "plan_release",
     "put",
+    "pytree_dataclass",
     "raise_max_sessions",
     "read_session",
     "register_alias",
