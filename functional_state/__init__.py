@@ -79,10 +79,13 @@ from .manager_state import (
 )
 from .paged_kv import PagedKVHandle, PagedKVPool, paged_gather
 from .planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
+from .pytree_value import PytreeValue
 from .session import FORK_POLICIES, SessionState
 from .session_attr import SessionAttr
 from .state_object import StateObject
 from .step import step
+
+register_checkpoint_type(PytreeValue)  # its structure is plain static data: no hooks needed
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -110,6 +113,7 @@ __all__ = [
     "PagedKVHandle",
     "PagedKVPool",
     "PoolChangedError",
+    "PytreeValue",
     "ReentrantWriteError",
     "ReleaseAction",
     "ReleasePlan",
