@@ -174,3 +174,62 @@ def test_donated_step_with_a_fork_present_keeps_the_fork_readable():
     s, _ = fs.step(s, "a", "kv", _advance, jnp.float32(1.0), donate=True, has_aux=True)
     assert _same(fs.view(s, "a", "kv"), _tree(3.0))
     del old
+
+
+def _mixed_table():
+    s = fs.commit(_table(), "a", "kv", _tree(1.0))
+    s = fs.put(s, "a", "other", fs.PytreeValue.create({"x": jnp.ones(3, jnp.float32)}))
+    s = fs.set_attr(s, "a", "n", 3)
+    s = fs.set_attr(s, "a", "prompt", "hello")
+    s = fs.set_attr(s, "a", "cond", jnp.ones(2, jnp.float32))
+    s, _ = fs.park(s, "a", "other")
+    return s
+
+
+def test_jit_over_sessions_with_parked_objects_and_non_array_attrs():
+    """Regression: a parked object or a str attr made `jax.jit` over `sessions` raise TypeError, and an int
+    attr came back as a JAX array."""
+    s = _mixed_table()
+    traces = []
+
+    @jax.jit
+    def bump(tree):
+        traces.append(1)
+        return {
+            sid: sess.update("kv", lambda v: v.commit(jax.tree_util.tree_map(lambda a: a + 1, v.view())))
+            for sid, sess in tree.items()
+        }
+
+    out = bump(fs.sessions(s))
+    assert type(out["a"].get_attr("n")) is int and out["a"].get_attr("prompt") == "hello"
+    s2 = fs.with_sessions(s, out)
+    assert _same(fs.view(s2, "a", "kv"), _tree(2.0))
+    s2, _ = fs.restore(s2, "a", "other")
+    assert _same(fs.view(s2, "a", "other"), {"x": jnp.ones(3, jnp.float32)})
+    bump(fs.sessions(s))
+    assert len(traces) == 1
+    bump(fs.sessions(fs.set_attr(s, "a", "prompt", "bye")))  # a static attr changed: documented retrace
+    assert len(traces) == 2
+
+
+def test_session_unflatten_accepts_any_children():
+    """Regression: unflatten called `immutables.Map(children)`, so `tree_map(..., is_leaf=...)` with
+    non-mapping results failed (and orbax's save with it)."""
+    session = fs.get_session(_mixed_table(), "a")[1]
+    names = jax.tree_util.tree_map(lambda x: type(x).__name__, session, is_leaf=lambda x: isinstance(x, fs.StateObject))
+    assert dict(names.objects) == {"kv": "PytreeValue", "other": "PytreeValue"}
+    assert names.get_attr("n") == 3 and names.get_attr("cond") == "ArrayImpl"
+    leaves, treedef = jax.tree_util.tree_flatten(session)
+    again = jax.tree_util.tree_unflatten(treedef, [object()] * len(leaves))
+    assert jax.tree_util.tree_structure(again) == treedef
+
+
+def test_orbax_standard_checkpointer_saves_a_session(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    session = fs.get_session(fs.commit(_table(), "a", "kv", _tree(4.0)), "a")[1]
+    session = session.set_attr("step", 7)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "orbax", session)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(tmp_path / "orbax", jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, session))
+    assert _same(restored.get("kv").view(), _tree(4.0)) and restored.get_attr("step") == 7
