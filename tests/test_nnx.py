@@ -129,7 +129,7 @@ def test_park_fork_and_checkpoint_are_exact(caches, tmp_path):
     assert fs.lookup(s, "a").get(caches.name).parked
     s, la = caches.step(s, "a", tok(4))  # restored first
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))  # forks continue exactly alike
-    s, lb2 = caches.step(s, "b", tok(9))
+    s, _ = caches.step(s, "b", tok(9))
     s, la2 = caches.step(s, "a", tok(5))
     ref = reference_logits([1, 2, 3, 4, 5], 0)
     np.testing.assert_array_equal(np.asarray(la2), ref[-1])  # b's step never showed in a
