@@ -51,7 +51,7 @@ class SessionCaches(_ModelCaches):
     """
 
     def __init__(self, model: Any, filter: Any = _nnx.Cache, name: str = "kv"):
-        graphdef, cache, rest = _nnx.split(model, filter, ...)
+        graphdef, cache, rest = _nnx.split(model, filter, ...)  # type: ignore[misc]
 
         def apply(cache: Any, params: Any, *args: Any) -> tuple[Any, Any]:
             merged = _nnx.merge(graphdef, cache, params)

@@ -68,7 +68,7 @@ def _example(desc: Any) -> Any:
     if issubclass(typ, tuple) and hasattr(typ, "_fields"):  # NamedTuples have no registry entry of their own
         return typ(*kids)
     node = jax.tree_util.PyTreeDef.from_node_data_and_children(
-        jax.tree_util.default_registry,  # type: ignore[attr-defined]
+        jax.tree_util.default_registry,
         (typ, list(aux) if kind == "list" else aux),
         [jax.tree_util.tree_structure(0)] * len(kids),
     )

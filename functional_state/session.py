@@ -391,7 +391,7 @@ def _rebuilt(value: Any, leaf_fn: Callable[[Any], Any]) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(value)
     except Exception:
         return value
-    if treedef.num_nodes == 1 and leaves and leaves[0] is value:  # a leaf: not a pytree node
+    if treedef.num_nodes == 1 and leaves and leaves[0] is value:  # type: ignore[attr-defined]  # a leaf
         return value
     return jax.tree_util.tree_unflatten(treedef, [leaf_fn(x) for x in leaves])
 

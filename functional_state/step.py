@@ -90,7 +90,7 @@ def step(
     state: ManagerState,
     session_id: str | None,
     name: str,
-    fn: Callable[..., StateObject],
+    fn: Callable[..., Any],
     *args: Any,
     donate: bool = False,
     retained: Iterable[Any] = (),
