@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .errors import InvalidArgumentError, ObjectNotFoundError, SessionExistsError
-from .manager_state import ManagerState, commit, get_or_create, lookup, put, restore
+from .manager_state import ManagerState, get_or_create, lookup, put, restore
 from .pytree_value import PytreeValue, _check_layout
 from .step import step as _step
 
@@ -42,12 +42,15 @@ class _ModelCaches:
             new_cache, out = apply(obj.view(), params, *args)
             return obj.commit(new_cache), out
 
-        def many_fn(leaves: tuple[Any, ...], params: Any, *args: Any) -> tuple[tuple[Any, ...], Any]:
+        def many_fn(per_session: list[tuple[Any, ...]], params: Any, *args: Any) -> tuple[list[tuple[Any, ...]], Any]:
             def one(session_leaves: tuple[Any, ...], *session_args: Any) -> tuple[tuple[Any, ...], Any]:
                 new_cache, out = apply(jax.tree_util.tree_unflatten(treedef, session_leaves), params, *session_args)
                 return tuple(jax.tree_util.tree_leaves(new_cache)), out
 
-            return jax.vmap(one)(leaves, *args)
+            # Stacked and split inside the jitted call: one dispatch, not one per leaf and session.
+            stacked = tuple(jnp.stack(leaves) for leaves in zip(*per_session))
+            new, out = jax.vmap(one)(stacked, *args)
+            return [tuple(x[j] for x in new) for j in range(len(per_session))], out
 
         # Held for the object's life: `step` keeps one jitted wrapper (one trace) per function object.
         self._step_fn = step_fn
@@ -121,9 +124,8 @@ class _ModelCaches:
         for sid in ids:
             state = self._resident(state, sid, "step_many")
         objs = [lookup(state, sid).get(self.name) for sid in ids]
-        stacked = tuple(jnp.stack(leaves) for leaves in zip(*(o.leaves for o in objs)))
-        new_leaves, outs = self._many_fn(stacked, self._params, *args)
-        treedef = self._initial.treedef
-        for j, sid in enumerate(ids):
-            state = commit(state, sid, self.name, jax.tree_util.tree_unflatten(treedef, [x[j] for x in new_leaves]))
+        new_leaves, outs = self._many_fn([o.leaves for o in objs], self._params, *args)
+        for sid, obj, leaves in zip(ids, objs, new_leaves):
+            # The jitted call returns the very structure, shapes and dtypes it was given: no check needed.
+            state = put(state, sid, self.name, obj._replace(leaves=leaves))
         return state, outs

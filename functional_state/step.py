@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _acct
 from ._holders import buffer_keys, holders_except
 from .errors import InvalidTypeError
-from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session
+from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session, _track
 from .state_object import StateObject
 
 __all__ = ["step"]
@@ -74,8 +75,19 @@ def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObje
     return jax.tree_util.tree_unflatten(treedef, new_leaves), copied
 
 
-def _others(state: ManagerState, sid: str, name: str) -> list[Any]:
-    """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch."""
+def _others(state: ManagerState, sid: str, name: str, obj: StateObject) -> list[Any]:
+    """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch.
+
+    The table's incremental accounting counts, per buffer, the objects holding it: when it shows ``obj`` the
+    only holder of every buffer it has (and it accounts for all of them), only the attrs remain to look at
+    (they are never tracked: a model may change them in place). That keeps a step's cost independent of
+    how many other sessions the table holds; any doubt falls back to every object of every session.
+    """
+    acct = _track(state)
+    extents = _acct.object_extents(obj)
+    refs = acct.refs
+    if all(refs.get(e, 0) == 1 for e in extents) and buffer_keys(obj) <= {(p, s) for p, s, _ in extents}:
+        return [value for node in state._nodes.values() for value in node[_S]._attrs.values()]
     sessions = {s: node[_S] for s, node in state._nodes.items()}
     return [value for values in holders_except(sessions, {sid: name}).values() for value in values]
 
@@ -143,7 +155,7 @@ def step(
     jitted = _jitted(fn, donate)
     _check_returns_same_type(jitted, obj, args, has_aux)  # before anything is donated: a refusal changes nothing
     if donate:
-        protected = _others(state, sid, name)
+        protected = _others(state, sid, name, obj)
         for value in retained:  # snapshots of the table are protected through their sessions
             protected.extend(_table_values(value))
         obj, _ = _donation_copies(obj, protected)

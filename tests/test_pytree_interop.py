@@ -233,3 +233,33 @@ def test_orbax_standard_checkpointer_saves_a_session(tmp_path):
         ckpt.wait_until_finished()
         restored = ckpt.restore(tmp_path / "orbax", jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, session))
     assert _same(restored.get("kv").view(), _tree(4.0)) and restored.get_attr("step") == 7
+
+
+def test_donated_step_never_deletes_a_buffer_an_attr_of_another_session_holds():
+    s = fs.commit(_table(), "a", "kv", _tree(1.0))
+    s, _ = fs.get_or_create(s, "b")
+    k = fs.view(s, "a", "kv")["k"]
+    s = fs.set_attr(s, "b", "keep", k)  # the accounting tracks objects only; attrs are checked apart
+    del k
+    s, _ = fs.step(s, "a", "kv", _advance, jnp.float32(1.0), donate=True, has_aux=True)
+    assert not fs.get_attr(s, "b", "keep").is_deleted()
+    np.testing.assert_array_equal(np.asarray(fs.get_attr(s, "b", "keep")), np.full((2, 3), 1.0, np.float32))
+
+
+def test_donated_step_donates_when_nothing_else_holds_the_buffers():
+    import weakref
+
+    s = fs.commit(_table(), "a", "kv", _tree(1.0))
+    for i in range(20):  # other sessions with caches of their own: not holders
+        s, _ = fs.get_or_create(s, f"other{i}")
+        s = fs.put(s, f"other{i}", "kv", fs.PytreeValue.create(_tree(float(i))))
+    s = fs.fork_session(s, "a", "fork")
+    shared = [weakref.ref(x) for x in fs.lookup(s, "a").get("kv").leaves]  # weak: not a holder
+    s, _ = fs.step(s, "a", "kv", _advance, jnp.float32(1.0), donate=True, has_aux=True)
+    assert not any(r().is_deleted() for r in shared)  # the fork holds them: copied, the copies donated
+    own = [weakref.ref(x) for x in fs.lookup(s, "a").get("kv").leaves]
+    consumed = s  # keeps the old leaves alive, so they can be seen deleted (the table refuses it now)
+    s, _ = fs.step(s, "a", "kv", _advance, jnp.float32(1.0), donate=True, has_aux=True)
+    assert all(r().is_deleted() for r in own)  # nothing else held them: donated, not copied
+    del consumed
+    assert _same(fs.view(s, "a", "kv"), _tree(3.0)) and _same(fs.view(s, "fork", "kv"), _tree(1.0))
