@@ -29,6 +29,7 @@ BENCHES = [
     "paged_kv",
     "checkpoint",
     "wan",
+    "nnx",
 ]
 
 

@@ -4,6 +4,7 @@ The pure core (`ManagerState` and the functions over it) never mutates its input
 is a thread-safe imperative shell that swaps one immutable value under a lock.
 """
 
+from ._pytree import pytree_dataclass
 from ._version import __version__
 from .accounting import nbytes_by_device, register_alias, total_nbytes
 from .array_ring import ArrayRing
@@ -78,10 +79,13 @@ from .manager_state import (
 )
 from .paged_kv import PagedKVHandle, PagedKVPool, paged_gather
 from .planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
+from .pytree_value import PytreeValue
 from .session import FORK_POLICIES, SessionState
 from .session_attr import SessionAttr
 from .state_object import StateObject
 from .step import step
+
+register_checkpoint_type(PytreeValue)  # its structure is plain static data: no hooks needed
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -109,6 +113,7 @@ __all__ = [
     "PagedKVHandle",
     "PagedKVPool",
     "PoolChangedError",
+    "PytreeValue",
     "ReentrantWriteError",
     "ReleaseAction",
     "ReleasePlan",
@@ -151,6 +156,7 @@ __all__ = [
     "parse_bytes",
     "plan_release",
     "put",
+    "pytree_dataclass",
     "raise_max_sessions",
     "read_session",
     "register_alias",

@@ -1,4 +1,4 @@
-"""Private helpers: one way to declare frozen, key-registered pytree dataclasses, and a fast ``replace``."""
+"""One way to declare frozen, key-registered pytree dataclasses (public: `pytree_dataclass`), and a fast ``replace``."""
 
 from __future__ import annotations
 
@@ -54,9 +54,50 @@ def _make_replace(cls: type, names: list[str]) -> Callable[..., Any]:
 def pytree_dataclass(*, static: tuple[str, ...] = ()) -> Callable[[type[T]], type[T]]:
     """Make ``cls`` a frozen, slotted dataclass registered with JAX, with ``static`` fields as aux data.
 
+    This is how every state object of the library is declared, and how to declare your own: subclass
+    `StateObject`, give it the fields ``staged``, ``host_copy``, ``status``, ``recompute_source`` and
+    ``recompute_cost`` (the last three static) and implement its storage hooks. ``obj._replace(field=...)``
+    is a fast copy with some fields changed (a misspelt name is a ``TypeError``).
+
     Equality and hashing are by identity: instances hold arrays, whose ``==`` is elementwise. Static fields
     must be stable config (names, capacities, dtypes, a lifecycle status): JAX compares aux data on every
-    jit call, and a change means a new trace. Unflatten does no validation (it runs on tracers).
+    jit call, and a change means a new trace. Unflatten does no validation (it runs on tracers): validate in
+    a ``create`` classmethod instead.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from functional_state import StateObject, pytree_dataclass
+      >>> @pytree_dataclass(static=("status", "recompute_source", "recompute_cost"))
+      ... class RunningMean(StateObject):
+      ...     total: jax.Array  # f32[d], the sum of committed rows
+      ...     count: jax.Array  # i32[], how many rows
+      ...     staged: jax.Array | None
+      ...     host_copy: object
+      ...     status: str
+      ...     recompute_source: str | None
+      ...     recompute_cost: float
+      ...
+      ...     @classmethod
+      ...     def create(cls, d):
+      ...         return cls(jnp.zeros(d), jnp.zeros((), jnp.int32), None, None, "resident", None, float("inf"))
+      ...
+      ...     def _commit_payload(self, row):
+      ...         return self._replace(total=self.total + row, count=self.count + 1)
+      ...     def _committed_view(self):
+      ...         return self.total / jnp.maximum(self.count, 1)
+      ...     def _view_with(self, row):
+      ...         return (self.total + row) / (self.count + 1)
+      ...     def _allocated_storage(self):
+      ...         return {"total": jnp.zeros_like(self.total), "count": jnp.zeros((), jnp.int32)}
+      ...     def _released_storage(self):
+      ...         return {"total": None, "count": None}
+      ...     def _committed_roots(self):
+      ...         return (self.total, self.count)
+      ...     def _parkable_fields(self):
+      ...         return {"total": self.total, "count": self.count}
+      >>> m = jax.jit(lambda m, x: m.commit(x))(RunningMean.create(2), jnp.array([2.0, 4.0]))
+      >>> m.commit(jnp.zeros(2)).view().tolist(), m.park().restore().view().tolist()
+      ([1.0, 2.0], [2.0, 4.0])
     """
 
     def wrap(cls: type[T]) -> type[T]:

@@ -359,3 +359,58 @@ def _jax_alias(t: Any, owner_type: type | None) -> Any:
             owner = exported
     accounting.register_alias(array, owner)
     return array
+
+
+# --- ParkedStorage as a pytree: its JAX host arrays are the leaves, the rest static ----------------------
+# So a session tree that holds a parked object can be mapped or jitted over (issue 21). Torch buffers and
+# values kept as is are static, compared by identity: a parked torch tensor means a trace per parked copy.
+
+
+class _ParkedAux:
+    """A `ParkedStorage` less its JAX host arrays; equal when the structure, the shardings and every other
+    part (by identity) are, so parked copies of equal layouts share a trace."""
+
+    __slots__ = ("_key", "parked")
+
+    def __init__(self, parked: ParkedStorage):
+        self.parked = parked
+        self._key = tuple(
+            ("jax", leaf.sharding) if isinstance(leaf, _JaxLeaf) else ("id", id(leaf)) for leaf in parked.leaves
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _ParkedAux):
+            return NotImplemented
+        a, b = self.parked, other.parked
+        return (
+            a.treedef == b.treedef
+            and self._key == other._key
+            and all(x is y for x, y in zip(a.storages + a.buffers, b.storages + b.buffers))
+            and len(a.storages) == len(b.storages)
+            and len(a.buffers) == len(b.buffers)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.parked.treedef, len(self._key)))
+
+
+def _jax_recipes(parked: ParkedStorage) -> list[_JaxLeaf]:
+    seen: dict[int, _JaxLeaf] = {}
+    for leaf in parked.leaves:
+        if isinstance(leaf, _JaxLeaf):
+            seen.setdefault(id(leaf), leaf)
+    return list(seen.values())
+
+
+def _flatten_parked(parked: ParkedStorage) -> tuple[list[Any], _ParkedAux]:
+    return [leaf.host for leaf in _jax_recipes(parked)], _ParkedAux(parked)
+
+
+def _unflatten_parked(aux: _ParkedAux, children: Any) -> ParkedStorage:
+    parked = aux.parked
+    new = {id(r): _JaxLeaf(host, r.sharding) for r, host in zip(_jax_recipes(parked), children)}
+    leaves = tuple(new.get(id(leaf), leaf) if isinstance(leaf, _JaxLeaf) else leaf for leaf in parked.leaves)
+    return ParkedStorage(parked.treedef, leaves, parked.storages, parked.buffers)
+
+
+jax.tree_util.register_pytree_node(ParkedStorage, _flatten_parked, _unflatten_parked)

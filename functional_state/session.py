@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 import types
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
 import immutables
@@ -50,6 +50,10 @@ class SessionState:
     Both maps are persistent (a write costs O(log n) in the number of entries, whatever the session
     holds) and flatten in sorted key order, so equal states have equal tree structures.
 
+    As a pytree (what `jax.jit` over `functional_state.sessions` sees), the children are the objects and the
+    attrs that are arrays (or pytrees of arrays); every other attr (an int, a str, a list of ints) is static
+    aux data, returned as is, compared by ``==``: changing one retraces, as a changed static argument does.
+
     Example:
       >>> from functional_state import LatentBuffer
       >>> s = SessionState.empty().put("frames", LatentBuffer.create(maxlen=4)).set_attr("step", 3)
@@ -58,10 +62,13 @@ class SessionState:
       (0, 1, 3)
     """
 
-    __slots__ = ("_attrs", "_objects", "_policies")
+    __slots__ = ("_attrs", "_dynamic", "_objects", "_policies")
     _objects: immutables.Map
     _attrs: immutables.Map
     _policies: immutables.Map
+    # The attr keys a pytree flatten yields as children, when an unflatten fixed them (its children may be
+    # anything, e.g. orbax's SaveArgs); None: decided from the values (arrays are children, the rest aux).
+    _dynamic: tuple[str, ...] | None
 
     def __init__(
         self,
@@ -90,6 +97,7 @@ class SessionState:
         self._objects = object_map
         self._attrs = immutables.Map(attr_map)
         self._policies = immutables.Map(policies)
+        self._dynamic = None
 
     @classmethod
     def empty(cls) -> SessionState:
@@ -286,8 +294,9 @@ class SessionState:
         """The session as a fork starts it: objects shared (they are immutable), attrs per fork policy.
 
         ``"share"`` attrs are the same objects; ``"copy_container"`` attrs are shallow copies (lists,
-        dicts, sets, deques, namespaces; other values are shared); ``"clone"`` attrs are copied
-        recursively, with torch tensors, numpy and JAX arrays cloned into new storage.
+        dicts, sets, deques, namespaces, and registered pytree nodes such as an ``eqx.nn.State``, rebuilt
+        over the same leaves; other values are shared); ``"clone"`` attrs are copied recursively, with
+        torch tensors, numpy and JAX arrays cloned into new storage (pytree nodes too).
         """
         if not self._policies:
             return self
@@ -320,6 +329,7 @@ def _session(objects: immutables.Map, attrs: immutables.Map, policies: immutable
     new._objects = objects
     new._attrs = attrs
     new._policies = policies
+    new._dynamic = None
     return new
 
 
@@ -370,7 +380,20 @@ def _copy_container(value: Any) -> Any:
         return collections.deque(value, maxlen=value.maxlen)
     if isinstance(value, (list, dict, set, bytearray)):
         return value.copy()
-    return value
+    return _rebuilt(value, lambda leaf: leaf)
+
+
+def _rebuilt(value: Any, leaf_fn: Callable[[Any], Any]) -> Any:
+    """A registered pytree node (an ``eqx.nn.State``, an ``nnx.State``, a dataclass pytree) rebuilt through
+    its own unflatten with ``leaf_fn`` of each leaf: new node objects, so no two forks share a mutable one
+    (an ``eqx.nn.State`` invalidates its old object on use). Anything else is returned as is."""
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+    except Exception:
+        return value
+    if treedef.num_nodes == 1 and leaves and leaves[0] is value:  # type: ignore[attr-defined]  # a leaf
+        return value
+    return jax.tree_util.tree_unflatten(treedef, [leaf_fn(x) for x in leaves])
 
 
 def _clone(value: Any) -> Any:
@@ -397,23 +420,82 @@ def _clone(value: Any) -> Any:
         return collections.deque((_clone(v) for v in value), maxlen=value.maxlen)
     if isinstance(value, types.SimpleNamespace):
         return types.SimpleNamespace(**{k: _clone(v) for k, v in vars(value).items()})
-    return value
+    return _rebuilt(value, _clone)
 
 
-def _flatten_with_keys(s: SessionState) -> tuple[Iterable[tuple[Any, Any]], Any]:
-    keys = jax.tree_util.GetAttrKey
-    aux = tuple(sorted(s._policies.items()))
-    return ((keys("objects"), dict(s._objects)), (keys("attrs"), dict(s._attrs))), aux
+class _Static:
+    """A non-array attr carried as aux data: equal by ``==`` (when that is a plain bool) or identity."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Static):
+            return NotImplemented
+        a, b = self.value, other.value
+        if a is b:
+            return True
+        if type(a) is not type(b):
+            return False
+        try:
+            return bool(a == b)
+        except Exception:  # arrays inside a container compare elementwise: identity decides
+            return False
+
+    def __hash__(self) -> int:
+        return hash(type(self.value).__qualname__)
+
+    def __repr__(self) -> str:
+        return f"static({short(self.value)})"
+
+
+def _array_attr(value: Any) -> bool:
+    """True when ``value`` is an array, or a pytree whose every leaf is one: an attr a jit traces."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return True
+    try:
+        leaves = jax.tree_util.tree_leaves(value)
+    except Exception:
+        return False
+    return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+
+
+def _split(s: SessionState) -> tuple[tuple[str, ...], tuple[str, ...], Any]:
+    """``(object names, traced attr keys, aux)`` of ``s``, each in sorted order."""
+    names = tuple(sorted(s._objects))
+    dynamic = getattr(s, "_dynamic", None)  # unset where a fast path built the session
+    keys = sorted(s._attrs)
+    if dynamic is None:
+        dynamic = tuple(k for k in keys if _array_attr(s._attrs[k]))
+    static = tuple((k, _Static(s._attrs[k])) for k in keys if k not in dynamic)
+    return names, dynamic, (names, dynamic, static, tuple(sorted(s._policies.items())))
+
+
+def _flatten_with_keys(s: SessionState) -> tuple[list[tuple[Any, Any]], Any]:
+    key = jax.tree_util.GetAttrKey
+    names, dynamic, aux = _split(s)
+    children = [(key(f"objects[{n!r}]"), s._objects[n]) for n in names]
+    children.extend((key(f"attrs[{k!r}]"), s._attrs[k]) for k in dynamic)
+    return children, aux
+
+
+def _flatten(s: SessionState) -> tuple[list[Any], Any]:
+    names, dynamic, aux = _split(s)
+    return [s._objects[n] for n in names] + [s._attrs[k] for k in dynamic], aux
 
 
 def _unflatten(aux: Any, children: Any) -> SessionState:
-    objects, attrs = children
-    return _session(immutables.Map(objects), immutables.Map(attrs), immutables.Map(aux))
+    # Any children at all (tracers, orbax's SaveArgs, the results of a tree_map with is_leaf): no checks here,
+    # the constructor and the write paths validate.
+    names, dynamic, static, policies = aux
+    children = list(children)
+    attrs = dict(zip(dynamic, children[len(names) :]))
+    attrs.update((k, v.value) for k, v in static)
+    new = _session(immutables.Map(zip(names, children)), immutables.Map(attrs), immutables.Map(policies))
+    new._dynamic = dynamic
+    return new
 
 
-jax.tree_util.register_pytree_with_keys(
-    SessionState,
-    _flatten_with_keys,
-    _unflatten,
-    flatten_func=lambda s: ((dict(s._objects), dict(s._attrs)), tuple(sorted(s._policies.items()))),
-)
+jax.tree_util.register_pytree_with_keys(SessionState, _flatten_with_keys, _unflatten, flatten_func=_flatten)

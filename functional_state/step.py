@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _acct
 from ._holders import buffer_keys, holders_except
 from .errors import InvalidTypeError
-from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session
+from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session, _track
 from .state_object import StateObject
 
 __all__ = ["step"]
@@ -74,8 +75,19 @@ def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObje
     return jax.tree_util.tree_unflatten(treedef, new_leaves), copied
 
 
-def _others(state: ManagerState, sid: str, name: str) -> list[Any]:
-    """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch."""
+def _others(state: ManagerState, sid: str, name: str, obj: StateObject) -> list[Any]:
+    """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch.
+
+    The table's incremental accounting counts, per buffer, the objects holding it: when it shows ``obj`` the
+    only holder of every buffer it has (and it accounts for all of them), only the attrs remain to look at
+    (they are never tracked: a model may change them in place). That keeps a step's cost independent of
+    how many other sessions the table holds; any doubt falls back to every object of every session.
+    """
+    acct = _track(state)
+    extents = _acct.object_extents(obj)
+    refs = acct.refs
+    if all(refs.get(e, 0) == 1 for e in extents) and buffer_keys(obj) <= {(p, s) for p, s, _ in extents}:
+        return [value for node in state._nodes.values() for value in node[_S]._attrs.values()]
     sessions = {s: node[_S] for s, node in state._nodes.items()}
     return [value for values in holders_except(sessions, {sid: name}).values() for value in values]
 
@@ -90,11 +102,12 @@ def step(
     state: ManagerState,
     session_id: str | None,
     name: str,
-    fn: Callable[..., StateObject],
+    fn: Callable[..., Any],
     *args: Any,
     donate: bool = False,
     retained: Iterable[Any] = (),
-) -> ManagerState:
+    has_aux: bool = False,
+) -> Any:
     """Replace object ``name`` of a session by ``jax.jit(fn)(object, *args)``, optionally donating it.
 
     Args:
@@ -111,9 +124,11 @@ def step(
         so every function refuses it afterwards with `StateConsumedError`. Keep using the returned state.
       retained: other values the caller still reads (older states, views): their buffers are protected
         too. `SessionStateManager.step` fills this in with its snapshots and detached handles.
+      has_aux: ``fn`` returns ``(new_object, aux)`` (a decode step's logits, say), as with
+        ``jax.value_and_grad(has_aux=True)``; ``aux`` is any pytree, returned beside the new table.
 
     Returns:
-      The new table.
+      The new table; with ``has_aux``, ``(table, aux)``.
 
     Raises:
       SessionStateLostError, ObjectNotFoundError: no such session or object.
@@ -128,38 +143,55 @@ def step(
       >>> s = step(s, "a", "ring", ArrayRing.commit, jnp.ones(3), donate=True)
       >>> view(s, "a", "ring").shape, view(s, "b", "ring").shape   # "b" still reads its buffer
       ((1, 3), (0, 3))
+      >>> def push(ring, x):
+      ...     return ring.commit(x), x.sum()           # the new ring, and an output beside it
+      >>> s, total = step(s, "a", "ring", push, jnp.full(3, 2.0), has_aux=True)
+      >>> float(total), view(s, "a", "ring").shape
+      (6.0, (2, 3))
     """
     sid, node = _node(state, session_id, "step")
     obj = _object(node, name, "step")
     obj._require_resident("step")
     jitted = _jitted(fn, donate)
-    _check_returns_same_type(jitted, obj, args)  # before anything is donated: a refusal changes nothing
+    _check_returns_same_type(jitted, obj, args, has_aux)  # before anything is donated: a refusal changes nothing
     if donate:
-        protected = _others(state, sid, name)
+        protected = _others(state, sid, name, obj)
         for value in retained:  # snapshots of the table are protected through their sessions
             protected.extend(_table_values(value))
         obj, _ = _donation_copies(obj, protected)
     with warnings.catch_warnings():
         # Scalars (head, size) often cannot be reused in place; JAX says so each call. Nothing is lost.
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        new_obj = jitted(obj, *args)
+        out = jitted(obj, *args)
+    new_obj, aux = out if has_aux else (out, None)
     if donate:
         state.__class__ = _ConsumedManagerState
-    return _set_session(state, sid, node, node[_S]._with_object(name, new_obj))
+    new_state = _set_session(state, sid, node, node[_S]._with_object(name, new_obj))
+    return (new_state, aux) if has_aux else new_state
 
 
 _CHECKED: weakref.WeakKeyDictionary[Callable[..., Any], set[Any]] = weakref.WeakKeyDictionary()
 
 
-def _check_returns_same_type(jitted: Callable[..., Any], obj: StateObject, args: tuple[Any, ...]) -> None:
-    """Raise unless ``jitted(obj, *args)`` returns an object of ``obj``'s type; checked once per input
-    structure with an abstract evaluation (no computation, no donation)."""
-    key = jax.tree_util.tree_structure((obj, args))
+def _check_returns_same_type(
+    jitted: Callable[..., Any], obj: StateObject, args: tuple[Any, ...], has_aux: bool = False
+) -> None:
+    """Raise unless ``jitted(obj, *args)`` returns an object of ``obj``'s type (with ``has_aux``, a pair
+    whose first item is one); checked once per input structure with an abstract evaluation (no computation,
+    no donation)."""
+    key = (jax.tree_util.tree_structure((obj, args)), has_aux)
     with _JITTED_LOCK:
         checked = _CHECKED.setdefault(jitted, set())
         if key in checked:
             return
     out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise InvalidTypeError(
+                f"`step(..., has_aux=True)`: fn must return a pair (new {type(obj).__name__}, aux), got "
+                f"{type(out).__name__}."
+            )
+        out = out[0]
     if type(out) is not type(obj):
         raise InvalidTypeError(
             f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got "
