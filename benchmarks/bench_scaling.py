@@ -120,40 +120,43 @@ def _once(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _measure(fns: dict[str, Callable[[], object]]) -> tuple[dict[str, float], dict[str, int]]:
-    """Median per-call time of each op over ROUNDS interleaved samples, and the calls per sample."""
+def _measure(fns: dict[tuple[str, int], Callable[[], object]]) -> tuple[dict, dict]:
+    """Median per-call time of every (op, size) cell over ROUNDS rounds, every cell once per round, so that
+    the machine's load drifts over all sizes alike; and the calls per sample of each cell."""
     numbers = {}
-    for name, fn in fns.items():
-        fn()  # warm-up (jit compilation, lazily built accounting)
-        first = _once(fn)
+    for (_, n), fn in fns.items():
+        if n <= 1_000:  # warm-up (jit compilation, lazily built accounting); the big tables' first call is cheap
+            fn()  # to skip, as the small ones compiled every function already
+    for key, fn in fns.items():
+        first = _once(fn)  # the calibration, and the warm-up of the big tables
         if first > SLOW_S:
-            numbers[name] = 1
+            numbers[key] = 1
         else:
-            numbers[name] = max(1, min(2000, math.ceil(TARGET_S / max(first, 1e-7))))
-    samples: dict[str, list[float]] = {k: [] for k in fns}
+            numbers[key] = max(1, min(2000, math.ceil(TARGET_S / max(_once(fn), 1e-7))))
+    samples: dict[tuple[str, int], list[float]] = {k: [] for k in fns}
     for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            k = numbers[name]
+        for key, fn in fns.items():
+            k = numbers[key]
             start = time.perf_counter()
             for _ in range(k):
                 fn()
-            samples[name].append((time.perf_counter() - start) / k)
+            samples[key].append((time.perf_counter() - start) / k)
     return {k: statistics.median(v) for k, v in samples.items()}, numbers
 
 
 def run() -> dict:
     torch.set_num_threads(1)
     gc.enable()
-    times: dict[int, dict[str, float]] = {}
-    numbers: dict[int, dict[str, int]] = {}
     build: dict[int, float] = {}
-    for n in SIZES:
+    fns: dict[tuple[str, int], Callable[[], object]] = {}
+    for n in SIZES:  # every table lives through the whole run: each cell pays the same heap's collections
         start = time.perf_counter()
-        fns = _ops(n)
+        for op, fn in _ops(n).items():
+            fns[(op, n)] = fn
         build[n] = time.perf_counter() - start
-        times[n], numbers[n] = _measure(fns)
-        del fns
-        gc.collect()
+    cells, calls = _measure(fns)
+    times = {n: {op: cells[(op, n)] for op in ORDER} for n in SIZES}
+    numbers = {n: {op: calls[(op, n)] for op in ORDER} for n in SIZES}
     base = SIZES[0]
     big = SIZES[-1]
     ref = 1000 if 1000 in SIZES else SIZES[min(1, len(SIZES) - 1)]
@@ -195,7 +198,8 @@ def run() -> dict:
             f"Each session holds one ArrayRing of 2 x 4 float32 with buffers of its own (what step, park, restore "
             f"and the budget act on) and a LatentBuffer (what commit writes); the tables are built "
             f"once per size ({', '.join(f'{n:,}: {build[n]:.1f} s' for n in SIZES)}). Each cell is the median "
-            f"of {ROUNDS} interleaved samples, GC on; a sample is as many calls as fill {TARGET_S * 1e3:.0f} ms, "
+            f"of {ROUNDS} rounds, each round one sample of every cell (all sizes' tables alive throughout), GC on; "
+            f"a sample is as many calls as fill {TARGET_S * 1e3:.0f} ms, "
             f"but one call for ops slower than {SLOW_S * 1e3:.0f} ms, which is so for: "
             f"{', '.join(reduced) or 'none'}. `stats` is held to the per-session goal because kept totals "
             f"make it O(pools); the walks' goal is a flat per-session cost. Reproduce: "

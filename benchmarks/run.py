@@ -28,6 +28,7 @@ BENCHES = [
     "budget",
     "paged_kv",
     "checkpoint",
+    "scaling",
 ]
 
 
