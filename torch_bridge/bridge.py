@@ -365,7 +365,8 @@ def to_torch(array: jax.Array | torch.Tensor) -> torch.Tensor:
     if isinstance(record, _AliasRecord):
         check_alias(array)
         return record.tensor
-    if _TORCH_DIRECT and array.__dlpack_device__()[0] == _CPU:
+    exporter: Any = array  # jax.Array's stubs lack __dlpack_device__ and max_version
+    if _TORCH_DIRECT and exporter.__dlpack_device__()[0] == _CPU:
         return _torch_direct(array)
     return torch.from_dlpack(array)
 
@@ -376,7 +377,8 @@ _SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
 def _torch_direct(array: jax.Array) -> torch.Tensor:
     """What `torch.from_dlpack(array)` does for a CPU array (no stream to order on), without its Python
     negotiation around the C++ import."""
-    return torch._C._from_dlpack(array.__dlpack__(max_version=(1, 0)))
+    exporter: Any = array
+    return torch._C._from_dlpack(exporter.__dlpack__(max_version=(1, 0)))
 
 
 def _check_torch_direct() -> bool:
