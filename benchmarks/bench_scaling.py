@@ -183,7 +183,7 @@ def run() -> dict:
     reduced = sorted({f"{op} at {n:,}" for n in SIZES for op in ORDER if numbers[n][op] == 1})
     header = (
         "operation",
-        *(f"{n:,} sessions" for n in SIZES),
+        *(f"{n:,} session{'' if n == 1 else 's'}" for n in SIZES),
         *(f"{n:,} / {base:,}" for n in SIZES[1:]),
         f"goal at {big:,} (<= 1.5x; walks: flat per session)",
     )
