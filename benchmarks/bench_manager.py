@@ -1,14 +1,20 @@
-"""Manager op cost at 64 / 1,000 / 100,000 sessions: the functional table vs a locked mutable OrderedDict.
+"""Manager op cost at 64 / 1,000 / 100,000 sessions: the functional table vs mutable OrderedDict managers.
 
-One op = get_or_create (a hit, or for 10% of ops a new session, which evicts the least recently used one)
-+ a commit into a 4-item ring. Three implementations run the same id sequence, interleaved:
+One op = get_or_create (a hit on a live session, or for exactly 10% of ops a fresh id never seen before,
+which evicts the least recently used session) + a commit into a 4-item ring. Every implementation runs
+the same id sequences, interleaved:
 
-* ``pure + lock``: the pure functions, each op under a `threading.Lock` (what a shell must pay at least);
+* ``pure``: the pure functions, no lock (the op itself);
+* ``pure + lock``: the same under one `threading.Lock` per op (what a shell must pay at least);
 * ``shell``: `SessionStateManager` with session handles (what a torch pipeline calls);
-* ``mutable + lock``: an OrderedDict of dicts of deques mutated in place under a lock (the fair anchor).
+* ``OrderedDict + 1 lock``: one OrderedDict of deques mutated in place, one lock taken once per op, no
+  counters (the fair anchor);
+* ``OrderedDict, no lock``: the same without the lock.
 
-Also measured: the first miss after 400k hits against a miss on a fresh table (the old tick scan stalled
-there), and a commit into a session holding 10,000 objects against one holding 10.
+The ids are drawn against a mirror of the LRU table, so a "hit" is always live and a miss always new: the
+miss rate is exactly 10% in every sample (checked from the table's own counters). Also measured: the first
+miss after 400k hits against a miss on a fresh table (the old tick scan stalled there), and a commit into a
+session holding 10,000 objects against one holding 10.
 """
 
 from __future__ import annotations
@@ -23,80 +29,130 @@ import functional_state as fs
 from _timing import fmt_time, interleaved_medians
 
 SIZES = (64, 1_000, 100_000)
-OPS = 20_000
-MISS_RATE = 0.1
+OPS = {64: 20_000, 1_000: 20_000, 100_000: 2_000}  # ops per sample; see _SHELL_MISS_NOTE for 100k
+_SHELL_MISS_NOTE = (
+    "2,000 at 100k: a shell miss walks every session (`SessionStateManager._departures`, ~25 ms per miss at "
+    "100k), so 20,000 ops would take ~50 s per shell sample"
+)
+MISS_EVERY = 10  # exactly one op in 10 is a miss
 ITEM = np.zeros(16, np.float32)
+ROUNDS_ON, ROUNDS_OFF = 5, 3
+CALLS = (1 + ROUNDS_ON) + (1 + ROUNDS_OFF)  # each interleaved_medians call warms every function up once
 
 
-class LockedMutableManager:
-    """The baseline: a bespoke cache, one OrderedDict mutated in place, every call under a lock."""
+class OrderedDictManager:
+    """The baseline: a bespoke cache, one OrderedDict mutated in place; ``op`` is get_or_create + commit."""
 
     def __init__(self, max_sessions: int):
         self.max_sessions = max_sessions
         self.sessions: OrderedDict[str, dict] = OrderedDict()
-        self.lock = threading.Lock()
-        self.hits = self.misses = 0
 
-    def get_or_create(self, sid: str) -> dict:
-        with self.lock:
-            session = self.sessions.get(sid)
-            if session is not None:
-                self.sessions.move_to_end(sid)
-                self.hits += 1
-                return session
-            self.misses += 1
-            session = {"buf": deque(maxlen=4)}
-            self.sessions[sid] = session
-            if len(self.sessions) > self.max_sessions:
-                self.sessions.popitem(last=False)
-            return session
-
-    def commit(self, sid: str, item) -> None:
-        with self.lock:
-            self.sessions[sid]["buf"].append(item)
-
-
-def _id_sequence(n: int, rng: random.Random) -> list[str]:
-    """OPS ids: hits on random live sessions, and MISS_RATE new ids (each evicts the LRU session)."""
-    ids, newest = [], n - 1
-    for _ in range(OPS):
-        if rng.random() < MISS_RATE:
-            newest += 1
-            ids.append(f"s{newest}")
+    def op(self, sid: str, item) -> None:
+        sessions = self.sessions
+        session = sessions.get(sid)
+        if session is None:
+            session = sessions[sid] = {"buf": deque(maxlen=4)}
+            if len(sessions) > self.max_sessions:
+                sessions.popitem(last=False)
         else:
-            ids.append(f"s{newest - rng.randrange(n)}")
-    return ids
+            sessions.move_to_end(sid)
+        session["buf"].append(item)
+
+
+class OneLockManager(OrderedDictManager):
+    """The same, the whole op under exactly one lock acquisition."""
+
+    def __init__(self, max_sessions: int):
+        super().__init__(max_sessions)
+        self.lock = threading.Lock()
+
+    def op(self, sid: str, item) -> None:
+        with self.lock:
+            OrderedDictManager.op(self, sid, item)
+
+
+class _IdStream:
+    """Id sequences with exactly one miss in MISS_EVERY ops; hits are uniform over the sessions live in an
+    LRU table of ``n`` (a mirror of what every implementation holds after the same ids)."""
+
+    def __init__(self, n: int, rng: random.Random):
+        self.n, self.rng, self.ops = n, rng, OPS[n]
+        self.lru: OrderedDict[str, None] = OrderedDict((f"s{i}", None) for i in range(n))
+        self.live = list(self.lru)  # random access for uniform hits
+        self.where = {sid: i for i, sid in enumerate(self.live)}
+        self.next_id = n
+
+    def sequence(self) -> list[str]:
+        out = []
+        for k in range(self.ops):
+            if k % MISS_EVERY == MISS_EVERY - 1:
+                sid = f"s{self.next_id}"
+                self.next_id += 1
+                self.lru[sid] = None
+                old, _ = self.lru.popitem(last=False)
+                i = self.where.pop(old)
+                self.live[i] = sid
+                self.where[sid] = i
+            else:
+                sid = self.live[self.rng.randrange(self.n)]
+                self.lru.move_to_end(sid)
+            out.append(sid)
+        return out
 
 
 def _tables(n: int):
-    """Three tables of n sessions. Each its own: tables that shared structure would keep each other's
-    superseded entries alive and shift garbage-collection cost from one workload to the other."""
+    """One table per implementation, n sessions each. Each its own: tables that shared structure would keep
+    each other's superseded entries alive and shift garbage-collection cost from one workload to another."""
     buf = fs.LatentBuffer.create(maxlen=4)
-    state = fs.ManagerState.create(max_sessions=n)
+    pure = fs.ManagerState.create(max_sessions=n)
+    locked = fs.ManagerState.create(max_sessions=n)
     shell = fs.SessionStateManager(max_sessions=n)
-    mutable = LockedMutableManager(n)
+    one_lock, no_lock = OneLockManager(n), OrderedDictManager(n)
     for i in range(n):
         sid = f"s{i}"
-        state, _ = fs.get_or_create(state, sid)
-        state = fs.put(state, sid, "buf", buf)
+        for name in ("pure", "locked"):
+            s = pure if name == "pure" else locked
+            s, _ = fs.get_or_create(s, sid)
+            s = fs.put(s, sid, "buf", buf)
+            if name == "pure":
+                pure = s
+            else:
+                locked = s
         shell.get_or_create_session(sid).put("buf", buf)
-        mutable.get_or_create(sid)
-    return state, shell, mutable
+        one_lock.op(sid, ITEM)
+        no_lock.op(sid, ITEM)
+    return pure, locked, shell, one_lock, no_lock
 
 
-def _workloads(n: int, rng: random.Random) -> dict:
-    state, shell, mutable = _tables(n)
+def _workloads(n: int, rng: random.Random) -> tuple[dict, dict]:
+    pure_state, locked_state, shell, one_lock, no_lock = _tables(n)
+    stream = _IdStream(n, rng)
+    runs = [stream.sequence() for _ in range(CALLS)]
     buf = fs.LatentBuffer.create(maxlen=4)
-    runs = [_id_sequence(n, rng) for _ in range(2)]  # alternate two sequences so misses stay misses
-    holder, turn = {"state": state}, {"pure": 0, "shell": 0, "mutable": 0}
+    holders = {"pure": {"state": pure_state}, "locked": {"state": locked_state}}
+    turn = dict.fromkeys(("pure", "locked", "shell", "one_lock", "no_lock"), 0)
     lock = threading.Lock()
     get_or_create, commit, put = fs.get_or_create, fs.commit, fs.put
 
+    def ids(name: str) -> list[str]:
+        seq = runs[turn[name]]  # an IndexError here means a sequence would be replayed
+        turn[name] += 1
+        return seq
+
     def pure():
-        ids = runs[turn["pure"] % 2]
-        turn["pure"] += 1
+        holder = holders["pure"]
         s = holder.pop("state")  # the only reference: superseded versions die as in a server
-        for sid in ids:
+        for sid in ids("pure"):
+            s, session = get_or_create(s, sid)
+            if not session.objects:
+                s = put(s, sid, "buf", buf)
+            s = commit(s, sid, "buf", ITEM)
+        holder["state"] = s
+
+    def pure_locked():
+        holder = holders["locked"]
+        s = holder.pop("state")
+        for sid in ids("locked"):
             with lock:
                 s, session = get_or_create(s, sid)
                 if not session.objects:
@@ -105,21 +161,29 @@ def _workloads(n: int, rng: random.Random) -> dict:
         holder["state"] = s
 
     def shell_ops():
-        ids = runs[turn["shell"] % 2]
-        turn["shell"] += 1
-        for sid in ids:
+        for sid in ids("shell"):
             h = shell.get_or_create_session(sid)
             h.get_or_create("buf", lambda: buf)
             h.commit("buf", ITEM)
 
-    def mutable_ops():
-        ids = runs[turn["mutable"] % 2]
-        turn["mutable"] += 1
-        for sid in ids:
-            mutable.get_or_create(sid)
-            mutable.commit(sid, ITEM)
+    def one_lock_ops():
+        op = one_lock.op
+        for sid in ids("one_lock"):
+            op(sid, ITEM)
 
-    return {f"pure@{n}": pure, f"shell@{n}": shell_ops, f"mutable@{n}": mutable_ops}
+    def no_lock_ops():
+        op = no_lock.op
+        for sid in ids("no_lock"):
+            op(sid, ITEM)
+
+    fns = {
+        f"pure@{n}": pure,
+        f"locked@{n}": pure_locked,
+        f"shell@{n}": shell_ops,
+        f"one_lock@{n}": one_lock_ops,
+        f"no_lock@{n}": no_lock_ops,
+    }
+    return fns, {"holders": holders, "shell": shell, "one_lock": one_lock, "base_misses": pure_state.misses}
 
 
 def _miss_after_hits(hits: int = 400_000) -> dict[str, float]:
@@ -149,45 +213,81 @@ def _commit_by_object_count() -> dict[str, float]:
     return interleaved_medians(fns, repeats=9, number=2000)
 
 
+def _miss_rate(n: int, ctx: dict) -> dict[str, float]:
+    """Misses per op over every sample, from each implementation's own table (the check of exactly 10%)."""
+    ops = CALLS * OPS[n]
+    pure = ctx["holders"]["pure"]["state"]
+    locked = ctx["holders"]["locked"]["state"]
+    shell = ctx["shell"].stats()
+    return {
+        "pure": (pure.misses - ctx["base_misses"]) / ops,
+        "locked": (locked.misses - ctx["base_misses"]) / ops,
+        "shell": (shell["misses"] - n) / ops,
+    }
+
+
 def run() -> dict:
     rng = random.Random(0)
     fns: dict = {}
+    contexts: dict = {}
     for n in SIZES:
-        fns.update(_workloads(n, rng))
-    on = {k: v / OPS for k, v in interleaved_medians(fns, repeats=5).items()}
-    off = {k: v / OPS for k, v in interleaved_medians(fns, repeats=3, gc_enabled=False).items()}
+        f, contexts[n] = _workloads(n, rng)
+        fns.update(f)
+    per_op = {k: OPS[int(k.rsplit("@", 1)[1])] for k in fns}
+    on = {k: v / per_op[k] for k, v in interleaved_medians(fns, repeats=ROUNDS_ON).items()}
+    off = {k: v / per_op[k] for k, v in interleaved_medians(fns, repeats=ROUNDS_OFF, gc_enabled=False).items()}
+    misses = {n: _miss_rate(n, contexts[n]) for n in SIZES}
     rows = []
     for n in SIZES:
-        p, sh, m = on[f"pure@{n}"], on[f"shell@{n}"], on[f"mutable@{n}"]
+        p, lk, sh, one, none = (on[f"{k}@{n}"] for k in ("pure", "locked", "shell", "one_lock", "no_lock"))
         rows.append(
             (
                 f"{n:,}",
                 fmt_time(p),
+                fmt_time(lk),
                 fmt_time(sh),
-                fmt_time(m),
-                f"{p / m:.2f}x",
-                f"{sh / m:.2f}x",
-                f"{fmt_time(off[f'pure@{n}'])} / {fmt_time(off[f'mutable@{n}'])} ({off[f'pure@{n}'] / off[f'mutable@{n}']:.2f}x)",
+                fmt_time(one),
+                fmt_time(none),
+                f"{lk / one:.2f}x",
+                f"{p / none:.2f}x",
+                f"{sh / one:.2f}x",
+                f"{sh / lk:.2f}x",
+                f"{off[f'locked@{n}'] / off[f'one_lock@{n}']:.2f}x",
+                " / ".join(f"{misses[n][k]:.2%}" for k in ("pure", "locked", "shell")),
             )
         )
     miss = _miss_after_hits()
     objects = _commit_by_object_count()
     return {
-        "title": "Manager op: functional table vs locked mutable OrderedDict (GC on)",
+        "title": "Manager op: functional table vs mutable OrderedDict managers, exactly 10% misses (GC on)",
         "header": (
             "sessions",
+            "pure",
             "pure + lock",
             "shell",
-            "mutable + lock",
-            "pure / mutable",
-            "shell / mutable",
-            "GC off: pure / mutable",
+            "OrderedDict + 1 lock",
+            "OrderedDict, no lock",
+            "pure + lock / 1 lock (goal <= 3)",
+            "pure / no lock",
+            "shell / 1 lock",
+            "shell / pure + lock (goal <= 1.3)",
+            "GC off: pure + lock / 1 lock",
+            "miss rate (pure / pure + lock / shell)",
         ),
         "rows": rows,
-        "ratio": ("pure + lock / mutable + lock at 64 sessions (goal <= 3)", on["pure@64"] / on["mutable@64"]),
+        "ratio": ("pure + lock / OrderedDict + 1 lock at 64 sessions (goal <= 3)", on["locked@64"] / on["one_lock@64"]),
         "extra_ratios": [
-            ("pure + lock / mutable + lock at 1,000 sessions (goal <= 3)", on["pure@1000"] / on["mutable@1000"]),
-            ("pure + lock / mutable + lock at 100,000 sessions (goal <= 3)", on["pure@100000"] / on["mutable@100000"]),
+            *(
+                (
+                    f"pure + lock / OrderedDict + 1 lock at {n:,} sessions (goal <= 3)",
+                    on[f"locked@{n}"] / on[f"one_lock@{n}"],
+                )
+                for n in SIZES[1:]
+            ),
+            *(
+                (f"shell / pure + lock at {n:,} sessions (goal <= 1.3)", on[f"shell@{n}"] / on[f"locked@{n}"])
+                for n in SIZES
+            ),
             (
                 f"miss after 400k hits / miss on a fresh table (goal <= 2; {fmt_time(miss['worn'])} vs "
                 f"{fmt_time(miss['fresh'])})",
@@ -200,12 +300,14 @@ def run() -> dict:
             ),
         ],
         "notes": (
-            f"One op = get_or_create (a hit on a random live session, or a new session for {MISS_RATE:.0%} of ops, "
-            f"which evicts the LRU one) + a commit into a 4-item ring; {OPS:,} ops per sample, medians of 5 "
-            f"interleaved samples with the garbage collector on (the last column: 3 samples with it off). The "
-            f"table is one C-backed persistent map (immutables.Map) holding a doubly linked recency list, so a "
-            f"hit rewrites at most 4 entries and a miss at most 4, O(log n) whatever the history. Reproduce: "
-            f"`make bench BENCH=manager`."
+            f"One op = get_or_create (a hit on a session live in the table, or, for exactly one op in "
+            f"{MISS_EVERY}, an id never used before, which evicts the LRU session) + a commit into a 4-item ring; "
+            f"{OPS[64]:,} ops per sample ({_SHELL_MISS_NOTE}), a fresh id sequence for every sample and the same sequences for every "
+            f"implementation; medians of {ROUNDS_ON} interleaved samples with the garbage collector on "
+            f"({ROUNDS_OFF} with it off for the GC-off column). The baselines take no counters; the one-lock "
+            f"baseline acquires its lock once per op. The miss-rate column is read back from each table's own "
+            f"miss counter over all samples. The table is one C-backed persistent map (immutables.Map) holding "
+            f"a doubly linked recency list. Reproduce: `PYTHONPATH=$PWD python benchmarks/run.py manager`."
         ),
-        "figures": {"gc_on": on, "gc_off": off, "miss": miss, "objects": objects},
+        "figures": {"gc_on": on, "gc_off": off, "miss_rate": misses, "miss": miss, "objects": objects},
     }

@@ -30,6 +30,7 @@ BENCHES = [
     "checkpoint",
     "wan",
     "nnx",
+    "scaling",
 ]
 
 

@@ -18,6 +18,7 @@ from torch_bridge import (
     BridgeCopyWarning,
     BridgeKeptTorchWarning,
     BridgeWarning,
+    bridge,
     check_alias,
     copy_reason,
     report,
@@ -306,9 +307,91 @@ def test_one_gib_wrap_is_zero_copy_in_rss():
     assert result["rss_delta"] < 16 * 2**20, result
 
 
-def test_a_copy_jax_made_of_an_aliasable_tensor_is_an_error_not_a_silent_alias(monkeypatch):
-    real = jax.dlpack.from_dlpack
-    monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda x: jnp.array(real(x), copy=True))
+@pytest.fixture(params=["direct", "public"])
+def dlpack_path(request, monkeypatch):
+    """Run a test through the bridge's direct DLPack entry points and through the public ones (the fallback
+    where the feature check fails), with the device cache fresh either way."""
+    monkeypatch.setattr(bridge, "_FAST_DEVICES", {})
+    if request.param == "public":
+        monkeypatch.setattr(bridge, "_C_IMPORT", None)
+        monkeypatch.setattr(bridge, "_TORCH_DIRECT", False)
+    elif bridge._C_IMPORT is None or not bridge._TORCH_DIRECT:
+        pytest.skip("this JAX/torch has no direct DLPack entry point the bridge can use")
+    return request.param
+
+
+def test_a_copy_jax_made_of_an_aliasable_tensor_is_an_error_not_a_silent_alias(monkeypatch, dlpack_path):
+    if dlpack_path == "public":
+        real = jax.dlpack.from_dlpack
+        monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda x: jnp.array(real(x), copy=True))
+    else:
+        bridge._fast_device(1, 0)  # pass the feature check first, then have the direct import copy
+        real_direct = bridge._direct_import
+        monkeypatch.setattr(bridge, "_direct_import", lambda *a: jnp.array(real_direct(*a), copy=True))
     t = torch.arange(16, dtype=torch.float32)
     with pytest.raises(CopyRequiredError, match="please report this layout"):
         to_jax(t, strict=True)
+
+
+def test_direct_import_is_used_where_available(dlpack_path):
+    device = bridge._fast_device(1, 0)  # DLPack's CPU device 0
+    assert (device is not None) == (dlpack_path == "direct")
+
+
+@pytest.mark.parametrize("dtype", ALIAS_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "permuted", "row_slice"])
+def test_both_paths_alias_bit_exact_and_round_trip(dtype, layout, dlpack_path):
+    t = LAYOUTS[layout](_random((4, 3, 4, 8), dtype))
+    a = to_jax(t, strict=True)
+    assert a.unsafe_buffer_pointer() == t.data_ptr() and a.shape == tuple(t.shape)
+    assert a.dtype == jax.dlpack.from_dlpack(t.contiguous()).dtype
+    assert _bits(a) == _bits(t)
+    assert to_torch(a) is not None and to_torch(a).data_ptr() == t.data_ptr()
+    native = jnp.asarray(np.arange(24, dtype=np.float32).reshape(2, 3, 4))
+    back = to_torch(native)  # not an alias: through DLPack export
+    assert back.data_ptr() == native.unsafe_buffer_pointer() and back.dtype == torch.float32
+    assert back.shape == (2, 3, 4) and back.stride() == (12, 4, 1)
+    np.testing.assert_array_equal(back.numpy(), np.asarray(native))
+    assert report()["wrapped_count"] == 1 and report()["copied_count"] == 0
+
+
+def test_a_direct_import_that_disagrees_with_the_public_one_is_not_used(monkeypatch):
+    monkeypatch.setattr(bridge, "_FAST_DEVICES", {})
+    real_direct = bridge._direct_import
+    monkeypatch.setattr(bridge, "_direct_import", lambda *a: jnp.array(real_direct(*a), copy=True))
+    t = torch.arange(16, dtype=torch.float32)
+    a = to_jax(t, strict=True)  # the feature check saw the copy: the public path imports, and aliases
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert bridge._FAST_DEVICES[(1, 0)] is None
+
+
+def test_a_direct_import_that_raises_in_the_check_falls_back(monkeypatch):
+    monkeypatch.setattr(bridge, "_FAST_DEVICES", {})
+
+    def broken(*args):
+        raise TypeError("signature changed")
+
+    monkeypatch.setattr(bridge, "_direct_import", broken)
+    t = torch.arange(16, dtype=torch.float32)
+    assert to_jax(t, strict=True).unsafe_buffer_pointer() == t.data_ptr()
+    assert bridge._FAST_DEVICES[(1, 0)] is None
+
+
+def test_torch_direct_export_check(monkeypatch):
+    assert bridge._check_torch_direct() is (callable(getattr(torch._C, "_from_dlpack", None)))
+    with monkeypatch.context() as m:  # torch.from_dlpack needs it too: gone only for the check
+        m.delattr(torch._C, "_from_dlpack")
+        assert bridge._check_torch_direct() is False
+    monkeypatch.setattr(bridge, "_TORCH_DIRECT", False)
+    a = jnp.ones(8)
+    assert to_torch(a).data_ptr() == a.unsafe_buffer_pointer()  # the public path, still an alias
+
+
+def test_to_torch_refuses_a_multi_device_array_with_a_library_error():
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip("needs two JAX devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("x",))
+    spread = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+    with pytest.raises(ValueError, match="spans 2 device buffers"):
+        to_torch(spread)
