@@ -5,22 +5,13 @@ is a thread-safe imperative shell that swaps one immutable value under a lock.
 """
 
 from ._version import __version__
-from .accounting import nbytes_by_device, register_alias, total_nbytes
-from .array_ring import ArrayRing
-from .budget import capacity_for, format_bytes, parse_bytes
-from .checkpoint import (
-    SaveHandle,
-    has_checkpoint,
-    load,
-    load_session,
-    read_session,
-    register_checkpoint_type,
-    save,
-    save_session,
-)
-from .config import resolve_session_state_config
-from .dense_value import DenseValue
-from .engine_blocks import free_released, released_blocks
+from .core.array_ring import ArrayRing
+from .core.dense_value import DenseValue
+from .core.latent_buffer import LatentBuffer
+from .core.session import FORK_POLICIES, SessionState
+from .core.session_attr import SessionAttr
+from .core.state_object import StateObject
+from .engine.paged_kv import PagedKVHandle, PagedKVPool, paged_gather
 from .errors import (
     AttrNotFoundError,
     BudgetExceededError,
@@ -45,9 +36,23 @@ from .errors import (
     StateConsumedError,
     StateShapeError,
 )
-from .latent_buffer import LatentBuffer
-from .manager import ReentrantWriteError, SessionHandle, SessionStateManager
-from .manager_state import (
+from .memory.accounting import nbytes_by_device, register_alias, total_nbytes
+from .memory.budget import capacity_for, format_bytes, parse_bytes
+from .persist.checkpoint import (
+    SaveHandle,
+    has_checkpoint,
+    load,
+    load_session,
+    read_session,
+    register_checkpoint_type,
+    save,
+    save_session,
+)
+from .policy.planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
+from .shell.config import resolve_session_state_config
+from .shell.manager import ReentrantWriteError, SessionHandle, SessionStateManager
+from .table.engine_blocks import free_released, released_blocks
+from .table.manager_state import (
     DEFAULT_MAX_SESSIONS,
     DEFAULT_SESSION_ID,
     ManagerState,
@@ -76,12 +81,7 @@ from .manager_state import (
     view,
     with_sessions,
 )
-from .paged_kv import PagedKVHandle, PagedKVPool, paged_gather
-from .planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
-from .session import FORK_POLICIES, SessionState
-from .session_attr import SessionAttr
-from .state_object import StateObject
-from .step import step
+from .table.step import step
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",

@@ -132,7 +132,7 @@ def test_stats_reads_kept_totals_instead_of_walking_objects(monkeypatch):
         buf = buf.commit(torch.zeros(16))
     state = fs.put(state, "a", "buf", buf)
     fs.stats(state)  # builds the totals once
-    from functional_state import accounting
+    from functional_state.memory import accounting
 
     walked = []
     real = accounting._torch_extents

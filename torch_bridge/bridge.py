@@ -26,8 +26,8 @@ from functional_state import (
     InvalidTypeError,
     SessionStateError,
 )
-from functional_state.accounting import alias_owner
-from functional_state.parking import _jax_alias
+from functional_state.memory.accounting import alias_owner
+from functional_state.memory.parking import _jax_alias
 
 from . import _report
 

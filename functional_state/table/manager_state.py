@@ -21,12 +21,12 @@ from typing import Any, Final
 import immutables
 import jax
 
-from . import _holders, accounting
-from ._acct import Acct, totals_with_attrs
-from ._pytree import MISSING
-from ._repr import repr_html, treescope_repr
-from .budget import normalize_budget
-from .errors import (
+from .._repr import repr_html, treescope_repr
+from ..core.pytree import MISSING
+from ..core.session import SessionState, _no_object
+from ..core.state_object import StateObject
+from ..engine.paged_kv import pool_by_uid
+from ..errors import (
     DeletedArrayError,
     InvalidArgumentError,
     InvalidTypeError,
@@ -37,9 +37,10 @@ from .errors import (
     SharedStorageError,
     StateConsumedError,
 )
-from .paged_kv import pool_by_uid
-from .session import SessionState, _no_object
-from .state_object import StateObject
+from ..memory import accounting
+from ..memory import holders as _holders
+from ..memory.budget import normalize_budget
+from .ledger import Acct, totals_with_attrs
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",

@@ -54,18 +54,18 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import accounting
-from . import manager_state as ms
-from ._version import __version__
-from .array_ring import ArrayRing
-from .dense_value import DenseValue
-from .errors import CheckpointError, InvalidTypeError, SessionExistsError, SessionStateError
-from .latent_buffer import LatentBuffer
-from .manager_state import ManagerState
-from .paged_kv import PagedKVHandle
-from .parking import _host_storage, _jax_alias, _JaxLeaf, _rebuild, _TorchLeaf
-from .session import SessionState
-from .state_object import PARKED, RESIDENT, StateObject
+from .._version import __version__
+from ..core.array_ring import ArrayRing
+from ..core.dense_value import DenseValue
+from ..core.latent_buffer import LatentBuffer
+from ..core.session import SessionState
+from ..core.state_object import PARKED, RESIDENT, StateObject
+from ..engine.paged_kv import PagedKVHandle
+from ..errors import CheckpointError, InvalidTypeError, SessionExistsError, SessionStateError
+from ..memory import accounting
+from ..memory.parking import _host_storage, _jax_alias, _JaxLeaf, _rebuild, _TorchLeaf
+from ..table import manager_state as ms
+from ..table.manager_state import ManagerState
 
 __all__ = [
     "SaveHandle",

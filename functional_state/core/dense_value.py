@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._pytree import pytree_dataclass
-from ._repr import short
-from .errors import InvalidArgumentError, InvalidTypeError
+from .._repr import short
+from ..errors import InvalidArgumentError, InvalidTypeError
+from .pytree import pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status
 
 __all__ = ["DenseValue"]

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._pytree import pytree_dataclass
-from ._repr import short
-from .errors import InvalidArgumentError, InvalidTypeError, StateShapeError
+from .._repr import short
+from ..errors import InvalidArgumentError, InvalidTypeError, StateShapeError
+from .pytree import pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, _check_source
 
 __all__ = ["ArrayRing"]

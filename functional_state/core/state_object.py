@@ -32,10 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import jax
 
-from . import _holders, accounting, parking
-from ._pytree import MISSING, replace
-from ._repr import repr_html, treescope_repr
-from .errors import (
+from .._repr import repr_html, treescope_repr
+from ..errors import (
     InvalidArgumentError,
     NotAllocatedError,
     NothingStagedError,
@@ -44,6 +42,9 @@ from .errors import (
     ObjectParkedError,
     SharedStorageError,
 )
+from ..memory import accounting, parking
+from ..memory import holders as _holders
+from .pytree import MISSING, replace
 
 __all__ = ["EVICTED", "PARKED", "RESIDENT", "STATUSES", "UNALLOCATED", "StateObject", "Status"]
 

@@ -42,15 +42,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import accounting
-from ._pytree import pytree_dataclass
-from .errors import (
+from ..core.pytree import pytree_dataclass
+from ..core.state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, _check_source
+from ..errors import (
     InvalidArgumentError,
     InvalidTypeError,
     NotParkedError,
     PoolChangedError,
 )
-from .state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, _check_source
+from ..memory import accounting
 
 __all__ = ["PagedKVHandle", "PagedKVPool", "paged_gather"]
 

@@ -19,10 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._holders import buffer_keys, holders_except
-from .errors import InvalidTypeError
+from ..core.state_object import StateObject
+from ..errors import InvalidTypeError
+from ..memory.holders import buffer_keys, holders_except
 from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session
-from .state_object import StateObject
 
 __all__ = ["step"]
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import immutables
 
-from . import accounting
-from .latent_buffer import LatentBuffer
-from .paged_kv import _POOLS, PagedKVHandle, kv_keys
-from .state_object import StateObject
+from ..core.latent_buffer import LatentBuffer
+from ..core.state_object import StateObject
+from ..engine.paged_kv import _POOLS, PagedKVHandle, kv_keys
+from ..memory import accounting
 
 _CACHE_SLOT = StateObject.__dict__["_acct_cache"]
 

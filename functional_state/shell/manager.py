@@ -25,17 +25,17 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, NamedTuple, TypeVar
 
-from . import checkpoint as _ckpt
-from . import manager_state as ms
-from ._pytree import MISSING
-from .engine_blocks import free_released
-from .errors import ObjectParkedError, SessionStateError, SessionStateLostError
-from .manager_state import ManagerState
-from .paged_kv import _POOLS, PagedKVHandle
-from .planner import LEVERS, _attr_bytes, attr_surplus, enforce_budget, over_budget_objects
-from .session import ForkPolicy, SessionState
-from .state_object import StateObject
-from .step import step as _pure_step
+from ..core.pytree import MISSING
+from ..core.session import ForkPolicy, SessionState
+from ..core.state_object import StateObject
+from ..engine.paged_kv import _POOLS, PagedKVHandle
+from ..errors import ObjectParkedError, SessionStateError, SessionStateLostError
+from ..persist import checkpoint as _ckpt
+from ..policy.planner import LEVERS, _attr_bytes, attr_surplus, enforce_budget, over_budget_objects
+from ..table import manager_state as ms
+from ..table.engine_blocks import free_released
+from ..table.manager_state import ManagerState
+from ..table.step import step as _pure_step
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 

@@ -11,10 +11,10 @@ import immutables
 import jax
 import numpy as np
 
-from . import accounting
-from ._pytree import MISSING
-from ._repr import repr_html, short, treescope_repr
-from .errors import AttrNotFoundError, InvalidArgumentError, InvalidTypeError, ObjectNotFoundError
+from .._repr import repr_html, short, treescope_repr
+from ..errors import AttrNotFoundError, InvalidArgumentError, InvalidTypeError, ObjectNotFoundError
+from ..memory import accounting
+from .pytree import MISSING
 from .state_object import PARKED, RESIDENT, StateObject
 
 __all__ = ["FORK_POLICIES", "ForkPolicy", "SessionState"]

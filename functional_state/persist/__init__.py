@@ -1,0 +1,1 @@
+"""Persistence: checkpoints of sessions and tables on orbax."""
