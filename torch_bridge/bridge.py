@@ -27,7 +27,7 @@ from functional_state import (
     SessionStateError,
 )
 from functional_state.memory.accounting import alias_owner
-from functional_state.memory.parking import _jax_alias
+from functional_state.memory.parking import jax_alias
 
 from . import _report
 
@@ -145,7 +145,7 @@ def _import(t: torch.Tensor, count: bool = True) -> jax.Array:
     # The core's import (shared with restoring a parked alias): it detaches (JAX keeps the detached tensor, and
     # so the storage, alive; requires_grad is dropped), imports under the tensor's CUDA device, checks the
     # pointers, and registers the alias only when JAX did not copy.
-    array = _jax_alias(t, _AliasRecord)
+    array = jax_alias(t, _AliasRecord)
     if alias_owner(array) is None:
         raise CopyRequiredError(
             f"`to_jax`: JAX copied a tensor the bridge judged aliasable (shape {tuple(t.shape)}, dtype {t.dtype}, "

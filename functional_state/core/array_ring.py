@@ -12,7 +12,7 @@ import numpy as np
 from .._repr import short
 from ..errors import InvalidArgumentError, InvalidTypeError, StateShapeError
 from .pytree import pytree_dataclass
-from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, _check_source
+from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, check_source
 
 __all__ = ["ArrayRing"]
 
@@ -97,7 +97,7 @@ class ArrayRing(StateObject):
                 f"{stored}, and a ring that reports one dtype and stores another would cast every frame. Pass "
                 f"dtype={stored.name!r}, or enable x64 (`jax.config.update('jax_enable_x64', True)`)."
             )
-        _check_source(recompute_source, "ArrayRing.create", recompute_cost)
+        check_source(recompute_source, "ArrayRing.create", recompute_cost)
         ring = cls(
             storage=None,
             head=jnp.zeros((), jnp.int32),

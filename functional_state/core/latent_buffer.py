@@ -7,7 +7,7 @@ from typing import Any
 from .._repr import short
 from ..errors import InvalidArgumentError
 from .pytree import pytree_dataclass
-from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, _check_source
+from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, check_source
 
 __all__ = ["LatentBuffer"]
 
@@ -63,7 +63,7 @@ class LatentBuffer(StateObject):
         """
         if maxlen is not None and (isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0):
             raise InvalidArgumentError(f"`LatentBuffer.create`: maxlen must be a positive int or None, got {maxlen!r}.")
-        _check_source(recompute_source, "LatentBuffer.create", recompute_cost)
+        check_source(recompute_source, "LatentBuffer.create", recompute_cost)
         return cls(
             items=(),
             staged=None,

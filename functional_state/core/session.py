@@ -33,7 +33,7 @@ def _check_name(name: Any, what: str) -> str:
     return name
 
 
-def _check_policy(policy: Any, what: str) -> str:
+def check_policy(policy: Any, what: str) -> str:
     if policy not in FORK_POLICIES:
         raise InvalidArgumentError(f"`{what}`: on_fork must be one of {FORK_POLICIES}, got {policy!r}.")
     return policy
@@ -82,7 +82,7 @@ class SessionState:
         attr_map = dict(attrs or {})
         for key in attr_map:
             _check_name(key, "__init__")
-        policies = {k: _check_policy(p, "SessionState") for k, p in dict(attr_policies or {}).items() if p != "share"}
+        policies = {k: check_policy(p, "SessionState") for k, p in dict(attr_policies or {}).items() if p != "share"}
         object_map = immutables.Map(objs)
         for name in objs:
             _check_source_graph(object_map, name, "SessionState")
@@ -137,7 +137,7 @@ class SessionState:
         if obj is MISSING:
             if default is not MISSING:
                 return default
-            raise ObjectNotFoundError(_no_object(self, name, "SessionState.get"))
+            raise ObjectNotFoundError(no_object_message(self, name, "SessionState.get"))
         return obj
 
     def put(self, name: str, obj: StateObject) -> SessionState:
@@ -221,7 +221,7 @@ class SessionState:
         """
         obj = self._objects.get(name)
         if obj is None:
-            raise ObjectNotFoundError(_no_object(self, name, "evict"))
+            raise ObjectNotFoundError(no_object_message(self, name, "evict"))
         new_obj, own = obj.evict()
         if not own:
             return (self if new_obj is obj else self._with_object(name, new_obj)), 0
@@ -261,7 +261,7 @@ class SessionState:
         _check_name(key, "set_attr")
         policies = self._policies
         if on_fork is not None:
-            _check_policy(on_fork, "SessionState.set_attr")
+            check_policy(on_fork, "SessionState.set_attr")
             if on_fork == "share":
                 if key in policies:
                     policies = policies.delete(key)
@@ -353,7 +353,7 @@ def _check_source_graph(objects: immutables.Map, name: str, what: str) -> None:
         current = objects[current].recompute_source
 
 
-def _no_object(session: SessionState, name: str, what: str) -> str:
+def no_object_message(session: SessionState, name: str, what: str) -> str:
     return (
         f"`{what}`: the session holds no state object named {name!r}; it holds {list(session.names)}. "
         f"Create it with `put(name, obj)`."
@@ -374,7 +374,7 @@ def _copy_container(value: Any) -> Any:
 
 
 def _clone(value: Any) -> Any:
-    torch = accounting._torch_module()
+    torch = accounting.torch_module()
     if torch is not None and isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, np.ndarray):

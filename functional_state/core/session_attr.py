@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from .session import ForkPolicy, _check_policy
+from .session import ForkPolicy, check_policy
 
 __all__ = ["SessionAttr"]
 
@@ -56,7 +56,7 @@ class SessionAttr(Generic[T]):
         self.default = default
         self.coerce = coerce
         self.load = load
-        self.on_fork: ForkPolicy = _check_policy(on_fork, "SessionAttr")  # type: ignore[assignment]
+        self.on_fork: ForkPolicy = check_policy(on_fork, "SessionAttr")  # type: ignore[assignment]
         self.name = ""
         self.__doc__ = doc
 

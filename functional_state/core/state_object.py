@@ -319,7 +319,7 @@ def _holds_deleted(values: Any) -> bool:
     return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(values))
 
 
-def _check_source(source: Any, what: str, cost: Any = 1.0) -> None:
+def check_source(source: Any, what: str, cost: Any = 1.0) -> None:
     """Validate ``recompute_source`` and ``recompute_cost`` (the name is checked against the session on put)."""
     if source is not None and (not isinstance(source, str) or not source):
         raise InvalidArgumentError(

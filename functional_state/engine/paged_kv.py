@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..core.pytree import pytree_dataclass
-from ..core.state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, _check_source
+from ..core.state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, check_source
 from ..errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -60,13 +60,13 @@ _EXTENT_SPACE = 1 << 60
 _EXTENT_WINDOW = 1 << 48
 _UIDS = itertools.count(1)
 
-_STORAGES = accounting._POOL_STORAGES  # (pool key, storage start) -> (storage end, extent base, block bytes)
+_STORAGES = accounting.POOL_STORAGES  # (pool key, storage start) -> (storage end, extent base, block bytes)
 _STORAGES_LOCK = threading.Lock()
-_POOLS: weakref.WeakValueDictionary[int, PagedKVPool] = weakref.WeakValueDictionary()
+POOLS: weakref.WeakValueDictionary[int, PagedKVPool] = weakref.WeakValueDictionary()
 
 
 def _is_torch(x: Any) -> bool:
-    torch = accounting._torch_module()
+    torch = accounting.torch_module()
     return torch is not None and isinstance(x, torch.Tensor)
 
 
@@ -75,14 +75,14 @@ def _storage_of(layer: Any) -> tuple[str, int, int, int]:
     (offsets from the allocation's start: several layers may share one flat allocation)."""
     out: accounting.Extents = []
     if _is_torch(layer):
-        accounting._torch_extents(layer, out, raw=True)
+        accounting.torch_extents(layer, out, raw=True)
         lo = layer.storage_offset() * layer.element_size()
         size = layer.numel() * layer.element_size()
     elif isinstance(layer, jax.Array):
-        accounting._jax_extents(layer, out, accounting.WalkReport(), {}, raw=True)
+        accounting.jax_extents(layer, out, accounting.WalkReport(), {}, raw=True)
         lo, size = 0, (out[0][2] - out[0][1]) if len(out) == 1 else 0
     else:
-        accounting._numpy_extents(layer, out, raw=True)
+        accounting.numpy_extents(layer, out, raw=True)
         lo = (layer.__array_interface__["data"][0] - out[0][1]) if len(out) == 1 else 0
         size = layer.nbytes
     if len(out) != 1 or not size:
@@ -170,9 +170,9 @@ class PagedKVPool:
         # holds them was kept: the change's retry must not free them again (see `engine_blocks`).
         self._handed_back: set[int] = set()
         self._handed_back_lock = threading.Lock()
-        _POOLS[self.uid] = self
+        POOLS[self.uid] = self
         self._register()
-        weakref.finalize(self, _forget, accounting._POOL_LIVE, self.uid)
+        weakref.finalize(self, _forget, accounting.POOL_LIVE, self.uid)
 
     def _check_layers(self, layers: list[Any], device: str | None, block_size: int | None) -> None:
         if not layers:
@@ -217,7 +217,7 @@ class PagedKVPool:
         if all(_weakrefable(x) for x in layers):
             # A layer the engine frees takes the pool out of the accounting at once: its memory may hold
             # other tensors next, which must not be counted as this pool's blocks.
-            callback = functools.partial(_layer_died, self.uid, weakref.ref(self), accounting._POOL_LIVE)
+            callback = functools.partial(_layer_died, self.uid, weakref.ref(self), accounting.POOL_LIVE)
             self._layers: list[weakref.ref] | None = [weakref.ref(x, callback) for x in layers]
         else:
             self._layers = None
@@ -226,7 +226,7 @@ class PagedKVPool:
     def _register(self) -> None:
         with _STORAGES_LOCK:
             _purge_locked(self.uid)
-            accounting._POOL_LIVE.add(self.uid)
+            accounting.POOL_LIVE.add(self.uid)
             for (_, _, (key, start, lo, hi)), base, bb in zip(
                 self._signatures, self.layer_bases, self.layer_block_bytes
             ):
@@ -349,7 +349,7 @@ def _weakrefable(x: Any) -> bool:
 
 def _pool_still_there(uid: int, key: str, start: int) -> bool:
     """Whether pool ``uid`` still has a live, unchanged layer in the storage at ``(key, start)``."""
-    pool = _POOLS.get(uid)
+    pool = POOLS.get(uid)
     if pool is None:
         return False
     refs: list[Any] = list(pool._layers) if pool._layers is not None else [None] * len(pool._signatures)
@@ -368,7 +368,7 @@ def _pool_still_there(uid: int, key: str, start: int) -> bool:
     return False
 
 
-accounting._POOL_CHECK = _pool_still_there
+accounting.register_pool_check(_pool_still_there)
 
 
 def _layer_died(uid: int, pool_ref: weakref.ref, live: set[int], layer_ref: weakref.ref) -> None:
@@ -393,7 +393,7 @@ def _forget(live: set[int], uid: int) -> None:
 
 def _purge_locked(uid: int) -> None:
     """Drop the segments of pool ``uid`` and of pools no longer alive (under `_STORAGES_LOCK`)."""
-    live = accounting._POOL_LIVE
+    live = accounting.POOL_LIVE
     for key, segments in list(_STORAGES.items()):
         kept = tuple(seg for seg in segments if seg[4] != uid and seg[4] in live)
         if len(kept) != len(segments):
@@ -415,7 +415,7 @@ def paged_gather(layer: Any, block_ids: Any) -> Any:
       [12.0, 14.0, 16.0, 0.0, 2.0, 4.0]
     """
     if _is_torch(layer):
-        torch = accounting._torch_module()
+        torch = accounting.torch_module()
         ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=layer.device)
         out = layer.index_select(0, ids)
         return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
@@ -466,7 +466,7 @@ class PagedKVHandle(StateObject):
         """
         if not isinstance(pool, PagedKVPool):
             raise InvalidTypeError(f"`PagedKVHandle.create`: pool must be a PagedKVPool, got {type(pool).__name__}.")
-        _check_source(recompute_source, "PagedKVHandle.create", recompute_cost)
+        check_source(recompute_source, "PagedKVHandle.create", recompute_cost)
         ids = pool.check_ids(block_ids, "PagedKVHandle.create")
         return cls(pool, ids, None, None, RESIDENT, recompute_source, float(recompute_cost))
 
@@ -593,4 +593,4 @@ def kv_keys(obj: Any) -> tuple[tuple[int, int], ...]:
 
 
 def pool_by_uid(uid: int) -> PagedKVPool | None:
-    return _POOLS.get(uid)
+    return POOLS.get(uid)

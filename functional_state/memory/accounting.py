@@ -64,7 +64,7 @@ def alias_owner(array: Any) -> Any:
     return None
 
 
-def _torch_module() -> Any:
+def torch_module() -> Any:
     """The torch module if something already imported it, else None (never import torch just to account)."""
     return sys.modules.get("torch")
 
@@ -82,7 +82,7 @@ def _torch_device_key(device: Any) -> str | None:
     elif device.type == "cuda":
         index = device.index
         if index is None:
-            index = _torch_module().cuda.current_device()
+            index = torch_module().cuda.current_device()
         key = f"cuda:{index}"
     elif device.type == "cpu":
         key = "cpu"
@@ -126,26 +126,33 @@ class WalkReport:
 # that are pool layers, each (first byte offset, end offset, extent base, block bytes, pool uid). A value
 # lying in a pool layer counts the blocks it spans, in the pool's block extents, so it deduplicates with the
 # handles that reference those blocks.
-_POOL_STORAGES: dict[tuple[str, int], tuple[tuple[int, int, int, int, int], ...]] = {}
-_POOL_LIVE: set[int] = set()  # uids of pools alive (a pool's finalizer removes its uid: no lock, GC-safe)
+POOL_STORAGES: dict[tuple[str, int], tuple[tuple[int, int, int, int, int], ...]] = {}
+POOL_LIVE: set[int] = set()  # uids of pools alive (a pool's finalizer removes its uid: no lock, GC-safe)
 
 
 def _pool_check_default(uid: int, key: str, start: int) -> bool:
     return True
 
 
-# Set by `functional_state.paged_kv`: whether pool ``uid`` still has a layer in the storage at ``start`` (an
-# engine may free or resize a layer behind the pool's back, and the memory hold other tensors next).
+# Whether pool ``uid`` still has a layer in the storage at ``start`` (an engine may free or resize a layer
+# behind the pool's back, and the memory hold other tensors next); the engine layer registers its check.
 _POOL_CHECK = _pool_check_default
+
+
+def register_pool_check(check: Any) -> None:
+    """Install ``check(uid, key, start) -> bool``: whether pool ``uid`` still has a layer in the storage at
+    ``start`` of device ``key``. Called once by `functional_state.engine.paged_kv` at import."""
+    global _POOL_CHECK
+    _POOL_CHECK = check
 
 
 def _pool_blocks(key: str, start: int, lo: int, hi: int, out: Extents) -> bool:
     """If the storage at ``start`` holds registered pool layers: the extents of the blocks that bytes
     ``[lo, hi)`` (offsets into the storage) span, plus the raw bytes outside every layer."""
-    segments = _POOL_STORAGES.get((key, start))
+    segments = POOL_STORAGES.get((key, start))
     if segments is None:
         return False
-    live = [seg for seg in segments if seg[4] in _POOL_LIVE and _POOL_CHECK(seg[4], key, start)]
+    live = [seg for seg in segments if seg[4] in POOL_LIVE and _POOL_CHECK(seg[4], key, start)]
     if not live:  # a dead pool's storage, maybe reused: plain memory again
         return False
     for so, se, base, bb, _ in live:
@@ -168,8 +175,8 @@ def _span(shape: Any, strides: Any, itemsize: int) -> tuple[int, int]:
     return lo, hi + itemsize
 
 
-def _torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
-    if t.layout is not _torch_module().strided:
+def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
+    if t.layout is not torch_module().strided:
         return  # Sparse layouts have no single storage; counted as unknown (zero).
     key = _torch_device_key(t.device)
     if key is None:
@@ -178,7 +185,7 @@ def _torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
     size = storage.nbytes()
     if size:
         start = storage.data_ptr()
-        if _POOL_STORAGES and not raw and (key, start) in _POOL_STORAGES:
+        if POOL_STORAGES and not raw and (key, start) in POOL_STORAGES:
             item = t.element_size()
             lo, hi = _span(t.shape, [s * item for s in t.stride()], item)
             offset = t.storage_offset() * item
@@ -187,19 +194,19 @@ def _torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
         out.append((key, start, start + size))
 
 
-def _numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
+def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
     owner = a
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
     base = owner.base
-    torch = _torch_module()
+    torch = torch_module()
     if torch is not None and isinstance(base, torch.Tensor):
-        _torch_extents(base, out, raw)
+        torch_extents(base, out, raw)
         return
     if owner.size == 0:
         return
     start = owner.__array_interface__["data"][0]
-    if _POOL_STORAGES and not raw and ("cpu", start) in _POOL_STORAGES and a.size:
+    if POOL_STORAGES and not raw and ("cpu", start) in POOL_STORAGES and a.size:
         lo, hi = _span(a.shape, a.strides, a.itemsize)
         offset = a.__array_interface__["data"][0] - start
         if _pool_blocks("cpu", start, offset + lo, offset + hi, out):
@@ -217,12 +224,12 @@ def _numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
     out.append(("cpu", start + lo, start + hi + owner.itemsize))
 
 
-def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
+def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
     owner = alias_owner(a)
     if owner is not None and not raw:
         # The owner's allocation holds this array's bytes: count the owner, and only the owner, so extents
         # stay identical or disjoint (what the incremental accounting relies on).
-        _collect(owner, out, seen, report)
+        collect_extents(owner, out, seen, report)
         return
     if a.is_deleted():
         report.deleted_arrays += 1
@@ -234,7 +241,7 @@ def _jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int,
         if size:
             start = data.unsafe_buffer_pointer()
             key = _jax_pool_key(shard.device, memory_kind)
-            if _POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out):
+            if POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out):
                 continue
             out.append((key, start, start + size))
 
@@ -302,10 +309,10 @@ def _children(x: Any) -> tuple[Iterable[Any] | None, bool]:
     return _object_fields(x), True
 
 
-def _collect(root: Any, out: Extents, seen: dict[int, Any], report: WalkReport) -> None:
+def collect_extents(root: Any, out: Extents, seen: dict[int, Any], report: WalkReport) -> None:
     # `seen` maps id -> object: holding the object keeps temporaries (children a pytree's flatten built)
     # alive for the whole walk, so no later object can reuse their id and be skipped.
-    torch = _torch_module()
+    torch = torch_module()
     tensor_type = torch.Tensor if torch is not None else ()
     stack: list[tuple[Any, int]] = [(root, 0)]
     while stack:
@@ -317,14 +324,14 @@ def _collect(root: Any, out: Extents, seen: dict[int, Any], report: WalkReport) 
             if isinstance(x, _SCALARS):
                 continue
             if isinstance(x, tensor_type):
-                _torch_extents(x, out)
+                torch_extents(x, out)
                 continue
             if isinstance(x, jax.Array):
                 if not isinstance(x, jax.core.Tracer):
-                    _jax_extents(x, out, report, seen)
+                    jax_extents(x, out, report, seen)
                 continue
             if isinstance(x, np.ndarray):
-                _numpy_extents(x, out)
+                numpy_extents(x, out)
                 continue
             own_extents = getattr(type(x), "_accounting_extents", None)
             if own_extents is not None:  # buffers an object files under its own pool keys (parked copies)
@@ -345,7 +352,7 @@ def _collect(root: Any, out: Extents, seen: dict[int, Any], report: WalkReport) 
             report.unaccounted_objects += 1
 
 
-def _union_by_device(extents: Extents) -> dict[str, int]:
+def union_by_device(extents: Extents) -> dict[str, int]:
     totals: dict[str, int] = {}
     extents.sort()
     cur_key, cur_start, cur_end = None, 0, 0
@@ -368,8 +375,8 @@ def walk(*roots: Any) -> tuple[dict[str, int], WalkReport]:
     seen: dict[int, Any] = {}
     report = WalkReport()
     for root in roots:
-        _collect(root, extents, seen, report)
-    return _union_by_device(extents), report
+        collect_extents(root, extents, seen, report)
+    return union_by_device(extents), report
 
 
 def nbytes_by_device(*roots: Any) -> dict[str, int]:

@@ -29,7 +29,7 @@ MAX_BYTES = 2**63 - 1  # the largest size a pool can report (a signed 64-bit cou
 # Pools exactly as `stats()` names them: the host ("cpu") and its two memory kinds for parked storage, and
 # devices as "<platform>:<index>" ("cuda:0", "tpu:3"). Never "cpu:0" (one host pool) nor "gpu:0" (JAX's GPU
 # platform is filed as "cuda"), and memory kinds exist only for the host.
-_POOL = re.compile(r"^(cpu(/(pinned_host|unpinned_host))?|(?!cpu:|gpu:)[a-z][a-z0-9_]*:\d+)$")
+POOL_PATTERN = re.compile(r"^(cpu(/(pinned_host|unpinned_host))?|(?!cpu:|gpu:)[a-z][a-z0-9_]*:\d+)$")
 POOL_FORMS = "'cpu', 'cpu/pinned_host', 'cpu/unpinned_host', or a device such as 'cuda:0' or 'tpu:0'"
 
 
@@ -130,7 +130,7 @@ def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] |
         )
     out = {}
     for pool, size in budget.items():
-        if pool != ANY_DEVICE and (not isinstance(pool, str) or not _POOL.match(pool)):
+        if pool != ANY_DEVICE and (not isinstance(pool, str) or not POOL_PATTERN.match(pool)):
             raise InvalidArgumentError(
                 f"`{what}`: unknown pool {pool!r}; stats() never reports it, so its budget would never be "
                 f"enforced. Name pools as stats() does: {POOL_FORMS}, or '*' for every device pool."

@@ -20,14 +20,14 @@ def buffer_keys(tree: Any) -> set[tuple[str, int]]:
     extents: accounting.Extents = []
     seen: dict[int, Any] = {}
     report = accounting.WalkReport()
-    accounting._collect(tree, extents, seen, report)
+    accounting.collect_extents(tree, extents, seen, report)
     try:
         leaves = jax.tree_util.tree_leaves(tree)
     except Exception:  # an attr JAX cannot flatten: its arrays were found by the walk above
         leaves = []
     for leaf in leaves:
         if id(leaf) not in seen:
-            accounting._collect(leaf, extents, seen, report)
+            accounting.collect_extents(leaf, extents, seen, report)
     return {(key, start) for key, start, _ in extents}
 
 

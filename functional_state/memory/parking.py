@@ -50,13 +50,13 @@ _NUMPY_MIN = _CHUNK  # larger buffers (one big storage) come from numpy, which a
 
 
 @dataclasses.dataclass(frozen=True)
-class _JaxLeaf:
+class JaxLeaf:
     host: jax.Array  # the array in a host memory kind
     sharding: Any  # where it came from (devices and memory kind)
 
 
 @dataclasses.dataclass(frozen=True)
-class _TorchLeaf:
+class TorchLeaf:
     storage: int  # index into ParkedStorage.storages
     dtype: Any
     shape: tuple[int, ...]
@@ -81,7 +81,7 @@ class ParkedStorage:
     """The host copy of an object's committed storage, and what restoring it needs. Immutable."""
 
     treedef: Any  # structure of the parked values
-    leaves: tuple[Any, ...]  # per leaf: _JaxLeaf, _TorchLeaf, or the value kept as is
+    leaves: tuple[Any, ...]  # per leaf: JaxLeaf, TorchLeaf, or the value kept as is
     storages: tuple[_Storage, ...]
     buffers: tuple[Any, ...]  # one contiguous uint8 torch tensor per source device
 
@@ -93,9 +93,7 @@ class ParkedStorage:
     def _accounting_children(self) -> list[Any]:
         # JAX host arrays report their memory kind themselves; torch buffers are filed by _accounting_extents.
         return [
-            leaf.host if isinstance(leaf, _JaxLeaf) else leaf
-            for leaf in self.leaves
-            if not isinstance(leaf, _TorchLeaf)
+            leaf.host if isinstance(leaf, JaxLeaf) else leaf for leaf in self.leaves if not isinstance(leaf, TorchLeaf)
         ]
 
     def _accounting_extents(self) -> accounting.Extents:
@@ -138,7 +136,7 @@ def _host_bytes(n: int, pinned: bool) -> Any:
     return torch.empty(n, dtype=torch.uint8)
 
 
-def _as_torch(leaf: Any) -> tuple[Any, Any]:
+def as_torch(leaf: Any) -> tuple[Any, Any]:
     """``(tensor, jax_owner)`` when ``leaf`` is a torch tensor or a bridge alias of one, else ``(None, None)``."""
     torch = _torch()
     if torch is None:
@@ -177,14 +175,14 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
     storage_ids: dict[tuple[Any, int], int] = {}
     sources: list[Any] = []  # one tensor per distinct storage
     for i, leaf in enumerate(leaves):
-        tensor, owner = _as_torch(leaf)
+        tensor, owner = as_torch(leaf)
         if tensor is not None:
             storage = tensor.untyped_storage()
             key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
             if key not in storage_ids:
                 storage_ids[key] = len(sources)
                 sources.append(tensor)
-            recipes[i] = _TorchLeaf(
+            recipes[i] = TorchLeaf(
                 storage_ids[key],
                 tensor.dtype,
                 tuple(tensor.shape),
@@ -206,7 +204,7 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
         targets = [a.sharding.with_memory_kind("pinned_host") for a in arrays]
         hosts = jax.device_put(arrays, targets)
         for same, a, host in zip(jax_index.values(), arrays, hosts):
-            recipe = _JaxLeaf(host, a.sharding)
+            recipe = JaxLeaf(host, a.sharding)
             for i in same:  # one host array per distinct array, so its restore is one array again
                 recipes[i] = recipe
     storages, buffers = _copy_storages_to_host(sources)
@@ -270,19 +268,19 @@ def _copy_storages_to_host(sources: list[Any]) -> tuple[list[_Storage], list[Any
 
 def restore_values(parked: ParkedStorage) -> Any:
     """The values `park_values` was given, back on their devices (fresh device buffers), bit for bit."""
-    recipes: dict[int, _JaxLeaf] = {id(x): x for x in parked.leaves if isinstance(x, _JaxLeaf)}  # each once
+    recipes: dict[int, JaxLeaf] = {id(x): x for x in parked.leaves if isinstance(x, JaxLeaf)}  # each once
     out: list[Any] = list(parked.leaves)
     if recipes:
         restored = jax.device_put([r.host for r in recipes.values()], [r.sharding for r in recipes.values()])
         by_recipe = dict(zip(recipes, restored))
         for i, leaf in enumerate(parked.leaves):
-            if isinstance(leaf, _JaxLeaf):
+            if isinstance(leaf, JaxLeaf):
                 out[i] = by_recipe[id(leaf)]
     if parked.storages:
         device_storages = _copy_storages_to_device(parked)
         for i, leaf in enumerate(parked.leaves):
-            if isinstance(leaf, _TorchLeaf):
-                out[i] = _rebuild(leaf, device_storages[leaf.storage])
+            if isinstance(leaf, TorchLeaf):
+                out[i] = rebuild_leaf(leaf, device_storages[leaf.storage])
     return jax.tree_util.tree_unflatten(parked.treedef, out)
 
 
@@ -306,9 +304,9 @@ def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
     return result
 
 
-def _host_storage(parked: ParkedStorage, index: int) -> Any:
+def host_storage(parked: ParkedStorage, index: int) -> Any:
     """Storage ``index`` of ``parked`` as it sits in its host buffer: a 1-D uint8 CPU tensor over exactly its
-    bytes, with a storage of its own (no copy), which `_rebuild` can rebuild the storage's leaves over.
+    bytes, with a storage of its own (no copy), which `rebuild_leaf` can rebuild the storage's leaves over.
 
     Storages share host buffers back to back, so a plain slice of the buffer would still report the whole
     buffer as its storage; through numpy, the view gets a storage that starts where this one starts.
@@ -320,12 +318,12 @@ def _host_storage(parked: ParkedStorage, index: int) -> Any:
     return torch.from_numpy(parked.buffers[s.buffer].numpy()[s.start : s.start + s.nbytes])
 
 
-def _rebuild(leaf: _TorchLeaf, storage: Any) -> Any:
+def rebuild_leaf(leaf: TorchLeaf, storage: Any) -> Any:
     """``leaf`` as a view of ``storage``, a uint8 tensor that spans a whole storage (its offsets index that)."""
     torch = _torch()
     if storage.storage_offset() or storage.numel() != storage.untyped_storage().nbytes():
         # A slice of a larger buffer: every offset would land in someone else's bytes.
-        raise AssertionError("_rebuild needs a tensor that spans its whole storage, not a slice of one")
+        raise AssertionError("rebuild_leaf needs a tensor that spans its whole storage, not a slice of one")
     t = torch.empty(0, dtype=leaf.dtype, device=storage.device).set_(
         storage.untyped_storage(), leaf.offset, leaf.shape, leaf.stride
     )
@@ -337,10 +335,10 @@ def _rebuild(leaf: _TorchLeaf, storage: Any) -> Any:
         t.requires_grad_(True)
     if leaf.jax_owner_type is None:
         return t
-    return _jax_alias(t, leaf.jax_owner_type)
+    return jax_alias(t, leaf.jax_owner_type)
 
 
-def _jax_alias(t: Any, owner_type: type | None) -> Any:
+def jax_alias(t: Any, owner_type: type | None) -> Any:
     """A JAX array over tensor ``t``'s memory, registered as an alias owned by ``owner_type(t)`` (the bridge's
     record type, when it takes a tensor) or by ``t`` itself, so the accounting counts the memory once."""
     exported = t.detach()

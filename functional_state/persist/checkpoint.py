@@ -63,7 +63,7 @@ from ..core.state_object import PARKED, RESIDENT, StateObject
 from ..engine.paged_kv import PagedKVHandle
 from ..errors import CheckpointError, InvalidTypeError, SessionExistsError, SessionStateError
 from ..memory import accounting
-from ..memory.parking import _host_storage, _jax_alias, _JaxLeaf, _rebuild, _TorchLeaf
+from ..memory.parking import JaxLeaf, TorchLeaf, host_storage, jax_alias, rebuild_leaf
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 
@@ -330,12 +330,12 @@ class _Writer:
 
     def _unparked_view(self, obj: Any) -> Any:
         """``obj`` as the resident object its host copy stands for, its leaves views of that copy: rebuilt by
-        parking's own `_rebuild` over each storage's own bytes (`_host_storage`), as a restore would."""
+        parking's own `rebuild_leaf` over each storage's own bytes (`host_storage`), as a restore would."""
         parked = obj.host_copy
         leaves: list[Any] = []
         for leaf in parked.leaves:
-            if isinstance(leaf, _TorchLeaf):
-                plain = _TorchLeaf(
+            if isinstance(leaf, TorchLeaf):
+                plain = TorchLeaf(
                     leaf.storage,
                     leaf.dtype,
                     leaf.shape,
@@ -346,10 +346,10 @@ class _Writer:
                     None,
                     leaf.requires_grad,  # saved as a resident leaf's flag is, so the load sets it again
                 )
-                t = _rebuild(plain, _host_storage(parked, leaf.storage))
+                t = rebuild_leaf(plain, host_storage(parked, leaf.storage))
                 self._device_of[id(t)] = parked.storages[leaf.storage].device
                 leaves.append(t if leaf.jax_owner_type is None else _AliasLeaf(t, leaf.jax_owner_type))
-            elif isinstance(leaf, _JaxLeaf):
+            elif isinstance(leaf, JaxLeaf):
                 self._sharding_of[id(leaf.host)] = leaf.sharding
                 leaves.append(leaf.host)
             else:
@@ -458,7 +458,7 @@ class _Reader:
         if t == "jax":
             return self.arrays[node["key"]]
         if t == "jax_alias":
-            return _jax_alias(self._tensor(node["tensor"]), _owner_type(node.get("owner")))
+            return jax_alias(self._tensor(node["tensor"]), _owner_type(node.get("owner")))
         if t == "numpy":
             raw = np.asarray(self.arrays[node["key"]])
             return raw.view(np.dtype(node["dtype"])).reshape(node["shape"]).copy()
@@ -547,7 +547,7 @@ def _release_kv(objects: Iterable[Any], error: BaseException) -> None:
                     error.add_note(f"handing back KV blocks {ids} of the failed load also failed: {free_error!r}")
 
 
-def _release_sessions(sessions: Iterable[SessionState], error: BaseException) -> None:
+def release_sessions(sessions: Iterable[SessionState], error: BaseException) -> None:
     for session in sessions:
         _release_kv(session.objects.values(), error)
 
@@ -1080,9 +1080,9 @@ def save_session(
         directory), or the write failed (out of space, say); the previous checkpoint at ``path`` stays.
       SessionStateLostError: no such session.
     """
-    sid, node = ms._node(state, session_id, "save_session")
+    sid, node = ms.locate(state, session_id, "save_session")
     writer = _Writer(attr_hooks, asynchronous, object_hooks)
-    manifest = _manifest("session", [writer.session(node[ms._S], sid)])
+    manifest = _manifest("session", [writer.session(ms.node_session(node), sid)])
     return _write(path, manifest, writer, asynchronous)
 
 
@@ -1100,7 +1100,7 @@ def read_session(
     Raises:
       CheckpointError: see `load_session`.
     """
-    sid = ms._resolve_id(session_id, "read_session")
+    sid = ms.resolve_id(session_id, "read_session")
     manifest, arrays = _read(path, placement, torch_device)
     entries = {e["id"]: e for e in manifest["sessions"]}
     if sid not in entries:
@@ -1141,8 +1141,8 @@ def load_session(
       Nothing changes unless the load fully succeeds (this is a pure function), and a load that fails hands
       the KV blocks its import hooks took back to their engines.
     """
-    target = ms._resolve_id(as_id if as_id is not None else session_id, "load_session")
-    _check_free(state, target, replace)
+    target = ms.resolve_id(as_id if as_id is not None else session_id, "load_session")
+    check_free(state, target, replace)
     session = read_session(
         session_id,
         path,
@@ -1154,13 +1154,13 @@ def load_session(
     try:
         return install_session(state, target, session, replace=replace)
     except BaseException as e:
-        _release_sessions([session], e)
+        release_sessions([session], e)
         raise
 
 
-def _check_free(state: ManagerState, sid: str, replace: bool) -> None:
+def check_free(state: ManagerState, sid: str, replace: bool) -> None:
     if type(state) is not ManagerState:
-        ms._check_state(state, "load_session")
+        ms.check_state(state, "load_session")
     if sid in state and not replace:
         raise SessionExistsError(
             f"`load_session`: session {sid!r} is already in the table; drop it first, load under another id "
@@ -1170,7 +1170,7 @@ def _check_free(state: ManagerState, sid: str, replace: bool) -> None:
 
 def install_session(state: ManagerState, sid: str, session: SessionState, *, replace: bool = False) -> ManagerState:
     """``state`` holding ``session`` under ``sid`` as its most recent session (a loaded one, say)."""
-    _check_free(state, sid, replace)
+    check_free(state, sid, replace)
     if sid in state:
         state, _ = ms.drop_session(state, sid)
     state, _ = ms.get_or_create(state, sid)
@@ -1194,7 +1194,7 @@ def save(
     See `save_session` for the arguments and errors.
     """
     if type(state) is not ManagerState:
-        ms._check_state(state, "save")
+        ms.check_state(state, "save")
     writer = _Writer(attr_hooks, asynchronous, object_hooks)
     sessions = [writer.session(session, sid) for sid, session in ms.sessions(state).items()]
     manifest = _manifest("table", sessions)
@@ -1202,7 +1202,7 @@ def save(
         "max_sessions": state.max_sessions,
         "byte_budget": state.byte_budget,
         "evict_when_full": state.evict_when_full,
-        "counters": [state.hits, state.misses, state.evictions, state.parks, state.restores],
+        "counters": list(state.counters),
     }
     return _write(path, manifest, writer, asynchronous)
 
@@ -1233,13 +1233,11 @@ def load(
         for entry in manifest["sessions"]:  # least recently used first: each insertion is the most recent
             state = install_session(state, entry["id"], reader.session(entry))
     except BaseException as e:
-        _release_sessions(ms.sessions(state).values(), e)
+        release_sessions(ms.sessions(state).values(), e)
         if isinstance(e, (SessionStateError, KeyboardInterrupt)) or not isinstance(e, Exception):
             raise
         raise CheckpointError(f"{path}: a session cannot be rebuilt ({type(e).__name__}: {e}).") from e
-    meta = list(state._meta)
-    meta[ms._HITS : ms._RESTORES + 1] = table["counters"]
-    return ms._state(state._nodes, tuple(meta), state._acct)
+    return ms.with_counters(state, table["counters"])
 
 
 def _manifest(kind: str, sessions: list[dict[str, Any]]) -> dict[str, Any]:

@@ -36,16 +36,16 @@ import jax
 from ..engine.paged_kv import PagedKVHandle
 from ..errors import BudgetExceededError, InvalidArgumentError
 from ..memory import accounting, parking
-from ..memory.budget import _POOL, ANY_DEVICE, POOL_FORMS, format_bytes, parse_bytes
+from ..memory.budget import ANY_DEVICE, POOL_FORMS, POOL_PATTERN, format_bytes, parse_bytes
 from ..table.ledger import Extent, object_extents
 from ..table.manager_state import (
-    _S,
     ManagerState,
-    _check_state,
-    _state,
-    _track,
+    check_state,
+    count_evictions,
     drop_session,
     evict,
+    ledger_of,
+    lru_sessions,
     park,
     stats,
 )
@@ -172,7 +172,7 @@ class _Change:
 
 
 def _by_pool(extents: Iterable[Extent]) -> dict[str, int]:
-    return accounting._union_by_device(list(extents))
+    return accounting.union_by_device(list(extents))
 
 
 def _protect_ids(protect: Any, what: str) -> set[str]:
@@ -195,8 +195,8 @@ def _protect_ids(protect: Any, what: str) -> set[str]:
 
 def _check_plan_args(state: Any, pool: Any, protect: Any, levers: Iterable[str]) -> tuple[set[str], tuple[str, ...]]:
     if type(state) is not ManagerState:
-        _check_state(state, "plan_release")
-    if not isinstance(pool, str) or not _POOL.match(pool):
+        check_state(state, "plan_release")
+    if not isinstance(pool, str) or not POOL_PATTERN.match(pool):
         raise InvalidArgumentError(
             f"`plan_release`: pool must be a pool as stats() names it ({POOL_FORMS}), got {pool!r}."
         )
@@ -250,14 +250,14 @@ def plan_release(
     """
     protected, levers = _check_plan_args(state, pool, protect, levers)
     need = parse_bytes(need_bytes, "plan_release: need_bytes")
-    acct = _track(state)
-    sids, objs = _sessions_lru(state)
+    acct = ledger_of(state)
+    sids, objs = lru_sessions(state)
     attr_sets: dict[str, frozenset[Extent]] = {}
     attr_holders: Counter[Extent] = Counter()
     for sid, session in zip(sids, objs):
         out: accounting.Extents = []
         for value in session._attrs.values():
-            accounting._collect(value, out, {}, accounting.WalkReport())
+            accounting.collect_extents(value, out, {}, accounting.WalkReport())
         if out:  # (one container per session would trigger full garbage collections at 100k sessions)
             attr_sets[sid] = extents = frozenset(out)
             for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
@@ -424,7 +424,7 @@ def _park_effect(obj: Any, ledger: _Ledger) -> tuple[frozenset[Extent], frozense
     host_bytes: dict[str, int] = {}
     storages: set[tuple[Any, int]] = set()
     for i, leaf in enumerate(_leaves(obj._parkable_fields())):
-        tensor, _ = parking._as_torch(leaf)
+        tensor, _ = parking.as_torch(leaf)
         if tensor is not None:
             storage = tensor.untyped_storage()
             key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
@@ -441,24 +441,9 @@ def _park_effect(obj: Any, ledger: _Ledger) -> tuple[frozenset[Extent], frozense
     return committed, _extents_of(kept_values) | host
 
 
-def _sessions_lru(state: ManagerState) -> tuple[list[str], list[Any]]:
-    """Session ids and sessions, least recently used first.
-
-    Two flat lists rather than a list of pairs: 100k new tuples would trigger full garbage collections over
-    the whole (large) heap, which cost more than the walk itself."""
-    sids, objs = [], []
-    nodes, sid = state._nodes, state.least_recent
-    while sid is not None:
-        node = nodes[sid]
-        sids.append(sid)
-        objs.append(node[_S])
-        sid = node[2]
-    return sids, objs
-
-
 def _extents_of(tree: Any) -> frozenset[Extent]:
     out: accounting.Extents = []
-    accounting._collect(tree, out, {}, accounting.WalkReport())
+    accounting.collect_extents(tree, out, {}, accounting.WalkReport())
     return frozenset(out)
 
 
@@ -476,7 +461,7 @@ def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
       InvalidArgumentError: the plan was made for another state (plan again on the state you apply).
     """
     if type(state) is not ManagerState:
-        _check_state(state, "apply_plan")
+        check_state(state, "apply_plan")
     if not isinstance(plan, ReleasePlan):
         raise InvalidArgumentError(f"`apply_plan`: expected a ReleasePlan, got {type(plan).__name__}.")
     if plan.made_for() is not state:
@@ -499,9 +484,7 @@ def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
 
 def _drop_as_eviction(state: ManagerState, sid: str) -> ManagerState:
     dropped, _ = drop_session(state, sid)
-    meta = list(dropped._meta)
-    meta[6] += 1  # evictions: a session the planner dropped is lost to its continuations
-    return _state(dropped._nodes, tuple(meta), dropped._acct)
+    return count_evictions(dropped)  # a session the planner dropped is lost to its continuations
 
 
 def over_budget(state: ManagerState) -> dict[str, tuple[int, int]]:
@@ -514,7 +497,7 @@ def over_budget(state: ManagerState) -> dict[str, tuple[int, int]]:
 
 def over_budget_objects(state: ManagerState, surplus: dict[str, int]) -> bool:
     """Whether a pool is over budget by the kept object totals plus a known attr ``surplus``: no walk."""
-    totals = _track(state).totals
+    totals = ledger_of(state).totals
     for pool, limit in (state.byte_budget or {}).items():
         if pool == ANY_DEVICE:
             if any(held + surplus.get(p, 0) > limit for p, held in totals.items() if "/" not in p):
@@ -526,12 +509,12 @@ def over_budget_objects(state: ManagerState, surplus: dict[str, int]) -> bool:
 
 def attr_surplus(state: ManagerState) -> dict[str, int]:
     """Bytes per pool the attrs hold beyond what the objects hold (a walk of the attrs)."""
-    objects = _track(state).totals
+    objects = ledger_of(state).totals
     with_attrs = {k[len("nbytes:") :]: v for k, v in stats(state).items() if k.startswith("nbytes:")}
     return {pool: n - objects.get(pool, 0) for pool, n in with_attrs.items() if n > objects.get(pool, 0)}
 
 
-def _attr_bytes(attrs: Any) -> dict[str, int]:
+def attr_bytes(attrs: Any) -> dict[str, int]:
     """Bytes per pool a session's attrs hold (no deduplication against the objects: an upper bound)."""
     return _by_pool(_extents_of(dict(attrs))) if attrs else {}
 

@@ -28,10 +28,10 @@ from typing import Any, NamedTuple, TypeVar
 from ..core.pytree import MISSING
 from ..core.session import ForkPolicy, SessionState
 from ..core.state_object import StateObject
-from ..engine.paged_kv import _POOLS, PagedKVHandle
+from ..engine.paged_kv import POOLS, PagedKVHandle
 from ..errors import ObjectParkedError, SessionStateError, SessionStateLostError
 from ..persist import checkpoint as _ckpt
-from ..policy.planner import LEVERS, _attr_bytes, attr_surplus, enforce_budget, over_budget_objects
+from ..policy.planner import LEVERS, attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from ..table import manager_state as ms
 from ..table.engine_blocks import free_released
 from ..table.manager_state import ManagerState
@@ -79,8 +79,7 @@ class _Departure(NamedTuple):
 
 def _holds(state: ManagerState, sid: str, uid: int) -> bool:
     """Whether ``state`` holds incarnation ``uid`` of ``sid``."""
-    node = state._nodes.get(sid)
-    return node is not None and node[ms._U] == uid
+    return ms.held_session(state, sid, uid) is not None
 
 
 class SessionStateManager:
@@ -220,7 +219,7 @@ class SessionStateManager:
         left = self._departures(before, after, final, dropped or {})
         # (A state a donating step consumed held no fewer blocks than its successor: a step changes one
         # object's arrays, never which handles the table holds.)
-        released = free_released(before, final) if _POOLS and type(before) is ManagerState else {}
+        released = free_released(before, final) if POOLS and type(before) is ManagerState else {}
         if left:
             self._detach(left)
         if released:
@@ -235,22 +234,20 @@ class SessionStateManager:
         out: list[_Departure] = []
         # A table derived from `before` gained exactly one incarnation number per insertion, so when its
         # size grew by that much, no session left (the per-write common case: no walk).
-        inserted = after._meta[ms._UID] - before._meta[ms._UID]
+        inserted = after.issued - before.issued
         if dropped or len(after) - len(before) != inserted:
             evicted = f"evicted (LRU: the table holds at most max_sessions={before.max_sessions})"
-            for sid, node in before._nodes.items():
-                uid = node[ms._U]
+            for sid, uid, session in ms.entries(before):
                 if sid in dropped:
-                    out.append(_Departure(sid, uid, node[ms._S], dropped[sid], True))
+                    out.append(_Departure(sid, uid, session, dropped[sid], True))
                 elif not _holds(after, sid, uid):
-                    out.append(_Departure(sid, uid, node[ms._S], evicted, False))
+                    out.append(_Departure(sid, uid, session, evicted, False))
         if final is not after and len(final) < len(after):
             gone = {d.uid for d in out}
             budget = "dropped by the byte budget (to make room; released like an LRU eviction)"
-            for sid, node in after._nodes.items():
-                uid = node[ms._U]
+            for sid, uid, session in ms.entries(after):
                 if uid not in gone and not _holds(final, sid, uid):
-                    out.append(_Departure(sid, uid, node[ms._S], budget, False))
+                    out.append(_Departure(sid, uid, session, budget, False))
         return out
 
     def _detach(self, left: list[_Departure]) -> None:
@@ -292,7 +289,7 @@ class SessionStateManager:
         """Under the lock, when a write that restored parked objects of ``sid`` (``before`` to ``restored``)
         is refused: the engine blocks their ``reload`` took, which no state will hold, go back to their
         engines. The parked objects in the table keep their host copies, so they can be restored later."""
-        if not _POOLS or before is restored:
+        if not POOLS or before is restored:
             return
         old, new = ms.lookup(before, sid, None), ms.lookup(restored, sid, None)
         if old is None or new is None:
@@ -343,7 +340,7 @@ class SessionStateManager:
         if not attrs_unchanged and writer is not None and writer in after:
             attrs = ms.lookup(after, writer).attrs
             if writer not in before or ms.lookup(before, writer).attrs is not attrs:
-                extra = _attr_bytes(attrs)
+                extra = attr_bytes(attrs)
                 if extra:
                     bound = {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
         if over_budget_objects(after, bound):
@@ -401,10 +398,10 @@ class SessionStateManager:
 
         with self._lock:
             state = self._state
-            node = state._nodes.get(sid)
-            if node is not None:  # a hit: the common case, kept short (a hit adds no bytes: no budget check)
+            uid = ms.incarnation_of(state, sid)
+            if uid is not None:  # a hit: the common case, kept short (a hit adds no bytes: no budget check)
                 self._state = state = ms.get_or_create(state, sid)[0]
-                cell = self._cells.get(node[ms._U])
+                cell = self._cells.get(uid)
                 if cell is None:
                     cell = self._cell(state, sid)
             else:  # a miss adds an empty session (no bytes), evicting the least recent one at the cap
@@ -471,18 +468,18 @@ class SessionStateManager:
           CheckpointError, SessionExistsError: see `functional_state.load_session`.
         """
         target = ms.resolve_session_id(as_id if as_id is not None else session_id)
-        _ckpt._check_free(self._state, target, replace)  # fail before reading the checkpoint
+        _ckpt.check_free(self._state, target, replace)  # fail before reading the checkpoint
         session = _ckpt.read_session(session_id, path, placement=placement, torch_device=torch_device, **hooks)
 
         def op(state: ManagerState) -> ManagerState:
-            _ckpt._check_free(state, target, replace)
+            _ckpt.check_free(state, target, replace)
             return _ckpt.install_session(state, target, session, replace=replace)
 
         replaced = {target: "dropped (replaced by `load_session(..., replace=True)`)"}
         try:
             cell = self._swap_cell(op, target, writer=target, dropped=lambda state: replaced)
         except BaseException as e:  # not installed (the id was taken meanwhile, or it exceeds the budget)
-            _ckpt._release_sessions([session], e)
+            _ckpt.release_sessions([session], e)
             raise
         return SessionHandle(self, cell)
 
@@ -497,7 +494,7 @@ class SessionStateManager:
         try:
             self._swap(lambda state: (table, None), dropped=replaced)
         except BaseException as e:
-            _ckpt._release_sessions(ms.sessions(table).values(), e)
+            _ckpt.release_sessions(ms.sessions(table).values(), e)
             raise
 
     def drop_session(self, session_id: str | None) -> bool:
@@ -595,13 +592,14 @@ class SessionStateManager:
     # --- handle plumbing ---------------------------------------------------------------------------
     @staticmethod
     def _in_table(state: ManagerState, cell: _Cell) -> bool:
-        node = state._nodes.get(cell.session_id)  # (the cell's id was checked when it was made)
-        return cell.left is None and node is not None and node[ms._U] == cell.uid
+        # (the cell's id was checked when it was made)
+        return cell.left is None and ms.held_session(state, cell.session_id, cell.uid) is not None
 
     def _read(self, cell: _Cell) -> SessionState:
-        node = self._state._nodes.get(cell.session_id)  # one atomic read: a consistent snapshot
-        if cell.left is None and node is not None and node[ms._U] == cell.uid:
-            return node[ms._S]
+        if cell.left is None:
+            held = ms.held_session(self._state, cell.session_id, cell.uid)  # one atomic read: a snapshot
+            if held is not None:
+                return held
         return cell.session
 
     def _closed(self, cell: _Cell, what: str) -> SessionStateLostError:

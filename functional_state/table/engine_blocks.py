@@ -16,7 +16,7 @@ from typing import Any
 from ..engine.paged_kv import PagedKVPool, pool_by_uid
 from ..errors import KVFreeError
 from .ledger import released_between
-from .manager_state import ManagerState, _check_state, _track
+from .manager_state import ManagerState, check_state, ledger_of
 
 __all__ = ["free_acquired", "free_released", "released_blocks"]
 
@@ -41,9 +41,9 @@ def released_blocks(before: ManagerState, after: ManagerState) -> dict[PagedKVPo
     """
     for state, what in ((before, "before"), (after, "after")):
         if type(state) is not ManagerState:
-            _check_state(state, f"released_blocks ({what})")
+            check_state(state, f"released_blocks ({what})")
     out = {}
-    for uid, ids in released_between(_track(before), _track(after)).items():
+    for uid, ids in released_between(ledger_of(before), ledger_of(after)).items():
         pool = pool_by_uid(uid)
         if pool is not None:  # a pool the engine already dropped has nothing left to free
             out[pool] = ids

@@ -21,7 +21,7 @@ import immutables
 
 from ..core.latent_buffer import LatentBuffer
 from ..core.state_object import StateObject
-from ..engine.paged_kv import _POOLS, PagedKVHandle, kv_keys
+from ..engine.paged_kv import POOLS, PagedKVHandle, kv_keys
 from ..memory import accounting
 
 _CACHE_SLOT = StateObject.__dict__["_acct_cache"]
@@ -33,7 +33,7 @@ _LOG_DEPTH = 4096
 
 
 def _pool_uids() -> list[int]:
-    return list(_POOLS.keys())
+    return list(POOLS.keys())
 
 
 def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
@@ -63,11 +63,11 @@ def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
 def value_extents(value: Any) -> list[Extent]:
     """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
     out: accounting.Extents = []
-    torch = accounting._torch_module()
+    torch = accounting.torch_module()
     if torch is not None and type(value) is torch.Tensor:
-        accounting._torch_extents(value, out)
+        accounting.torch_extents(value, out)
     else:
-        accounting._collect(value, out, {}, accounting.WalkReport())
+        accounting.collect_extents(value, out, {}, accounting.WalkReport())
     return out
 
 
@@ -98,7 +98,7 @@ def object_extents(obj: Any) -> frozenset[Extent]:
     cached = getattr(obj, "_acct_cache", None)
     if cached is None:
         out: accounting.Extents = []
-        accounting._collect(obj, out, {}, accounting.WalkReport())
+        accounting.collect_extents(obj, out, {}, accounting.WalkReport())
         cached = frozenset(out)
         _CACHE_SLOT.__set__(obj, cached)  # past the frozen dataclass's __setattr__: a memo, not state
     return cached
@@ -322,7 +322,7 @@ def attr_extents(sessions: Iterable[Any]) -> tuple[accounting.Extents, accountin
     seen: dict[int, Any] = {}
     for session in sessions:
         for value in session._attrs.values():
-            accounting._collect(value, out, seen, report)
+            accounting.collect_extents(value, out, seen, report)
     return out, report
 
 
@@ -332,6 +332,6 @@ def totals_with_attrs(acct: Acct, sessions: Iterable[Any]) -> tuple[dict[str, in
     extents, report = attr_extents(sessions)
     totals = dict(acct.totals)
     loose = [e for e in set(extents) if e not in acct.refs]
-    for pool, bytes_ in accounting._union_by_device(loose).items():
+    for pool, bytes_ in accounting.union_by_device(loose).items():
         totals[pool] = totals.get(pool, 0) + bytes_
     return {k: v for k, v in sorted(totals.items()) if v}, report

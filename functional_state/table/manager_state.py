@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
-from typing import Any, Final
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final, NamedTuple
 
 import immutables
 import jax
 
 from .._repr import repr_html, treescope_repr
 from ..core.pytree import MISSING
-from ..core.session import SessionState, _no_object
+from ..core.session import SessionState, no_object_message
 from ..core.state_object import StateObject
 from ..engine.paged_kv import pool_by_uid
 from ..errors import (
@@ -76,7 +76,10 @@ DEFAULT_SESSION_ID = "default"
 DEFAULT_MAX_SESSIONS = 64  # mirrors the bespoke MAX_DREAMZERO_SESSIONS
 
 # A node of the table: (session, id of the previous (less recent) session, id of the next, incarnation).
-# Plain tuples, because one is built on every write: about 5x cheaper than a NamedTuple.
+# Plain tuples, because one is built on every write: about 5x cheaper than a NamedTuple (0.07 vs 0.33 us,
+# which would cost ~9% of a stage+commit). The layout is private to this module: other modules read a
+# table through the node API below (`locate`, `node_session`, `held_session`, `entries`, `lru_sessions`,
+# `session_map`) and change counters through `Counters`, `with_counters` and `count_evictions`.
 _S: Final = 0
 _P: Final = 1
 _N: Final = 2
@@ -124,7 +127,7 @@ class ManagerState:
     __slots__ = ("__weakref__", "_acct", "_meta", "_nodes")
     _nodes: immutables.Map  # session_id -> Node
     _meta: Meta
-    _acct: Acct | None  # object bytes, maintained incrementally once tracked (see `_track`)
+    _acct: Acct | None  # object bytes, maintained incrementally once tracked (see `ledger_of`)
 
     def __init__(self) -> None:
         raise InvalidTypeError("build a ManagerState with `ManagerState.create(...)`.")
@@ -157,7 +160,7 @@ class ManagerState:
         _check_positive(max_sessions, "`ManagerState.create`: max_sessions")
         budget = normalize_budget(byte_budget, "ManagerState.create: byte_budget")
         config = _Config(max_sessions, budget, bool(evict_when_full))
-        return _state(_EMPTY, (None, None, 0, config, 0, 0, 0, 0, 0), None if budget is None else Acct.build([]))
+        return make_state(_EMPTY, (None, None, 0, config, 0, 0, 0, 0, 0), None if budget is None else Acct.build([]))
 
     # --- reads -------------------------------------------------------------------------------------
     @property
@@ -201,6 +204,16 @@ class ManagerState:
     def restores(self) -> int:
         """Objects restored (`restore`), whether asked for or done by a handle on access."""
         return self._meta[_RESTORES]
+
+    @property
+    def counters(self) -> Counters:
+        """Every counter, by name (what a checkpoint saves)."""
+        return Counters(*self._meta[_HITS : _RESTORES + 1])
+
+    @property
+    def issued(self) -> int:
+        """Incarnation numbers issued so far: a table derived from another gained one per insertion."""
+        return self._meta[_UID]
 
     @property
     def least_recent(self) -> str | None:
@@ -261,13 +274,13 @@ class ManagerState:
         )
 
 
-class _ConsumedManagerState(ManagerState):
+class ConsumedManagerState(ManagerState):
     """The class a state takes once a donating `step` consumed it: every function then refuses it."""
 
     __slots__ = ()
 
 
-def _state(nodes: immutables.Map, meta: Meta, acct: Acct | None) -> ManagerState:
+def make_state(nodes: immutables.Map, meta: Meta, acct: Acct | None) -> ManagerState:
     new = _new(ManagerState)
     new._nodes = nodes
     new._meta = meta
@@ -275,7 +288,74 @@ def _state(nodes: immutables.Map, meta: Meta, acct: Acct | None) -> ManagerState
     return new
 
 
-def _track(state: ManagerState) -> Acct:
+class Counters(NamedTuple):
+    """The table's counters by name (each is also a `ManagerState` property of the same name)."""
+
+    hits: int
+    misses: int
+    evictions: int
+    parks: int
+    restores: int
+
+
+def with_counters(state: ManagerState, counters: Counters | tuple[int, ...]) -> ManagerState:
+    """``state`` with its counters replaced (a loaded checkpoint's), sessions and configuration kept."""
+    meta = list(state._meta)
+    meta[_HITS : _RESTORES + 1] = tuple(counters)
+    return make_state(state._nodes, tuple(meta), state._acct)
+
+
+def count_evictions(state: ManagerState, n: int = 1) -> ManagerState:
+    """``state`` with ``n`` more evictions counted (a session a release plan dropped is lost like one)."""
+    meta = list(state._meta)
+    meta[_EVICTIONS] += n
+    return make_state(state._nodes, tuple(meta), state._acct)
+
+
+def node_session(node: Node) -> SessionState:
+    """The session a node (from `locate`) holds."""
+    return node[_S]
+
+
+def held_session(state: ManagerState, sid: str, uid: int) -> SessionState | None:
+    """The session if ``state`` holds incarnation ``uid`` of ``sid`` (one atomic read), else None."""
+    node = state._nodes.get(sid)
+    return node[_S] if node is not None and node[_U] == uid else None
+
+
+def incarnation_of(state: ManagerState, sid: str) -> int | None:
+    """`incarnation` without its argument checks, for a caller that resolved ``sid`` itself."""
+    node = state._nodes.get(sid)
+    return None if node is None else node[_U]
+
+
+def entries(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
+    """``(session id, incarnation, session)`` for every session, in map order (not recency)."""
+    for sid, node in state._nodes.items():
+        yield sid, node[_U], node[_S]
+
+
+def session_map(state: ManagerState) -> dict[str, SessionState]:
+    """``{session id: session}``, in map order (not recency): the cheapest full read."""
+    return {sid: node[_S] for sid, node in state._nodes.items()}
+
+
+def lru_sessions(state: ManagerState) -> tuple[list[str], list[SessionState]]:
+    """Session ids and sessions, least recently used first.
+
+    Two flat lists rather than a list of pairs: 100k new tuples would trigger full garbage collections over
+    the whole (large) heap, which cost more than the walk itself."""
+    sids, objs = [], []
+    nodes, sid = state._nodes, state._meta[_HEAD]
+    while sid is not None:
+        node = nodes[sid]
+        sids.append(sid)
+        objs.append(node[_S])
+        sid = node[_N]
+    return sids, objs
+
+
+def ledger_of(state: ManagerState) -> Acct:
     """The state's incremental accounting, built on first use (one walk) and kept by every later state.
 
     Built lazily so that a table nobody asks about pays nothing per step; a table with a byte budget tracks
@@ -298,7 +378,7 @@ def _not_a_pytree(state: ManagerState) -> Any:
 
 jax.tree_util.register_pytree_node(ManagerState, _not_a_pytree, lambda aux, children: _not_a_pytree(None))  # type: ignore[arg-type]
 jax.tree_util.register_pytree_node(
-    _ConsumedManagerState,
+    ConsumedManagerState,
     _not_a_pytree,
     lambda aux, children: _not_a_pytree(None),  # type: ignore[arg-type]
 )
@@ -307,9 +387,9 @@ jax.tree_util.register_pytree_node(
 # --- argument checks -------------------------------------------------------------------------------------
 
 
-def _check_state(state: Any, what: str) -> None:
+def check_state(state: Any, what: str) -> None:
     """Called when ``type(state) is not ManagerState``: raise the error that says what to pass instead."""
-    if isinstance(state, _ConsumedManagerState):
+    if isinstance(state, ConsumedManagerState):
         raise StateConsumedError(
             f"`{what}`: this ManagerState was consumed by `step(..., donate=True)`, which may have deleted its "
             f"buffers. Use the state that call returned."
@@ -324,7 +404,7 @@ def _check_state(state: Any, what: str) -> None:
     raise InvalidTypeError(f"`{what}` takes a ManagerState (from `ManagerState.create`), got {type(state).__name__}.")
 
 
-def _resolve_id(session_id: Any, what: str) -> str:
+def resolve_id(session_id: Any, what: str) -> str:
     """The table key for ``session_id``: None means ``"default"``; anything but a non-empty str raises."""
     if session_id is None:
         return DEFAULT_SESSION_ID
@@ -345,7 +425,7 @@ def resolve_session_id(session_id: str | None) -> str:
       >>> resolve_session_id(None), resolve_session_id("robot-0")
       ('default', 'robot-0')
     """
-    return _resolve_id(session_id, "resolve_session_id")
+    return resolve_id(session_id, "resolve_session_id")
 
 
 def _lost(state: ManagerState, sid: str, what: str) -> SessionStateLostError:
@@ -356,21 +436,21 @@ def _lost(state: ManagerState, sid: str, what: str) -> SessionStateLostError:
     )
 
 
-def _node(state: ManagerState, session_id: Any, what: str) -> tuple[str, Node]:
+def locate(state: ManagerState, session_id: Any, what: str) -> tuple[str, Node]:
     """``(sid, node)`` of an existing session, with every argument check the public functions need."""
     if type(state) is not ManagerState:
-        _check_state(state, what)
-    sid = session_id if type(session_id) is str and session_id else _resolve_id(session_id, what)
+        check_state(state, what)
+    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, what)
     node = state._nodes.get(sid)
     if node is None:
         raise _lost(state, sid, what)
     return sid, node
 
 
-def _object(node: Node, name: str, what: str) -> StateObject:
+def find_object(node: Node, name: str, what: str) -> StateObject:
     obj = node[_S]._objects.get(name)
     if obj is None:
-        raise ObjectNotFoundError(_no_object(node[_S], name, what))
+        raise ObjectNotFoundError(no_object_message(node[_S], name, what))
     return obj
 
 
@@ -409,7 +489,7 @@ def _touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState
     if sid == tail:
         if not hits:
             return state
-        return _state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions, *rare), state._acct)
+        return make_state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions, *rare), state._acct)
     # The general unlink + append, written out for a node that is not the tail (so it has a next): the hit
     # path, rewriting at most four entries, each read from the unchanged map.
     nodes = state._nodes
@@ -463,14 +543,14 @@ def _insert(state: ManagerState, sid: str, session: SessionState, what: str, mis
     head = _append(mm, sid, session, uid, head, tail)
     if acct is not None:
         acct = acct.add_session(session)
-    return _state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions, *rare), acct)
+    return make_state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions, *rare), acct)
 
 
-def _set_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
+def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
     acct = state._acct
     if acct is not None:
         acct = acct.swap_session(node[_S], session)
-    return _state(state._nodes.set(sid, (session, node[_P], node[_N], node[_U])), state._meta, acct)
+    return make_state(state._nodes.set(sid, (session, node[_P], node[_N], node[_U])), state._meta, acct)
 
 
 # --- public pure functions ---------------------------------------------------------------------------
@@ -494,8 +574,8 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
       (('b',), 1, ('a',))
     """
     if type(state) is not ManagerState:
-        _check_state(state, "get_or_create")
-    sid = session_id if type(session_id) is str and session_id else _resolve_id(session_id, "get_or_create")
+        check_state(state, "get_or_create")
+    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, "get_or_create")
     node = state._nodes.get(sid)
     if node is not None:
         meta = state._meta
@@ -526,7 +606,7 @@ def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSta
     Raises:
       SessionStateLostError: unknown, evicted or dropped; nothing is created.
     """
-    sid, node = _node(state, session_id, "get_session")
+    sid, node = locate(state, session_id, "get_session")
     return _touch(state, sid, node, 1), node[_S]
 
 
@@ -537,7 +617,7 @@ def lookup(state: ManagerState, session_id: str | None, default: Any = MISSING) 
       SessionStateLostError: the session is not in the table and no ``default`` was given.
     """
     try:
-        return _node(state, session_id, "lookup")[1][_S]
+        return locate(state, session_id, "lookup")[1][_S]
     except SessionStateLostError:
         if default is MISSING:
             raise
@@ -551,8 +631,8 @@ def incarnation(state: ManagerState, session_id: str | None) -> int | None:
     the old number can tell that the id now names another session.
     """
     if type(state) is not ManagerState:
-        _check_state(state, "incarnation")
-    node = state._nodes.get(_resolve_id(session_id, "incarnation"))
+        check_state(state, "incarnation")
+    node = state._nodes.get(resolve_id(session_id, "incarnation"))
     return None if node is None else node[_U]
 
 
@@ -572,7 +652,7 @@ def sessions(state: ManagerState) -> dict[str, SessionState]:
       [1.0, 2.0]
     """
     if type(state) is not ManagerState:
-        _check_state(state, "sessions")
+        check_state(state, "sessions")
     out = {}
     nodes, sid = state._nodes, state._meta[_HEAD]
     while sid is not None:
@@ -590,7 +670,7 @@ def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> Mana
       InvalidArgumentError: ``tree`` does not hold exactly the ids of ``state``.
     """
     if type(state) is not ManagerState:
-        _check_state(state, "with_sessions")
+        check_state(state, "with_sessions")
     if not isinstance(tree, Mapping):
         raise InvalidTypeError(
             f"`with_sessions`: expected a mapping {{session_id: SessionState}}, got {type(tree).__name__}."
@@ -612,7 +692,7 @@ def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> Mana
         mm[sid] = (session, n[_P], n[_N], n[_U])
         if acct is not None:
             acct = acct.swap_session(n[_S], session)
-    return _state(mm.finish(), state._meta, acct)
+    return make_state(mm.finish(), state._meta, acct)
 
 
 def update_session(
@@ -624,25 +704,25 @@ def update_session(
       SessionStateLostError: the session is not in the table.
       InvalidTypeError: ``fn`` did not return a `SessionState`.
     """
-    sid, node = _node(state, session_id, "update_session")
+    sid, node = locate(state, session_id, "update_session")
     new = fn(node[_S])
     if not isinstance(new, SessionState):
         raise InvalidTypeError(f"`update_session`: fn must return a SessionState, got {type(new).__name__}.")
-    return _set_session(state, sid, node, new)
+    return replace_session(state, sid, node, new)
 
 
 def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
     """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
-    sid, node = _node(state, session_id, "put")
-    return _set_session(state, sid, node, node[_S].put(name, obj))
+    sid, node = locate(state, session_id, "put")
+    return replace_session(state, sid, node, node[_S].put(name, obj))
 
 
 def _object_op(
     state: ManagerState, session_id: Any, name: str, what: str, op: Callable[[StateObject], StateObject]
 ) -> ManagerState:
-    sid, node = _node(state, session_id, what)
+    sid, node = locate(state, session_id, what)
     session = node[_S]
-    return _set_session(state, sid, node, session._with_object(name, op(_object(node, name, what))))
+    return replace_session(state, sid, node, session._with_object(name, op(find_object(node, name, what))))
 
 
 def stage(state: ManagerState, session_id: str | None, name: str, payload: Any) -> ManagerState:
@@ -663,8 +743,8 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
     """
     # Written out, with every helper inlined: this is the per-step path.
     if type(state) is not ManagerState:
-        _check_state(state, "commit")
-    sid = session_id if type(session_id) is str and session_id else _resolve_id(session_id, "commit")
+        check_state(state, "commit")
+    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, "commit")
     nodes = state._nodes
     node = nodes.get(sid)
     if node is None:
@@ -673,7 +753,7 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
     objects = session._objects
     obj = objects.get(name)
     if obj is None:
-        raise ObjectNotFoundError(_no_object(session, name, "commit"))
+        raise ObjectNotFoundError(no_object_message(session, name, "commit"))
     new_obj = obj.commit(payload)
     new_session = _new(SessionState)
     new_session._objects = objects.set(name, new_obj)
@@ -694,14 +774,14 @@ def discard(state: ManagerState, session_id: str | None, name: str) -> ManagerSt
 
 def view(state: ManagerState, session_id: str | None, name: str, include_staged: bool = True) -> Any:
     """Read object ``name`` of a session (see `StateObject.view`). Recency is unchanged."""
-    _, node = _node(state, session_id, "view")
-    return _object(node, name, "view").view(include_staged=include_staged)
+    _, node = locate(state, session_id, "view")
+    return find_object(node, name, "view").view(include_staged=include_staged)
 
 
 def set_attr(state: ManagerState, session_id: str | None, key: str, value: Any, *, on_fork: Any = None) -> ManagerState:
     """Carry ``value`` (by reference) under ``key`` in a session (see `SessionState.set_attr`)."""
-    sid, node = _node(state, session_id, "set_attr")
-    return _set_session(state, sid, node, node[_S].set_attr(key, value, on_fork=on_fork))
+    sid, node = locate(state, session_id, "set_attr")
+    return replace_session(state, sid, node, node[_S].set_attr(key, value, on_fork=on_fork))
 
 
 def get_attr(state: ManagerState, session_id: str | None, key: str, default: Any = MISSING) -> Any:
@@ -710,20 +790,20 @@ def get_attr(state: ManagerState, session_id: str | None, key: str, default: Any
     Raises:
       AttrNotFoundError: absent and no default given.
     """
-    _, node = _node(state, session_id, "get_attr")
+    _, node = locate(state, session_id, "get_attr")
     return node[_S].get_attr(key, default)
 
 
 def del_attr(state: ManagerState, session_id: str | None, key: str) -> ManagerState:
     """Remove attr ``key`` from a session (a no-op if absent)."""
-    sid, node = _node(state, session_id, "del_attr")
-    return _set_session(state, sid, node, node[_S].del_attr(key))
+    sid, node = locate(state, session_id, "del_attr")
+    return replace_session(state, sid, node, node[_S].del_attr(key))
 
 
 def reset_session(state: ManagerState, session_id: str | None) -> ManagerState:
     """Reset every object of a session and clear its attrs; the session stays in the table."""
-    sid, node = _node(state, session_id, "reset_session")
-    return _set_session(state, sid, node, node[_S].reset())
+    sid, node = locate(state, session_id, "reset_session")
+    return replace_session(state, sid, node, node[_S].reset())
 
 
 def evict(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, int]:
@@ -734,11 +814,11 @@ def evict(state: ManagerState, session_id: str | None, name: str) -> tuple[Manag
       a buffer still reachable from another object or an attr of the session is not freed, and neither
       are staged bytes.
     """
-    sid, node = _node(state, session_id, "evict")
-    _object(node, name, "evict")
+    sid, node = locate(state, session_id, "evict")
+    find_object(node, name, "evict")
     new_session, freed = node[_S].evict(name)
     _log.debug("evict: object %r of session %r, %d bytes freed", name, sid, freed)
-    return _set_session(state, sid, node, new_session), freed
+    return replace_session(state, sid, node, new_session), freed
 
 
 def _pool_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -750,7 +830,7 @@ def _pool_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]
 def _with_counter(state: ManagerState, nodes: immutables.Map, index: int, add: int, acct: Acct | None) -> ManagerState:
     meta = list(state._meta)
     meta[index] += add
-    return _state(nodes, tuple(meta), acct)
+    return make_state(nodes, tuple(meta), acct)
 
 
 def _replace_object(
@@ -819,8 +899,8 @@ def park(
       >>> restore(parked, "a", "ring")[1]
       {'cpu': 4096, 'cpu/pinned_host': -4096}
     """
-    sid, node = _node(state, session_id, "park")
-    obj = _object(node, name, "park")
+    sid, node = locate(state, session_id, "park")
+    obj = find_object(node, name, "park")
     obj._require_resident("park")
     sessions_now = {s: n[_S] for s, n in state._nodes.items()}
     holding = _holding(state, obj)
@@ -864,8 +944,8 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
       NotParkedError: the object is not parked.
       SessionStateLostError, ObjectNotFoundError: no such session or object.
     """
-    sid, node = _node(state, session_id, "restore")
-    obj = _object(node, name, "restore")
+    sid, node = locate(state, session_id, "restore")
+    obj = find_object(node, name, "restore")
     restored = obj.restore()
     new, moved = _replace_object(state, obj, restored, {sid: [name]}, _RESTORES)
     if _log.isEnabledFor(logging.DEBUG):
@@ -876,8 +956,8 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
 def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
     """Remove a session from the table. Returns ``(state, existed)``; not counted as an eviction."""
     if type(state) is not ManagerState:
-        _check_state(state, "drop_session")
-    sid = _resolve_id(session_id, "drop_session")
+        check_state(state, "drop_session")
+    sid = resolve_id(session_id, "drop_session")
     node = state._nodes.get(sid)
     if node is None:
         return state, False
@@ -887,7 +967,7 @@ def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSt
     del mm[sid]
     acct = None if state._acct is None else state._acct.remove_session(node[_S])
     _log.info("drop_session: session %r left the table (%d objects)", sid, len(node[_S]._objects))
-    return _state(mm.finish(), (head, tail, *rest), acct), True
+    return make_state(mm.finish(), (head, tail, *rest), acct), True
 
 
 def fork_session(state: ManagerState, source_id: str | None, new_id: str | None) -> ManagerState:
@@ -907,8 +987,8 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
       SessionExistsError: ``new_id`` is already in the table.
       SessionAdmissionError: the table is full and cannot evict, or holds only the source (cap 1).
     """
-    sid, node = _node(state, source_id, "fork_session")
-    nid = _resolve_id(new_id, "fork_session")
+    sid, node = locate(state, source_id, "fork_session")
+    nid = resolve_id(new_id, "fork_session")
     if nid in state._nodes:
         raise SessionExistsError(
             f"`fork_session`: target session {nid!r} already exists; drop it first or pick another id."
@@ -930,7 +1010,7 @@ def raise_max_sessions(state: ManagerState, n: int) -> ManagerState:
         it would have to drop sessions without a request asking for it).
     """
     if type(state) is not ManagerState:
-        _check_state(state, "raise_max_sessions")
+        check_state(state, "raise_max_sessions")
     _check_positive(n, "`raise_max_sessions`: n")
     if n < state.max_sessions:
         raise InvalidArgumentError(
@@ -940,7 +1020,7 @@ def raise_max_sessions(state: ManagerState, n: int) -> ManagerState:
         return state
     meta = list(state._meta)
     meta[_CFG] = dataclasses.replace(state._config, max_sessions=n)
-    return _state(state._nodes, tuple(meta), state._acct)
+    return make_state(state._nodes, tuple(meta), state._acct)
 
 
 def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
@@ -964,13 +1044,13 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     resized behind the manager's back.
     """
     if type(state) is not ManagerState:
-        _check_state(state, "stats")
+        check_state(state, "stats")
     sessions_now = [node[_S] for node in state._nodes.values()]
     if exact:
         per_device, report = accounting.walk(*sessions_now)
     else:
-        per_device, report = totals_with_attrs(_track(state), sessions_now)
-    parked_pools = {k: v for k, v in _track(state).totals.items() if "/" in k} if not exact else None
+        per_device, report = totals_with_attrs(ledger_of(state), sessions_now)
+    parked_pools = {k: v for k, v in ledger_of(state).totals.items() if "/" in k} if not exact else None
     if parked_pools is None:
         parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
         parked_nbytes = accounting.total_nbytes(*parked)
@@ -991,7 +1071,7 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
         "unaccounted_objects": report.unaccounted_objects,
     }
     out.update({f"nbytes:{device}": n for device, n in per_device.items()})
-    for uid, blocks in _track(state).kv_held().items():
+    for uid, blocks in ledger_of(state).kv_held().items():
         pool = pool_by_uid(uid)
         if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
             out[f"kv_pool:{pool.name}:held_nbytes"] = blocks * pool.block_nbytes

@@ -22,7 +22,15 @@ import jax.numpy as jnp
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
 from ..memory.holders import buffer_keys, holders_except
-from .manager_state import _S, ManagerState, _ConsumedManagerState, _node, _object, _set_session
+from .manager_state import (
+    ConsumedManagerState,
+    ManagerState,
+    find_object,
+    locate,
+    node_session,
+    replace_session,
+    session_map,
+)
 
 __all__ = ["step"]
 
@@ -76,13 +84,13 @@ def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObje
 
 def _others(state: ManagerState, sid: str, name: str) -> list[Any]:
     """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch."""
-    sessions = {s: node[_S] for s, node in state._nodes.items()}
+    sessions = session_map(state)
     return [value for values in holders_except(sessions, {sid: name}).values() for value in values]
 
 
 def _table_values(value: Any) -> list[Any]:
     if isinstance(value, ManagerState):
-        return [node[_S] for node in value._nodes.values()]
+        return list(session_map(value).values())
     return [value]
 
 
@@ -129,8 +137,8 @@ def step(
       >>> view(s, "a", "ring").shape, view(s, "b", "ring").shape   # "b" still reads its buffer
       ((1, 3), (0, 3))
     """
-    sid, node = _node(state, session_id, "step")
-    obj = _object(node, name, "step")
+    sid, node = locate(state, session_id, "step")
+    obj = find_object(node, name, "step")
     obj._require_resident("step")
     jitted = _jitted(fn, donate)
     _check_returns_same_type(jitted, obj, args)  # before anything is donated: a refusal changes nothing
@@ -144,8 +152,8 @@ def step(
         warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
         new_obj = jitted(obj, *args)
     if donate:
-        state.__class__ = _ConsumedManagerState
-    return _set_session(state, sid, node, node[_S]._with_object(name, new_obj))
+        state.__class__ = ConsumedManagerState
+    return replace_session(state, sid, node, node_session(node)._with_object(name, new_obj))
 
 
 _CHECKED: weakref.WeakKeyDictionary[Callable[..., Any], set[Any]] = weakref.WeakKeyDictionary()
