@@ -67,21 +67,20 @@ from .table.manager_state import (
     get_session,
     incarnation,
     lookup,
-    park,
     put,
     raise_max_sessions,
     reset_session,
     resolve_session_id,
-    restore,
     sessions,
     set_attr,
     stage,
-    stats,
     update_session,
     view,
     with_sessions,
 )
+from .table.park import park, restore
 from .table.step import step
+from .table.usage import stats
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",

@@ -46,9 +46,9 @@ from ..table.manager_state import (
     evict,
     ledger_of,
     lru_sessions,
-    park,
-    stats,
 )
+from ..table.park import park
+from ..table.usage import stats
 
 _log = logging.getLogger("functional_state")
 

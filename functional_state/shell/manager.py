@@ -35,7 +35,10 @@ from ..policy.planner import LEVERS, attr_bytes, attr_surplus, enforce_budget, o
 from ..table import manager_state as ms
 from ..table.engine_blocks import free_released
 from ..table.manager_state import ManagerState
+from ..table.park import park as park_object
+from ..table.park import restore as restore_object
 from ..table.step import step as _pure_step
+from ..table.usage import stats as table_stats
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
@@ -511,7 +514,7 @@ class SessionStateManager:
 
     def stats(self, *, exact: bool = False) -> dict[str, Any]:
         """Counters and per-pool bytes of the current state (see `functional_state.stats`)."""
-        return ms.stats(self._state, exact=exact)
+        return table_stats(self._state, exact=exact)
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes per device held by all sessions in the table, each allocation once."""
@@ -555,7 +558,7 @@ class SessionStateManager:
         def op(state: ManagerState) -> tuple[ManagerState, dict[str, int]]:
             self._require(state, sid, "park")
             self._refuse_reentrant_table_write(state, sid, "park")
-            return ms.park(state, sid, name, with_sharers=with_sharers)
+            return park_object(state, sid, name, with_sharers=with_sharers)
 
         return self._swap(op, writer=sid)
 
@@ -571,7 +574,7 @@ class SessionStateManager:
         def op(state: ManagerState) -> tuple[ManagerState, dict[str, int]]:
             self._require(state, sid, "restore")
             self._refuse_reentrant_table_write(state, sid, "restore")
-            return ms.restore(state, sid, name)
+            return restore_object(state, sid, name)
 
         return self._swap(op, writer=sid, restoring=True)
 
@@ -630,7 +633,7 @@ class SessionStateManager:
         try:
             for name in todo:
                 if in_table:
-                    state, _ = ms.restore(state, cell.session_id, name)
+                    state, _ = restore_object(state, cell.session_id, name)
                 else:
                     cell.session = session = session.update(name, lambda o: o.restore())
         except BaseException:

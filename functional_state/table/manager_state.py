@@ -25,20 +25,15 @@ from .._repr import repr_html, treescope_repr
 from ..core.pytree import MISSING
 from ..core.session import SessionState, no_object_message
 from ..core.state_object import StateObject
-from ..engine.paged_kv import pool_by_uid
 from ..errors import (
-    DeletedArrayError,
     InvalidArgumentError,
     InvalidTypeError,
     ObjectNotFoundError,
     SessionAdmissionError,
     SessionExistsError,
     SessionStateLostError,
-    SharedStorageError,
     StateConsumedError,
 )
-from ..memory import accounting
-from ..memory import holders as _holders
 from ..memory.budget import normalize_budget
 from .ledger import Acct, totals_with_attrs
 
@@ -57,16 +52,13 @@ __all__ = [
     "get_session",
     "incarnation",
     "lookup",
-    "park",
     "put",
     "raise_max_sessions",
     "reset_session",
     "resolve_session_id",
-    "restore",
     "sessions",
     "set_attr",
     "stage",
-    "stats",
     "update_session",
     "view",
     "with_sessions",
@@ -833,12 +825,13 @@ def _with_counter(state: ManagerState, nodes: immutables.Map, index: int, add: i
     return make_state(nodes, tuple(meta), acct)
 
 
-def _replace_object(
-    state: ManagerState, old: StateObject, new: StateObject, targets: dict[str, list[str]], counter: int
+def replace_object(
+    state: ManagerState, old: StateObject, new: StateObject, targets: dict[str, list[str]], counter: str
 ) -> tuple[ManagerState, dict[str, int]]:
-    """``state`` with object ``old`` replaced by ``new`` under ``targets`` (session -> names), and the
-    change in bytes per pool that makes, measured: the table's accounting (objects, and attrs re-read)
-    before and after, each buffer counted once, exactly as `stats` counts it."""
+    """``state`` with object ``old`` replaced by ``new`` under ``targets`` (session -> names), the named
+    counter (``"parks"`` or ``"restores"``) raised by the names replaced, and the change in bytes per pool
+    that makes, measured: the table's accounting (objects, and attrs re-read) before and after, each buffer
+    counted once, exactly as `stats` counts it."""
     sessions_now = [node[_S] for node in state._nodes.values()]
     before = state._acct if state._acct is not None else Acct.build(sessions_now)
     after = before
@@ -852,105 +845,8 @@ def _replace_object(
         mm[target] = (session, n[_P], n[_N], n[_U])
     moved = _pool_delta(totals_with_attrs(before, sessions_now)[0], totals_with_attrs(after, sessions_now)[0])
     count = sum(len(names) for names in targets.values())
-    return _with_counter(state, mm.finish(), counter, count, None if state._acct is None else after), moved
-
-
-def _holding(state: ManagerState, obj: StateObject) -> dict[str, list[str]]:
-    """``{session id: names}`` under which the table holds this very object (forks, or a second name)."""
-    out: dict[str, list[str]] = {}
-    for sid, node in state._nodes.items():
-        names = [n for n, o in node[_S]._objects.items() if o is obj]
-        if names:
-            out[sid] = names
-    return out
-
-
-def park(
-    state: ManagerState, session_id: str | None, name: str, *, with_sharers: bool = False
-) -> tuple[ManagerState, dict[str, int]]:
-    """Move object ``name``'s committed storage to host memory (see `functional_state.parking`).
-
-    Parking frees device memory only if nothing else holds the storage, so it is refused when something
-    does: another object or an attr of the session, or another session. The very same object held
-    elsewhere (by a fork, or under another name in any session) is the one exception that can be parked with
-    it: ``with_sharers=True`` parks it wherever the table holds it, as one shared host copy (forks keep
-    sharing, now in host memory, and `restore` gives them one device copy again).
-
-    Returns:
-      ``(state, moved)``: ``moved`` is the change in bytes per pool, e.g.
-      ``{"cuda:0": -n, "cpu/pinned_host": n}`` (on the CPU backend, ``{"cpu": -n, "cpu/pinned_host": n}``),
-      measured on the table's accounting: it equals the change in ``stats(exact=True)``.
-
-    Raises:
-      SharedStorageError: something else in the table holds the storage (the message says what), or the
-        object's own staged payload does.
-      DeletedArrayError: the object holds a JAX array that was deleted (donated); nothing changes.
-      ObjectParkedError, NotAllocatedError, NotResidentError: the object is not resident.
-      SessionStateLostError, ObjectNotFoundError: no such session or object.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> from functional_state import ArrayRing
-      >>> s, _ = get_or_create(ManagerState.create(), "a")
-      >>> s = put(s, "a", "ring", ArrayRing.create(4, (256,)))
-      >>> parked, moved = park(s, "a", "ring")
-      >>> moved
-      {'cpu': -4096, 'cpu/pinned_host': 4096}
-      >>> restore(parked, "a", "ring")[1]
-      {'cpu': 4096, 'cpu/pinned_host': -4096}
-    """
-    sid, node = locate(state, session_id, "park")
-    obj = find_object(node, name, "park")
-    obj._require_resident("park")
-    sessions_now = {s: n[_S] for s, n in state._nodes.items()}
-    holding = _holding(state, obj)
-    targets = holding if with_sharers else {sid: [name]}
-    mine = _holders.buffer_keys(obj._committed_roots())
-    others = _holders.holders_except(sessions_now, targets)
-    holders = sorted(s for s, values in others.items() if mine & _holders.buffer_keys(values))
-    if holders:
-        same = sorted(f"{s}/{n}" for s, names in holding.items() for n in names if (s, n) != (sid, name))
-        hint = (
-            f" {same[:5]} hold this very object: pass with_sharers=True to park it there too."
-            if same and not with_sharers
-            else ""
-        )
-        raise SharedStorageError(
-            f"`park`: object {name!r} of session {sid!r} shares its storage with something else in session(s) "
-            f"{holders[:5]}{' ...' if len(holders) > 5 else ''} (another object, an attr, or a fork): parking it "
-            f"would copy it to host memory and free no device memory.{hint}"
-        )
-    try:
-        parked = obj.park()
-    except (DeletedArrayError, SharedStorageError) as e:  # the object's own refusal, told with its address
-        raise type(e)(f"`park`: object {name!r} of session {sid!r}: {e}") from None
-    new, moved = _replace_object(state, obj, parked, targets, _PARKS)
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("park: %s, moved %s", sorted(f"{s}/{n}" for s, names in targets.items() for n in names), moved)
-    return new, moved
-
-
-def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, dict[str, int]]:
-    """Bring a parked object's storage back where it was, bit for bit, in this session.
-
-    Forks parked together (``with_sharers``) restore to one device copy: restoring the object in a second
-    session reuses the copy the first restore made (see `StateObject.restore`).
-
-    Returns:
-      ``(state, moved)``: the change in bytes per pool, measured as `park` measures it. The host copy is
-      released only if no other session (a fork parked with ``with_sharers``) still holds the parked object.
-
-    Raises:
-      NotParkedError: the object is not parked.
-      SessionStateLostError, ObjectNotFoundError: no such session or object.
-    """
-    sid, node = locate(state, session_id, "restore")
-    obj = find_object(node, name, "restore")
-    restored = obj.restore()
-    new, moved = _replace_object(state, obj, restored, {sid: [name]}, _RESTORES)
-    if _log.isEnabledFor(logging.DEBUG):
-        _log.debug("restore: object %r of session %r, moved %s", name, sid, moved)
-    return new, moved
+    index = _PARKS if counter == "parks" else _RESTORES
+    return _with_counter(state, mm.finish(), index, count, None if state._acct is None else after), moved
 
 
 def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
@@ -1021,60 +917,3 @@ def raise_max_sessions(state: ManagerState, n: int) -> ManagerState:
     meta = list(state._meta)
     meta[_CFG] = dataclasses.replace(state._config, max_sessions=n)
     return make_state(state._nodes, tuple(meta), state._acct)
-
-
-def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
-    """Counters and bytes of the table.
-
-    Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
-    ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes of parked host copies: what objects
-    hold in the host pools), ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they
-    hold no bytes, and a non-zero count means some state reads freed memory), ``unaccounted_objects``
-    (objects the walk could not read), then one ``nbytes:<pool>`` key per pool, sorted: devices
-    (``nbytes:cpu``, ``nbytes:cuda:0``) and the host memory kinds parked storage lives in
-    (``nbytes:cpu/pinned_host``, ``nbytes:cpu/unpinned_host``). Each allocation is counted once across
-    all sessions. For each engine KV pool that handles hold blocks of: ``kv_pool:<name>:held_nbytes`` (the
-    blocks sessions hold, each once; part of ``nbytes:<device>``), ``kv_pool:<name>:total_nbytes`` and,
-    when the engine exposes its free count, ``kv_pool:<name>:free_nbytes``.
-
-    State objects are immutable, so their bytes are kept incrementally as the table changes (built by one
-    walk the first time); only attrs, which a model may change in place, are walked on each call, and
-    ``deleted_arrays`` and ``unaccounted_objects`` describe that walk. ``exact=True`` walks everything
-    instead (objects too), as a check: the figures are the same unless an object's buffer was deleted or
-    resized behind the manager's back.
-    """
-    if type(state) is not ManagerState:
-        check_state(state, "stats")
-    sessions_now = [node[_S] for node in state._nodes.values()]
-    if exact:
-        per_device, report = accounting.walk(*sessions_now)
-    else:
-        per_device, report = totals_with_attrs(ledger_of(state), sessions_now)
-    parked_pools = {k: v for k, v in ledger_of(state).totals.items() if "/" in k} if not exact else None
-    if parked_pools is None:
-        parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
-        parked_nbytes = accounting.total_nbytes(*parked)
-    else:
-        parked_nbytes = sum(parked_pools.values())
-    out: dict[str, Any] = {
-        "sessions": len(state),
-        "max_sessions": state.max_sessions,
-        "byte_budget": state.byte_budget,
-        "total_nbytes": sum(per_device.values()),
-        "hits": state.hits,
-        "misses": state.misses,
-        "evictions": state.evictions,
-        "parks": state.parks,
-        "restores": state.restores,
-        "parked_nbytes": parked_nbytes,
-        "deleted_arrays": report.deleted_arrays,
-        "unaccounted_objects": report.unaccounted_objects,
-    }
-    out.update({f"nbytes:{device}": n for device, n in per_device.items()})
-    for uid, blocks in ledger_of(state).kv_held().items():
-        pool = pool_by_uid(uid)
-        if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
-            out[f"kv_pool:{pool.name}:held_nbytes"] = blocks * pool.block_nbytes
-            for key, n in pool.capacity().items():
-                out[f"kv_pool:{pool.name}:{key}"] = n
-    return out
