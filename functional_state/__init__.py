@@ -11,7 +11,8 @@ from .core.latent_buffer import LatentBuffer
 from .core.session import FORK_POLICIES, SessionState
 from .core.session_attr import SessionAttr
 from .core.state_object import StateObject
-from .engine.paged_kv import PagedKVHandle, PagedKVPool, paged_gather
+from .engine.kv_handle import PagedKVHandle, paged_gather
+from .engine.paged_kv import PagedKVPool
 from .errors import (
     AttrNotFoundError,
     BudgetExceededError,
@@ -48,7 +49,8 @@ from .persist.checkpoint import (
     save,
     save_session,
 )
-from .policy.planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
+from .policy.enforce import apply_plan, enforce_budget
+from .policy.planner import LEVERS, ReleaseAction, ReleasePlan, plan_release
 from .shell.config import resolve_session_state_config
 from .shell.manager import ReentrantWriteError, SessionHandle, SessionStateManager
 from .table.engine_blocks import free_released, released_blocks

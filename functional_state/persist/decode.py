@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from ..core.session import SessionState
-from ..engine.paged_kv import PagedKVHandle
+from ..engine.kv_handle import PagedKVHandle
 from ..errors import CheckpointError
 from ..memory.parking import jax_alias
 from .encode import TYPES, AttrHooks

@@ -16,7 +16,7 @@ from ..core.dense_value import DenseValue
 from ..core.latent_buffer import LatentBuffer
 from ..core.session import SessionState
 from ..core.state_object import PARKED, RESIDENT, StateObject
-from ..engine.paged_kv import PagedKVHandle
+from ..engine.kv_handle import PagedKVHandle
 from ..errors import CheckpointError, InvalidTypeError
 from ..memory import accounting
 from ..memory.parking import JaxLeaf, TorchLeaf, host_storage, rebuild_leaf

@@ -33,26 +33,21 @@ from typing import Any, Literal
 
 import jax
 
-from ..engine.paged_kv import PagedKVHandle
-from ..errors import BudgetExceededError, InvalidArgumentError
+from ..engine.kv_handle import PagedKVHandle
+from ..errors import InvalidArgumentError
 from ..memory import accounting, parking
 from ..memory.budget import ANY_DEVICE, POOL_FORMS, POOL_PATTERN, format_bytes, parse_bytes
 from ..table.ledger import Extent, object_extents
 from ..table.manager_state import (
     ManagerState,
     check_state,
-    count_evictions,
-    drop_session,
-    evict,
     ledger_of,
     lru_sessions,
 )
-from ..table.park import park
-from ..table.usage import stats
 
 _log = logging.getLogger("functional_state")
 
-__all__ = ["LEVERS", "ReleaseAction", "ReleasePlan", "apply_plan", "enforce_budget", "plan_release"]
+__all__ = ["LEVERS", "ReleaseAction", "ReleasePlan", "plan_release"]
 
 Lever = Literal["park", "evict", "drop"]
 LEVERS: tuple[Lever, ...] = ("park", "evict", "drop")
@@ -153,8 +148,8 @@ class _Ledger:
                 left.append(e)
             elif after and not before:
                 came.append(e)
-        frees = _by_pool(left)
-        for pool, n in _by_pool(came).items():
+        frees = by_pool(left)
+        for pool, n in by_pool(came).items():
             frees[pool] = frees.get(pool, 0) - n
         return _Change({p: n for p, n in sorted(frees.items()) if n}, frozenset(left), d, d_attrs)
 
@@ -171,11 +166,11 @@ class _Change:
     attrs: Counter[Extent]
 
 
-def _by_pool(extents: Iterable[Extent]) -> dict[str, int]:
+def by_pool(extents: Iterable[Extent]) -> dict[str, int]:
     return accounting.union_by_device(list(extents))
 
 
-def _protect_ids(protect: Any, what: str) -> set[str]:
+def protect_ids(protect: Any, what: str) -> set[str]:
     """The session ids ``protect`` names: one id (a str, or None for ``"default"``) or an iterable of them."""
     if protect is None or isinstance(protect, str):
         protect = (protect,)  # one id, never read character by character
@@ -200,7 +195,7 @@ def _check_plan_args(state: Any, pool: Any, protect: Any, levers: Iterable[str])
         raise InvalidArgumentError(
             f"`plan_release`: pool must be a pool as stats() names it ({POOL_FORMS}), got {pool!r}."
         )
-    protected = _protect_ids(protect, "plan_release")
+    protected = protect_ids(protect, "plan_release")
     unknown = sorted(p for p in protected if p not in state)
     if unknown:
         raise InvalidArgumentError(f"`plan_release`: protect names sessions that are not in the table: {unknown}.")
@@ -245,7 +240,7 @@ def plan_release(
         1. park  old/cache: cpu -1.0 KiB, cpu/unpinned_host +1.0 KiB (least recently used session)
         skipped:
         - new: protected
-      >>> fs.stats(apply_plan(s, plan))["nbytes:cpu"]
+      >>> fs.stats(fs.apply_plan(s, plan))["nbytes:cpu"]
       1024
     """
     protected, levers = _check_plan_args(state, pool, protect, levers)
@@ -262,7 +257,7 @@ def plan_release(
             attr_sets[sid] = extents = frozenset(out)
             for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
                 attr_holders[e] += 1
-    unreleasable = _by_pool(e for extents in attr_sets.values() for e in extents).get(pool, 0)
+    unreleasable = by_pool(e for extents in attr_sets.values() for e in extents).get(pool, 0)
     # Sharers of an object: every (session, name) holding that very object (forks, or one cache put under
     # two names), as `park(with_sharers=True)` finds and parks them, least recent first.
     first_holder: dict[int, tuple[str, str]] = {}  # id(object) -> its least recent (session, name)
@@ -274,7 +269,7 @@ def plan_release(
     budget = state.byte_budget or {}
     # Bytes per pool as the plan leaves them (attrs included): to keep a park's host pool within its budget.
     held = dict(acct.totals)
-    for p, n in _by_pool(e for e in attr_holders if e not in acct.refs).items():
+    for p, n in by_pool(e for e in attr_holders if e not in acct.refs).items():
         held[p] = held.get(p, 0) + n
     ledger = _Ledger(acct.refs, attr_holders)
     now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
@@ -419,7 +414,7 @@ def _park_effect(obj: Any, ledger: _Ledger) -> tuple[frozenset[Extent], frozense
         kept = frozenset(obj.pool.extents(obj.staged or ()))
         token = [ledger.virtual("cpu", len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
         return committed, kept | frozenset(token)
-    committed = _extents_of(obj._committed_roots())
+    committed = extents_of(obj._committed_roots())
     kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
     host_bytes: dict[str, int] = {}
     storages: set[tuple[Any, int]] = set()
@@ -438,10 +433,10 @@ def _park_effect(obj: Any, ledger: _Ledger) -> tuple[frozenset[Extent], frozense
         else:
             kept_values.append(leaf)
     host = frozenset(ledger.virtual(p, n) for p, n in sorted(host_bytes.items()) if n)
-    return committed, _extents_of(kept_values) | host
+    return committed, extents_of(kept_values) | host
 
 
-def _extents_of(tree: Any) -> frozenset[Extent]:
+def extents_of(tree: Any) -> frozenset[Extent]:
     out: accounting.Extents = []
     accounting.collect_extents(tree, out, {}, accounting.WalkReport())
     return frozenset(out)
@@ -452,145 +447,3 @@ def _leaves(tree: Any) -> list[Any]:
         return jax.tree_util.tree_leaves(tree)
     except Exception:
         return []
-
-
-def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
-    """Carry out ``plan`` on the state it was made for; returns the new state (the input is unchanged).
-
-    Raises:
-      InvalidArgumentError: the plan was made for another state (plan again on the state you apply).
-    """
-    if type(state) is not ManagerState:
-        check_state(state, "apply_plan")
-    if not isinstance(plan, ReleasePlan):
-        raise InvalidArgumentError(f"`apply_plan`: expected a ReleasePlan, got {type(plan).__name__}.")
-    if plan.made_for() is not state:
-        raise InvalidArgumentError(
-            "`apply_plan`: this plan was made for another state; its prices hold only there. Plan again on the "
-            "state you apply it to."
-        )
-    for action in plan.actions:
-        sid = action.session_ids[0]
-        # Drops lose a session (info); parks and evictions lose nothing a recompute cannot rebuild (debug).
-        _log.log(logging.INFO if action.kind == "drop" else logging.DEBUG, "release plan for %r: %s", plan.pool, action)
-        if action.kind == "park":
-            state, _ = park(state, sid, action.name, with_sharers=len(action.holders) > 1)  # type: ignore[arg-type]
-        elif action.kind == "evict":
-            state, _ = evict(state, sid, action.name)  # type: ignore[arg-type]
-        else:
-            state = _drop_as_eviction(state, sid)
-    return state
-
-
-def _drop_as_eviction(state: ManagerState, sid: str) -> ManagerState:
-    dropped, _ = drop_session(state, sid)
-    return count_evictions(dropped)  # a session the planner dropped is lost to its continuations
-
-
-def over_budget(state: ManagerState) -> dict[str, tuple[int, int]]:
-    """``{pool: (held, budget)}`` for every pool over its budget (``"*"`` covering each device pool)."""
-    if not state.byte_budget:
-        return {}
-    held = {k[len("nbytes:") :]: v for k, v in stats(state).items() if k.startswith("nbytes:")}
-    return _over(state, held)
-
-
-def over_budget_objects(state: ManagerState, surplus: dict[str, int]) -> bool:
-    """Whether a pool is over budget by the kept object totals plus a known attr ``surplus``: no walk."""
-    totals = ledger_of(state).totals
-    for pool, limit in (state.byte_budget or {}).items():
-        if pool == ANY_DEVICE:
-            if any(held + surplus.get(p, 0) > limit for p, held in totals.items() if "/" not in p):
-                return True
-        elif totals.get(pool, 0) + surplus.get(pool, 0) > limit:
-            return True
-    return False
-
-
-def attr_surplus(state: ManagerState) -> dict[str, int]:
-    """Bytes per pool the attrs hold beyond what the objects hold (a walk of the attrs)."""
-    objects = ledger_of(state).totals
-    with_attrs = {k[len("nbytes:") :]: v for k, v in stats(state).items() if k.startswith("nbytes:")}
-    return {pool: n - objects.get(pool, 0) for pool, n in with_attrs.items() if n > objects.get(pool, 0)}
-
-
-def attr_bytes(attrs: Any) -> dict[str, int]:
-    """Bytes per pool a session's attrs hold (no deduplication against the objects: an upper bound)."""
-    return _by_pool(_extents_of(dict(attrs))) if attrs else {}
-
-
-def _over(state: ManagerState, held: dict[str, int]) -> dict[str, tuple[int, int]]:
-    budget = state.byte_budget or {}
-    out = {}
-    for pool, bytes_held in held.items():
-        limit = budget.get(pool, budget.get(ANY_DEVICE) if "/" not in pool else None)
-        if limit is not None and bytes_held > limit:
-            out[pool] = (bytes_held, limit)
-    return out
-
-
-def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[str] = LEVERS) -> ManagerState:
-    """Bring every pool within the table's byte budget, releasing what `plan_release` chooses.
-
-    Pools are planned one at a time, each on the state the plans before it left, and the result is measured
-    before it is returned: a pool still over its budget is an error, never a returned state.
-
-    Args:
-      state: the table (unchanged).
-      protect: a session id, or ids, never touched.
-      levers: which levers may be used (see `plan_release`).
-
-    Returns:
-      The state within budget; ``state`` itself when every pool already is.
-
-    Raises:
-      BudgetExceededError: a pool cannot be brought within budget even by releasing everything allowed (say,
-        a protected session alone holds more), or a plan did not free what it promised; nothing is changed.
-    """
-    protected = sorted(_protect_ids(protect, "enforce_budget"))
-    levers = tuple(levers)
-    planned: dict[str, ReleasePlan] = {}
-    current = state
-    while True:
-        over = over_budget(current)
-        if not over:
-            return current
-        pool, (held, limit) = min(over.items())
-        if pool in planned:  # measured after applying: the plan did not hold
-            plan = planned[pool]
-            raise BudgetExceededError(
-                f"pool {pool!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)} even "
-                f"after the release plan for it, which promised to free {format_bytes(plan.freed)} there:\n{plan}\n"
-                f"The plan was not installed; the state is as it was.",
-                pool=pool,
-                budget=limit,
-                held=held,
-                releasable=plan.freed,
-            )
-        found = plan_release(current, pool, held - limit, protected, levers=levers)
-        if found is None:
-            releasable = _releasable(current, pool, protected, levers)
-            raise BudgetExceededError(
-                f"pool {pool!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)}, and releasing "
-                f"everything allowed ({', '.join(levers) or 'no levers'}; protected: {protected}) frees "
-                f"only {format_bytes(releasable)}. The last change was refused; the state is as it was.",
-                pool=pool,
-                budget=limit,
-                held=held,
-                releasable=releasable,
-            )
-        _log.debug("enforce_budget: pool %r over budget by %s\n%s", pool, format_bytes(held - limit), found)
-        current = apply_plan(current, found)
-        planned[pool] = found
-
-
-def _releasable(state: ManagerState, pool: str, protect: list[str], levers: tuple[str, ...]) -> int:
-    """The most the planner could free in ``pool``: a plan for an unreachable need, stopped at exhaustion."""
-    lo, hi = 0, sum(v for k, v in stats(state).items() if k == f"nbytes:{pool}")
-    while lo < hi:  # the largest need that still has a plan (plans are monotone in the need)
-        mid = (lo + hi + 1) // 2
-        if plan_release(state, pool, mid, protect, levers=levers) is None:
-            hi = mid - 1
-        else:
-            lo = mid
-    return lo

@@ -28,10 +28,12 @@ from typing import Any, NamedTuple, TypeVar
 from ..core.pytree import MISSING
 from ..core.session import ForkPolicy, SessionState
 from ..core.state_object import StateObject
-from ..engine.paged_kv import POOLS, PagedKVHandle
+from ..engine.kv_handle import PagedKVHandle
+from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError, SessionStateError, SessionStateLostError
 from ..persist import checkpoint as _ckpt
-from ..policy.planner import LEVERS, attr_bytes, attr_surplus, enforce_budget, over_budget_objects
+from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
+from ..policy.planner import LEVERS
 from ..table import manager_state as ms
 from ..table.engine_blocks import free_released
 from ..table.manager_state import ManagerState

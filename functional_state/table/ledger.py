@@ -21,7 +21,8 @@ import immutables
 
 from ..core.latent_buffer import LatentBuffer
 from ..core.state_object import StateObject
-from ..engine.paged_kv import POOLS, PagedKVHandle, kv_keys
+from ..engine.kv_handle import PagedKVHandle, kv_keys
+from ..engine.paged_kv import POOLS
 from ..memory import accounting
 
 _CACHE_SLOT = StateObject.__dict__["_acct_cache"]
