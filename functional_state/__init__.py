@@ -80,7 +80,7 @@ from .table.manager_state import (
     view,
     with_sessions,
 )
-from .table.park import park, restore
+from .table.parked import park, restore
 from .table.step import step
 from .table.usage import stats
 

@@ -16,9 +16,10 @@ from ..table.manager_state import (
     evict,
     ledger_of,
 )
-from ..table.park import park
+from ..table.parked import park
 from ..table.usage import stats
-from .planner import LEVERS, ReleasePlan, by_pool, extents_of, plan_release, protect_ids
+from .planner import LEVERS, ReleasePlan, extents_of, plan_release, protect_ids
+from .pricing import by_pool
 
 _log = logging.getLogger("functional_state")
 

@@ -14,7 +14,7 @@ over its budget. The levers, least loss first:
 
 Never touched: a protected session; an attr on its own (attrs leave only with their session, and their
 bytes are reported as unreleasable); bytes something else still holds. Every action is priced by applying
-it to one ledger of holders (`_Ledger.change`), given the actions before it: what leaves each pool, and
+it to one ledger of holders (`Ledger.change`), given the actions before it: what leaves each pool, and
 what a park puts into its host pools (as `park` really moves it: numpy stays, torch and JAX go to their
 host memory kinds), so an object a protected fork shares frees nothing and the planner moves on to a
 candidate that frees something. `enforce_budget` measures the result before it returns it. Each lever is
@@ -44,6 +44,7 @@ from ..table.manager_state import (
     ledger_of,
     lru_sessions,
 )
+from .pricing import Change, Ledger, by_pool
 
 _log = logging.getLogger("functional_state")
 
@@ -99,75 +100,6 @@ class ReleasePlan:
         if self.unreleasable:
             lines.append(f"  attrs hold {format_bytes(self.unreleasable)} here; they leave only with their session")
         return "\n".join(lines)
-
-
-class _Ledger:
-    """Who holds each extent as the plan's actions so far would leave it; every action is priced here.
-
-    An action is a change of holders: the objects it replaces (``remove``) by what they become (``add``), and
-    the attrs that leave with a dropped session. Its price is measured, not estimated: the extents that stop
-    being held (bytes freed) and those that start (bytes a park fills a host pool with), per pool. Parks,
-    evictions and drops all go through `change`, so "what does this free" has one answer in the planner.
-    """
-
-    def __init__(self, refs: Any, attr_holders: Counter[Extent]):
-        self.refs = refs  # extent -> objects holding it (the table's accounting)
-        self.attr_holders = attr_holders  # extent -> sessions whose attrs hold it
-        self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
-        self.attrs: Counter[Extent] = Counter()
-        self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has
-
-    def held(self, e: Extent, d_objects: int = 0, d_attrs: int = 0) -> bool:
-        objects = self.refs.get(e, 0) + self.objects[e] + d_objects
-        return objects > 0 or self.attr_holders[e] + self.attrs[e] + d_attrs > 0
-
-    def virtual(self, pool: str, nbytes: int) -> Extent:
-        """An extent for a host copy that does not exist yet (a park's), disjoint from every real buffer."""
-        start = self._next_virtual
-        self._next_virtual += nbytes
-        return (pool, start, start + nbytes)
-
-    def change(
-        self, remove: Iterable[frozenset[Extent]], add: Iterable[frozenset[Extent]] = (), attrs: Iterable[Extent] = ()
-    ) -> _Change:
-        """The effect of objects ``remove`` becoming ``add`` (and sessions' ``attrs`` letting go), not yet taken."""
-        d: Counter[Extent] = Counter()
-        for extents in remove:
-            for e in extents:
-                d[e] -= 1
-        for extents in add:
-            for e in extents:
-                d[e] += 1
-        d_attrs: Counter[Extent] = Counter()
-        for e in attrs:
-            d_attrs[e] -= 1
-        left, came = [], []
-        for e in d.keys() | d_attrs.keys():
-            before, after = self.held(e), self.held(e, d[e], d_attrs[e])
-            if before and not after:
-                left.append(e)
-            elif after and not before:
-                came.append(e)
-        frees = by_pool(left)
-        for pool, n in by_pool(came).items():
-            frees[pool] = frees.get(pool, 0) - n
-        return _Change({p: n for p, n in sorted(frees.items()) if n}, frozenset(left), d, d_attrs)
-
-    def take(self, change: _Change) -> None:
-        self.objects.update(change.objects)
-        self.attrs.update(change.attrs)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Change:
-    frees: dict[str, int]  # pool -> bytes leaving (negative: arriving)
-    left: frozenset[Extent]  # extents no holder keeps afterwards
-    objects: Counter[Extent]
-    attrs: Counter[Extent]
-
-
-def by_pool(extents: Iterable[Extent]) -> dict[str, int]:
-    return accounting.union_by_device(list(extents))
 
 
 def protect_ids(protect: Any, what: str) -> set[str]:
@@ -271,7 +203,7 @@ def plan_release(
     held = dict(acct.totals)
     for p, n in by_pool(e for e in attr_holders if e not in acct.refs).items():
         held[p] = held.get(p, 0) + n
-    ledger = _Ledger(acct.refs, attr_holders)
+    ledger = Ledger(acct.refs, attr_holders)
     now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
     actions: list[ReleaseAction] = []
     skipped: list[str] = []
@@ -281,7 +213,7 @@ def plan_release(
     def done() -> bool:
         return freed >= need
 
-    def take(action: ReleaseAction, change: _Change, became: dict[tuple[str, str], frozenset[Extent]]) -> None:
+    def take(action: ReleaseAction, change: Change, became: dict[tuple[str, str], frozenset[Extent]]) -> None:
         nonlocal freed
         ledger.take(change)
         now.update(became)
@@ -399,7 +331,7 @@ def _limit(budget: dict[str, int], pool: str) -> int | None:
     return budget.get(pool, budget.get(ANY_DEVICE) if "/" not in pool else None)
 
 
-def _park_effect(obj: Any, ledger: _Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:
+def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:
     """``(committed, parked)``: the extents of ``obj``'s committed storage (all must be free for `park` to
     proceed), and the extents the parked object holds, its host copies as fresh extents of their host pool.
 

@@ -37,8 +37,8 @@ from ..policy.planner import LEVERS
 from ..table import manager_state as ms
 from ..table.engine_blocks import free_released
 from ..table.manager_state import ManagerState
-from ..table.park import park as park_object
-from ..table.park import restore as restore_object
+from ..table.parked import park as park_object
+from ..table.parked import restore as restore_object
 from ..table.step import step as _pure_step
 from ..table.usage import stats as table_stats
 
