@@ -59,28 +59,23 @@ from .table.manager_state import (
     DEFAULT_SESSION_ID,
     ManagerState,
     commit,
-    del_attr,
     discard,
     drop_session,
-    evict,
     fork_session,
-    get_attr,
     get_or_create,
     get_session,
     incarnation,
     lookup,
     put,
     raise_max_sessions,
-    reset_session,
     resolve_session_id,
     sessions,
-    set_attr,
     stage,
-    update_session,
     view,
     with_sessions,
 )
 from .table.parked import park, restore
+from .table.session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
 from .table.step import step
 from .table.usage import stats
 

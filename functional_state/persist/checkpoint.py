@@ -49,6 +49,7 @@ from ..core.session import SessionState
 from ..errors import CheckpointError, SessionExistsError, SessionStateError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
+from ..table.session_edits import update_session
 from .decode import Reader, decode_sharding, release_sessions
 from .directory import has_checkpoint, import_orbax, list_steps, orbax_manager
 from .encode import AttrHooks, Writer, register_checkpoint_type
@@ -333,7 +334,7 @@ def install_session(state: ManagerState, sid: str, session: SessionState, *, rep
     def install(_: SessionState) -> SessionState:
         return session
 
-    return ms.update_session(state, sid, install)
+    return update_session(state, sid, install)
 
 
 def save(

@@ -13,10 +13,10 @@ from ..table.manager_state import (
     check_state,
     count_evictions,
     drop_session,
-    evict,
     ledger_of,
 )
 from ..table.parked import park
+from ..table.session_edits import evict
 from ..table.usage import stats
 from .planner import LEVERS, ReleasePlan, extents_of, plan_release, protect_ids
 from .pricing import by_pool

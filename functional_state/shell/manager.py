@@ -39,6 +39,7 @@ from ..table.engine_blocks import free_released
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
+from ..table.session_edits import update_session
 from ..table.step import step as _pure_step
 from ..table.usage import stats as table_stats
 
@@ -617,7 +618,7 @@ class SessionStateManager:
     def _store(self, state: ManagerState, cell: _Cell, session: SessionState) -> ManagerState:
         """Under the lock: make ``session`` the cell's state, in the table if the cell is still there."""
         if self._in_table(state, cell):
-            return ms.update_session(state, cell.session_id, lambda _: session)
+            return update_session(state, cell.session_id, lambda _: session)
         cell.session = session
         return state
 

@@ -42,24 +42,18 @@ __all__ = [
     "DEFAULT_SESSION_ID",
     "ManagerState",
     "commit",
-    "del_attr",
     "discard",
     "drop_session",
-    "evict",
     "fork_session",
-    "get_attr",
     "get_or_create",
     "get_session",
     "incarnation",
     "lookup",
     "put",
     "raise_max_sessions",
-    "reset_session",
     "resolve_session_id",
     "sessions",
-    "set_attr",
     "stage",
-    "update_session",
     "view",
     "with_sessions",
 ]
@@ -687,22 +681,6 @@ def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> Mana
     return make_state(mm.finish(), state._meta, acct)
 
 
-def update_session(
-    state: ManagerState, session_id: str | None, fn: Callable[[SessionState], SessionState]
-) -> ManagerState:
-    """Replace session ``session_id`` by ``fn(session)``; recency and counters are unchanged.
-
-    Raises:
-      SessionStateLostError: the session is not in the table.
-      InvalidTypeError: ``fn`` did not return a `SessionState`.
-    """
-    sid, node = locate(state, session_id, "update_session")
-    new = fn(node[_S])
-    if not isinstance(new, SessionState):
-        raise InvalidTypeError(f"`update_session`: fn must return a SessionState, got {type(new).__name__}.")
-    return replace_session(state, sid, node, new)
-
-
 def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
     """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
     sid, node = locate(state, session_id, "put")
@@ -768,49 +746,6 @@ def view(state: ManagerState, session_id: str | None, name: str, include_staged:
     """Read object ``name`` of a session (see `StateObject.view`). Recency is unchanged."""
     _, node = locate(state, session_id, "view")
     return find_object(node, name, "view").view(include_staged=include_staged)
-
-
-def set_attr(state: ManagerState, session_id: str | None, key: str, value: Any, *, on_fork: Any = None) -> ManagerState:
-    """Carry ``value`` (by reference) under ``key`` in a session (see `SessionState.set_attr`)."""
-    sid, node = locate(state, session_id, "set_attr")
-    return replace_session(state, sid, node, node[_S].set_attr(key, value, on_fork=on_fork))
-
-
-def get_attr(state: ManagerState, session_id: str | None, key: str, default: Any = MISSING) -> Any:
-    """The carried value ``key`` of a session: the very object stored. Recency is unchanged.
-
-    Raises:
-      AttrNotFoundError: absent and no default given.
-    """
-    _, node = locate(state, session_id, "get_attr")
-    return node[_S].get_attr(key, default)
-
-
-def del_attr(state: ManagerState, session_id: str | None, key: str) -> ManagerState:
-    """Remove attr ``key`` from a session (a no-op if absent)."""
-    sid, node = locate(state, session_id, "del_attr")
-    return replace_session(state, sid, node, node[_S].del_attr(key))
-
-
-def reset_session(state: ManagerState, session_id: str | None) -> ManagerState:
-    """Reset every object of a session and clear its attrs; the session stays in the table."""
-    sid, node = locate(state, session_id, "reset_session")
-    return replace_session(state, sid, node, node[_S].reset())
-
-
-def evict(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, int]:
-    """Release the committed storage of object ``name`` in a session.
-
-    Returns:
-      ``(state, freed_bytes)``, where ``freed_bytes`` is exactly what leaves the session's accounting:
-      a buffer still reachable from another object or an attr of the session is not freed, and neither
-      are staged bytes.
-    """
-    sid, node = locate(state, session_id, "evict")
-    find_object(node, name, "evict")
-    new_session, freed = node[_S].evict(name)
-    _log.debug("evict: object %r of session %r, %d bytes freed", name, sid, freed)
-    return replace_session(state, sid, node, new_session), freed
 
 
 def _pool_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
