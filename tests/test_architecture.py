@@ -117,6 +117,19 @@ def test_no_private_name_crosses_a_module():
     assert not crossing, crossing
 
 
+def test_the_table_layout_is_read_only_by_the_table_module():
+    # ManagerState's slots hold the node tuples and the counter tuple; their layout is private to one module.
+    owner = MODULES["table.manager_state"]
+    readers = [
+        f"{p.relative_to(PKG)}: .{node.attr}"
+        for p in MODULES.values()
+        if p != owner
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in {"_nodes", "_meta", "_acct"}
+    ]
+    assert not readers, readers
+
+
 def _aliases(path: Path, name: str) -> list[tuple[str, ast.alias]]:
     """The package modules ``name`` imports as modules (``from ..memory import accounting``)."""
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
