@@ -4,24 +4,17 @@ The pure core (`ManagerState` and the functions over it) never mutates its input
 is a thread-safe imperative shell that swaps one immutable value under a lock.
 """
 
-from ._pytree import pytree_dataclass
 from ._version import __version__
-from .accounting import nbytes_by_device, register_alias, total_nbytes
-from .array_ring import ArrayRing
-from .budget import capacity_for, format_bytes, parse_bytes
-from .checkpoint import (
-    SaveHandle,
-    has_checkpoint,
-    load,
-    load_session,
-    read_session,
-    register_checkpoint_type,
-    save,
-    save_session,
-)
-from .config import resolve_session_state_config
-from .dense_value import DenseValue
-from .engine_blocks import free_released, released_blocks
+from .core.array_ring import ArrayRing
+from .core.dense_value import DenseValue
+from .core.latent_buffer import LatentBuffer
+from .core.pytree import pytree_dataclass
+from .core.pytree_value import PytreeValue
+from .core.session import FORK_POLICIES, SessionState
+from .core.session_attr import SessionAttr
+from .core.state_object import StateObject
+from .engine.kv_handle import PagedKVHandle, paged_gather
+from .engine.paged_kv import PagedKVPool
 from .errors import (
     AttrNotFoundError,
     BudgetExceededError,
@@ -46,44 +39,47 @@ from .errors import (
     StateConsumedError,
     StateShapeError,
 )
-from .latent_buffer import LatentBuffer
-from .manager import ReentrantWriteError, SessionHandle, SessionStateManager
-from .manager_state import (
+from .memory.accounting import nbytes_by_device, register_alias, total_nbytes
+from .memory.budget import capacity_for, format_bytes, parse_bytes
+from .persist.checkpoint import (
+    SaveHandle,
+    has_checkpoint,
+    load,
+    load_session,
+    read_session,
+    register_checkpoint_type,
+    save,
+    save_session,
+)
+from .policy.enforce import apply_plan, enforce_budget
+from .policy.planner import LEVERS, ReleaseAction, ReleasePlan, plan_release
+from .shell.config import resolve_session_state_config
+from .shell.manager import ReentrantWriteError, SessionHandle, SessionStateManager
+from .table.engine_blocks import free_released, released_blocks
+from .table.manager_state import (
     DEFAULT_MAX_SESSIONS,
     DEFAULT_SESSION_ID,
     ManagerState,
     commit,
-    del_attr,
     discard,
     drop_session,
-    evict,
     fork_session,
-    get_attr,
     get_or_create,
     get_session,
     incarnation,
     lookup,
-    park,
     put,
     raise_max_sessions,
-    reset_session,
     resolve_session_id,
-    restore,
     sessions,
-    set_attr,
     stage,
-    stats,
-    update_session,
     view,
     with_sessions,
 )
-from .paged_kv import PagedKVHandle, PagedKVPool, paged_gather
-from .planner import LEVERS, ReleaseAction, ReleasePlan, apply_plan, enforce_budget, plan_release
-from .pytree_value import PytreeValue
-from .session import FORK_POLICIES, SessionState
-from .session_attr import SessionAttr
-from .state_object import StateObject
-from .step import step
+from .table.parked import park, restore
+from .table.session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
+from .table.step import step
+from .table.usage import stats
 
 register_checkpoint_type(PytreeValue)  # its structure is plain static data: no hooks needed
 

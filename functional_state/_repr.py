@@ -74,7 +74,7 @@ def torch_summary(tensor: Any) -> str:
     return f"torch.Tensor {dtype}{tuple(int(d) for d in tensor.shape)} {tensor.device}"
 
 
-class _TorchLeaf:
+class TorchLeaf:
     """Stands in for a torch tensor in a treescope rendering: its summary, in treescope's leaf style."""
 
     __slots__ = ("text",)
@@ -101,7 +101,7 @@ def displayable(value: Any) -> Any:
 
 def _swap_tensors(value: Any, tensor_type: type) -> Any:
     if isinstance(value, tensor_type):
-        return _TorchLeaf(value)
+        return TorchLeaf(value)
     if type(value) is dict:
         return {k: _swap_tensors(v, tensor_type) for k, v in value.items()}
     if type(value) is list:

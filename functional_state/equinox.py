@@ -34,12 +34,12 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
         "(`pip install 'functional-state[equinox]'`)."
     ) from e
 
-from ._model_caches import _ModelCaches
+from .model_caches import ModelCaches
 
 __all__ = ["SessionStates"]
 
 
-class SessionStates(_ModelCaches):
+class SessionStates(ModelCaches):
     """Per-session ``eqx.nn.State`` of one Equinox model: the model's arrays held once here, each session's
     state a `PytreeValue` named ``name`` in its session.
 

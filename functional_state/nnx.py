@@ -27,12 +27,12 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
         "`functional_state.nnx` needs Flax: install the `[flax]` extra (`pip install 'functional-state[flax]'`)."
     ) from e
 
-from ._model_caches import _ModelCaches
+from .model_caches import ModelCaches
 
 __all__ = ["SessionCaches"]
 
 
-class SessionCaches(_ModelCaches):
+class SessionCaches(ModelCaches):
     """Per-session caches of one NNX model: the graph and the non-cache state (parameters) held once here,
     each session's cache (the state matching ``filter``) a `PytreeValue` named ``name`` in its session.
 

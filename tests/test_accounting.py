@@ -15,11 +15,11 @@ from functional_state import (
     ManagerState,
     SessionState,
     SessionStateManager,
-    accounting,
     nbytes_by_device,
     register_alias,
 )
-from functional_state.accounting import _jax_device_key, _torch_device_key, walk
+from functional_state.memory import accounting
+from functional_state.memory.accounting import _jax_device_key, _torch_device_key, walk
 from torch_bridge import to_jax, wrap
 
 

@@ -132,11 +132,11 @@ def test_stats_reads_kept_totals_instead_of_walking_objects(monkeypatch):
         buf = buf.commit(torch.zeros(16))
     state = fs.put(state, "a", "buf", buf)
     fs.stats(state)  # builds the totals once
-    from functional_state import accounting
+    from functional_state.memory import accounting
 
     walked = []
-    real = accounting._torch_extents
-    monkeypatch.setattr(accounting, "_torch_extents", lambda t, out: (walked.append(t), real(t, out)))
+    real = accounting.torch_extents
+    monkeypatch.setattr(accounting, "torch_extents", lambda t, out: (walked.append(t), real(t, out)))
     assert fs.stats(state)["total_nbytes"] == 50 * 64 and walked == []  # no object is walked
     state = fs.commit(state, "a", "buf", torch.zeros(4))
     assert len(walked) == 1  # a commit into a buffer looks at the one item it adds (and any it drops)

@@ -197,9 +197,9 @@ def _rewrite_manifest(path: Path, manifest: dict, *, seal: bool) -> None:
     """Write ``manifest`` over the checkpoint's: resealed with its checksum (to reach the checks past it), or
     without one, as versions before the manifest checksum wrote it."""
     manifest = dict(manifest)
-    manifest.pop(fs.checkpoint._SEAL, None)
+    manifest.pop(fs.persist.manifest._SEAL, None)
     if seal:
-        fs.checkpoint._seal(manifest)
+        fs.persist.manifest.seal(manifest)
     _manifest_file(path).write_text(json.dumps(manifest))
 
 
@@ -213,7 +213,7 @@ def _largest_data_file(path: Path) -> Path:
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_checkpoint_is_refused_and_nothing_changes(tmp_path, damage, threads, monkeypatch):
     if threads:  # checksums verified on threads, as for a large checkpoint
-        monkeypatch.setattr(fs.checkpoint, "_PARALLEL_MIN", 0)
+        monkeypatch.setattr(fs.persist.manifest, "_PARALLEL_MIN", 0)
     _, path = _saved(tmp_path)
     target = _largest_data_file(path)
     data = bytearray(target.read_bytes())
@@ -413,7 +413,7 @@ def test_a_bridge_alias_comes_back_as_an_alias_of_the_restored_storage(tmp_path)
 
 
 def test_host_bound_storages_come_back_aligned_and_gpu_bound_ones_skip_the_host_copy(tmp_path):
-    from functional_state.checkpoint import _storages_on_cpu
+    from functional_state.persist.checkpoint import _storages_on_cpu
 
     s, _ = fs.get_or_create(ManagerState.create(), "a")
     s = fs.put(s, "a", "v", fs.DenseValue.create([torch.arange(1000.0), torch.ones(7, dtype=torch.int16)]))

@@ -162,7 +162,7 @@ def test_every_operation_is_pure(name):
 
 def test_private_replace_rejects_misspelt_fields():
     # Regression: the fast replace helper accepted any keyword and silently added an attribute.
-    from functional_state._pytree import replace
+    from functional_state.core.pytree import replace
 
     buf = LatentBuffer.create()
     with pytest.raises(TypeError, match="itmes"):

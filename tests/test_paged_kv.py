@@ -395,7 +395,7 @@ def test_a_freed_pool_layer_leaves_the_accounting_so_reused_memory_counts_as_its
     gc.collect()
     again = torch.empty(64, 1024)  # the allocator may hand the same memory out again
     assert fs.nbytes_by_device(again) == {"cpu": 64 * 1024 * 4}
-    assert pool.uid not in fs.accounting._POOL_LIVE
+    assert pool.uid not in fs.memory.accounting.POOL_LIVE
     del ptr
 
 

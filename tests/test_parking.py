@@ -309,7 +309,7 @@ def test_sharded_arrays_park_per_shard_over_eight_fake_devices():
 
 
 def test_storages_pack_into_bounded_host_buffers_and_restore_exactly(monkeypatch):
-    from functional_state import parking
+    from functional_state.memory import parking
 
     monkeypatch.setattr(parking, "_CHUNK", 1000)  # runs of at most 1,000 bytes
     tensors = [torch.full((100,), float(i)) for i in range(7)]  # 400 bytes each: two per host buffer

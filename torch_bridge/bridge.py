@@ -29,7 +29,7 @@ from functional_state import (
     SessionStateError,
     register_alias,
 )
-from functional_state.accounting import alias_owner
+from functional_state.memory.accounting import alias_owner
 
 from . import _report
 

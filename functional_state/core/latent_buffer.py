@@ -1,0 +1,117 @@
+"""`LatentBuffer`: an append buffer or a bounded ring of items (numpy arrays, torch tensors, JAX arrays)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._repr import short
+from ..errors import InvalidArgumentError
+from .pytree import pytree_dataclass
+from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, check_source
+
+__all__ = ["LatentBuffer"]
+
+
+@pytree_dataclass(static=("maxlen", "status", "recompute_source", "recompute_cost"))
+class LatentBuffer(StateObject):
+    """Items in commit order; unbounded, or a ring of ``maxlen`` that drops the oldest.
+
+    Items are carried by reference (never copied) and may be of any array type. ``view()`` returns them
+    oldest first as a tuple; ``len()`` is the number committed.
+
+    Example:
+      >>> import numpy as np
+      >>> ring = LatentBuffer.create(maxlen=2)
+      >>> for i in range(3):
+      ...     ring = ring.commit(np.full((2,), i))
+      >>> [int(x[0]) for x in ring.view()]
+      [1, 2]
+      >>> ring
+      LatentBuffer(items=(i64[2], i64[2]), maxlen=2, status='resident')
+    """
+
+    items: tuple[Any, ...]  # committed items, oldest first
+    staged: Any  # the staged item, or None
+    host_copy: Any  # ParkedStorage of the items while parked, else None
+    maxlen: int | None  # ring capacity; None for an unbounded append buffer
+    status: Status
+    recompute_source: str | None  # name of an object of the same session this buffer can be rebuilt from
+    recompute_cost: float  # relative cost of rebuilding it: the budget planner evicts the cheapest first
+
+    @classmethod
+    def create(
+        cls,
+        maxlen: int | None = None,
+        *,
+        allocate: bool = True,
+        recompute_source: str | None = None,
+        recompute_cost: float = 1.0,
+    ) -> LatentBuffer:
+        """Build an empty buffer.
+
+        Args:
+          maxlen: ring capacity (a positive int), or None for an unbounded append buffer.
+          allocate: start resident (True) or unallocated (False).
+          recompute_source: the name of another object of the same session this buffer can be rebuilt
+            from (checked when the buffer is put into a session).
+          recompute_cost: what rebuilding it costs, relative to other objects (the planner evicts
+            recomputable objects cheapest first).
+
+        Raises:
+          InvalidArgumentError: ``maxlen`` is not a positive int or None, or ``recompute_source`` is not a
+            non-empty str or None.
+        """
+        if maxlen is not None and (isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0):
+            raise InvalidArgumentError(f"`LatentBuffer.create`: maxlen must be a positive int or None, got {maxlen!r}.")
+        check_source(recompute_source, "LatentBuffer.create", recompute_cost)
+        return cls(
+            items=(),
+            staged=None,
+            host_copy=None,
+            maxlen=maxlen,
+            status=RESIDENT if allocate else UNALLOCATED,
+            recompute_source=recompute_source,
+            recompute_cost=float(recompute_cost),
+        )
+
+    def __len__(self) -> int:
+        self._require_resident("__len__")
+        return len(self.items)
+
+    def _commit_payload(self, payload: Any) -> LatentBuffer:
+        items = self.items + (payload,)
+        if self.maxlen is not None and len(items) > self.maxlen:
+            items = items[len(items) - self.maxlen :]
+        return self._replace(items=items)
+
+    def _committed_view(self) -> tuple[Any, ...]:
+        return self.items
+
+    def _view_with(self, payload: Any) -> tuple[Any, ...]:
+        items = self.items + (payload,)
+        if self.maxlen is not None and len(items) > self.maxlen:
+            items = items[len(items) - self.maxlen :]
+        return items
+
+    def _allocated_storage(self) -> dict[str, Any]:
+        return {"items": ()}
+
+    def _released_storage(self) -> dict[str, Any]:
+        return {"items": ()}
+
+    def _committed_roots(self) -> Any:
+        return self.items
+
+    def _parkable_fields(self) -> dict[str, Any]:
+        return {"items": self.items}
+
+    def _parked_fields(self) -> dict[str, Any]:
+        return {"items": ()}
+
+    def __repr__(self) -> str:
+        parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]
+        if self.staged is not None:
+            parts.insert(1, f"staged={short(self.staged)}")
+        if self.recompute_source is not None:
+            parts.append(f"recompute_source={self.recompute_source!r}")
+        return f"LatentBuffer({', '.join(parts)})"

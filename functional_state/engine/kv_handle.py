@@ -1,0 +1,212 @@
+"""PagedKVHandle: the blocks of an engine KV pool one session holds, as a state object, and paged_gather."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.pytree import pytree_dataclass
+from ..core.state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, check_source
+from ..errors import (
+    InvalidArgumentError,
+    InvalidTypeError,
+    NotParkedError,
+)
+from ..memory import accounting
+from .paged_kv import PagedKVPool, is_torch
+
+__all__ = ["PagedKVHandle", "paged_gather"]
+
+
+def paged_gather(layer: Any, block_ids: Any) -> Any:
+    """The rows of ``block_ids`` of one pool layer, in order, flattened to ``[len(ids) * block_size, ...]``.
+
+    Pure and jittable for JAX layers (``block_ids`` an int array; one trace per number of blocks); torch
+    layers use ``index_select``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> layer = jnp.arange(24.0).reshape(4, 3, 2)
+      >>> jax.jit(paged_gather)(layer, jnp.array([2, 0]))[:, 0].tolist()
+      [12.0, 14.0, 16.0, 0.0, 2.0, 4.0]
+    """
+    if is_torch(layer):
+        torch = accounting.torch_module()
+        ids = torch.as_tensor(np.asarray(block_ids, dtype=np.int64), device=layer.device)
+        out = layer.index_select(0, ids)
+        return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
+    if isinstance(layer, np.ndarray):
+        out = layer[np.asarray(block_ids, dtype=np.int64)]
+        return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
+    out = jnp.take(layer, jnp.asarray(block_ids, dtype=jnp.int32), axis=0)
+    return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
+
+
+@pytree_dataclass(static=("pool", "block_ids", "staged", "status", "recompute_source", "recompute_cost"))
+class PagedKVHandle(StateObject):
+    """A session's blocks in an engine's paged KV pool: committing appends block ids, oldest first.
+
+    The handle holds ids, never pool memory: its bytes are its blocks' (see the module docstring), and the
+    engine frees them when the last handle referencing them in a manager lets go. ``stage(ids)`` holds the
+    blocks of an in-progress window apart; ``view()`` gathers the K/V of every block, per layer.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> layer = jnp.zeros((16, 4, 8))
+      >>> pool = PagedKVPool(layer, free=lambda ids: None, name="kv")
+      >>> h = PagedKVHandle.create(pool).commit([0, 1]).commit([7])
+      >>> h.block_ids, h.num_tokens, h.view().shape
+      ((0, 1, 7), 12, (12, 8))
+    """
+
+    pool: PagedKVPool
+    block_ids: tuple[int, ...]
+    staged: tuple[int, ...] | None  # staged block ids, or None
+    host_copy: Any  # the engine's offload token while parked, else None
+    status: Status
+    recompute_source: str | None
+    recompute_cost: float
+
+    @classmethod
+    def create(
+        cls,
+        pool: PagedKVPool,
+        block_ids: Sequence[int] = (),
+        *,
+        recompute_source: str | None = None,
+        recompute_cost: float = 1.0,
+    ) -> PagedKVHandle:
+        """A handle on ``pool`` holding ``block_ids`` (the engine allocated them for this session).
+
+        Raises:
+          InvalidTypeError: ``pool`` is not a `PagedKVPool`. InvalidArgumentError: bad ids (see `PagedKVPool.check_ids`).
+        """
+        if not isinstance(pool, PagedKVPool):
+            raise InvalidTypeError(f"`PagedKVHandle.create`: pool must be a PagedKVPool, got {type(pool).__name__}.")
+        check_source(recompute_source, "PagedKVHandle.create", recompute_cost)
+        ids = pool.check_ids(block_ids, "PagedKVHandle.create")
+        return cls(pool, ids, None, None, RESIDENT, recompute_source, float(recompute_cost))
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots of the committed blocks (``len(block_ids) * block_size``)."""
+        return len(self.block_ids) * self.pool.block_size
+
+    def held_blocks(self) -> tuple[int, ...]:
+        """Every block id this handle keeps from the engine: committed, then staged."""
+        return self.block_ids + (self.staged or ())
+
+    def __len__(self) -> int:
+        self._require_resident("__len__")
+        return len(self.block_ids)
+
+    # --- StateObject hooks ------------------------------------------------------------------------------
+    def _check_payload(self, payload: Any) -> None:
+        ids = self.pool.check_ids(payload, "PagedKVHandle.commit")
+        again = sorted(set(ids) & set(self.block_ids))
+        if again:
+            raise InvalidArgumentError(
+                f"`PagedKVHandle.commit`: blocks {again[:5]} are already in this handle; a block appears once."
+            )
+
+    def stage(self, payload: Any) -> PagedKVHandle:
+        self._require_resident("stage")
+        self._check_payload(payload)
+        return self._replace(staged=self.pool.check_ids(payload, "PagedKVHandle.stage"))
+
+    def _commit_payload(self, payload: Any) -> PagedKVHandle:
+        return self._replace(block_ids=self.block_ids + self.pool.check_ids(payload, "PagedKVHandle.commit"))
+
+    def _committed_view(self) -> Any:
+        return self._gather(self.block_ids)
+
+    def _view_with(self, payload: Any) -> Any:
+        return self._gather(self.block_ids + tuple(payload))
+
+    def _gather(self, ids: tuple[int, ...]) -> Any:
+        layers = [paged_gather(layer, ids) for layer in self.pool.layers()]
+        return layers[0] if len(layers) == 1 else layers
+
+    def _allocated_storage(self) -> dict[str, Any]:
+        return {"block_ids": ()}
+
+    def _released_storage(self) -> dict[str, Any]:
+        return {"block_ids": ()}
+
+    def _committed_roots(self) -> Any:
+        return ()
+
+    def _parkable_fields(self) -> dict[str, Any]:
+        return {"block_ids": self.block_ids}
+
+    # --- lifecycle: bytes and parking go through the engine ---------------------------------------------
+    def evict(self) -> tuple[PagedKVHandle, int]:
+        """Let go of the committed blocks (the manager frees them in the engine when no other handle holds
+        them). Returns ``(evicted_handle, bytes_of_its_committed_blocks)``."""
+        if self.status == PARKED:
+            return self._replace(status=EVICTED, host_copy=None, block_ids=()), 0
+        if self.status != RESIDENT:
+            return self, 0
+        return self._replace(status=EVICTED, block_ids=()), len(self.block_ids) * self.pool.block_nbytes
+
+    def park(self) -> PagedKVHandle:
+        """The blocks copied to host by the engine's ``offload`` (the device blocks are then released).
+
+        Raises:
+          NotResidentError, ObjectParkedError: nothing resident to park. InvalidArgumentError: the pool's
+          engine offers no offload.
+        """
+        self._require_resident("park")
+        if self.pool.offload_fn is None:
+            raise InvalidArgumentError(
+                f"`PagedKVHandle.park`: pool {self.pool.name!r} offers no offload; evict the handle instead "
+                f"(its K/V can be recomputed from {self.recompute_source!r})."
+            )
+        token = self.pool.offload_fn(self.block_ids)
+        return self._replace(status=PARKED, host_copy=token, block_ids=())
+
+    def restore(self) -> PagedKVHandle:
+        """Blocks allocated again by the engine's ``reload`` and the K/V copied back.
+
+        Raises:
+          NotParkedError: the handle is not parked.
+        """
+        if self.status != PARKED:
+            raise NotParkedError(
+                f"`PagedKVHandle.restore` called on a {self.status} handle: only a parked one can be restored."
+            )
+        assert self.pool.reload_fn is not None
+        ids = self.pool.check_ids(self.pool.reload_fn(self.host_copy), "PagedKVPool reload")
+        return self._replace(status=RESIDENT, host_copy=None, block_ids=ids)
+
+    @property
+    def parkable(self) -> bool:
+        return self.pool.offload_fn is not None
+
+    # --- accounting -------------------------------------------------------------------------------------
+    def _accounting_extents(self) -> list[tuple[str, int, int]]:
+        return self.pool.extents(self.held_blocks())
+
+    def _accounting_children(self) -> tuple[Any, ...]:
+        return (self.host_copy,)
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        return {self.pool.device: len(self.block_ids) * self.pool.block_nbytes} if self.block_ids else {}
+
+    def staged_nbytes_by_device(self) -> dict[str, int]:
+        return {self.pool.device: len(self.staged) * self.pool.block_nbytes} if self.staged else {}
+
+    def __repr__(self) -> str:
+        ids = self.block_ids if len(self.block_ids) <= 8 else (*self.block_ids[:4], "...", *self.block_ids[-2:])
+        return f"PagedKVHandle({self.pool.name!r}, blocks={ids}, status={self.status!r})"
+
+
+def kv_keys(obj: Any) -> tuple[tuple[int, int], ...]:
+    """``(pool uid, block id)`` of every block a handle keeps from its engine (empty for other objects)."""
+    if type(obj) is PagedKVHandle:
+        uid = obj.pool.uid
+        return tuple((uid, b) for b in obj.held_blocks())
+    return ()

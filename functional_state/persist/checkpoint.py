@@ -1,0 +1,400 @@
+"""Checkpoint, restore and migrate sessions: complete snapshots written by orbax-checkpoint.
+
+A checkpoint is an orbax `CheckpointManager` directory (one step kept): an ``arrays`` item holding every
+buffer (JAX arrays as they are, sharded or not; each torch *storage* once, as raw bytes; numpy arrays as raw
+bytes) and a ``manifest`` item (JSON) recording the library version, the layout, each session's structure
+(objects with their lifecycle status and ring positions, staged payloads, attrs and fork policies) and, per
+leaf, its dtype, shape and checksum (XXH3-128); the manifest carries a checksum of its own, and a load checks
+it and every leaf's before it builds anything. orbax writes a step to a temporary directory and renames it
+when complete, so a checkpoint is complete or absent, and a save that dies part-way (killed, out of space)
+leaves the previous one, which is deleted only once the new one is complete.
+
+A save writes only into a directory it made (marked ``_FUNCTIONAL_STATE``) or one holding its checkpoints, and
+refuses one holding anything that looks like a step but is not one of ours. Saves into one directory
+are serialised within a process: a second waits for the first, an asynchronous one included. An
+asynchronous save nobody waits for still completes: its handle finishes on a thread of its own, and one still
+running at interpreter exit is waited for then (a failure nobody heard is printed to stderr).
+
+Restoring is not recomputing: counters, ring order, staged payloads, parked objects (parked again on load)
+and views that shared one torch storage (one storage again; a JAX array that aliased a torch tensor through
+the bridge aliases the restored storage) come back as they were, in the framework,
+dtype and shape they had, on the device they had or the ``placement`` asked for. Attrs are saved when they
+are arrays, tensors, scalars, str, bytes, None, or lists/tuples/dicts of those; anything else raises
+`CheckpointError` before a byte is written, unless an ``attr_hooks`` entry exports it (never pickle).
+
+Example:
+  >>> import tempfile, numpy as np, functional_state as fs
+  >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "robot")
+  >>> s = fs.commit(fs.put(s, "robot", "ring", fs.LatentBuffer.create(maxlen=2)), "robot", "ring", np.arange(3))
+  >>> path = tempfile.mkdtemp() + "/robot"
+  >>> save_session(s, "robot", path).done()
+  True
+  >>> t = load_session(fs.ManagerState.create(), "robot", path)
+  >>> fs.view(t, "robot", "ring")[0].tolist()
+  [0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._version import __version__
+from ..core.session import SessionState
+from ..errors import CheckpointError, SessionExistsError, SessionStateError
+from ..table import manager_state as ms
+from ..table.manager_state import ManagerState
+from ..table.session_edits import update_session
+from .decode import Reader, decode_sharding, release_sessions
+from .directory import has_checkpoint, import_orbax, list_steps, orbax_manager
+from .encode import AttrHooks, Writer, register_checkpoint_type
+from .manifest import (
+    CHECKSUM,
+    FORMAT,
+    LAYOUT,
+    aligned_copy,
+    check_manifest,
+    checksum,
+    in_parallel,
+    leaf_nbytes,
+)
+from .store import SaveHandle, write
+
+__all__ = [
+    "SaveHandle",
+    "has_checkpoint",
+    "install_session",
+    "load",
+    "load_session",
+    "read_session",
+    "register_checkpoint_type",
+    "save",
+    "save_session",
+]
+
+
+_log = logging.getLogger("functional_state")
+
+
+# --- encoding: state -> (JSON nodes, arrays) ------------------------------------------------------------
+
+
+# --- decoding: (JSON nodes, arrays) -> state --------------------------------------------------------------
+
+
+# --- orbax I/O ----------------------------------------------------------------------------------------------
+
+
+def _read(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    root = Path(os.fspath(path)).absolute()
+    try:
+        return _read_step(root, placement, torch_device)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # fields a manifest lacks or garbles
+        raise CheckpointError(
+            f"{root}: the manifest does not describe a checkpoint this version can read ({type(e).__name__}: "
+            f"{str(e)[:200]}); it is damaged or was not written by functional_state."
+        ) from e
+    except OSError as e:
+        raise CheckpointError(f"{root} cannot be read ({type(e).__name__}: {e}).") from e
+
+
+def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    ocp = import_orbax()
+    steps = list_steps(root)
+    if not steps:
+        what = "does not exist" if not root.exists() else "holds no complete checkpoint"
+        raise CheckpointError(f"{root} {what} (expected a directory written by functional_state's save).")
+    step = max(steps)
+    manifest = steps[step]
+    if manifest is None:
+        raise CheckpointError(
+            f"{root / str(step)}: its manifest is missing, unreadable or not functional_state's; the checkpoint is "
+            f"damaged or another tool wrote this directory."
+        )
+    check_manifest(manifest, root)
+    manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
+    try:
+        abstract: dict[str, Any] = {}
+        for key, info in manifest["leaves"].items():
+            if info["kind"] == "jax":
+                sharding = _placement_for(placement, key, info)
+                abstract[key] = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=sharding)
+            else:
+                abstract[key] = np.empty(info["nbytes"], np.uint8)
+        try:
+            restore = ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+            )
+            arrays = manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"]
+        except Exception as e:
+            raise CheckpointError(
+                f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
+                f"{str(e)[:300]})."
+            ) from e
+    finally:
+        manager.close()
+    leaves = manifest["leaves"]
+    missing = [key for key in leaves if arrays.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{root}: leaf {missing[0]!r} is missing from the arrays.")
+
+    on_cpu = _storages_on_cpu(manifest, torch_device)
+
+    def verify(key: str) -> tuple[Any, bool]:
+        got, info = arrays[key], leaves[key]
+        if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
+            got = aligned_copy(np.asarray(got, dtype=np.uint8))
+        for algorithm in (CHECKSUM, "sha256"):
+            if algorithm in info:
+                return got, checksum(np.asarray(got), algorithm) == info[algorithm]
+        return got, True  # a leaf no process could read whole (sharded over several hosts) has none
+
+    keys = sorted(leaves, key=lambda k: -leaf_nbytes(leaves[k]))  # largest first, so the cores finish together
+    results = in_parallel(verify, keys, sum(leaf_nbytes(info) for info in leaves.values()))
+    for key, (got, ok) in zip(keys, results):
+        if not ok:
+            info = leaves[key]
+            raise CheckpointError(
+                f"{root}: leaf {key!r} ({info['kind']}, {info.get('dtype', 'bytes')}) fails its checksum: the "
+                f"checkpoint is corrupted."
+            )
+        arrays[key] = got
+    return manifest, arrays
+
+
+def _storages_on_cpu(manifest: dict[str, Any], torch_device: Any) -> set[str]:
+    """The torch storages a load leaves in host memory: the ones to copy into memory JAX can alias. A storage
+    bound for a GPU goes there from orbax's read buffer directly, with no host copy between."""
+    storages = {key for key, info in manifest["leaves"].items() if info["kind"] == "torch_storage"}
+    if torch_device is not None:
+        return storages if str(torch_device).split(":")[0] == "cpu" else set()
+    found: set[str] = set()
+    stack: list[Any] = [manifest["sessions"]]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if x.get("t") == "torch" and str(x.get("device", "cpu")).split(":")[0] == "cpu":
+                found.add(x["storage"])
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return found & storages
+
+
+def _placement_for(placement: Any, key: str, info: dict[str, Any]) -> Any:
+    """Where JAX leaf ``key`` goes: the caller's placement, else the sharding it was saved with (``info``)."""
+    if placement is None:
+        return decode_sharding(info["sharding"])
+    if callable(placement) and not isinstance(placement, (jax.Device, jax.sharding.Sharding)):
+        placement = placement(key)
+    if isinstance(placement, jax.Device):
+        return jax.sharding.SingleDeviceSharding(placement)
+    if isinstance(placement, jax.sharding.Sharding):
+        return placement
+    raise CheckpointError(
+        f"placement must be a jax.Device, a jax.sharding.Sharding, or a callable giving one; got {placement!r}."
+    )
+
+
+# --- the public functions -----------------------------------------------------------------------------------
+
+
+def save_session(
+    state: ManagerState,
+    session_id: str | None,
+    path: Any,
+    *,
+    asynchronous: bool = False,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> SaveHandle:
+    """Write session ``session_id`` of ``state`` to the checkpoint directory ``path`` (replacing an earlier
+    checkpoint there only once the new one is complete).
+
+    Args:
+      asynchronous: return once the values are captured; the write completes in the background
+        (``handle.wait()``), even if nobody waits: at exit, Python waits for it. Host buffers a model could
+        change in place are copied first. A save to a path with a save in flight waits for that one first.
+      attr_hooks: ``{attr: (export, import)}`` for attrs of other types: ``export(value)`` returns a
+        checkpointable value, and `load_session` calls ``import`` on it.
+      object_hooks: the same for objects by name (an engine-owned `PagedKVHandle`: export its K/V, import it
+        into the new engine's blocks).
+
+    Returns:
+      A `SaveHandle` (already complete unless ``asynchronous``).
+
+    Raises:
+      CheckpointError: an object or attr that cannot be checkpointed (named, before anything is written),
+        ``path`` is something other than a checkpoint directory (a file, a broken link, another tool's
+        directory), or the write failed (out of space, say); the previous checkpoint at ``path`` stays.
+      SessionStateLostError: no such session.
+    """
+    sid, node = ms.locate(state, session_id, "save_session")
+    writer = Writer(attr_hooks, asynchronous, object_hooks)
+    manifest = _manifest("session", [writer.session(ms.node_session(node), sid)])
+    return write(path, manifest, writer, asynchronous)
+
+
+def read_session(
+    session_id: str | None,
+    path: Any,
+    *,
+    placement: Any = None,
+    torch_device: Any = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> SessionState:
+    """The `SessionState` of ``session_id`` in the checkpoint at ``path`` (what `load_session` installs).
+
+    Raises:
+      CheckpointError: see `load_session`.
+    """
+    sid = ms.resolve_id(session_id, "read_session")
+    manifest, arrays = _read(path, placement, torch_device)
+    entries = {e["id"]: e for e in manifest["sessions"]}
+    if sid not in entries:
+        raise CheckpointError(f"{path}: holds sessions {sorted(entries)[:8]}, not {sid!r}.")
+    try:
+        return Reader(arrays, attr_hooks, torch_device, object_hooks).session(entries[sid])
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{path}: session {sid!r} cannot be rebuilt ({type(e).__name__}: {e}).") from e
+
+
+def load_session(
+    state: ManagerState,
+    session_id: str | None,
+    path: Any,
+    *,
+    placement: Any = None,
+    torch_device: Any = None,
+    as_id: str | None = None,
+    replace: bool = False,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> ManagerState:
+    """``state`` with session ``session_id`` loaded from the checkpoint at ``path`` (under ``as_id`` if given),
+    as the most recently used session.
+
+    Args:
+      placement: where JAX leaves go: None (the devices and sharding they were saved with, when present),
+        a ``jax.Device``, a ``jax.sharding.Sharding``, or a callable from leaf key to one of those.
+      torch_device: where torch tensors go (default: the device each was saved from).
+      replace: load over a session of that id (default: refuse; the caller decides what a clash means).
+      attr_hooks, object_hooks: the import halves of the hooks the save used.
+
+    Raises:
+      CheckpointError: ``path`` is not a checkpoint, is damaged (the leaf is named), was written with another
+        layout, or does not hold ``session_id``. SessionExistsError: the id is taken and not ``replace``.
+      Nothing changes unless the load fully succeeds (this is a pure function), and a load that fails hands
+      the KV blocks its import hooks took back to their engines.
+    """
+    target = ms.resolve_id(as_id if as_id is not None else session_id, "load_session")
+    check_free(state, target, replace)
+    session = read_session(
+        session_id,
+        path,
+        placement=placement,
+        torch_device=torch_device,
+        attr_hooks=attr_hooks,
+        object_hooks=object_hooks,
+    )
+    try:
+        return install_session(state, target, session, replace=replace)
+    except BaseException as e:
+        release_sessions([session], e)
+        raise
+
+
+def check_free(state: ManagerState, sid: str, replace: bool) -> None:
+    if type(state) is not ManagerState:
+        ms.check_state(state, "load_session")
+    if sid in state and not replace:
+        raise SessionExistsError(
+            f"`load_session`: session {sid!r} is already in the table; drop it first, load under another id "
+            f"(as_id=...), or pass replace=True."
+        )
+
+
+def install_session(state: ManagerState, sid: str, session: SessionState, *, replace: bool = False) -> ManagerState:
+    """``state`` holding ``session`` under ``sid`` as its most recent session (a loaded one, say)."""
+    check_free(state, sid, replace)
+    if sid in state:
+        state, _ = ms.drop_session(state, sid)
+    state, _ = ms.get_or_create(state, sid)
+
+    def install(_: SessionState) -> SessionState:
+        return session
+
+    return update_session(state, sid, install)
+
+
+def save(
+    state: ManagerState,
+    path: Any,
+    *,
+    asynchronous: bool = False,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> SaveHandle:
+    """Write the whole table: every session, their recency order, the counters and the configuration.
+
+    See `save_session` for the arguments and errors.
+    """
+    if type(state) is not ManagerState:
+        ms.check_state(state, "save")
+    writer = Writer(attr_hooks, asynchronous, object_hooks)
+    sessions = [writer.session(session, sid) for sid, session in ms.sessions(state).items()]
+    manifest = _manifest("table", sessions)
+    manifest["table"] = {
+        "max_sessions": state.max_sessions,
+        "byte_budget": state.byte_budget,
+        "evict_when_full": state.evict_when_full,
+        "counters": list(state.counters),
+    }
+    return write(path, manifest, writer, asynchronous)
+
+
+def load(
+    path: Any,
+    *,
+    placement: Any = None,
+    torch_device: Any = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> ManagerState:
+    """The table a `save` wrote: sessions in their recency order, counters and configuration as they were.
+
+    Raises:
+      CheckpointError: see `load_session`; also a checkpoint of one session (use `load_session`).
+    """
+    manifest, arrays = _read(path, placement, torch_device)
+    table = manifest.get("table")
+    if manifest["kind"] != "table" or table is None:
+        raise CheckpointError(f"{path} holds a session checkpoint, not a table; use load_session.")
+    reader = Reader(arrays, attr_hooks, torch_device, object_hooks)
+    try:
+        state = ManagerState.create(table["max_sessions"], table["byte_budget"], table["evict_when_full"])
+    except SessionStateError as e:
+        raise CheckpointError(f"{path}: the table's configuration is not one a table can have ({e}).") from e
+    try:
+        for entry in manifest["sessions"]:  # least recently used first: each insertion is the most recent
+            state = install_session(state, entry["id"], reader.session(entry))
+    except BaseException as e:
+        release_sessions(ms.sessions(state).values(), e)
+        if isinstance(e, (SessionStateError, KeyboardInterrupt)) or not isinstance(e, Exception):
+            raise
+        raise CheckpointError(f"{path}: a session cannot be rebuilt ({type(e).__name__}: {e}).") from e
+    return ms.with_counters(state, table["counters"])
+
+
+def _manifest(kind: str, sessions: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"format": FORMAT, "layout": LAYOUT, "library_version": __version__, "kind": kind, "sessions": sessions}

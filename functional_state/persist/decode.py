@@ -1,0 +1,181 @@
+"""Decoding a checkpoint: the reader that rebuilds objects, attrs and leaves from manifest nodes and restored
+buffers, and the release of what a failed load allocated."""
+
+from __future__ import annotations
+
+import base64
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core.session import SessionState
+from ..engine.kv_handle import PagedKVHandle
+from ..errors import CheckpointError
+from ..memory.parking import jax_alias
+from .encode import TYPES, AttrHooks
+from .manifest import (
+    import_torch,
+)
+
+
+def _owner_type(name: str | None) -> type | None:
+    """The alias record type a checkpoint names, if its module is already imported (a checkpoint never
+    imports code); else None, and the tensor itself owns the alias."""
+    if not name:
+        return None
+    module, _, qualname = name.partition(":")
+    cls = getattr(sys.modules.get(module), qualname, None)
+    return cls if isinstance(cls, type) else None
+
+
+def decode_sharding(info: dict[str, Any]) -> Any:
+    devices = {d.id: d for d in jax.devices()}
+    if info["kind"] == "single" and info["device"] in devices:
+        return jax.sharding.SingleDeviceSharding(devices[info["device"]])
+    if info["kind"] == "named" and all(i in devices for i in info["device_ids"]):
+        mesh_devices = np.array([devices[i] for i in info["device_ids"]]).reshape(info["mesh_shape"])
+        mesh = jax.sharding.Mesh(mesh_devices, tuple(info["axis_names"]))
+        spec = jax.sharding.PartitionSpec(*[tuple(p) if isinstance(p, list) else p for p in info["spec"]])
+        return jax.sharding.NamedSharding(mesh, spec)
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+class Reader:
+    def __init__(
+        self,
+        arrays: Mapping[str, Any],
+        hooks: AttrHooks | None,
+        torch_device: Any,
+        object_hooks: AttrHooks | None = None,
+    ):
+        self.object_hooks = dict(object_hooks or {})
+        self.arrays = arrays
+        self.hooks = dict(hooks or {})
+        self.torch_device = torch_device
+        self.storages: dict[tuple[str, str], Any] = {}
+
+    def value(self, node: dict[str, Any]) -> Any:
+        t = node["t"]
+        if t == "v":
+            return node["v"]
+        if t == "f":
+            return float(node["v"])
+        if t == "b":
+            return base64.b64decode(node["v"])
+        if t == "np":
+            return np.dtype(node["dtype"]).type(node["v"] if isinstance(node["v"], int) else float(node["v"]))
+        if t in ("list", "tuple"):
+            items = [self.value(v) for v in node["items"]]
+            return items if t == "list" else tuple(items)
+        if t == "dict":
+            return {k: self.value(v) for k, v in node["items"]}
+        if t == "torch":
+            return self._tensor(node)
+        if t == "jax":
+            return self.arrays[node["key"]]
+        if t == "jax_alias":
+            return jax_alias(self._tensor(node["tensor"]), _owner_type(node.get("owner")))
+        if t == "numpy":
+            raw = np.asarray(self.arrays[node["key"]])
+            return raw.view(np.dtype(node["dtype"])).reshape(node["shape"]).copy()
+        if t == "obj":
+            return self.object(node)
+        raise CheckpointError(f"unknown node kind {t!r} in the manifest")
+
+    def _tensor(self, node: dict[str, Any]) -> Any:
+        torch = import_torch()
+        if torch is None:
+            import torch  # a checkpoint holding tensors needs torch to load them
+        device = torch.device(self.torch_device if self.torch_device is not None else node["device"])
+        skey = (node["storage"], str(device))
+        storage = self.storages.get(skey)
+        if storage is None:
+            # `_read` already made each host-bound storage an aligned copy of its own (`_storages_on_cpu` picks
+            # them by the same device rule as here); one bound for a GPU is copied there from orbax's buffer.
+            host = torch.from_numpy(np.asarray(self.arrays[node["storage"]], dtype=np.uint8))
+            storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
+        dtype = getattr(torch, node["dtype"])
+        out = torch.empty(0, dtype=dtype, device=device).set_(
+            storage.untyped_storage(), node["offset"], node["shape"], node["stride"]
+        )
+        return out.requires_grad_(True) if node.get("requires_grad") else out
+
+    def object(self, node: dict[str, Any]) -> Any:
+        cls = TYPES.get(node["type"])
+        if cls is None:
+            raise CheckpointError(
+                f"the checkpoint holds a {node['type']!r}, which is not a registered checkpoint type here; "
+                f"register it with `register_checkpoint_type` before loading."
+            )
+        values = {k: self.value(v) for k, v in node["fields"].items()}
+        values.update({k: _decode_static(v) for k, v in node["static"].items()})
+        values["host_copy"] = None
+        obj: Any = cls(**values)
+        return obj.park() if node.get("parked") else obj
+
+    def session(self, node: dict[str, Any]) -> SessionState:
+        objects: dict[str, Any] = {}
+        try:
+            return self._session(node, objects)
+        except BaseException as e:
+            _release_kv(objects.values(), e)  # blocks an import hook took for a session that is not built
+            raise
+
+    def _session(self, node: dict[str, Any], objects: dict[str, Any]) -> SessionState:
+        for name, v in node["objects"].items():
+            if v["t"] != "hooked":
+                objects[name] = self.object(v)
+            elif name in self.object_hooks:
+                objects[name] = self.object_hooks[name][1](self.value(v["value"]))
+            else:
+                raise CheckpointError(
+                    f"object {name!r} was saved through an export hook; pass object_hooks={{{name!r}: (export, "
+                    f"import)}} to load it."
+                )
+        attrs = {}
+        for key, v in node["attrs"].items():
+            value = self.value(v)
+            if key in node.get("hooked", ()):
+                if key not in self.hooks:
+                    raise CheckpointError(
+                        f"attr {key!r} was saved through an export hook; pass attr_hooks={{{key!r}: (export, "
+                        f"import)}} to load it."
+                    )
+                value = self.hooks[key][1](value)
+            attrs[key] = value
+        return SessionState(objects, attrs, node.get("policies") or {})
+
+
+def _release_kv(objects: Iterable[Any], error: BaseException) -> None:
+    """Hand back to their engines the blocks held by the `PagedKVHandle` among ``objects``, which import hooks
+    allocated for a load that failed (``error``): a load that fails leaves the engine as it found it too.
+
+    Every handle in a loaded session comes from an import hook (a save refuses a handle without one), so all
+    of its blocks are the load's own. A failing free is noted on ``error`` rather than hiding it.
+    """
+    for obj in objects:
+        if isinstance(obj, PagedKVHandle) and obj.resident:
+            ids = tuple(sorted(set(obj.block_ids) | set(obj.staged or ())))
+            if ids:
+                try:
+                    obj.pool.free_fn(ids)
+                except Exception as free_error:
+                    error.add_note(f"handing back KV blocks {ids} of the failed load also failed: {free_error!r}")
+
+
+def release_sessions(sessions: Iterable[SessionState], error: BaseException) -> None:
+    for session in sessions:
+        _release_kv(session.objects.values(), error)
+
+
+def _decode_static(node: dict[str, Any]) -> Any:
+    if node["t"] == "tuple":
+        return tuple(_decode_static(v) for v in node["items"])
+    if node["t"] == "dtype":
+        return np.dtype(node["v"])
+    if node["t"] == "f":
+        return float(node["v"])
+    return node["v"]

@@ -1,0 +1,291 @@
+"""Encoding a session for a checkpoint: the registered object types, and the writer that turns objects, attrs and
+leaves into manifest nodes plus the buffers orbax writes."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core.array_ring import ArrayRing
+from ..core.dense_value import DenseValue
+from ..core.latent_buffer import LatentBuffer
+from ..core.session import SessionState
+from ..core.state_object import PARKED, RESIDENT, StateObject
+from ..engine.kv_handle import PagedKVHandle
+from ..errors import CheckpointError, InvalidTypeError
+from ..memory import accounting
+from ..memory.parking import JaxLeaf, TorchLeaf, host_storage, rebuild_leaf
+from .manifest import (
+    CHECKSUM,
+    checksum,
+    import_torch,
+    in_parallel,
+)
+
+TYPES: dict[str, type[StateObject]] = {"LatentBuffer": LatentBuffer, "ArrayRing": ArrayRing, "DenseValue": DenseValue}
+
+AttrHooks = Mapping[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]
+
+
+def register_checkpoint_type(cls: type[StateObject]) -> type[StateObject]:
+    """Allow checkpoints to hold instances of ``cls``, a `StateObject` subclass (a `pytree_dataclass`); its
+    fields must hold checkpointable values. Checkpoints name types, they never import them. Usable as a
+    decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, StateObject)):
+        raise InvalidTypeError(f"`register_checkpoint_type`: expected a StateObject subclass, got {cls!r}.")
+    TYPES[cls.__name__] = cls
+    return cls
+
+
+@dataclasses.dataclass(frozen=True)
+class _AliasLeaf:
+    """Inside the writer only: a parked bridge alias, as the host tensor it will be saved from."""
+
+    tensor: Any
+    owner_type: type | None
+
+
+def _owner_name(owner_type: type | None) -> str | None:
+    return None if owner_type is None else f"{owner_type.__module__}:{owner_type.__qualname__}"
+
+
+class Writer:
+    def __init__(self, hooks: AttrHooks | None, copy_host: bool, object_hooks: AttrHooks | None = None):
+        self.object_hooks = dict(object_hooks or {})
+        self.arrays: dict[str, Any] = {}
+        self.leaves: dict[str, dict[str, Any]] = {}
+        self.storages: dict[tuple[str, int, int], str] = {}  # (device, storage pointer, bytes) -> leaf key
+        self.hooks = dict(hooks or {})
+        self.copy_host = copy_host  # an asynchronous save copies host buffers a model might change in place
+        self.keep: list[Any] = []  # objects whose memory the saved arrays view, kept alive until written
+        self._to_hash: list[tuple[str, Any]] = []  # (leaf key, its data): checksummed together in `checksums`
+        # Parked leaves are encoded from views of their host copies: where each really belongs.
+        self._device_of: dict[int, Any] = {}
+        self._sharding_of: dict[int, Any] = {}
+
+    def _key(self) -> str:
+        return f"leaf{len(self.leaves)}"
+
+    def value(self, x: Any, where: str) -> dict[str, Any]:
+        torch = import_torch()
+        if x is None or isinstance(x, (bool, str)) or (isinstance(x, int) and not isinstance(x, bool)):
+            return {"t": "v", "v": x}
+        if isinstance(x, float):
+            return {"t": "f", "v": repr(x)}
+        if isinstance(x, bytes):
+            return {"t": "b", "v": base64.b64encode(x).decode()}
+        if torch is not None and isinstance(x, torch.Tensor):
+            return self._tensor(x, where, self._device_of.get(id(x), x.device))
+        if isinstance(x, _AliasLeaf):
+            return self._alias(x.tensor, x.owner_type, where, self._device_of.get(id(x.tensor), x.tensor.device))
+        if isinstance(x, jax.Array):
+            owner = accounting.alias_owner(x)
+            tensor = getattr(owner, "tensor", owner)
+            if (
+                torch is not None
+                and isinstance(tensor, torch.Tensor)
+                and tuple(tensor.shape) == x.shape
+                and str(tensor.dtype).removeprefix("torch.") == x.dtype.name
+            ):  # a bridge alias: saved as the storage it views, so it shares it again on load
+                return self._alias(tensor, type(owner) if owner is not tensor else None, where, tensor.device)
+            return self._jax(x, where, self._sharding_of.get(id(x)))
+        if isinstance(x, np.ndarray):
+            return self._numpy(x, where)
+        if isinstance(x, np.generic):
+            return {"t": "np", "dtype": x.dtype.name, "v": x.item() if x.dtype.kind in "biu" else repr(x.item())}
+        if isinstance(x, (list, tuple)):
+            return {"t": type(x).__name__, "items": [self.value(v, f"{where}[{i}]") for i, v in enumerate(x)]}
+        if isinstance(x, dict):
+            bad = [k for k in x if not isinstance(k, str)]
+            if bad:
+                raise CheckpointError(f"{where}: dict keys must be str to be checkpointed, got {bad[0]!r}.")
+            return {"t": "dict", "items": [[k, self.value(v, f"{where}[{k!r}]")] for k, v in x.items()]}
+        raise CheckpointError(
+            f"{where} is a {type(x).__module__}.{type(x).__qualname__}, which a checkpoint cannot hold (arrays, "
+            f"tensors, scalars, str, bytes, None, and lists/tuples/dicts of those). Give the save an attr_hooks "
+            f"entry that exports it to one of those, and the load one that imports it back."
+        )
+
+    def _tensor(self, t: Any, where: str, device: Any) -> dict[str, Any]:
+        torch = import_torch()
+        if t.layout is not torch.strided:
+            raise CheckpointError(f"{where}: a {t.layout} tensor cannot be checkpointed; save a dense copy.")
+        if t.is_conj() or t.is_neg():
+            raise CheckpointError(
+                f"{where}: a lazily conjugated or negated tensor; call .resolve_conj()/.resolve_neg()."
+            )
+        storage = t.untyped_storage()
+        # The size too: an empty storage can start where the next one in a shared host buffer starts.
+        skey = (str(t.device), storage.data_ptr(), storage.nbytes())
+        key = self.storages.get(skey)
+        if key is None:
+            key = self.storages[skey] = self._key()
+            raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).detach()
+            host = raw.cpu().numpy() if raw.device.type != "cpu" else raw.numpy()
+            if self.copy_host and raw.device.type == "cpu":
+                host = host.copy()
+            self.keep.append(raw)
+            self.arrays[key] = host
+            self.leaves[key] = {"kind": "torch_storage", "nbytes": int(host.nbytes)}
+            self._to_hash.append((key, host))
+        return {
+            "t": "torch",
+            "storage": key,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "stride": list(t.stride()),
+            "offset": t.storage_offset(),
+            "device": str(device),
+            "requires_grad": bool(t.requires_grad),
+        }
+
+    def _alias(self, t: Any, owner_type: type | None, where: str, device: Any) -> dict[str, Any]:
+        return {"t": "jax_alias", "tensor": self._tensor(t, where, device), "owner": _owner_name(owner_type)}
+
+    def _jax(self, a: Any, where: str, sharding: Any) -> dict[str, Any]:
+        if a.is_deleted():
+            raise CheckpointError(f"{where}: a deleted (donated) JAX array; its values are gone.")
+        key = self._key()
+        sharding = sharding if sharding is not None else a.sharding
+        if getattr(a.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
+            a = jax.device_put(a, a.sharding.with_memory_kind("device"))  # orbax writes device arrays
+        self.arrays[key] = a
+        info: dict[str, Any] = {
+            "kind": "jax",
+            "dtype": a.dtype.name,
+            "shape": list(a.shape),
+            "sharding": _encode_sharding(sharding),
+        }
+        self.leaves[key] = info
+        if a.is_fully_addressable:
+            self._to_hash.append((key, a))
+        return {"t": "jax", "key": key}
+
+    def _numpy(self, a: np.ndarray, where: str) -> dict[str, Any]:
+        if a.dtype.hasobject:
+            raise CheckpointError(f"{where}: a numpy array of Python objects cannot be checkpointed.")
+        key = self._key()
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        self.arrays[key] = raw.copy() if self.copy_host and raw.base is not None else raw
+        self.leaves[key] = {"kind": "numpy", "nbytes": int(raw.nbytes)}
+        self._to_hash.append((key, raw))
+        return {"t": "numpy", "key": key, "dtype": a.dtype.name, "shape": list(a.shape)}
+
+    def checksums(self) -> None:
+        """Give every leaf its checksum, largest first across the cores."""
+        jobs = sorted(self._to_hash, key=lambda job: -job[1].nbytes)
+        digests = in_parallel(lambda job: checksum(np.asarray(job[1])), jobs, sum(job[1].nbytes for job in jobs))
+        for (key, _), digest in zip(jobs, digests):
+            self.leaves[key][CHECKSUM] = digest
+        self._to_hash = []
+
+    def object(self, obj: Any, where: str) -> dict[str, Any]:
+        if isinstance(obj, PagedKVHandle):
+            raise CheckpointError(
+                f"{where} is a PagedKVHandle: its K/V lives in an engine's pool, which a session checkpoint does "
+                f"not own. Evict it before saving (it is recomputed on resume), or pass object_hooks with an "
+                f"export that gathers its K/V and an import that writes it into the engine's new blocks."
+            )
+        name = type(obj).__name__
+        if TYPES.get(name) is not type(obj):
+            raise CheckpointError(
+                f"{where} is a {type(obj).__qualname__}, not a registered checkpoint type; call "
+                f"`functional_state.checkpoint.register_checkpoint_type({name})` first."
+            )
+        parked = obj.status == PARKED
+        if parked:  # encoded from its host copy as the resident object it stands for; parked again on load
+            obj = self._unparked_view(obj)
+        fields, static = {}, {}
+        meta = set(getattr(type(obj), "_static_fields", ()))
+        for f in _fields(type(obj)):
+            value = getattr(obj, f)
+            if f in meta:
+                static[f] = _encode_static(value, f"{where}.{f}")
+            elif f != "host_copy":
+                fields[f] = self.value(value, f"{where}.{f}")
+        return {"t": "obj", "type": name, "static": static, "fields": fields, "parked": parked}
+
+    def _unparked_view(self, obj: Any) -> Any:
+        """``obj`` as the resident object its host copy stands for, its leaves views of that copy: rebuilt by
+        parking's own `rebuild_leaf` over each storage's own bytes (`host_storage`), as a restore would."""
+        parked = obj.host_copy
+        leaves: list[Any] = []
+        for leaf in parked.leaves:
+            if isinstance(leaf, TorchLeaf):
+                plain = TorchLeaf(
+                    leaf.storage,
+                    leaf.dtype,
+                    leaf.shape,
+                    leaf.stride,
+                    leaf.offset,
+                    leaf.conj,
+                    leaf.neg,
+                    None,
+                    leaf.requires_grad,  # saved as a resident leaf's flag is, so the load sets it again
+                )
+                t = rebuild_leaf(plain, host_storage(parked, leaf.storage))
+                self._device_of[id(t)] = parked.storages[leaf.storage].device
+                leaves.append(t if leaf.jax_owner_type is None else _AliasLeaf(t, leaf.jax_owner_type))
+            elif isinstance(leaf, JaxLeaf):
+                self._sharding_of[id(leaf.host)] = leaf.sharding
+                leaves.append(leaf.host)
+            else:
+                leaves.append(leaf)
+        values = jax.tree_util.tree_unflatten(parked.treedef, leaves)
+        self.keep.append(values)
+        return obj._replace(status=RESIDENT, host_copy=None, **values)
+
+    def session(self, session: SessionState, sid: str) -> dict[str, Any]:
+        objects = {}
+        for name, obj in session.objects.items():
+            where = f"session {sid!r}: object {name!r}"
+            if name in self.object_hooks:  # an object the model exports itself (engine-owned KV, say)
+                objects[name] = {"t": "hooked", "value": self.value(self.object_hooks[name][0](obj), where)}
+            else:
+                objects[name] = self.object(obj, where)
+        attrs, hooked = {}, []
+        for key, value in session.attrs.items():
+            where = f"session {sid!r}: attr {key!r}"
+            if key in self.hooks:
+                value = self.hooks[key][0](value)
+                hooked.append(key)
+            attrs[key] = self.value(value, where)
+        return {"id": sid, "objects": objects, "attrs": attrs, "hooked": hooked, "policies": dict(session._policies)}
+
+
+def _fields(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _encode_static(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, int, str)):
+        return {"t": "v", "v": value}
+    if isinstance(value, float):
+        return {"t": "f", "v": repr(value)}
+    if isinstance(value, tuple):
+        return {"t": "tuple", "items": [_encode_static(v, where) for v in value]}
+    if isinstance(value, np.dtype):
+        return {"t": "dtype", "v": value.name}
+    raise CheckpointError(f"{where}: static field value {value!r} cannot be checkpointed.")
+
+
+def _encode_sharding(s: Any) -> dict[str, Any]:
+    memory_kind = getattr(s, "memory_kind", None)
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        device: Any = next(iter(s.device_set))
+        return {"kind": "single", "device": device.id, "platform": device.platform, "memory_kind": memory_kind}
+    if isinstance(s, jax.sharding.NamedSharding):
+        return {
+            "kind": "named",
+            "mesh_shape": list(s.mesh.devices.shape),
+            "axis_names": list(s.mesh.axis_names),
+            "device_ids": [d.id for d in s.mesh.devices.flat],
+            "spec": [list(p) if isinstance(p, tuple) else p for p in s.spec],
+            "memory_kind": memory_kind,
+        }
+    return {"kind": "other"}

@@ -1,0 +1,170 @@
+"""Writing a checkpoint with orbax: one save per directory at a time, and asynchronous saves with their handles
+(waited for at exit)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointError
+from .directory import drop_steps_before, import_orbax, orbax_manager, prepare_directory
+from .encode import Writer
+from .manifest import seal
+
+_log = logging.getLogger("functional_state")
+
+
+class SaveHandle:
+    """A save in progress (``asynchronous=True``) or done. ``wait()`` blocks until the checkpoint is complete
+    on disk (and raises what the save raised, as often as it is called); ``done()`` says whether the save has
+    finished, either way.
+
+    An asynchronous save finishes on a thread of its own, so it completes (and frees the host copies it
+    holds) whether or not anyone waits; one still running when the interpreter exits is waited for then.
+    """
+
+    def __init__(self, manager: Any, keep: list[Any], path: Path, step: int, asynchronous: bool):
+        self.manager = manager
+        self._keep = keep  # buffers the write reads from stay alive until it is complete
+        self._step = step
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._heard = False  # whether a caller was told of the error (else it is reported at exit)
+        self.path = path
+        if asynchronous:
+            with _REGISTRY_LOCK:
+                _PENDING.add(self)
+            threading.Thread(target=self._finish, name=f"functional_state save {path.name}", daemon=True).start()
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        try:
+            self.manager.wait_until_finished()
+            drop_steps_before(self.path, self._step)
+        except BaseException as e:
+            self._error = e
+            _log.debug("saving %s failed: %r", self.path, e)
+        finally:
+            try:
+                self.manager.close()
+            except Exception as e:
+                self._error = self._error or e
+            self._keep = []
+            with _REGISTRY_LOCK:
+                _PENDING.discard(self)
+            self._finished.set()
+
+    def wait(self) -> Path:
+        self._finished.wait()
+        if self._error is not None:
+            self._heard = True
+            raise CheckpointError(
+                f"saving {self.path} failed ({type(self._error).__name__}: {self._error}); the checkpoint that was "
+                f"there before, if any, is still the one there."
+            ) from self._error
+        return self.path
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def __repr__(self) -> str:
+        return f"SaveHandle({str(self.path)!r}, {'done' if self.done() else 'pending'})"
+
+
+# One writer per checkpoint directory: orbax numbers a new step after the ones it finds and deletes the older
+# ones once it is complete, so two saves into one directory at once would both write one step, or one would
+# delete the other's. `write` holds the directory's lock while it writes (and, for an asynchronous save, the
+# next save to the directory first waits for it). Within one process; one process writes a directory at a time.
+_REGISTRY_LOCK = threading.Lock()
+
+_PATH_LOCKS: dict[str, threading.Lock] = {}
+
+_IN_FLIGHT: dict[str, SaveHandle] = {}  # resolved directory -> its asynchronous save, until the next save there
+
+_PENDING: set[SaveHandle] = set()  # asynchronous saves not finished yet, waited for at exit
+
+_AT_EXIT: list[bool] = []  # whether `_finish_pending_saves` is registered
+
+
+def _path_lock(key: str) -> threading.Lock:
+    with _REGISTRY_LOCK:
+        return _PATH_LOCKS.setdefault(key, threading.Lock())
+
+
+def _finish_pending_saves() -> None:
+    """At exit, let every asynchronous save finish, and say on stderr which failed unheard.
+
+    Registered with ``threading._register_atexit``: Python runs those before it shuts down the thread pools
+    that orbax's background commit submits to (`concurrent.futures` registers its shutdown the same way, at
+    import, and they run last in first out), and before it joins threads. A plain ``atexit`` hook runs after
+    both, when the commit has already failed with "cannot schedule new futures after shutdown".
+    """
+    with _REGISTRY_LOCK:
+        pending = list(_PENDING)
+    for handle in pending:
+        handle._finished.wait()
+        if handle._error is not None and not handle._heard:
+            print(
+                f"functional_state: the asynchronous save to {handle.path} failed before exit "
+                f"({type(handle._error).__name__}: {handle._error}); the checkpoint there is the previous one.",
+                file=sys.stderr,
+            )
+
+
+def _wait_at_exit() -> bool:
+    """Make sure pending saves are waited for at exit; False when the interpreter is already exiting."""
+    with _REGISTRY_LOCK:
+        if _AT_EXIT:
+            return True
+        try:
+            threading._register_atexit(_finish_pending_saves)  # type: ignore[attr-defined]
+        except RuntimeError:  # shutting down already: too late for a background write
+            return False
+        _AT_EXIT.append(True)
+        return True
+
+
+def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: bool) -> SaveHandle:
+    ocp = import_orbax()
+    root = Path(os.fspath(path)).absolute()
+    writer.checksums()
+    manifest["leaves"] = writer.leaves
+    seal(manifest)
+    if asynchronous and not _wait_at_exit():
+        asynchronous = False  # a save asked for while the interpreter exits finishes before it returns
+    key = os.path.realpath(root)
+    with _path_lock(key):
+        earlier = _IN_FLIGHT.pop(key, None)
+        if earlier is not None:
+            earlier._finished.wait()  # its outcome is for its own caller's wait()
+        step = prepare_directory(root)
+        # Orbax keeps every step: `drop_steps_before` removes the old ones itself, in a way a kill cannot
+        # leave half done.
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True)
+        manager = None
+        try:
+            manager = orbax_manager(ocp, root, options)
+            args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(writer.arrays), manifest=ocp.args.JsonSave(manifest))
+            if not manager.save(step, args=args):
+                raise RuntimeError(f"orbax declined to write step {step}")
+        except Exception as e:
+            if manager is not None:
+                try:
+                    manager.close()
+                except Exception as close_error:
+                    e.add_note(f"closing the orbax manager also failed: {close_error!r}")
+            raise CheckpointError(
+                f"saving {root} failed ({type(e).__name__}: {str(e)[:300]}); the checkpoint that was there before, "
+                f"if any, is still the one there."
+            ) from e
+        handle = SaveHandle(manager, writer.keep, root, step, asynchronous)
+        if asynchronous:
+            _IN_FLIGHT[key] = handle
+        else:
+            handle.wait()
+    return handle

@@ -1,0 +1,381 @@
+"""The release planner: which bytes to release, and how, to bring a memory pool within its budget.
+
+`plan_release` is pure and explainable: it returns a `ReleasePlan`, an ordered list of actions each with the
+bytes it frees per pool, plus what it considered and skipped and why, or None when the need cannot be met
+(and nothing changed). `apply_plan` carries a plan out. `enforce_budget` plans and applies for every pool
+over its budget. The levers, least loss first:
+
+1. **park** resident objects of the least recently used sessions (nothing is lost; the host pool must have
+   room if it has a budget);
+2. **evict** objects whose recompute source (another object of the session) is resident, the cheapest
+   declared ``recompute_cost`` first;
+3. **drop** whole sessions, least recently used first (counted as evictions: a continuation of one raises
+   `SessionStateLostError`).
+
+Never touched: a protected session; an attr on its own (attrs leave only with their session, and their
+bytes are reported as unreleasable); bytes something else still holds. Every action is priced by applying
+it to one ledger of holders (`Ledger.change`), given the actions before it: what leaves each pool, and
+what a park puts into its host pools (as `park` really moves it: numpy stays, torch and JAX go to their
+host memory kinds), so an object a protected fork shares frees nothing and the planner moves on to a
+candidate that frees something. `enforce_budget` measures the result before it returns it. Each lever is
+one pass in recency (or cost) order: a plan over n sessions costs O(n log n).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import weakref
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import jax
+
+from ..engine.kv_handle import PagedKVHandle
+from ..errors import InvalidArgumentError
+from ..memory import accounting, parking
+from ..memory.budget import ANY_DEVICE, POOL_FORMS, POOL_PATTERN, format_bytes, parse_bytes
+from ..table.ledger import Extent, object_extents
+from ..table.manager_state import (
+    ManagerState,
+    check_state,
+    ledger_of,
+    lru_sessions,
+)
+from .pricing import Change, Ledger, by_pool
+
+_log = logging.getLogger("functional_state")
+
+__all__ = ["LEVERS", "ReleaseAction", "ReleasePlan", "plan_release"]
+
+Lever = Literal["park", "evict", "drop"]
+LEVERS: tuple[Lever, ...] = ("park", "evict", "drop")
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseAction:
+    """One step of a plan: park or evict object ``name``, or drop the session (``name`` None)."""
+
+    kind: Lever
+    session_ids: tuple[str, ...]  # one session; a park of a shared object names every session holding it
+    name: str | None
+    frees: dict[str, int]  # pool -> bytes leaving it (a park also lists the host pool it fills, negative)
+    reason: str
+    holders: tuple[tuple[str, str], ...] = ()  # a park: every (session, name) holding the object, parked together
+
+    def __str__(self) -> str:
+        target = "+".join(self.session_ids) + (f"/{self.name}" if self.name else "")
+        moved = ", ".join(f"{pool} {'+' if n < 0 else '-'}{format_bytes(abs(n))}" for pool, n in self.frees.items())
+        return f"{self.kind:5s} {target}: {moved} ({self.reason})"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleasePlan:
+    """An ordered release that frees at least ``need`` bytes in ``pool``; print it to read the decision."""
+
+    pool: str
+    need: int
+    actions: tuple[ReleaseAction, ...]
+    skipped: tuple[str, ...]  # "what: why", for every candidate considered and passed over
+    unreleasable: int  # bytes attrs hold in the pool (they leave only with their session)
+    made_for: Any = dataclasses.field(repr=False, compare=False)  # weakref to the state planned on
+
+    @property
+    def freed(self) -> int:
+        """Bytes the plan frees in ``pool``."""
+        return sum(a.frees.get(self.pool, 0) for a in self.actions)
+
+    def __str__(self) -> str:
+        lines = [
+            f"ReleasePlan for pool {self.pool!r}: need {format_bytes(self.need)}, frees {format_bytes(self.freed)} in "
+            f"{len(self.actions)} action(s)"
+        ]
+        lines += [f"  {i}. {a}" for i, a in enumerate(self.actions, 1)]
+        if self.skipped:
+            lines.append("  skipped:")
+            lines += [f"  - {s}" for s in self.skipped]
+        if self.unreleasable:
+            lines.append(f"  attrs hold {format_bytes(self.unreleasable)} here; they leave only with their session")
+        return "\n".join(lines)
+
+
+def protect_ids(protect: Any, what: str) -> set[str]:
+    """The session ids ``protect`` names: one id (a str, or None for ``"default"``) or an iterable of them."""
+    if protect is None or isinstance(protect, str):
+        protect = (protect,)  # one id, never read character by character
+    try:
+        ids = list(protect)
+    except TypeError:
+        raise InvalidArgumentError(
+            f"`{what}`: protect must be a session id or an iterable of them, got {type(protect).__name__}."
+        ) from None
+    bad = [p for p in ids if p is not None and (not isinstance(p, str) or not p)]
+    if bad:
+        raise InvalidArgumentError(
+            f"`{what}`: protect must hold session ids (non-empty str, or None for 'default'); got {bad[:5]!r}."
+        )
+    return {p if p is not None else "default" for p in ids}
+
+
+def _check_plan_args(state: Any, pool: Any, protect: Any, levers: Iterable[str]) -> tuple[set[str], tuple[str, ...]]:
+    if type(state) is not ManagerState:
+        check_state(state, "plan_release")
+    if not isinstance(pool, str) or not POOL_PATTERN.match(pool):
+        raise InvalidArgumentError(
+            f"`plan_release`: pool must be a pool as stats() names it ({POOL_FORMS}), got {pool!r}."
+        )
+    protected = protect_ids(protect, "plan_release")
+    unknown = sorted(p for p in protected if p not in state)
+    if unknown:
+        raise InvalidArgumentError(f"`plan_release`: protect names sessions that are not in the table: {unknown}.")
+    levers = tuple(levers)
+    bad = [lever for lever in levers if lever not in LEVERS]
+    if bad:
+        raise InvalidArgumentError(f"`plan_release`: unknown lever(s) {bad}; the levers are {LEVERS}.")
+    return protected, levers
+
+
+def plan_release(
+    state: ManagerState,
+    pool: str,
+    need_bytes: Any,
+    protect: Iterable[str | None] = (),
+    *,
+    levers: Iterable[str] = LEVERS,
+) -> ReleasePlan | None:
+    """Plan releasing at least ``need_bytes`` from ``pool``; None when that is impossible (nothing changes).
+
+    Args:
+      state: the table (unchanged: planning is pure).
+      pool: the pool to free, as `stats` names it (``"cuda:0"``, ``"cpu"``).
+      need_bytes: bytes to free (an int or a size such as ``"600MiB"``).
+      protect: a session id, or an iterable of ids, never touched (a session being served, a request in
+        flight). A str is one id.
+      levers: which levers may be used, in the fixed order park, evict, drop.
+
+    Raises:
+      InvalidArgumentError: a pool `stats` never names, a negative or absurd need, ids not in the table, an
+        unknown lever.
+
+    Example:
+      >>> import torch, functional_state as fs
+      >>> s = fs.ManagerState.create()
+      >>> for sid in ("old", "new"):
+      ...     s, _ = fs.get_or_create(s, sid)
+      ...     s = fs.put(s, sid, "cache", fs.DenseValue.create([torch.zeros(256)]))
+      >>> plan = plan_release(s, "cpu", 1024, protect=["new"])
+      >>> print(plan)
+      ReleasePlan for pool 'cpu': need 1.0 KiB, frees 1.0 KiB in 1 action(s)
+        1. park  old/cache: cpu -1.0 KiB, cpu/unpinned_host +1.0 KiB (least recently used session)
+        skipped:
+        - new: protected
+      >>> fs.stats(fs.apply_plan(s, plan))["nbytes:cpu"]
+      1024
+    """
+    protected, levers = _check_plan_args(state, pool, protect, levers)
+    need = parse_bytes(need_bytes, "plan_release: need_bytes")
+    acct = ledger_of(state)
+    sids, objs = lru_sessions(state)
+    attr_sets: dict[str, frozenset[Extent]] = {}
+    attr_holders: Counter[Extent] = Counter()
+    for sid, session in zip(sids, objs):
+        out: accounting.Extents = []
+        for value in session._attrs.values():
+            accounting.collect_extents(value, out, {}, accounting.WalkReport())
+        if out:  # (one container per session would trigger full garbage collections at 100k sessions)
+            attr_sets[sid] = extents = frozenset(out)
+            for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
+                attr_holders[e] += 1
+    unreleasable = by_pool(e for extents in attr_sets.values() for e in extents).get(pool, 0)
+    # Sharers of an object: every (session, name) holding that very object (forks, or one cache put under
+    # two names), as `park(with_sharers=True)` finds and parks them, least recent first.
+    first_holder: dict[int, tuple[str, str]] = {}  # id(object) -> its least recent (session, name)
+    more_holders: dict[int, list[tuple[str, str]]] = {}  # ... and the others, only where any
+    for sid, session in zip(sids, objs):
+        for name, obj in sorted(session._objects.items()):
+            if first_holder.setdefault(id(obj), (sid, name)) != (sid, name):
+                more_holders.setdefault(id(obj), []).append((sid, name))
+    budget = state.byte_budget or {}
+    # Bytes per pool as the plan leaves them (attrs included): to keep a park's host pool within its budget.
+    held = dict(acct.totals)
+    for p, n in by_pool(e for e in attr_holders if e not in acct.refs).items():
+        held[p] = held.get(p, 0) + n
+    ledger = Ledger(acct.refs, attr_holders)
+    now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
+    actions: list[ReleaseAction] = []
+    skipped: list[str] = []
+    freed = 0
+    released: set[tuple[str, str]] = set()  # (session, object) already parked or evicted by this plan
+
+    def done() -> bool:
+        return freed >= need
+
+    def take(action: ReleaseAction, change: Change, became: dict[tuple[str, str], frozenset[Extent]]) -> None:
+        nonlocal freed
+        ledger.take(change)
+        now.update(became)
+        for p, n in change.frees.items():
+            held[p] = held.get(p, 0) - n
+        actions.append(action)
+        freed += action.frees.get(pool, 0)
+
+    skipped.extend(f"{sid}: protected" for sid in sorted(protected))
+    if "park" in levers and not done():
+        for sid, session in zip(sids, objs):
+            if sid in protected or done():
+                continue
+            for name, obj in sorted(session._objects.items()):
+                if done():
+                    break
+                if not obj.resident:
+                    continue
+                extents = object_extents(obj)
+                if not any(e[0] == pool for e in extents):
+                    continue
+                holders = [first_holder[id(obj)], *more_holders.get(id(obj), ())]
+                sharers = list(dict.fromkeys(s for s, _ in holders))
+                if any(s in protected for s in sharers):
+                    skipped.append(
+                        f"{sid}/{name}: its storage is shared with a protected session; parking frees nothing"
+                    )
+                    continue
+                if holders[0] != (sid, name):
+                    continue  # a shared object: considered once, at its least recent holder
+                if type(obj) is PagedKVHandle and not obj.parkable:
+                    skipped.append(f"{sid}/{name}: engine pool {obj.pool.name!r} offers no offload")
+                    continue
+                committed, parked = _park_effect(obj, ledger)
+                if not committed <= ledger.change([extents] * len(holders)).left:  # what `park` refuses
+                    skipped.append(f"{sid}/{name}: something else holds part of its storage; parking frees nothing")
+                    continue
+                change = ledger.change([extents] * len(holders), [parked] * len(holders))
+                if change.frees.get(pool, 0) <= 0:
+                    skipped.append(f"{sid}/{name}: parking frees nothing in {pool!r} (its bytes would stay there)")
+                    continue
+                full = [
+                    p
+                    for p, n in change.frees.items()
+                    if n < 0 and (limit := _limit(budget, p)) is not None and held.get(p, 0) - n > limit
+                ]
+                if full:
+                    skipped.append(f"{sid}/{name}: host pool {full[0]!r} has no room under its budget")
+                    continue
+                why = (
+                    "least recently used session"
+                    if len(holders) == 1
+                    else f"least recently used; held as {['/'.join(h) for h in holders]}"
+                )
+                take(
+                    ReleaseAction("park", tuple(sharers), name, change.frees, why, tuple(holders)),
+                    change,
+                    dict.fromkeys(holders, parked),
+                )
+                released.update(holders)
+    if "evict" in levers and not done():
+        candidates = []
+        for rank, (sid, session) in enumerate(zip(sids, objs)):
+            if sid in protected:
+                continue
+            for name, obj in session._objects.items():
+                if (sid, name) in released or not obj.resident or obj.recompute_source is None:
+                    continue
+                if session.recomputable(name) and (sid, obj.recompute_source) not in released:
+                    candidates.append((obj.recompute_cost, rank, sid, name, obj))
+        for cost, _, sid, name, obj in sorted(candidates, key=lambda c: c[:4]):
+            if done():
+                break
+            if (sid, obj.recompute_source) in released:
+                skipped.append(f"{sid}/{name}: its recompute source {obj.recompute_source!r} leaves in this plan")
+                continue
+            evicted = object_extents(obj.evict()[0])  # priced by what evicting really keeps (the staged payload)
+            change = ledger.change([object_extents(obj)], [evicted])
+            if change.frees.get(pool, 0) <= 0:
+                skipped.append(f"{sid}/{name}: evicting frees nothing in {pool!r} (storage held elsewhere)")
+                continue
+            reason = f"recomputable from {obj.recompute_source!r} (cost {cost:g})"
+            take(ReleaseAction("evict", (sid,), name, change.frees, reason), change, {(sid, name): evicted})
+            released.add((sid, name))
+    if "drop" in levers and not done():
+        # Two passes: a session whose storage a later session shares frees nothing at first, and its bytes
+        # once that one is dropped too (forks). Each pass is linear in the sessions.
+        dropped: set[str] = set()
+        for sid, session in itertools.chain(zip(sids, objs), zip(sids, objs)):
+            if sid in protected or sid in dropped or done():
+                continue
+            # What each object holds once this plan's earlier parks and evictions ran: all of it leaves now.
+            objects = [now[(sid, n)] if (sid, n) in now else object_extents(o) for n, o in session._objects.items()]
+            change = ledger.change(objects, (), attr_sets.get(sid, _NO_EXTENTS))
+            if change.frees.get(pool, 0) <= 0:
+                note = f"{sid}: dropping it frees nothing in {pool!r} (its storage is held elsewhere)"
+                if note not in skipped:
+                    skipped.append(note)
+                continue
+            take(ReleaseAction("drop", (sid,), None, change.frees, "least recently used session"), change, {})
+            dropped.add(sid)
+    if not done():
+        _log.debug(
+            "plan_release: no plan frees %s in pool %r (freeable: %s)", format_bytes(need), pool, format_bytes(freed)
+        )
+        return None
+    return ReleasePlan(pool, need, tuple(actions), tuple(skipped), unreleasable, weakref.ref(state))
+
+
+_NO_EXTENTS: frozenset[Extent] = frozenset()
+
+
+def _limit(budget: dict[str, int], pool: str) -> int | None:
+    """The budget of ``pool`` (``"*"`` covers each device pool), or None."""
+    return budget.get(pool, budget.get(ANY_DEVICE) if "/" not in pool else None)
+
+
+def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:
+    """``(committed, parked)``: the extents of ``obj``'s committed storage (all must be free for `park` to
+    proceed), and the extents the parked object holds, its host copies as fresh extents of their host pool.
+
+    This follows `functional_state.parking.park_values` leaf by leaf: a torch storage (or the storage a bridge
+    alias lives in) moves whole, to pinned host memory from a GPU and pageable memory from the CPU; a JAX array
+    moves to its ``pinned_host`` memory kind; anything else (numpy arrays) stays as it is, and stays held. The
+    staged payload stays too. `enforce_budget` measures the applied plan, so a drift between the two is
+    refused, never installed.
+    """
+    if type(obj) is PagedKVHandle:  # the engine's offload token: host memory of the size of the blocks
+        committed = frozenset(obj.pool.extents(obj.block_ids))
+        kept = frozenset(obj.pool.extents(obj.staged or ()))
+        token = [ledger.virtual("cpu", len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
+        return committed, kept | frozenset(token)
+    committed = extents_of(obj._committed_roots())
+    kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
+    host_bytes: dict[str, int] = {}
+    storages: set[tuple[Any, int]] = set()
+    for i, leaf in enumerate(_leaves(obj._parkable_fields())):
+        tensor, _ = parking.as_torch(leaf)
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
+            if key not in storages:
+                storages.add(key)
+                kind = "cpu/pinned_host" if tensor.device.type == "cuda" else "cpu/unpinned_host"
+                host_bytes[kind] = host_bytes.get(kind, 0) + storage.nbytes()
+        elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            n = sum(s.data.on_device_size_in_bytes() for s in leaf.addressable_shards)
+            host_bytes["cpu/pinned_host"] = host_bytes.get("cpu/pinned_host", 0) + n
+        else:
+            kept_values.append(leaf)
+    host = frozenset(ledger.virtual(p, n) for p, n in sorted(host_bytes.items()) if n)
+    return committed, extents_of(kept_values) | host
+
+
+def extents_of(tree: Any) -> frozenset[Extent]:
+    out: accounting.Extents = []
+    accounting.collect_extents(tree, out, {}, accounting.WalkReport())
+    return frozenset(out)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    try:
+        return jax.tree_util.tree_leaves(tree)
+    except Exception:
+        return []

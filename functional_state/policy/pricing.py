@@ -1,0 +1,80 @@
+"""Pricing release actions: the ledger of extents a plan frees, so that shared buffers are counted once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from ..memory import accounting
+from ..table.ledger import Extent
+
+
+class Ledger:
+    """Who holds each extent as the plan's actions so far would leave it; every action is priced here.
+
+    An action is a change of holders: the objects it replaces (``remove``) by what they become (``add``), and
+    the attrs that leave with a dropped session. Its price is measured, not estimated: the extents that stop
+    being held (bytes freed) and those that start (bytes a park fills a host pool with), per pool. Parks,
+    evictions and drops all go through `change`, so "what does this free" has one answer in the planner.
+    """
+
+    def __init__(self, refs: Any, attr_holders: Counter[Extent]):
+        self.refs = refs  # extent -> objects holding it (the table's accounting)
+        self.attr_holders = attr_holders  # extent -> sessions whose attrs hold it
+        self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
+        self.attrs: Counter[Extent] = Counter()
+        self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has
+
+    def held(self, e: Extent, d_objects: int = 0, d_attrs: int = 0) -> bool:
+        objects = self.refs.get(e, 0) + self.objects[e] + d_objects
+        return objects > 0 or self.attr_holders[e] + self.attrs[e] + d_attrs > 0
+
+    def virtual(self, pool: str, nbytes: int) -> Extent:
+        """An extent for a host copy that does not exist yet (a park's), disjoint from every real buffer."""
+        start = self._next_virtual
+        self._next_virtual += nbytes
+        return (pool, start, start + nbytes)
+
+    def change(
+        self, remove: Iterable[frozenset[Extent]], add: Iterable[frozenset[Extent]] = (), attrs: Iterable[Extent] = ()
+    ) -> Change:
+        """The effect of objects ``remove`` becoming ``add`` (and sessions' ``attrs`` letting go), not yet taken."""
+        d: Counter[Extent] = Counter()
+        for extents in remove:
+            for e in extents:
+                d[e] -= 1
+        for extents in add:
+            for e in extents:
+                d[e] += 1
+        d_attrs: Counter[Extent] = Counter()
+        for e in attrs:
+            d_attrs[e] -= 1
+        left, came = [], []
+        for e in d.keys() | d_attrs.keys():
+            before, after = self.held(e), self.held(e, d[e], d_attrs[e])
+            if before and not after:
+                left.append(e)
+            elif after and not before:
+                came.append(e)
+        frees = by_pool(left)
+        for pool, n in by_pool(came).items():
+            frees[pool] = frees.get(pool, 0) - n
+        return Change({p: n for p, n in sorted(frees.items()) if n}, frozenset(left), d, d_attrs)
+
+    def take(self, change: Change) -> None:
+        self.objects.update(change.objects)
+        self.attrs.update(change.attrs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    frees: dict[str, int]  # pool -> bytes leaving (negative: arriving)
+    left: frozenset[Extent]  # extents no holder keeps afterwards
+    objects: Counter[Extent]
+    attrs: Counter[Extent]
+
+
+def by_pool(extents: Iterable[Extent]) -> dict[str, int]:
+    return accounting.union_by_device(list(extents))

@@ -1,0 +1,338 @@
+"""Private: incremental, exact byte accounting of the state objects a table holds.
+
+Each state object's buffers are a set of extents ``(pool, start, end)``, computed once per object (objects
+are immutable) and cached on it. The table keeps, persistently, how many objects across all its sessions
+hold each extent, and the bytes per pool of the extents held at least once. Committing, evicting, parking,
+forking and dropping adjust those counts by the extents of the objects they add and remove, so the totals
+never need a walk: a buffer shared by two forks is counted once and leaves only when its last holder does.
+
+Extents are identical or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
+arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it).
+Attrs are not tracked here: a model may mutate them in place, so they are re-read on demand (`attr_extents`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import Any
+
+import immutables
+
+from ..core.latent_buffer import LatentBuffer
+from ..core.state_object import StateObject
+from ..engine.kv_handle import PagedKVHandle, kv_keys
+from ..engine.paged_kv import POOLS
+from ..memory import accounting
+
+_CACHE_SLOT = StateObject.__dict__["_acct_cache"]
+
+Extent = tuple[str, int, int]
+_EMPTY: immutables.Map = immutables.Map()
+_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
+_LOG_DEPTH = 4096
+
+
+def _pool_uids() -> list[int]:
+    return list(POOLS.keys())
+
+
+def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
+    """``{pool uid: block ids}`` that handles held in ``before`` and none holds in ``after``.
+
+    Read from ``after``'s release log back to ``before``'s (O(released)) when ``after`` descends from
+    ``before``; otherwise (another lineage, a cut log) by comparing every held block.
+    """
+    candidates: list[Any] = []  # (pool uid, block id); also ("held", uid) counters in a full comparison
+    node = after.log
+    complete = before.root is after.root
+    while complete and node is not before.log:
+        if node is None or node is _CUT:
+            complete = False
+            break
+        candidates.extend(node[1])
+        node = node[2]
+    if not complete:
+        candidates = list(before.kv.keys())
+    out: dict[int, list[int]] = {}
+    for key in candidates:
+        if key[0] != "held" and key in before.kv and key not in after.kv:
+            out.setdefault(key[0], []).append(key[1])
+    return {uid: tuple(sorted(set(ids))) for uid, ids in out.items()}
+
+
+def value_extents(value: Any) -> list[Extent]:
+    """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
+    out: accounting.Extents = []
+    torch = accounting.torch_module()
+    if torch is not None and type(value) is torch.Tensor:
+        accounting.torch_extents(value, out)
+    else:
+        accounting.collect_extents(value, out, {}, accounting.WalkReport())
+    return out
+
+
+def _buffer_cache(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent, ...], ...]]:
+    """A buffer's extents with how many of its values (items, staged, parked copy) hold each, and each item's
+    own extents (so a commit that drops an item need not look at it again), computed once and cached."""
+    cached = getattr(buf, "_acct_cache", None)
+    if type(cached) is tuple:
+        return cached
+    counts: Any = immutables.Map().mutate()
+    per_item = tuple(_distinct(value_extents(value)) for value in buf.items)
+    for extents in per_item:
+        for e in extents:
+            counts[e] = counts.get(e, 0) + 1
+    for value in (buf.staged, buf.host_copy):
+        if value is not None:
+            for e in _distinct(value_extents(value)):
+                counts[e] = counts.get(e, 0) + 1
+    cached = (counts.finish(), per_item)
+    _CACHE_SLOT.__set__(buf, cached)
+    return cached
+
+
+def object_extents(obj: Any) -> frozenset[Extent]:
+    """The extents a state object holds (committed, staged and parked), computed once and cached on it."""
+    if type(obj) is LatentBuffer:
+        return frozenset(_buffer_cache(obj)[0].keys())
+    cached = getattr(obj, "_acct_cache", None)
+    if cached is None:
+        out: accounting.Extents = []
+        accounting.collect_extents(obj, out, {}, accounting.WalkReport())
+        cached = frozenset(out)
+        _CACHE_SLOT.__set__(obj, cached)  # past the frozen dataclass's __setattr__: a memo, not state
+    return cached
+
+
+def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
+    return tuple(extents) if len(extents) < 2 else tuple(set(extents))
+
+
+def session_extents(session: Any) -> list[frozenset[Extent]]:
+    return [object_extents(obj) for obj in session._objects.values()]
+
+
+class Acct:
+    """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
+
+    __slots__ = ("kv", "log", "refs", "root", "totals")
+
+    def __init__(
+        self,
+        refs: immutables.Map,
+        totals: immutables.Map,
+        kv: immutables.Map = _EMPTY,
+        log: Any = None,
+        root: Any = None,
+    ):
+        self.refs = refs  # extent -> number of objects holding it, over all sessions
+        self.totals = totals  # pool -> bytes of the extents held at least once
+        # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
+        # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
+        # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
+        self.kv = kv
+        self.log = log
+        self.root = root if root is not None else object()
+
+    @classmethod
+    def build(cls, sessions: Iterable[Any]) -> Acct:
+        acct = cls(_EMPTY, _EMPTY)
+        for session in sessions:
+            acct = acct.add_session(session)
+        return acct
+
+    def add_session(self, session: Any) -> Acct:
+        objs = session._objects.values()
+        return self.change(add=[object_extents(o) for o in objs], kv_add=[kv_keys(o) for o in objs])
+
+    def remove_session(self, session: Any) -> Acct:
+        objs = session._objects.values()
+        return self.change(remove=[object_extents(o) for o in objs], kv_remove=[kv_keys(o) for o in objs])
+
+    def change(
+        self,
+        add: Iterable[frozenset[Extent]] = (),
+        remove: Iterable[frozenset[Extent]] = (),
+        kv_add: Iterable[Iterable[tuple[int, int]]] = (),
+        kv_remove: Iterable[Iterable[tuple[int, int]]] = (),
+    ) -> Acct:
+        """The counts after the objects with extents ``remove`` left and those with ``add`` arrived (and the
+        handles holding KV blocks ``kv_remove`` / ``kv_add``)."""
+        refs = self.refs.mutate()
+        totals = self.totals.mutate()
+        for extents in remove:
+            for e in extents:
+                n = refs[e] - 1
+                if n:
+                    refs[e] = n
+                else:
+                    del refs[e]
+                    totals[e[0]] = totals[e[0]] - (e[2] - e[1])
+        for extents in add:
+            for e in extents:
+                n = refs.get(e, 0)
+                refs[e] = n + 1
+                if not n:
+                    totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+        kv, log = self.kv, self.log
+        kv_add, kv_remove = [k for k in kv_add if k], [k for k in kv_remove if k]
+        if kv_add or kv_remove:
+            counts = kv.mutate()
+            held: dict[int, int] = {}  # pool uid -> change in distinct blocks held
+            for keys in kv_add:
+                for k in keys:
+                    n = counts.get(k, 0)
+                    counts[k] = n + 1
+                    if not n:
+                        held[k[0]] = held.get(k[0], 0) + 1
+            released = []
+            for keys in kv_remove:
+                for k in keys:
+                    n = counts[k] - 1
+                    if n:
+                        counts[k] = n
+                    else:
+                        del counts[k]
+                        released.append(k)
+                        held[k[0]] = held.get(k[0], 0) - 1
+            for uid, d in held.items():
+                n = counts.get(("held", uid), 0) + d
+                if n:
+                    counts[("held", uid)] = n
+                else:
+                    counts.pop(("held", uid), None)
+            kv = counts.finish()
+            # Every change of the held blocks is a node, even one that releases nothing: reaching
+            # ``before``'s node from ``after``'s then proves ``after`` descends from ``before`` (a table
+            # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
+            depth = 0 if log is None or log is _CUT else log[0] + 1
+            log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), _CUT)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root)
+
+    def swap(self, old: Any, new: Any) -> Acct:
+        """One object replaced by another (a commit, an eviction, a park): only the extents that differ move."""
+        if old is new:
+            return self
+        if type(old) is LatentBuffer and type(new) is LatentBuffer:
+            swapped = self._ring_swap(old, new)  # the per-step commit: priced by the items it adds and drops
+            if swapped is not None:
+                return swapped
+        if type(old) is PagedKVHandle or type(new) is PagedKVHandle:
+            return self._swap_handle(old, new)
+        a, b = object_extents(old), object_extents(new)
+        if a == b:
+            return self
+        return self.change(add=[b - a], remove=[a - b])
+
+    def _ring_swap(self, old: LatentBuffer, new: LatentBuffer) -> Acct | None:
+        """The counts after ring ``old`` became ``new`` by a commit (items appended, the oldest dropped), in
+        one pass over the items that changed; None when ``new`` is something else.
+
+        ``old``'s cached extent multiset gives the new ring's by difference, and only an extent whose count
+        in the ring reaches zero (or leaves zero) moves the table's counts: the hot path of every step, so
+        written out rather than built on `change`.
+        """
+        cached = getattr(old, "_acct_cache", None)
+        if type(cached) is not tuple or getattr(new, "_acct_cache", None) is not None:
+            return None
+        if old.staged is not new.staged or old.host_copy is not None or new.host_copy is not None:
+            return None
+        oi, ni = old.items, new.items
+        kept = len(ni) - 1
+        drop = len(oi) - kept
+        if kept < 0 or drop < 0 or not all(map(operator.is_, oi[drop:], ni[:kept])):
+            return None
+        counts, per_item = cached
+        refs, totals = self.refs, self.totals
+        for extents in per_item[:drop]:  # as counted when the item arrived
+            for e in extents:
+                n = counts[e] - 1
+                if n:
+                    counts = counts.set(e, n)
+                    continue
+                counts = counts.delete(e)
+                n = refs[e] - 1  # the last of this ring's holders went: one object fewer holds it
+                if n:
+                    refs = refs.set(e, n)
+                else:
+                    refs = refs.delete(e)
+                    totals = totals.set(e[0], totals[e[0]] - (e[2] - e[1]))
+        added = _distinct(value_extents(ni[-1]))
+        for e in added:
+            n = counts.get(e, 0)
+            counts = counts.set(e, n + 1)
+            if n:
+                continue
+            n = refs.get(e, 0)
+            refs = refs.set(e, n + 1)
+            if not n:
+                totals = totals.set(e[0], totals.get(e[0], 0) + (e[2] - e[1]))
+        _CACHE_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
+        if refs is self.refs:
+            return self
+        return Acct(refs, totals, self.kv, self.log, self.root)
+
+    def _swap_handle(self, old: Any, new: Any) -> Acct:
+        if (
+            type(old) is PagedKVHandle
+            and type(new) is PagedKVHandle
+            and old.pool is new.pool
+            and old.staged == new.staged
+            and old.host_copy is new.host_copy  # (a restore also only adds blocks, but lets go of its host copy)
+            and new.block_ids[: len(old.block_ids)] == old.block_ids
+        ):  # a commit of new blocks: priced by those blocks alone
+            tail = new.block_ids[len(old.block_ids) :]
+            uid = new.pool.uid
+            return self.change(add=[frozenset(new.pool.extents(tail))], kv_add=[[(uid, b) for b in tail]])
+        a, b = object_extents(old), object_extents(new)
+        ka, kb = set(kv_keys(old)), set(kv_keys(new))
+        return self.change(add=[b - a], remove=[a - b], kv_add=[kb - ka], kv_remove=[ka - kb])
+
+    def swap_session(self, old: Any, new: Any) -> Acct:
+        """A session replaced by another: the objects that changed identity move."""
+        if old._objects is new._objects:
+            return self
+        added, removed, kv_added, kv_removed = [], [], [], []
+        for name, obj in new._objects.items():
+            prev = old._objects.get(name)
+            if prev is not obj:
+                added.append(object_extents(obj))
+                kv_added.append(kv_keys(obj))
+                if prev is not None:
+                    removed.append(object_extents(prev))
+                    kv_removed.append(kv_keys(prev))
+        for name, obj in old._objects.items():
+            if name not in new._objects:
+                removed.append(object_extents(obj))
+                kv_removed.append(kv_keys(obj))
+        return self.change(add=added, remove=removed, kv_add=kv_added, kv_remove=kv_removed)
+
+    def kv_held(self) -> dict[int, int]:
+        """``{pool uid: distinct blocks handles hold}`` (kept under ``("held", uid)`` keys of ``kv``)."""
+        return {uid: self.kv[("held", uid)] for uid in _pool_uids() if ("held", uid) in self.kv}
+
+    def pools(self) -> dict[str, int]:
+        return {k: v for k, v in sorted(self.totals.items()) if v}
+
+
+def attr_extents(sessions: Iterable[Any]) -> tuple[accounting.Extents, accounting.WalkReport]:
+    """The extents of every attr of ``sessions`` (re-read: attrs may change in place), and the walk's report."""
+    out: accounting.Extents = []
+    report = accounting.WalkReport()
+    seen: dict[int, Any] = {}
+    for session in sessions:
+        for value in session._attrs.values():
+            accounting.collect_extents(value, out, seen, report)
+    return out, report
+
+
+def totals_with_attrs(acct: Acct, sessions: Iterable[Any]) -> tuple[dict[str, int], accounting.WalkReport]:
+    """Bytes per pool of everything the sessions hold: the tracked objects, plus the attrs' extents that no
+    object holds (an attr that is a view of an object's buffer adds nothing)."""
+    extents, report = attr_extents(sessions)
+    totals = dict(acct.totals)
+    loose = [e for e in set(extents) if e not in acct.refs]
+    for pool, bytes_ in accounting.union_by_device(loose).items():
+        totals[pool] = totals.get(pool, 0) + bytes_
+    return {k: v for k, v in sorted(totals.items()) if v}, report

@@ -1,0 +1,113 @@
+"""Parking in the table: move an object storage to host memory and back, refused while something else holds it, with its forks (with_sharers) as one host copy."""
+
+from __future__ import annotations
+
+import logging
+
+from ..core.state_object import StateObject
+from ..errors import (
+    DeletedArrayError,
+    SharedStorageError,
+)
+from ..memory import holders as _holders
+from .manager_state import ManagerState, find_object, locate, replace_object, session_map
+
+_log = logging.getLogger("functional_state")
+
+
+def _holding(state: ManagerState, obj: StateObject) -> dict[str, list[str]]:
+    """``{session id: names}`` under which the table holds this very object (forks, or a second name)."""
+    out: dict[str, list[str]] = {}
+    for sid, session in session_map(state).items():
+        names = [n for n, o in session._objects.items() if o is obj]
+        if names:
+            out[sid] = names
+    return out
+
+
+def park(
+    state: ManagerState, session_id: str | None, name: str, *, with_sharers: bool = False
+) -> tuple[ManagerState, dict[str, int]]:
+    """Move object ``name``'s committed storage to host memory (see `functional_state.parking`).
+
+    Parking frees device memory only if nothing else holds the storage, so it is refused when something
+    does: another object or an attr of the session, or another session. The very same object held
+    elsewhere (by a fork, or under another name in any session) is the one exception that can be parked with
+    it: ``with_sharers=True`` parks it wherever the table holds it, as one shared host copy (forks keep
+    sharing, now in host memory, and `restore` gives them one device copy again).
+
+    Returns:
+      ``(state, moved)``: ``moved`` is the change in bytes per pool, e.g.
+      ``{"cuda:0": -n, "cpu/pinned_host": n}`` (on the CPU backend, ``{"cpu": -n, "cpu/pinned_host": n}``),
+      measured on the table's accounting: it equals the change in ``stats(exact=True)``.
+
+    Raises:
+      SharedStorageError: something else in the table holds the storage (the message says what), or the
+        object's own staged payload does.
+      DeletedArrayError: the object holds a JAX array that was deleted (donated); nothing changes.
+      ObjectParkedError, NotAllocatedError, NotResidentError: the object is not resident.
+      SessionStateLostError, ObjectNotFoundError: no such session or object.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functional_state import ArrayRing, get_or_create, put
+      >>> s, _ = get_or_create(ManagerState.create(), "a")
+      >>> s = put(s, "a", "ring", ArrayRing.create(4, (256,)))
+      >>> parked, moved = park(s, "a", "ring")
+      >>> moved
+      {'cpu': -4096, 'cpu/pinned_host': 4096}
+      >>> restore(parked, "a", "ring")[1]
+      {'cpu': 4096, 'cpu/pinned_host': -4096}
+    """
+    sid, node = locate(state, session_id, "park")
+    obj = find_object(node, name, "park")
+    obj._require_resident("park")
+    sessions_now = session_map(state)
+    holding = _holding(state, obj)
+    targets = holding if with_sharers else {sid: [name]}
+    mine = _holders.buffer_keys(obj._committed_roots())
+    others = _holders.holders_except(sessions_now, targets)
+    holders = sorted(s for s, values in others.items() if mine & _holders.buffer_keys(values))
+    if holders:
+        same = sorted(f"{s}/{n}" for s, names in holding.items() for n in names if (s, n) != (sid, name))
+        hint = (
+            f" {same[:5]} hold this very object: pass with_sharers=True to park it there too."
+            if same and not with_sharers
+            else ""
+        )
+        raise SharedStorageError(
+            f"`park`: object {name!r} of session {sid!r} shares its storage with something else in session(s) "
+            f"{holders[:5]}{' ...' if len(holders) > 5 else ''} (another object, an attr, or a fork): parking it "
+            f"would copy it to host memory and free no device memory.{hint}"
+        )
+    try:
+        parked = obj.park()
+    except (DeletedArrayError, SharedStorageError) as e:  # the object's own refusal, told with its address
+        raise type(e)(f"`park`: object {name!r} of session {sid!r}: {e}") from None
+    new, moved = replace_object(state, obj, parked, targets, "parks")
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("park: %s, moved %s", sorted(f"{s}/{n}" for s, names in targets.items() for n in names), moved)
+    return new, moved
+
+
+def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, dict[str, int]]:
+    """Bring a parked object's storage back where it was, bit for bit, in this session.
+
+    Forks parked together (``with_sharers``) restore to one device copy: restoring the object in a second
+    session reuses the copy the first restore made (see `StateObject.restore`).
+
+    Returns:
+      ``(state, moved)``: the change in bytes per pool, measured as `park` measures it. The host copy is
+      released only if no other session (a fork parked with ``with_sharers``) still holds the parked object.
+
+    Raises:
+      NotParkedError: the object is not parked.
+      SessionStateLostError, ObjectNotFoundError: no such session or object.
+    """
+    sid, node = locate(state, session_id, "restore")
+    obj = find_object(node, name, "restore")
+    restored = obj.restore()
+    new, moved = replace_object(state, obj, restored, {sid: [name]}, "restores")
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("restore: object %r of session %r, moved %s", name, sid, moved)
+    return new, moved

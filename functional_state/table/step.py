@@ -1,0 +1,210 @@
+"""`step`: run a jitted update of one state object, donating its buffers only where that is safe.
+
+Donation lets XLA write a step's output into its input's buffer (no second copy of a large ring), and
+deletes the input. In a table of immutable states that is dangerous: a fork shares every buffer of its
+source, an attr or another object may hold the same array, and any earlier state still reads it. `step`
+donates a buffer only when nothing else in the table holds it; any other buffer is copied first and the
+copy donated, so the others keep reading valid memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..core.state_object import StateObject
+from ..errors import InvalidTypeError
+from ..memory.holders import buffer_keys, holders_except
+from .ledger import object_extents
+from .manager_state import (
+    ConsumedManagerState,
+    ManagerState,
+    entries,
+    find_object,
+    ledger_of,
+    locate,
+    node_session,
+    replace_session,
+    session_map,
+)
+
+__all__ = ["step"]
+
+_JITTED: weakref.WeakKeyDictionary[Callable[..., Any], dict[bool, Callable[..., Any]]] = weakref.WeakKeyDictionary()
+_JITTED_LOCK = threading.Lock()
+
+
+def _jitted(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
+    """One jitted wrapper per (fn, donate): jit caches traces per wrapper, so reuse keeps it at one trace."""
+    with _JITTED_LOCK:
+        per_fn = _JITTED.setdefault(fn, {})
+        jitted = per_fn.get(donate)
+        if jitted is None:
+            jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
+            per_fn[donate] = jitted
+        return jitted
+
+
+# References to a leaf array while `_donation_copies` inspects it: the object's field, the leaves list, the
+# loop variable and getrefcount's argument. One more means someone outside the table holds the array.
+_LEAF_REFS = 4
+# References to the object itself there: the session's map, the caller's local, this function's argument
+# and getrefcount's argument.
+_OBJECT_REFS = 4
+
+
+def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObject, int]:
+    """``obj`` with every JAX array that anything else may read replaced by a copy; and how many.
+
+    "Anything else" is ``others`` (compared by buffer address, so aliases and views count), and any Python
+    reference to the object or the array from outside the table (a variable holding ``h.get(name)``):
+    CPython reference counts show those, and a copy is the safe answer to any doubt.
+    """
+    held = buffer_keys(list(others))
+    outside = sys.getrefcount(obj) > _OBJECT_REFS
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    new_leaves = []
+    for leaf in leaves:
+        if (
+            isinstance(leaf, jax.Array)
+            and not leaf.is_deleted()
+            and (outside or sys.getrefcount(leaf) > _LEAF_REFS or buffer_keys(leaf) & held)
+        ):
+            new_leaves.append(jnp.array(leaf, copy=True))
+        else:
+            new_leaves.append(leaf)
+    del leaf
+    copied = sum(a is not b for a, b in zip(leaves, new_leaves))
+    return jax.tree_util.tree_unflatten(treedef, new_leaves), copied
+
+
+def _others(state: ManagerState, sid: str, name: str, obj: StateObject) -> list[Any]:
+    """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch.
+
+    The table's incremental accounting counts, per buffer, the objects holding it: when it shows ``obj`` the
+    only holder of every buffer it has (and it accounts for all of them), only the attrs remain to look at
+    (they are never tracked: a model may change them in place). That keeps a step's cost independent of
+    how many other sessions the table holds; any doubt falls back to every object of every session.
+    """
+    extents = object_extents(obj)
+    refs = ledger_of(state).refs
+    if all(refs.get(e, 0) == 1 for e in extents) and buffer_keys(obj) <= {(p, s) for p, s, _ in extents}:
+        return [value for _, _, session in entries(state) for value in session.attrs.values()]
+    sessions = session_map(state)
+    return [value for values in holders_except(sessions, {sid: name}).values() for value in values]
+
+
+def _table_values(value: Any) -> list[Any]:
+    if isinstance(value, ManagerState):
+        return list(session_map(value).values())
+    return [value]
+
+
+def step(
+    state: ManagerState,
+    session_id: str | None,
+    name: str,
+    fn: Callable[..., Any],
+    *args: Any,
+    donate: bool = False,
+    retained: Iterable[Any] = (),
+    has_aux: bool = False,
+) -> Any:
+    """Replace object ``name`` of a session by ``jax.jit(fn)(object, *args)``, optionally donating it.
+
+    Args:
+      state: the table.
+      session_id: the session (None means ``"default"``).
+      name: the object to update, e.g. an `ArrayRing`.
+      fn: a pure function ``(object, *args) -> object`` of the same structure, e.g. ``ArrayRing.commit``.
+        Pass the same function every step: it is jitted once and traced once per structure.
+      *args: the step's other inputs (traced, never baked in as constants).
+      donate: let XLA reuse the object's buffers for the result. A buffer that any other object, attr,
+        session or fork in ``state`` (or anything in ``retained``) also references is copied first and the
+        copy donated, so nothing but the object itself ever loses a buffer. With ``donate=True`` the input
+        ``state`` is *consumed*, as with ``jax.jit(..., donate_argnums=...)``: it may read deleted buffers,
+        so every function refuses it afterwards with `StateConsumedError`. Keep using the returned state.
+      retained: other values the caller still reads (older states, views): their buffers are protected
+        too. `SessionStateManager.step` fills this in with its snapshots and detached handles.
+      has_aux: ``fn`` returns ``(new_object, aux)`` (a decode step's logits, say), as with
+        ``jax.value_and_grad(has_aux=True)``; ``aux`` is any pytree, returned beside the new table.
+
+    Returns:
+      The new table; with ``has_aux``, ``(table, aux)``.
+
+    Raises:
+      SessionStateLostError, ObjectNotFoundError: no such session or object.
+      InvalidTypeError: ``fn`` returned something that is not a state object of the same type.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from functional_state import ArrayRing, ManagerState, get_or_create, put, view, fork_session
+      >>> s, _ = get_or_create(ManagerState.create(), "a")
+      >>> s = put(s, "a", "ring", ArrayRing.create(2, (3,)))
+      >>> s = fork_session(s, "a", "b")            # "b" shares the ring's buffer
+      >>> s = step(s, "a", "ring", ArrayRing.commit, jnp.ones(3), donate=True)
+      >>> view(s, "a", "ring").shape, view(s, "b", "ring").shape   # "b" still reads its buffer
+      ((1, 3), (0, 3))
+      >>> def push(ring, x):
+      ...     return ring.commit(x), x.sum()           # the new ring, and an output beside it
+      >>> s, total = step(s, "a", "ring", push, jnp.full(3, 2.0), has_aux=True)
+      >>> float(total), view(s, "a", "ring").shape
+      (6.0, (2, 3))
+    """
+    sid, node = locate(state, session_id, "step")
+    obj = find_object(node, name, "step")
+    obj._require_resident("step")
+    jitted = _jitted(fn, donate)
+    _check_returns_same_type(jitted, obj, args, has_aux)  # before anything is donated: a refusal changes nothing
+    if donate:
+        protected = _others(state, sid, name, obj)
+        for value in retained:  # snapshots of the table are protected through their sessions
+            protected.extend(_table_values(value))
+        obj, _ = _donation_copies(obj, protected)
+    with warnings.catch_warnings():
+        # Scalars (head, size) often cannot be reused in place; JAX says so each call. Nothing is lost.
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        out = jitted(obj, *args)
+    new_obj, aux = out if has_aux else (out, None)
+    if donate:
+        state.__class__ = ConsumedManagerState
+    new_state = replace_session(state, sid, node, node_session(node)._with_object(name, new_obj))
+    return (new_state, aux) if has_aux else new_state
+
+
+_CHECKED: weakref.WeakKeyDictionary[Callable[..., Any], set[Any]] = weakref.WeakKeyDictionary()
+
+
+def _check_returns_same_type(
+    jitted: Callable[..., Any], obj: StateObject, args: tuple[Any, ...], has_aux: bool = False
+) -> None:
+    """Raise unless ``jitted(obj, *args)`` returns an object of ``obj``'s type (with ``has_aux``, a pair
+    whose first item is one); checked once per input structure with an abstract evaluation (no computation,
+    no donation)."""
+    key = (jax.tree_util.tree_structure((obj, args)), has_aux)
+    with _JITTED_LOCK:
+        checked = _CHECKED.setdefault(jitted, set())
+        if key in checked:
+            return
+    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise InvalidTypeError(
+                f"`step(..., has_aux=True)`: fn must return a pair (new {type(obj).__name__}, aux), got "
+                f"{type(out).__name__}."
+            )
+        out = out[0]
+    if type(out) is not type(obj):
+        raise InvalidTypeError(
+            f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got "
+            f"{type(out).__name__}."
+        )
+    with _JITTED_LOCK:
+        checked.add(key)

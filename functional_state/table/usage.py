@@ -1,0 +1,65 @@
+"""What the table holds: its counters and bytes per pool, as one mapping (stats)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine.paged_kv import pool_by_uid
+from ..memory import accounting
+from .ledger import totals_with_attrs
+from .manager_state import ManagerState, check_state, ledger_of, session_map
+
+
+def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
+    """Counters and bytes of the table.
+
+    Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
+    ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes of parked host copies: what objects
+    hold in the host pools), ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they
+    hold no bytes, and a non-zero count means some state reads freed memory), ``unaccounted_objects``
+    (objects the walk could not read), then one ``nbytes:<pool>`` key per pool, sorted: devices
+    (``nbytes:cpu``, ``nbytes:cuda:0``) and the host memory kinds parked storage lives in
+    (``nbytes:cpu/pinned_host``, ``nbytes:cpu/unpinned_host``). Each allocation is counted once across
+    all sessions. For each engine KV pool that handles hold blocks of: ``kv_pool:<name>:held_nbytes`` (the
+    blocks sessions hold, each once; part of ``nbytes:<device>``), ``kv_pool:<name>:total_nbytes`` and,
+    when the engine exposes its free count, ``kv_pool:<name>:free_nbytes``.
+
+    State objects are immutable, so their bytes are kept incrementally as the table changes (built by one
+    walk the first time); only attrs, which a model may change in place, are walked on each call, and
+    ``deleted_arrays`` and ``unaccounted_objects`` describe that walk. ``exact=True`` walks everything
+    instead (objects too), as a check: the figures are the same unless an object's buffer was deleted or
+    resized behind the manager's back.
+    """
+    if type(state) is not ManagerState:
+        check_state(state, "stats")
+    sessions_now = list(session_map(state).values())
+    if exact:
+        per_device, report = accounting.walk(*sessions_now)
+    else:
+        per_device, report = totals_with_attrs(ledger_of(state), sessions_now)
+    # Read from the host copies themselves, in both modes: a parked copy need not sit in a host pool (numpy
+    # stays where it was, an engine's offload token is the engine's), so host-pool totals undercount it.
+    parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
+    parked_nbytes = accounting.total_nbytes(*parked)
+    out: dict[str, Any] = {
+        "sessions": len(state),
+        "max_sessions": state.max_sessions,
+        "byte_budget": state.byte_budget,
+        "total_nbytes": sum(per_device.values()),
+        "hits": state.hits,
+        "misses": state.misses,
+        "evictions": state.evictions,
+        "parks": state.parks,
+        "restores": state.restores,
+        "parked_nbytes": parked_nbytes,
+        "deleted_arrays": report.deleted_arrays,
+        "unaccounted_objects": report.unaccounted_objects,
+    }
+    out.update({f"nbytes:{device}": n for device, n in per_device.items()})
+    for uid, blocks in ledger_of(state).kv_held().items():
+        pool = pool_by_uid(uid)
+        if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
+            out[f"kv_pool:{pool.name}:held_nbytes"] = blocks * pool.block_nbytes
+            for key, n in pool.capacity().items():
+                out[f"kv_pool:{pool.name}:{key}"] = n
+    return out
