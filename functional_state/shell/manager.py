@@ -238,22 +238,34 @@ class SessionStateManager:
         """The incarnations in ``before`` that ``final`` no longer holds: those ``op`` removed (``before`` to
         ``after``), then those the budget released (``after`` to ``final``)."""
         out: list[_Departure] = []
-        # A table derived from `before` gained exactly one incarnation number per insertion, so when its
-        # size grew by that much, no session left (the per-write common case: no walk).
-        inserted = after.issued - before.issued
-        if dropped or len(after) - len(before) != inserted:
+        # A table derived from `before` gained exactly one incarnation number per insertion, so the sessions
+        # that left number `missing`; they are found from the least recent end (where an LRU eviction takes
+        # them), stopping once all are found: a miss at a full table costs O(1), not a walk of the table.
+        missing = len(before) + (after.issued - before.issued) - len(after)
+        for sid, reason in dropped.items():
+            uid = ms.incarnation_of(before, sid)
+            if uid is not None:
+                out.append(_Departure(sid, uid, ms.lookup(before, sid), reason, True))
+                missing -= not _holds(after, sid, uid)
+        if missing:
+            exhaustive = missing < 0  # `after` was not derived from `before` (a load): look at every session
             evicted = f"evicted (LRU: the table holds at most max_sessions={before.max_sessions})"
-            for sid, uid, session in ms.entries(before):
-                if sid in dropped:
-                    out.append(_Departure(sid, uid, session, dropped[sid], True))
-                elif not _holds(after, sid, uid):
+            for sid, uid, session in ms.entries_lru(before):
+                if sid not in dropped and not _holds(after, sid, uid):
                     out.append(_Departure(sid, uid, session, evicted, False))
-        if final is not after and len(final) < len(after):
+                    missing -= 1
+                    if not missing and not exhaustive:
+                        break
+        gone_by_budget = len(after) - len(final) if final is not after else 0
+        if gone_by_budget > 0:
             gone = {d.uid for d in out}
             budget = "dropped by the byte budget (to make room; released like an LRU eviction)"
-            for sid, uid, session in ms.entries(after):
+            for sid, uid, session in ms.entries_lru(after):
                 if uid not in gone and not _holds(final, sid, uid):
                     out.append(_Departure(sid, uid, session, budget, False))
+                    gone_by_budget -= 1
+                    if not gone_by_budget:
+                        break
         return out
 
     def _detach(self, left: list[_Departure]) -> None:

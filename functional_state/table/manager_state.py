@@ -321,6 +321,16 @@ def entries(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
         yield sid, node[_U], node[_S]
 
 
+def entries_lru(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
+    """``(session id, incarnation, session)`` least recently used first, lazily: a caller looking for what an
+    LRU eviction removed stops after the first few."""
+    nodes, sid = state._nodes, state._meta[_HEAD]
+    while sid is not None:
+        node = nodes[sid]
+        yield sid, node[_U], node[_S]
+        sid = node[_N]
+
+
 def session_map(state: ManagerState) -> dict[str, SessionState]:
     """``{session id: session}``, in map order (not recency): the cheapest full read."""
     return {sid: node[_S] for sid, node in state._nodes.items()}
