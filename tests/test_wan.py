@@ -198,6 +198,16 @@ _RESUME = textwrap.dedent(
 )
 
 
+@pytest.fixture
+def one_torch_thread():
+    """The child resumes on one thread; the parent's reference must too (conv results depend on the count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
 def test_checkpoint_mid_stream_resumes_in_a_fresh_process(vae: AutoencoderKLWan, tmp_path: Path) -> None:
     pytest.importorskip("orbax.checkpoint")
     manager = SessionStateManager()
