@@ -153,7 +153,7 @@ def test_an_asynchronous_save_captures_the_values_when_called(tmp_path):
     s = fs.put(s, "a", "big", fs.DenseValue.create(t))
     handle = fs.save_session(s, "a", tmp_path / "ck", asynchronous=True)
     t.fill_(1.0)  # a model writing in place after the call: the checkpoint holds what was there
-    handle.wait()
+    assert handle.wait_until_finished() == handle.path  # orbax's name for `wait`
     assert handle.done()
     loaded = fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
     assert float(fs.lookup(loaded, "a").objects["big"].value.sum()) == 0.0

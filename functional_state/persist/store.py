@@ -20,8 +20,8 @@ _log = logging.getLogger("functional_state")
 
 class SaveHandle:
     """A save in progress (``asynchronous=True``) or done. ``wait()`` blocks until the checkpoint is complete
-    on disk (and raises what the save raised, as often as it is called); ``done()`` says whether the save has
-    finished, either way.
+    on disk (and raises what the save raised, as often as it is called; ``wait_until_finished()`` is the same,
+    under orbax's name); ``done()`` says whether the save has finished, either way.
 
     An asynchronous save finishes on a thread of its own, so it completes (and frees the host copies it
     holds) whether or not anyone waits; one still running when the interpreter exits is waited for then.
@@ -68,6 +68,10 @@ class SaveHandle:
                 f"there before, if any, is still the one there."
             ) from self._error
         return self.path
+
+    def wait_until_finished(self) -> Path:
+        """`wait` under the name orbax's checkpointers use, for code written against them."""
+        return self.wait()
 
     def done(self) -> bool:
         return self._finished.is_set()
