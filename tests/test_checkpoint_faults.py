@@ -416,3 +416,20 @@ def test_an_asynchronous_save_that_fails_unheard_is_reported_at_exit(tmp_path):
     done = _child(code)
     assert "the asynchronous save to" in done.stderr and "failed before exit" in done.stderr, done.stderr[-2000:]
     assert _loaded_generation(path) == 1
+
+
+def test_a_directory_another_controller_is_marking_is_not_refused_as_foreign(tmp_path):
+    # Regression: the controllers of one multi-process save prepare the directory at once; the second saw the
+    # first's half-written marker (or its fresh directory) and refused, failing the save (seen under load).
+    path = tmp_path / "ck"
+    path.mkdir()
+    (path / "_FUNCTIONAL_STATE.4242.1.tmp").write_text("{}")  # another process, mid-write
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "v", fs.DenseValue.create(torch.arange(4.0)))
+    fs.save_session(s, "a", path)
+    back = fs.load_session(ManagerState.create(), "a", path)
+    assert torch.equal(fs.view(back, "a", "v"), torch.arange(4.0))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not ours")
+    with pytest.raises(CheckpointError, match="non-empty directory"):
+        fs.save_session(s, "a", tmp_path / "other")

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +70,19 @@ def prepare_directory(root: Path) -> int:
                     f"manifest; a save there would delete it, so nothing was written. Save elsewhere, or remove it."
                 )
             marked = _is_marked(root)
-            if not marked and not steps and any(root.iterdir()):
+            # Our own marker, or another controller's marker being written, is no foreign content.
+            if not marked and not steps and any(not p.name.startswith(_MARKER) for p in root.iterdir()):
                 raise CheckpointError(
                     f"{root} is a non-empty directory that holds no checkpoint; refusing to write into it."
                 )
         else:
-            root.mkdir(parents=True)
+            root.mkdir(parents=True, exist_ok=True)  # another controller of this save may have made it just now
             marked = False
         if marked:  # what an earlier save here renamed away and did not finish deleting
             for p in root.glob(f"*{_DROPPED}"):
                 shutil.rmtree(p, ignore_errors=True)
         else:
-            tmp = root / f"{_MARKER}.tmp"
+            tmp = root / f"{_MARKER}.{os.getpid()}.{threading.get_ident()}.tmp"  # controllers write it concurrently
             tmp.write_text(json.dumps({"format": FORMAT}))
             os.replace(tmp, root / _MARKER)
     except OSError as e:
