@@ -63,3 +63,12 @@ def assert_unchanged(tree: Any, snap: tuple) -> None:
     chex.assert_trees_all_equal([p for p, _ in leaves], [p for p, _ in snap[1]])  # same leaf paths, same order
     for (path, before), (_, after) in zip(snap[1], leaves):
         assert before == after, f"leaf {path} changed: {before[:3]} -> {after[:3]}"
+
+
+def promised_frees(plan) -> dict[str, int]:
+    """Bytes a release plan says leave each pool (negative: arriving), summed over its actions, sorted."""
+    out: dict[str, int] = {}
+    for action in plan.actions:
+        for pool, n in action.frees.items():
+            out[pool] = out.get(pool, 0) + n
+    return {p: n for p, n in sorted(out.items()) if n}

@@ -26,7 +26,7 @@ from functional_state import (
     plan_release,
 )
 from functional_state.budget import normalize_budget
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, promised_frees, snapshot
 
 KIB = 1024
 
@@ -362,14 +362,6 @@ def _measured(before, after) -> dict[str, int]:
     return {p: b.get(p, 0) - a.get(p, 0) for p in sorted({*a, *b}) if b.get(p, 0) != a.get(p, 0)}
 
 
-def _promised(plan) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for action in plan.actions:
-        for pool, n in action.frees.items():
-            out[pool] = out.get(pool, 0) + n
-    return {p: n for p, n in sorted(out.items()) if n}
-
-
 def _one(objects: dict, protect_other: bool = True):
     """Session "s0" holding ``objects``; with ``protect_other``, a protected "keep" session beside it."""
     state = ManagerState.create()
@@ -391,7 +383,7 @@ def test_the_evict_lever_never_reoffers_what_the_park_lever_took():
     assert plan_release(state, "cpu", 3 * KIB, protect=["keep"], levers=["park", "evict"]) is None
     plan = plan_release(state, "cpu", 2 * KIB, protect=["keep"], levers=["park", "evict"])
     assert [(a.kind, a.name) for a in plan.actions] == [("park", "buf"), ("park", "src")]
-    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+    assert promised_frees(plan) == _measured(state, apply_plan(state, plan))
 
 
 def test_an_eviction_is_priced_without_the_staged_payload_it_keeps():
@@ -401,7 +393,7 @@ def test_an_eviction_is_priced_without_the_staged_payload_it_keeps():
     plan = plan_release(state, "cpu", 1, protect=["keep"], levers=["evict"])
     assert plan.actions[0].frees == {"cpu": KIB}  # the 2 KiB staged payload stays
     after = apply_plan(state, plan)
-    assert _promised(plan) == _measured(state, after) and fs.lookup(after, "s0").get("buf").staged is not None
+    assert promised_frees(plan) == _measured(state, after) and fs.lookup(after, "s0").get("buf").staged is not None
     assert plan_release(state, "cpu", KIB + 1, protect=["keep"], levers=["evict"]) is None
 
 
@@ -412,7 +404,7 @@ def test_parking_numpy_frees_nothing_and_is_not_offered():
     state = _one({"both": DenseValue.create([np.zeros(128), torch.zeros(256)])})
     plan = plan_release(state, "cpu", 1, protect=["keep"], levers=["park"])
     assert plan.actions[0].frees == {"cpu": KIB, "cpu/unpinned_host": -KIB}  # the torch half only
-    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+    assert promised_frees(plan) == _measured(state, apply_plan(state, plan))
 
 
 def test_a_mixed_torch_and_jax_object_parks_into_both_host_pools():
@@ -421,7 +413,7 @@ def test_a_mixed_torch_and_jax_object_parks_into_both_host_pools():
     state = _one({"mixed": mixed})
     plan = plan_release(state, "cpu", 1, protect=["keep"], levers=["park"])
     assert plan.actions[0].frees == {"cpu": 3 * KIB, "cpu/pinned_host": -2 * KIB, "cpu/unpinned_host": -KIB}
-    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+    assert promised_frees(plan) == _measured(state, apply_plan(state, plan))
     # A pinned-host budget with room for the torch half alone: the park would break it, so it is not planned.
     tight = ManagerState.create(byte_budget={"cpu": 16 * KIB, "cpu/pinned_host": KIB})
     tight, _ = fs.get_or_create(tight, "s0")
@@ -437,7 +429,7 @@ def test_a_drop_lists_the_host_bytes_that_leave_with_it():
     plan = plan_release(state, "cpu", 6 * KIB, protect=["keep"], levers=["park", "drop"])
     assert [a.kind for a in plan.actions] == ["park", "drop"]
     assert plan.actions[1].frees == {"cpu": 4 * KIB, "cpu/unpinned_host": 4 * KIB}
-    assert _promised(plan) == _measured(state, apply_plan(state, plan))
+    assert promised_frees(plan) == _measured(state, apply_plan(state, plan))
 
 
 def test_enforce_budget_never_installs_a_state_over_budget():
@@ -504,7 +496,7 @@ def test_a_drop_after_an_eviction_prices_the_evicted_object_as_it_is_then():
     state = fs.commit(fs.commit(state, "f0", "buf", torch.zeros(256)), "s0", "buf", torch.zeros(256))
     assert plan_release(state, "cpu", KIB + 64, protect=["f0"], levers=["evict", "drop"]) is None
     plan = plan_release(state, "cpu", KIB, protect=["f0"], levers=["evict", "drop"])
-    assert _promised(plan) == _measured(state, apply_plan(state, plan)) == {"cpu": KIB}
+    assert promised_frees(plan) == _measured(state, apply_plan(state, plan)) == {"cpu": KIB}
 
 
 def test_the_same_object_under_two_names_is_parked_under_both_at_once():

@@ -27,7 +27,7 @@ from functional_state import (
     plan_release,
 )
 from functional_state.planner import over_budget
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, promised_frees, snapshot
 from torch_bridge.adapters.paged_engine import ReferenceKVEngine
 
 SIDS = ("a", "b", "c", "d")
@@ -44,14 +44,6 @@ def _pools(state) -> dict[str, int]:
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """Bytes leaving each pool (negative: arriving), as a plan's ``frees`` lists them."""
     out = {p: before.get(p, 0) - after.get(p, 0) for p in {*before, *after}}
-    return {p: n for p, n in sorted(out.items()) if n}
-
-
-def _promised(plan) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for action in plan.actions:
-        for pool, n in action.frees.items():
-            out[pool] = out.get(pool, 0) + n
     return {p: n for p, n in sorted(out.items()) if n}
 
 
@@ -235,7 +227,7 @@ class PlannerMachine(RuleBasedStateMachine):
             assert not set(action.session_ids) & set(protect)
         kept = {s: snapshot(fs.lookup(state, s)) for s in protect}
         after = apply_plan(state, plan)
-        assert _promised(plan) == _delta(_pools(state), _pools(after)), str(plan)
+        assert promised_frees(plan) == _delta(_pools(state), _pools(after)), str(plan)
         assert plan.freed >= need
         for sid, s_snap in kept.items():
             assert_unchanged(fs.lookup(after, sid), s_snap)
