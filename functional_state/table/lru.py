@@ -1,9 +1,17 @@
 """The table's recency order: make a session most recent, insert one (evicting the least recent when the
-table is full), remove one, and replace a session without touching its recency.
+table is full), remove one, and replace sessions without touching their recency.
 
-The order is a doubly linked list threaded through the nodes of the persistent map (see `state`), so each
-change rewrites a handful of entries, O(log n) in the number of sessions whatever the history, from any
-state, old or new. Each helper works on one map mutation, so one change builds one new map.
+Recency is a tick per node and an append-only log of ``(session id, tick)`` (see `state`): a use takes the
+next tick and appends one entry; eviction takes the oldest entry that is still current. A hit writes no
+node at all: the session it made most recent is *pending* (its node keeps its old tick, the table's
+``clock - 1`` is its tick), and the next write of that node (the commit that follows a hit) stores the tick
+with the new session, so a hit and its commit write one node. Another use settles the pending node first.
+
+The log is shared by a table and the tables derived from it: each reads only its own window
+``[start, end)``, a table appends in place while it is the newest user of the list, and one derived from an
+older table copies its window first. When a window reaches `COMPACT_AT` times the table's size it is
+rebuilt from its current entries, so a window never holds more than a few entries per session and a
+lookup, a hit and a miss cost the same after any history.
 """
 
 from __future__ import annotations
@@ -16,76 +24,96 @@ import immutables
 
 from ..core.session import SessionState
 from ..errors import SessionAdmissionError
-from .state import (
-    NEXT,
-    PREV,
-    SESSION,
-    UID,
-    ManagerState,
-    Node,
-    make_state,
-)
+from .state import CLOCK, COMPACT_AT, PENDING, SESSION, UID, USED, ManagerState, Node, make_state
 
 __all__ = ["insert", "remove", "replace_session", "replace_sessions", "touch"]
 
 _new = object.__new__
 _log = logging.getLogger("functional_state")
+# The log: two parallel lists (session ids, ticks) rather than one list of pairs. A pair per use would be
+# one more object the garbage collector tracks for every hit; str and int are untracked, and with pairs the
+# collector's generations filled with them and ran full collections over a 100k-session heap (~1 s each).
+Log = tuple[list[str], list[int]]
 
 
-def _unlink(mm: Any, node: Node, head: str | None, tail: str | None) -> tuple[str | None, str | None]:
-    prev, nxt = node[PREV], node[NEXT]
-    if prev is None:
-        head = nxt
-    else:
-        p = mm[prev]
-        mm[prev] = (p[SESSION], p[PREV], nxt, p[UID])
-    if nxt is None:
-        tail = prev
-    else:
-        n = mm[nxt]
-        mm[nxt] = (n[SESSION], prev, n[NEXT], n[UID])
-    return head, tail
+def _append(log: Log, start: int, end: int, sid: str, tick: int) -> tuple[Log, int, int]:
+    """Append ``(sid, tick)`` to the window ``[start, end)`` of ``log``: in place when the window ends the
+    lists, else (a table derived from an older one, or another thread appending first) on a copy."""
+    sids, ticks = log
+    if len(sids) == end:
+        sids.append(sid)
+        # Checked after the append: of two threads appending at once, one finds the other's id and copies.
+        # Tables that share a list and a window end share their clock, so the ticks appended are equal.
+        if sids[end] is sid:
+            ticks.append(tick)
+            return log, start, end + 1
+    sids = sids[start:end]
+    ticks = ticks[start:end]
+    sids.append(sid)
+    ticks.append(tick)
+    return (sids, ticks), 0, len(sids)
 
 
-def _append(mm: Any, sid: str, session: SessionState, uid: int, head: str | None, tail: str | None) -> str | None:
-    """Link ``sid`` in as the most recent session; returns the new head."""
-    if tail is None:
-        mm[sid] = (session, None, None, uid)
-        return sid
-    t = mm[tail]
-    mm[tail] = (t[SESSION], t[PREV], sid, t[UID])
-    mm[sid] = (session, tail, None, uid)
-    return head
+def _compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, tick: int) -> Log:
+    """The current entries of a window (``pending``'s tick is ``tick``), in order, in new lists."""
+    sids, ticks = log
+    out_sids, out_ticks = [], []
+    for i in range(start, end):
+        sid = sids[i]
+        node = nodes.get(sid)
+        if node is not None and (tick if sid == pending else node[USED]) == ticks[i]:
+            out_sids.append(sid)
+            out_ticks.append(ticks[i])
+    return out_sids, out_ticks
+
+
+def _settled(nodes: immutables.Map, clock: int, pending: str | None) -> immutables.Map:
+    """``nodes`` with the pending session's node holding its tick (``clock - 1``)."""
+    if pending is not None:
+        p = nodes[pending]
+        if p[USED] != clock - 1:
+            return nodes.set(pending, (p[SESSION], clock - 1, p[UID]))
+    return nodes
 
 
 def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
-    """Make ``sid`` the most recently used session, adding ``hits`` to the hit counter."""
-    head, tail, uid, config, n_hits, misses, evictions, *rare = state._meta
-    if sid == tail:
+    """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
+    # The hit path, written out: no star-unpacking, no helper calls where the common case needs none.
+    meta = state._meta
+    clock = meta[0]
+    pending = meta[4]
+    nodes = state._nodes
+    if sid == pending or (pending is None and node[USED] == clock - 1):  # already the most recent
         if not hits:
             return state
-        return make_state(state._nodes, (head, tail, uid, config, n_hits + hits, misses, evictions, *rare), state._acct)
-    # The general unlink + append, written out for a node that is not the tail (so it has a next): the hit
-    # path, rewriting at most four entries, each read from the unchanged map.
-    nodes = state._nodes
-    prev, nxt = node[PREV], node[NEXT]
-    mm = nodes.mutate()
-    if prev is None:
-        head = nxt
+        new = _new(ManagerState)
+        new._nodes = nodes
+        new._meta = (clock, meta[1], meta[2], meta[3], pending, meta[5] + hits, meta[6])
+        new._acct = state._acct
+        return new
+    if pending is not None:  # settle the previous hit's node unless its commit already did
+        p = nodes[pending]
+        if p[USED] != clock - 1:
+            nodes = nodes.set(pending, (p[SESSION], clock - 1, p[UID]))
+    log = meta[1]
+    start = meta[2]
+    end = meta[3]
+    sids = log[0]
+    if len(sids) == end:  # `_append`, written out
+        sids.append(sid)
+        if sids[end] is sid:
+            log[1].append(clock)
+            end += 1
+        else:
+            log, start, end = _append(log, start, end, sid, clock)
     else:
-        p = nodes[prev]
-        mm[prev] = (p[SESSION], p[PREV], nxt, p[UID])
-    n = nodes[nxt]
-    if nxt == tail:
-        mm[nxt] = (n[SESSION], prev, sid, n[UID])
-    else:
-        mm[nxt] = (n[SESSION], prev, n[NEXT], n[UID])
-        t = nodes[tail]
-        mm[tail] = (t[SESSION], t[PREV], sid, t[UID])
-    mm[sid] = (node[SESSION], tail, None, node[UID])
+        log, start, end = _append(log, start, end, sid, clock)
+    if end - start >= COMPACT_AT * len(nodes):
+        log = _compacted(nodes, log, start, end, sid, clock)
+        start, end = 0, len(log[0])
     new = _new(ManagerState)
-    new._nodes = mm.finish()
-    new._meta = (head, sid, uid, config, n_hits + hits, misses, evictions, *rare)
+    new._nodes = nodes
+    new._meta = (clock + 1, log, start, end, sid, meta[5] + hits, meta[6])
     new._acct = state._acct
     return new
 
@@ -96,51 +124,67 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    head, tail, uid, config, hits, n_misses, evictions, *rare = state._meta
+    clock, log, start, end, pending, hits, cold = state._meta
+    uid, config, n_misses, evictions, parks, restores = cold
     acct = state._acct
-    mm = state._nodes.mutate()
-    if len(state._nodes) >= config.max_sessions:
-        if not config.evict_when_full:
-            raise SessionAdmissionError(
-                f"`{what}`: the table is full ({len(state._nodes)}/{config.max_sessions} sessions) and "
-                f"evict_when_full=False, so session {sid!r} is refused. Drop a finished session "
-                f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
-            )
-        victim = mm[head]
+    size = len(state._nodes)
+    if size >= config.max_sessions and not config.evict_when_full:
+        raise SessionAdmissionError(
+            f"`{what}`: the table is full ({size}/{config.max_sessions} sessions) and "
+            f"evict_when_full=False, so session {sid!r} is refused. Drop a finished session "
+            f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
+        )
+    # Plain `set`/`delete`, not a map mutation: for two or three writes, building and finishing a
+    # `MapMutation` costs more than the writes.
+    nodes = _settled(state._nodes, clock, pending)
+    if size >= config.max_sessions:
+        while True:  # the oldest current entry; those before it were superseded
+            victim_id = log[0][start]
+            tick = log[1][start]
+            start += 1
+            victim = nodes.get(victim_id)
+            if victim is not None and victim[USED] == tick:
+                break
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", head, len(mm), sid)
-        del mm[head]
+            _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", victim_id, size, sid)
+        nodes = nodes.delete(victim_id)
         if acct is not None:
             acct = acct.remove_session(victim[SESSION])
-        head = victim[NEXT]
-        if head is None:
-            tail = None
-        else:
-            h = mm[head]
-            mm[head] = (h[SESSION], None, h[NEXT], h[UID])
         evictions += 1
-    head = _append(mm, sid, session, uid, head, tail)
+    nodes = nodes.set(sid, (session, clock, uid))
+    log, start, end = _append(log, start, end, sid, clock)
+    if end - start >= COMPACT_AT * len(nodes):
+        log = _compacted(nodes, log, start, end, None, clock)
+        start, end = 0, len(log[0])
     if acct is not None:
         acct = acct.add_session(session)
-    return make_state(mm.finish(), (head, sid, uid + 1, config, hits, n_misses + misses, evictions, *rare), acct)
+    cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
+    return make_state(nodes, (clock + 1, log, start, end, None, hits, cold), acct)
 
 
 def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
-    head, tail, *rest = state._meta
-    mm = state._nodes.mutate()
-    head, tail = _unlink(mm, node, head, tail)
-    del mm[sid]
+    clock, log, start, end, pending, hits, cold = state._meta
+    nodes = state._nodes.delete(sid)
+    if sid == pending:
+        pending = None
+    if end - start >= COMPACT_AT * len(nodes) + COMPACT_AT:  # after many drops: keep the window short
+        log = _compacted(nodes, log, start, end, pending, clock - 1)
+        start, end = 0, len(log[0])
     acct = None if state._acct is None else state._acct.remove_session(node[SESSION])
-    return make_state(mm.finish(), (head, tail, *rest), acct)
+    return make_state(nodes, (clock, log, start, end, pending, hits, cold), acct)
 
 
 def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
-    """``state`` with the session of ``sid`` (its node ``node``) replaced; recency and counters unchanged."""
+    """``state`` with the session of ``sid`` (its node ``node``) replaced; recency and counters unchanged.
+
+    A pending node (the session a hit just made most recent) takes its tick in this same write."""
     acct = state._acct
     if acct is not None:
         acct = acct.swap_session(node[SESSION], session)
-    return make_state(state._nodes.set(sid, (session, node[PREV], node[NEXT], node[UID])), state._meta, acct)
+    meta = state._meta
+    used = meta[CLOCK] - 1 if sid == meta[PENDING] else node[USED]
+    return make_state(state._nodes.set(sid, (session, used, node[UID])), meta, acct)
 
 
 def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> immutables.Map:
@@ -148,5 +192,5 @@ def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> im
     mm = state._nodes.mutate()
     for sid, session in new.items():
         n = mm[sid]
-        mm[sid] = (session, n[PREV], n[NEXT], n[UID])
+        mm[sid] = (session, n[USED], n[UID])
     return mm.finish()

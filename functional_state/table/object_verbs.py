@@ -16,7 +16,7 @@ from ..errors import ObjectNotFoundError
 from .checks import check_state, find_object, locate, lost_error, resolve_id
 from .ledger import Acct, totals_with_attrs
 from .lru import replace_session, replace_sessions
-from .state import NEXT, PREV, SESSION, UID, ManagerState, add_to_counter, make_state, session_map
+from .state import CLOCK, PENDING, SESSION, UID, USED, ManagerState, add_to_counter, make_state, session_map
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
 
@@ -71,9 +71,11 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
     new_session._objects = objects.set(name, new_obj)
     new_session._attrs = session._attrs
     new_session._policies = session._policies
+    meta = state._meta
     new = _new(ManagerState)
-    new._nodes = nodes.set(sid, (new_session, node[PREV], node[NEXT], node[UID]))
-    new._meta = state._meta
+    # A hit just before left this node pending (see `lru.touch`): it takes its tick in this one write.
+    new._nodes = nodes.set(sid, (new_session, meta[CLOCK] - 1 if sid == meta[PENDING] else node[USED], node[UID]))
+    new._meta = meta
     acct = state._acct
     new._acct = None if acct is None else acct.swap(obj, new_obj)
     return new

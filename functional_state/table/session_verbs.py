@@ -23,16 +23,7 @@ from ..errors import (
 from .checks import check_state, locate, resolve_id
 from .lru import insert, remove, replace_sessions, touch
 from .state import (
-    CONFIG,
-    EVICTIONS,
-    HEAD,
-    HITS,
-    ISSUED,
-    MISSES,
-    PARKS,
-    RESTORES,
     SESSION,
-    TAIL,
     ManagerState,
     check_positive,
     entries_lru,
@@ -53,7 +44,6 @@ __all__ = [
     "with_sessions",
 ]
 
-_new = object.__new__
 _log = logging.getLogger("functional_state")
 
 
@@ -80,23 +70,6 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
     sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, "get_or_create")
     node = state._nodes.get(sid)
     if node is not None:
-        meta = state._meta
-        if sid == meta[TAIL]:  # already the most recent: only the hit counter moves
-            new = _new(ManagerState)
-            new._nodes = state._nodes
-            new._acct = state._acct
-            new._meta = (
-                meta[HEAD],
-                sid,
-                meta[ISSUED],
-                meta[CONFIG],
-                meta[HITS] + 1,
-                meta[MISSES],
-                meta[EVICTIONS],
-                meta[PARKS],
-                meta[RESTORES],
-            )
-            return new, node[SESSION]
         return touch(state, sid, node, 1), node[SESSION]
     session = SessionState.empty()
     return insert(state, sid, session, "get_or_create", 1), session

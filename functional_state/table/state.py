@@ -52,24 +52,34 @@ __all__ = [
 DEFAULT_SESSION_ID = "default"
 DEFAULT_MAX_SESSIONS = 64  # mirrors the bespoke MAX_DREAMZERO_SESSIONS
 
-# A node: (session, id of the previous (less recent) session, id of the next, incarnation).
+# A node: (session, tick of its last use, incarnation). Recency is the order of the ticks: every use takes
+# the next tick of the table's clock and appends ``(session id, tick)`` to an append-only log, so a hit
+# rewrites no other node (a linked list rewrote up to four). An entry is current while its session's node
+# still holds its tick; the log is read oldest first, skipping entries a later use superseded, and is
+# compacted to its current entries when it grows to COMPACT_AT times the table.
 SESSION: Final = 0
-PREV: Final = 1
-NEXT: Final = 2
-UID: Final = 3
-Node = tuple[SessionState, "str | None", "str | None", int]
-# The table's other fields, one tuple so that a write to a session copies two references, not eight:
-# (head: least recent id, tail: most recent id, next incarnation, config, hits, misses, evictions, then
-# the counters that change rarely: parks, restores).
-HEAD: Final = 0
-TAIL: Final = 1
-ISSUED: Final = 2
-CONFIG: Final = 3
-HITS: Final = 4
-MISSES: Final = 5
-EVICTIONS: Final = 6
-PARKS: Final = 7
-RESTORES: Final = 8
+USED: Final = 1
+UID: Final = 2
+Node = tuple[SessionState, int, int]
+# The table's other fields, one tuple so that a write to a session copies two references: (clock: the next
+# tick, log, start and end of this table's window of the log, pending: the session whose node does not hold
+# its tick yet (see `lru.touch`), hits, then the fields that only a miss or a rare verb changes, one tuple so
+# that a hit copies seven references, not twelve: (next incarnation, config, misses, evictions, parks,
+# restores)).
+CLOCK: Final = 0
+LOG: Final = 1
+START: Final = 2
+END: Final = 3
+PENDING: Final = 4
+HITS: Final = 5
+COLD: Final = 6
+ISSUED: Final = 0
+CONFIG: Final = 1
+MISSES: Final = 2
+EVICTIONS: Final = 3
+PARKS: Final = 4
+RESTORES: Final = 5
+COMPACT_AT: Final = 4
 Meta = tuple[Any, ...]
 EMPTY_NODES: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -136,22 +146,22 @@ class ManagerState:
         check_positive(max_sessions, "`ManagerState.create`: max_sessions")
         budget = normalize_budget(byte_budget, "ManagerState.create: byte_budget")
         config = Config(max_sessions, budget, bool(evict_when_full))
-        meta = (None, None, 0, config, 0, 0, 0, 0, 0)
+        meta = (0, ([], []), 0, 0, None, 0, (0, config, 0, 0, 0, 0))
         return make_state(EMPTY_NODES, meta, None if budget is None else Acct.build([]))
 
     # --- reads -------------------------------------------------------------------------------------
     @property
     def max_sessions(self) -> int:
-        return self._meta[CONFIG].max_sessions
+        return self._meta[COLD][CONFIG].max_sessions
 
     @property
     def byte_budget(self) -> dict[str, int] | None:
         """``{pool: bytes}`` (``"*"``: every device pool), or None."""
-        return self._meta[CONFIG].byte_budget
+        return self._meta[COLD][CONFIG].byte_budget
 
     @property
     def evict_when_full(self) -> bool:
-        return self._meta[CONFIG].evict_when_full
+        return self._meta[COLD][CONFIG].evict_when_full
 
     @property
     def hits(self) -> int:
@@ -161,42 +171,49 @@ class ManagerState:
     @property
     def misses(self) -> int:
         """`get_or_create` calls that created their session."""
-        return self._meta[MISSES]
+        return self._meta[COLD][MISSES]
 
     @property
     def evictions(self) -> int:
         """Sessions dropped to make room under the count cap."""
-        return self._meta[EVICTIONS]
+        return self._meta[COLD][EVICTIONS]
 
     @property
     def parks(self) -> int:
         """Objects parked (`park`), counting each session of a shared park once."""
-        return self._meta[PARKS]
+        return self._meta[COLD][PARKS]
 
     @property
     def restores(self) -> int:
         """Objects restored (`restore`), whether asked for or done by a handle on access."""
-        return self._meta[RESTORES]
+        return self._meta[COLD][RESTORES]
 
     @property
     def counters(self) -> Counters:
         """Every counter, by name (what a checkpoint saves)."""
-        return Counters(*self._meta[HITS : RESTORES + 1])
+        meta = self._meta
+        return Counters(meta[HITS], *meta[COLD][MISSES:])
 
     @property
     def issued(self) -> int:
         """Incarnation numbers issued so far: a table derived from another gained one per insertion."""
-        return self._meta[ISSUED]
+        return self._meta[COLD][ISSUED]
 
     @property
     def least_recent(self) -> str | None:
-        """The id an insertion into a full table would evict next (None when empty). O(1)."""
-        return self._meta[HEAD]
+        """The id an insertion into a full table would evict next (None when empty)."""
+        return next((sid for sid, _, _ in entries_lru(self)), None)
 
     @property
     def most_recent(self) -> str | None:
-        """The most recently used id (None when empty). O(1)."""
-        return self._meta[TAIL]
+        """The most recently used id (None when empty)."""
+        nodes, (clock, log, start, end, pending, *_) = self._nodes, self._meta
+        for i in range(end - 1, start - 1, -1):
+            sid = log[0][i]
+            node = nodes.get(sid)
+            if node is not None and (clock - 1 if sid == pending else node[USED]) == log[1][i]:
+                return sid
+        return None
 
     @property
     def session_ids(self) -> tuple[str, ...]:
@@ -267,11 +284,12 @@ class Counters(NamedTuple):
     restores: int
 
 
-def with_counters(state: ManagerState, counters: Counters | tuple[int, ...]) -> ManagerState:
+def with_counters(state: ManagerState, counters: Counters | tuple[int, ...] | list[int]) -> ManagerState:
     """``state`` with its counters replaced (a loaded checkpoint's), sessions and configuration kept."""
-    meta = list(state._meta)
-    meta[HITS : RESTORES + 1] = tuple(counters)
-    return make_state(state._nodes, tuple(meta), state._acct)
+    hits, *rest = counters
+    meta = state._meta
+    cold = (*meta[COLD][:MISSES], *rest)
+    return make_state(state._nodes, (*meta[:HITS], hits, cold), state._acct)
 
 
 def count_evictions(state: ManagerState, n: int = 1) -> ManagerState:
@@ -281,16 +299,15 @@ def count_evictions(state: ManagerState, n: int = 1) -> ManagerState:
 
 def add_to_counter(state: ManagerState, counter: str, n: int) -> ManagerState:
     """``state`` with ``n`` added to the counter named ``counter`` (a `Counters` field)."""
-    meta = list(state._meta)
-    meta[HITS + Counters._fields.index(counter)] += n
-    return make_state(state._nodes, tuple(meta), state._acct)
+    return with_counters(state, [c + n if name == counter else c for name, c in state.counters._asdict().items()])
 
 
 def with_max_sessions(state: ManagerState, n: int) -> ManagerState:
     """``state`` with its count cap set to ``n`` (no checks: `raise_max_sessions` makes them)."""
-    meta = list(state._meta)
-    meta[CONFIG] = dataclasses.replace(meta[CONFIG], max_sessions=n)
-    return make_state(state._nodes, tuple(meta), state._acct)
+    meta = state._meta
+    cold = list(meta[COLD])
+    cold[CONFIG] = dataclasses.replace(cold[CONFIG], max_sessions=n)
+    return make_state(state._nodes, (*meta[:COLD], tuple(cold)), state._acct)
 
 
 def node_session(node: Node) -> SessionState:
@@ -319,11 +336,12 @@ def entries(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
 def entries_lru(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
     """``(session id, incarnation, session)`` least recently used first, lazily: a caller looking for what an
     LRU eviction removed stops after the first few."""
-    nodes, sid = state._nodes, state._meta[HEAD]
-    while sid is not None:
-        node = nodes[sid]
-        yield sid, node[UID], node[SESSION]
-        sid = node[NEXT]
+    nodes, (clock, log, start, end, pending, *_) = state._nodes, state._meta
+    for i in range(start, end):
+        sid = log[0][i]
+        node = nodes.get(sid)
+        if node is not None and (clock - 1 if sid == pending else node[USED]) == log[1][i]:
+            yield sid, node[UID], node[SESSION]
 
 
 def session_map(state: ManagerState) -> dict[str, SessionState]:
