@@ -1,17 +1,14 @@
 """The table's recency order: make a session most recent, insert one (evicting the least recent when the
 table is full), remove one, and replace sessions without touching their recency.
 
-Recency is a tick per node and an append-only log of ``(session id, tick)`` (see `state`): a use takes the
-next tick and appends one entry; eviction takes the oldest entry that is still current. A hit writes no
-node at all: the session it made most recent is *pending* (its node keeps its old tick, the table's
-``clock - 1`` is its tick), and the next write of that node (the commit that follows a hit) stores the tick
-with the new session, so a hit and its commit write one node. Another use settles the pending node first.
-
-The log is shared by a table and the tables derived from it: each reads only its own window
-``[start, end)``, a table appends in place while it is the newest user of the list, and one derived from an
-older table copies its window first. When a window reaches `COMPACT_AT` times the table's size it is
-rebuilt from its current entries, so a window never holds more than a few entries per session and a
-lookup, a hit and a miss cost the same after any history.
+Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see `state`):
+a use takes the next tick and appends one entry; eviction takes the oldest entry that is still current. A
+hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick, the
+table's ``clock - 1`` is its tick), and the next write of that node (the commit that follows a hit) stores
+the tick with the new session, so a hit and its commit write one node. Another use settles the pending
+node first. When a window reaches `COMPACT_AT` times the table's size (or spans `MAX_DEPTH` segments) it is
+rebuilt from its current entries, so it never holds more than a few entries per session and a lookup, a
+hit and a miss cost the same after any history.
 """
 
 from __future__ import annotations
@@ -24,47 +21,24 @@ import immutables
 
 from ..core.session import SessionState
 from ..errors import SessionAdmissionError
+from .recency_log import MAX_DEPTH, Log, append, at, entries
 from .state import CLOCK, COMPACT_AT, PENDING, SESSION, UID, USED, ManagerState, Node, make_state
 
 __all__ = ["insert", "remove", "replace_session", "replace_sessions", "touch"]
 
 _new = object.__new__
 _log = logging.getLogger("functional_state")
-# The log: two parallel lists (session ids, ticks) rather than one list of pairs. A pair per use would be
-# one more object the garbage collector tracks for every hit; str and int are untracked, and with pairs the
-# collector's generations filled with them and ran full collections over a 100k-session heap (~1 s each).
-Log = tuple[list[str], list[int]]
-
-
-def _append(log: Log, start: int, end: int, sid: str, tick: int) -> tuple[Log, int, int]:
-    """Append ``(sid, tick)`` to the window ``[start, end)`` of ``log``: in place when the window ends the
-    lists, else (a table derived from an older one, or another thread appending first) on a copy."""
-    sids, ticks = log
-    if len(sids) == end:
-        sids.append(sid)
-        # Checked after the append: of two threads appending at once, one finds the other's id and copies.
-        # Tables that share a list and a window end share their clock, so the ticks appended are equal.
-        if sids[end] is sid:
-            ticks.append(tick)
-            return log, start, end + 1
-    sids = sids[start:end]
-    ticks = ticks[start:end]
-    sids.append(sid)
-    ticks.append(tick)
-    return (sids, ticks), 0, len(sids)
 
 
 def _compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, tick: int) -> Log:
-    """The current entries of a window (``pending``'s tick is ``tick``), in order, in new lists."""
-    sids, ticks = log
-    out_sids, out_ticks = [], []
-    for i in range(start, end):
-        sid = sids[i]
+    """The current entries of a window (``pending``'s tick is ``tick``), in order, in one new segment."""
+    sids, ticks = [], []
+    for sid, t in entries(log, start, end):
         node = nodes.get(sid)
-        if node is not None and (tick if sid == pending else node[USED]) == ticks[i]:
-            out_sids.append(sid)
-            out_ticks.append(ticks[i])
-    return out_sids, out_ticks
+        if node is not None and (tick if sid == pending else node[USED]) == t:
+            sids.append(sid)
+            ticks.append(t)
+    return Log(sids, ticks)
 
 
 def _settled(nodes: immutables.Map, clock: int, pending: str | None) -> immutables.Map:
@@ -95,22 +69,22 @@ def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
         p = nodes[pending]
         if p[USED] != clock - 1:
             nodes = nodes.set(pending, (p[SESSION], clock - 1, p[UID]))
-    log = meta[1]
     start = meta[2]
     end = meta[3]
-    sids = log[0]
-    if len(sids) == end:  # `_append`, written out
+    log = meta[1]
+    sids = log.sids
+    if log.base + len(sids) == end:  # `recency_log.append`, written out for its common case
         sids.append(sid)
-        if sids[end] is sid:
-            log[1].append(clock)
-            end += 1
-        else:
-            log, start, end = _append(log, start, end, sid, clock)
+        if sids[end - log.base] is sid:
+            log.ticks.append(clock)
+        else:  # another table appended first: branch
+            log = append(log, end, sid, clock)
     else:
-        log, start, end = _append(log, start, end, sid, clock)
-    if end - start >= COMPACT_AT * len(nodes):
+        log = append(log, end, sid, clock)
+    end += 1
+    if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
         log = _compacted(nodes, log, start, end, sid, clock)
-        start, end = 0, len(log[0])
+        start, end = 0, len(log.sids)
     new = _new(ManagerState)
     new._nodes = nodes
     new._meta = (clock + 1, log, start, end, sid, meta[5] + hits, meta[6])
@@ -138,9 +112,12 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
     # `MapMutation` costs more than the writes.
     nodes = _settled(state._nodes, clock, pending)
     if size >= config.max_sessions:
+        sids, ticks, base = log.sids, log.ticks, log.base
         while True:  # the oldest current entry; those before it were superseded
-            victim_id = log[0][start]
-            tick = log[1][start]
+            if start >= base:
+                victim_id, tick = sids[start - base], ticks[start - base]
+            else:
+                victim_id, tick = at(log, start)
             start += 1
             victim = nodes.get(victim_id)
             if victim is not None and victim[USED] == tick:
@@ -152,10 +129,11 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
             acct = acct.remove_session(victim[SESSION])
         evictions += 1
     nodes = nodes.set(sid, (session, clock, uid))
-    log, start, end = _append(log, start, end, sid, clock)
-    if end - start >= COMPACT_AT * len(nodes):
+    log = append(log, end, sid, clock)
+    end += 1
+    if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
         log = _compacted(nodes, log, start, end, None, clock)
-        start, end = 0, len(log[0])
+        start, end = 0, len(log.sids)
     if acct is not None:
         acct = acct.add_session(session)
     cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
@@ -170,7 +148,7 @@ def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
         pending = None
     if end - start >= COMPACT_AT * len(nodes) + COMPACT_AT:  # after many drops: keep the window short
         log = _compacted(nodes, log, start, end, pending, clock - 1)
-        start, end = 0, len(log[0])
+        start, end = 0, len(log.sids)
     acct = None if state._acct is None else state._acct.remove_session(node[SESSION])
     return make_state(nodes, (clock, log, start, end, pending, hits, cold), acct)
 

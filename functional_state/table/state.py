@@ -26,6 +26,8 @@ from ..core.session import SessionState
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..memory.budget import normalize_budget
 from .ledger import Acct
+from .recency_log import Log, entries_reversed
+from .recency_log import entries as log_entries
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -146,7 +148,7 @@ class ManagerState:
         check_positive(max_sessions, "`ManagerState.create`: max_sessions")
         budget = normalize_budget(byte_budget, "ManagerState.create: byte_budget")
         config = Config(max_sessions, budget, bool(evict_when_full))
-        meta = (0, ([], []), 0, 0, None, 0, (0, config, 0, 0, 0, 0))
+        meta = (0, Log([], []), 0, 0, None, 0, (0, config, 0, 0, 0, 0))
         return make_state(EMPTY_NODES, meta, None if budget is None else Acct.build([]))
 
     # --- reads -------------------------------------------------------------------------------------
@@ -208,10 +210,9 @@ class ManagerState:
     def most_recent(self) -> str | None:
         """The most recently used id (None when empty)."""
         nodes, (clock, log, start, end, pending, *_) = self._nodes, self._meta
-        for i in range(end - 1, start - 1, -1):
-            sid = log[0][i]
+        for sid, tick in entries_reversed(log, start, end):
             node = nodes.get(sid)
-            if node is not None and (clock - 1 if sid == pending else node[USED]) == log[1][i]:
+            if node is not None and (clock - 1 if sid == pending else node[USED]) == tick:
                 return sid
         return None
 
@@ -337,10 +338,9 @@ def entries_lru(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
     """``(session id, incarnation, session)`` least recently used first, lazily: a caller looking for what an
     LRU eviction removed stops after the first few."""
     nodes, (clock, log, start, end, pending, *_) = state._nodes, state._meta
-    for i in range(start, end):
-        sid = log[0][i]
+    for sid, tick in log_entries(log, start, end):
         node = nodes.get(sid)
-        if node is not None and (clock - 1 if sid == pending else node[USED]) == log[1][i]:
+        if node is not None and (clock - 1 if sid == pending else node[USED]) == tick:
             yield sid, node[UID], node[SESSION]
 
 
