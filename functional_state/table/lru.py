@@ -3,10 +3,10 @@ table is full), remove one, and replace sessions without touching their recency.
 
 Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see `state`):
 a use takes the next tick and appends one entry; eviction takes the oldest entry that is still current. A
-hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick, the
-table's ``clock - 1`` is its tick), and the next write of that node (the commit that follows a hit) stores
-the tick with the new session, so a hit and its commit write one node. Another use settles the pending
-node first. When a window reaches `COMPACT_AT` times the table's size (or spans `MAX_DEPTH` segments) it is
+hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
+table holds its new one), and the next write of that node (the commit that follows a hit) stores the tick
+with the new session, so a hit and its commit write one node. The next hit on another session settles the
+pending node first; an insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the table's size (or spans `MAX_DEPTH` segments) it is
 rebuilt from its current entries, so it never holds more than a few entries per session and a lookup, a
 hit and a miss cost the same after any history.
 """
@@ -22,7 +22,7 @@ import immutables
 from ..core.session import SessionState
 from ..errors import SessionAdmissionError
 from .recency_log import MAX_DEPTH, Log, append, at, entries
-from .state import CLOCK, COMPACT_AT, PENDING, SESSION, UID, USED, ManagerState, Node, make_state
+from .state import COMPACT_AT, PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, Node, make_state
 
 __all__ = ["insert", "remove", "replace_session", "replace_sessions", "touch"]
 
@@ -41,34 +41,26 @@ def _compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, 
     return Log(sids, ticks)
 
 
-def _settled(nodes: immutables.Map, clock: int, pending: str | None) -> immutables.Map:
-    """``nodes`` with the pending session's node holding its tick (``clock - 1``)."""
-    if pending is not None:
-        p = nodes[pending]
-        if p[USED] != clock - 1:
-            return nodes.set(pending, (p[SESSION], clock - 1, p[UID]))
-    return nodes
-
-
 def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
     """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
     # The hit path, written out: no star-unpacking, no helper calls where the common case needs none.
     meta = state._meta
     clock = meta[0]
     pending = meta[4]
+    pending_tick = meta[5]
     nodes = state._nodes
-    if sid == pending or (pending is None and node[USED] == clock - 1):  # already the most recent
+    if (pending_tick if sid == pending else node[USED]) == clock - 1:  # already the most recent
         if not hits:
             return state
         new = _new(ManagerState)
         new._nodes = nodes
-        new._meta = (clock, meta[1], meta[2], meta[3], pending, meta[5] + hits, meta[6])
+        new._meta = (clock, meta[1], meta[2], meta[3], pending, pending_tick, meta[6] + hits, meta[7])
         new._acct = state._acct
         return new
     if pending is not None:  # settle the previous hit's node unless its commit already did
         p = nodes[pending]
-        if p[USED] != clock - 1:
-            nodes = nodes.set(pending, (p[SESSION], clock - 1, p[UID]))
+        if p[USED] != pending_tick:
+            nodes = nodes.set(pending, (p[SESSION], pending_tick, p[UID]))
     start = meta[2]
     end = meta[3]
     log = meta[1]
@@ -87,7 +79,7 @@ def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
         start, end = 0, len(log.sids)
     new = _new(ManagerState)
     new._nodes = nodes
-    new._meta = (clock + 1, log, start, end, sid, meta[5] + hits, meta[6])
+    new._meta = (clock + 1, log, start, end, sid, clock, meta[6] + hits, meta[7])
     new._acct = state._acct
     return new
 
@@ -98,7 +90,7 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    clock, log, start, end, pending, hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
     uid, config, n_misses, evictions, parks, restores = cold
     acct = state._acct
     size = len(state._nodes)
@@ -108,9 +100,9 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
             f"evict_when_full=False, so session {sid!r} is refused. Drop a finished session "
             f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
         )
-    # Plain `set`/`delete`, not a map mutation: for two or three writes, building and finishing a
-    # `MapMutation` costs more than the writes.
-    nodes = _settled(state._nodes, clock, pending)
+    # Plain `set`/`delete`, not a map mutation: for two writes, building and finishing a `MapMutation`
+    # costs more than the writes. A pending node stays pending (its tick is older than the new one's).
+    nodes = state._nodes
     if size >= config.max_sessions:
         sids, ticks, base = log.sids, log.ticks, log.base
         while True:  # the oldest current entry; those before it were superseded
@@ -120,11 +112,13 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
                 victim_id, tick = at(log, start)
             start += 1
             victim = nodes.get(victim_id)
-            if victim is not None and victim[USED] == tick:
+            if victim is not None and (pending_tick if victim_id == pending else victim[USED]) == tick:
                 break
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", victim_id, size, sid)
         nodes = nodes.delete(victim_id)
+        if victim_id == pending:
+            pending = None
         if acct is not None:
             acct = acct.remove_session(victim[SESSION])
         evictions += 1
@@ -132,25 +126,25 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
     log = append(log, end, sid, clock)
     end += 1
     if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
-        log = _compacted(nodes, log, start, end, None, clock)
+        log = _compacted(nodes, log, start, end, pending, pending_tick)
         start, end = 0, len(log.sids)
     if acct is not None:
         acct = acct.add_session(session)
     cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
-    return make_state(nodes, (clock + 1, log, start, end, None, hits, cold), acct)
+    return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold), acct)
 
 
 def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
-    clock, log, start, end, pending, hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
     nodes = state._nodes.delete(sid)
     if sid == pending:
         pending = None
     if end - start >= COMPACT_AT * len(nodes) + COMPACT_AT:  # after many drops: keep the window short
-        log = _compacted(nodes, log, start, end, pending, clock - 1)
+        log = _compacted(nodes, log, start, end, pending, pending_tick)
         start, end = 0, len(log.sids)
     acct = None if state._acct is None else state._acct.remove_session(node[SESSION])
-    return make_state(nodes, (clock, log, start, end, pending, hits, cold), acct)
+    return make_state(nodes, (clock, log, start, end, pending, pending_tick, hits, cold), acct)
 
 
 def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
@@ -161,7 +155,7 @@ def replace_session(state: ManagerState, sid: str, node: Node, session: SessionS
     if acct is not None:
         acct = acct.swap_session(node[SESSION], session)
     meta = state._meta
-    used = meta[CLOCK] - 1 if sid == meta[PENDING] else node[USED]
+    used = meta[PENDING_TICK] if sid == meta[PENDING] else node[USED]
     return make_state(state._nodes.set(sid, (session, used, node[UID])), meta, acct)
 
 

@@ -16,7 +16,7 @@ from ..errors import ObjectNotFoundError
 from .checks import check_state, find_object, locate, lost_error, resolve_id
 from .ledger import Acct, totals_with_attrs
 from .lru import replace_session, replace_sessions
-from .state import CLOCK, PENDING, SESSION, UID, USED, ManagerState, add_to_counter, make_state, session_map
+from .state import PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, add_to_counter, make_state, session_map
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
 
@@ -74,7 +74,7 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
     meta = state._meta
     new = _new(ManagerState)
     # A hit just before left this node pending (see `lru.touch`): it takes its tick in this one write.
-    new._nodes = nodes.set(sid, (new_session, meta[CLOCK] - 1 if sid == meta[PENDING] else node[USED], node[UID]))
+    new._nodes = nodes.set(sid, (new_session, meta[PENDING_TICK] if sid == meta[PENDING] else node[USED], node[UID]))
     new._meta = meta
     acct = state._acct
     new._acct = None if acct is None else acct.swap(obj, new_obj)

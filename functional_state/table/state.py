@@ -65,16 +65,17 @@ UID: Final = 2
 Node = tuple[SessionState, int, int]
 # The table's other fields, one tuple so that a write to a session copies two references: (clock: the next
 # tick, log, start and end of this table's window of the log, pending: the session whose node does not hold
-# its tick yet (see `lru.touch`), hits, then the fields that only a miss or a rare verb changes, one tuple so
-# that a hit copies seven references, not twelve: (next incarnation, config, misses, evictions, parks,
-# restores)).
+# its tick yet (see `lru.touch`) and that tick, hits, then the fields that only a miss or a rare verb
+# changes, one tuple so that a hit copies eight references, not thirteen: (next incarnation, config, misses,
+# evictions, parks, restores)).
 CLOCK: Final = 0
 LOG: Final = 1
 START: Final = 2
 END: Final = 3
 PENDING: Final = 4
-HITS: Final = 5
-COLD: Final = 6
+PENDING_TICK: Final = 5
+HITS: Final = 6
+COLD: Final = 7
 ISSUED: Final = 0
 CONFIG: Final = 1
 MISSES: Final = 2
@@ -148,7 +149,7 @@ class ManagerState:
         check_positive(max_sessions, "`ManagerState.create`: max_sessions")
         budget = normalize_budget(byte_budget, "ManagerState.create: byte_budget")
         config = Config(max_sessions, budget, bool(evict_when_full))
-        meta = (0, Log([], []), 0, 0, None, 0, (0, config, 0, 0, 0, 0))
+        meta = (0, Log([], []), 0, 0, None, 0, 0, (0, config, 0, 0, 0, 0))
         return make_state(EMPTY_NODES, meta, None if budget is None else Acct.build([]))
 
     # --- reads -------------------------------------------------------------------------------------
@@ -209,10 +210,10 @@ class ManagerState:
     @property
     def most_recent(self) -> str | None:
         """The most recently used id (None when empty)."""
-        nodes, (clock, log, start, end, pending, *_) = self._nodes, self._meta
+        nodes, (_, log, start, end, pending, pending_tick, *_) = self._nodes, self._meta
         for sid, tick in entries_reversed(log, start, end):
             node = nodes.get(sid)
-            if node is not None and (clock - 1 if sid == pending else node[USED]) == tick:
+            if node is not None and (pending_tick if sid == pending else node[USED]) == tick:
                 return sid
         return None
 
@@ -337,10 +338,10 @@ def entries(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
 def entries_lru(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
     """``(session id, incarnation, session)`` least recently used first, lazily: a caller looking for what an
     LRU eviction removed stops after the first few."""
-    nodes, (clock, log, start, end, pending, *_) = state._nodes, state._meta
+    nodes, (_, log, start, end, pending, pending_tick, *_) = state._nodes, state._meta
     for sid, tick in log_entries(log, start, end):
         node = nodes.get(sid)
-        if node is not None and (clock - 1 if sid == pending else node[USED]) == tick:
+        if node is not None and (pending_tick if sid == pending else node[USED]) == tick:
             yield sid, node[UID], node[SESSION]
 
 
