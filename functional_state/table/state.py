@@ -3,7 +3,7 @@
 The table is one persistent hash map (``immutables.Map``, a C-backed HAMT) ``session_id -> node`` plus one
 tuple of the table's other fields. A node and that tuple are plain tuples, because one is built on every
 write (about 5x cheaper than a NamedTuple: 0.07 vs 0.33 us, ~9% of a stage+commit); their positions are
-named here, once, and only the table's own modules (this one, `lru`, `session_verbs`, `object_verbs`)
+named here, once, and only the table's own modules (this one, `checks`, `lru`, `session_verbs`, `object_verbs`)
 index them. Every other module reads a table through the functions below (`node_session`, `held_session`,
 `entries`, `entries_lru`, `lru_sessions`, `session_map`, `ledger_of`) and changes counters through
 `Counters`, `with_counters` and `count_evictions`.
