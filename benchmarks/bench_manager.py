@@ -15,13 +15,26 @@ The ids are drawn against a mirror of the LRU table, so a "hit" is always live a
 miss rate is exactly 10% in every sample (checked from the table's own counters). Also measured: the first
 miss after 400k hits against a miss on a fresh table (the old tick scan stalled there), and a commit into a
 session holding 10,000 objects against one holding 10.
+
+``--against TREE`` instead times the pure op of this tree and of another (an exported commit:
+``git archive ddfaf96 | tar -x -C /tmp/base``) in one process, interleaved, against the one-lock baseline:
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/bench_manager.py --against /tmp/base --rounds 5
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import random
+import shutil
+import statistics
+import sys
+import tempfile
 import threading
+import time
 from collections import OrderedDict, deque
+from pathlib import Path
 
 import numpy as np
 
@@ -307,7 +320,96 @@ def run() -> dict:
             f"({ROUNDS_OFF} with it off for the GC-off column). The baselines take no counters; the one-lock "
             f"baseline acquires its lock once per op. The miss-rate column is read back from each table's own "
             f"miss counter over all samples. The table is one C-backed persistent map (immutables.Map) holding "
-            f"a doubly linked recency list. Reproduce: `PYTHONPATH=$PWD python benchmarks/run.py manager`."
+            f"a recency tick per node and an append-only eviction log. Reproduce: `PYTHONPATH=$PWD python benchmarks/run.py manager`."
         ),
         "figures": {"gc_on": on, "gc_off": off, "miss_rate": misses, "miss": miss, "objects": objects},
     }
+
+
+def _load_tree(tree: str):
+    """``TREE/functional_state`` imported as a second package (every import inside it is relative)."""
+    where = Path(tempfile.mkdtemp(prefix="bench_manager_"))
+    shutil.copytree(Path(tree) / "functional_state", where / "functional_state_against")
+    sys.path.insert(0, str(where))
+    return importlib.import_module("functional_state_against")
+
+
+def _pure_locked(module, n: int):
+    """One op of ``module``'s pure functions under one lock, on a table of its own (see `_workloads`)."""
+    buf = module.LatentBuffer.create(maxlen=4)
+    state = module.ManagerState.create(max_sessions=n)
+    for i in range(n):
+        state, _ = module.get_or_create(state, f"s{i}")
+        state = module.put(state, f"s{i}", "buf", buf)
+    holder = {"state": state}
+    lock = threading.Lock()
+    get_or_create, commit, put = module.get_or_create, module.commit, module.put
+
+    def ops(ids: list[str]) -> None:
+        s = holder.pop("state")
+        for sid in ids:
+            with lock:
+                s, session = get_or_create(s, sid)
+                if not session.objects:
+                    s = put(s, sid, "buf", buf)
+                s = commit(s, sid, "buf", ITEM)
+        holder["state"] = s
+
+    return ops
+
+
+def compare(against: str, sizes: tuple[int, ...], rounds: int, ops: int) -> list[str]:
+    """Per-op times of this tree and ``against`` (pure + lock) and of the one-lock baseline, interleaved:
+    medians of ``rounds`` samples of ``ops`` ops, wall and CPU time (the CPU time is steadier on a shared
+    machine), garbage collector on. Returns the report lines."""
+    other = _load_tree(against)
+    lines = [f"this tree: {fs.__file__}; against: {other.__file__}"]
+    for n in sizes:
+        stream = _IdStream(n, random.Random(0))
+        stream.ops = ops
+        runs = [stream.sequence() for _ in range(rounds + 1)]  # the first warms up
+        one = OneLockManager(n)
+        for i in range(n):
+            one.op(f"s{i}", ITEM)
+
+        def one_lock(ids: list[str], op=one.op) -> None:
+            for sid in ids:
+                op(sid, ITEM)
+
+        fns = {"this": _pure_locked(fs, n), "against": _pure_locked(other, n), "one_lock": one_lock}
+        wall: dict[str, list[float]] = {k: [] for k in fns}
+        cpu: dict[str, list[float]] = {k: [] for k in fns}
+        for r, ids in enumerate(runs):
+            for name, fn in fns.items():
+                w, c = time.perf_counter(), time.process_time()
+                fn(ids)
+                if r:
+                    wall[name].append((time.perf_counter() - w) / ops)
+                    cpu[name].append((time.process_time() - c) / ops)
+        for label, t in (("wall", wall), ("cpu", cpu)):
+            m = {k: statistics.median(v) for k, v in t.items()}
+            lines.append(
+                f"{n:>7,} {label:4s}: this {fmt_time(m['this'])}, against {fmt_time(m['against'])}, one lock "
+                f"{fmt_time(m['one_lock'])}; this/1 lock {m['this'] / m['one_lock']:.2f}x, against/1 lock "
+                f"{m['against'] / m['one_lock']:.2f}x, against/this {m['against'] / m['this']:.2f}x"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--against", help="a tree (its functional_state/) to time side by side with this one")
+    parser.add_argument("--sizes", default="64,1000,100000", help="table sizes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=5, help="samples per implementation (median)")
+    parser.add_argument("--ops", type=int, default=20_000, help="ops per sample")
+    args = parser.parse_args(argv)
+    if args.against is None:
+        report = run()
+        print(report["title"], *report["rows"], *report["extra_ratios"], sep="\n")
+        return
+    sizes = tuple(int(x) for x in args.sizes.split(","))
+    print(*compare(args.against, sizes, args.rounds, args.ops), sep="\n")
+
+
+if __name__ == "__main__":
+    main()

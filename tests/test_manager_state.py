@@ -91,7 +91,9 @@ def test_a_miss_costs_the_same_after_any_number_of_hits():
     assert worn.hits == 20_000
     fresh_calls = _calls_during(lambda: fs.get_or_create(fresh, "c"))
     worn_calls = _calls_during(lambda: fs.get_or_create(worn, "c"))
-    assert worn_calls <= fresh_calls + 2, (fresh_calls, worn_calls)
+    # The eviction may skip a few log entries that later hits superseded (at most a few per session: the
+    # log is compacted at 4x the table), never a number that grows with the hits.
+    assert worn_calls <= 2 * fresh_calls, (fresh_calls, worn_calls)
     assert fs.get_or_create(worn, "c")[0].session_ids == ("b", "c")
 
 
@@ -111,6 +113,130 @@ def test_every_table_operation_does_bounded_work_at_any_size():
     for name, op in ops.items():
         op(small)  # warm one-time caches (the logger's level cache fills on its first call in a test)
         assert _calls_during(lambda: op(large)) <= _calls_during(lambda: op(small)) + 2, name
+
+
+def test_recency_matches_an_ordered_dict_over_a_long_history_and_from_old_states():
+    # The recency log (a tick per node, an append-only log compacted at 4x the table, tables derived from
+    # older ones branching off it) against the plain model: an OrderedDict moved to the end on each use.
+    # Old states are revisited and continued from, so branched log segments and compactions are exercised.
+    rng = np.random.default_rng(0)
+    state = ManagerState.create(max_sessions=8)
+    model: dict = {}  # insertion-ordered: the model's LRU order
+    saved = []  # (state, its session ids then)
+    for step in range(3000):
+        sid, other = f"s{rng.integers(12)}", f"s{rng.integers(12)}"
+        kind = rng.integers(6)
+        if kind <= 2:  # get_or_create: a hit or a miss that may evict
+            state, _ = fs.get_or_create(state, sid)
+            model.pop(sid, None)
+            model[sid] = None
+            if len(model) > 8:
+                del model[next(iter(model))]
+        elif kind == 3 and sid in model:
+            state, _ = fs.get_session(state, sid)
+            model[sid] = model.pop(sid)
+        elif kind == 4 and sid in model and other not in model:
+            state = fs.fork_session(state, sid, other)
+            model[sid] = model.pop(sid)
+            if len(model) >= 8:
+                del model[next(iter(model))]
+            model[other] = None
+        elif kind == 5:
+            state, _ = fs.drop_session(state, sid)
+            model.pop(sid, None)
+        ids = tuple(model)
+        assert state.session_ids == ids, step
+        assert (state.least_recent, state.most_recent) == ((ids[0], ids[-1]) if ids else (None, None)), step
+        assert list(fs.sessions(state)) == list(ids)
+        if step % 97 == 0:
+            saved.append((state, ids))
+        if step % 331 == 330:  # continue from an older state: its log branches
+            state, ids = saved[rng.integers(len(saved))]
+            model = dict.fromkeys(ids)
+    for old, ids in saved:  # no later operation changed what an old state reads
+        assert old.session_ids == ids
+
+
+def test_an_op_on_an_old_state_allocates_as_little_as_on_the_newest():
+    # A table derived from an older one branches the shared recency log in O(1) (a new segment), rather
+    # than copying the old table's window of the log (O(sessions)).
+    import tracemalloc
+
+    large = ManagerState.create(max_sessions=20_000)
+    for i in range(20_000):
+        large, _ = fs.get_or_create(large, f"s{i}")
+    newest, _ = fs.get_or_create(large, "s7")  # `large` is now an old state: the log grew past its window
+    peaks = {}
+    for name, base in (("newest", newest), ("old", large)):
+        tracemalloc.start()
+        for sid in ("s3", "s9", "new"):
+            fs.get_or_create(base, sid)
+        peaks[name] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks["old"] < 20_000, peaks  # a copied window would be 2 x 8 bytes x 20k sessions
+
+
+def _table_writes(state, fn):
+    """Writes (``set``, ``delete``, ``mutate``) that ``fn()`` makes to maps the size of ``state``'s table."""
+    import immutables
+
+    writes = []
+
+    def profile(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__name__", "") in ("set", "delete", "mutate"):
+            target = getattr(arg, "__self__", None)
+            if isinstance(target, immutables.Map) and len(target) == len(state):
+                writes.append(arg.__name__)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return writes
+
+
+def test_a_hit_and_its_commit_write_one_table_node():
+    # Regression (issue 24): a hit relinked up to four nodes of a doubly linked list, and the commit that
+    # followed rewrote the same node again. A hit now writes no node; its commit stores the new recency.
+    state = ManagerState.create(max_sessions=64)
+    for i in range(64):
+        state, _ = fs.get_or_create(state, f"s{i}")
+        state = fs.put(state, f"s{i}", "buf", LatentBuffer.create(maxlen=4))
+    state = fs.commit(fs.get_or_create(state, "s40")[0], "s40", "buf", 1)
+
+    def op():
+        s, _ = fs.get_or_create(state, "s20")
+        return fs.commit(s, "s20", "buf", 2)
+
+    assert _table_writes(state, op) == ["set"]
+    after = op()
+    assert after.most_recent == "s20" and after.session_ids[-2:] == ("s40", "s20")
+    assert fs.view(after, "s20", "buf") == (2,)
+
+
+def test_hits_and_commits_leave_nothing_for_the_garbage_collector():
+    # Each recency-log entry is a str and an int in two lists, not a pair: a tracked pair per hit filled the
+    # collector's generations and set off full collections (~1 s each over a 100k-session heap).
+    state = ManagerState.create(max_sessions=64)
+    for i in range(64):
+        state, _ = fs.get_or_create(state, f"s{i}")
+        state = fs.put(state, f"s{i}", "buf", LatentBuffer.create(maxlen=4))
+    item = np.zeros(2)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        gc.collect()
+        before = gc.get_count()[0]
+        for i in range(5_000):
+            sid = f"s{(i * 7) % 64}"
+            state, _ = fs.get_or_create(state, sid)
+            state = fs.commit(state, sid, "buf", item)
+        grown = gc.get_count()[0] - before
+    finally:
+        if enabled:
+            gc.enable()
+    assert grown < 500, grown  # one tracked object per op would be 5,000
 
 
 def test_get_session_never_creates():

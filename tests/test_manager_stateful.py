@@ -139,11 +139,26 @@ class ManagerMachine(RuleBasedStateMachine):
         self.state = self._pure(lambda s: fs.raise_max_sessions(s, self.cap + extra))
         self.cap += extra
 
+    @rule()
+    def remember(self):
+        """Keep this state and its model: `rewind` continues from it after later operations."""
+        self.saved = (self.state, OrderedDict((k, list(v)) for k, v in self.model.items()), self.hits)
+        self.saved += (self.misses, self.evictions, self.cap)
+
+    @precondition(lambda self: getattr(self, "saved", None) is not None)
+    @rule()
+    def rewind(self):
+        """Continue from an older state (its recency log branches); what it reads must not have changed."""
+        self.state, model, self.hits, self.misses, self.evictions, self.cap = self.saved
+        self.model = OrderedDict((k, list(v)) for k, v in model.items())
+
     @invariant()
     def matches_model(self):
         if not hasattr(self, "model"):
             return
-        assert self.state.session_ids == tuple(self.model)
+        assert self.state.session_ids == tuple(self.model)  # the eviction order is the model's
+        ids = tuple(self.model)
+        assert (self.state.least_recent, self.state.most_recent) == ((ids[0], ids[-1]) if ids else (None, None))
         assert list(fs.sessions(self.state)) == list(self.model)
         for sid, values in self.model.items():
             assert [int(x) for x in fs.view(self.state, sid, "buf")] == values

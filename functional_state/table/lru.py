@@ -1,0 +1,168 @@
+"""The table's recency order: make a session most recent, insert one (evicting the least recent when the
+table is full), remove one, and replace sessions without touching their recency.
+
+Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see `state`):
+a use takes the next tick and appends one entry; eviction takes the oldest entry that is still current. A
+hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
+table holds its new one), and the next write of that node (the commit that follows a hit) stores the tick
+with the new session, so a hit and its commit write one node. The next hit on another session settles the
+pending node first; an insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the table's size (or spans `MAX_DEPTH` segments) it is
+rebuilt from its current entries, so it never holds more than a few entries per session and a lookup, a
+hit and a miss cost the same after any history.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import immutables
+
+from ..core.session import SessionState
+from ..errors import SessionAdmissionError
+from .recency_log import MAX_DEPTH, Log, append, at, entries
+from .state import COMPACT_AT, PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, Node, make_state
+
+__all__ = ["insert", "remove", "replace_session", "replace_sessions", "touch"]
+
+_new = object.__new__
+_log = logging.getLogger("functional_state")
+
+
+def _compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, tick: int) -> Log:
+    """The current entries of a window (``pending``'s tick is ``tick``), in order, in one new segment."""
+    sids, ticks = [], []
+    for sid, t in entries(log, start, end):
+        node = nodes.get(sid)
+        if node is not None and (tick if sid == pending else node[USED]) == t:
+            sids.append(sid)
+            ticks.append(t)
+    return Log(sids, ticks)
+
+
+def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
+    """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
+    # The hit path, written out: no star-unpacking, no helper calls where the common case needs none.
+    meta = state._meta
+    clock = meta[0]
+    pending = meta[4]
+    pending_tick = meta[5]
+    nodes = state._nodes
+    if (pending_tick if sid == pending else node[USED]) == clock - 1:  # already the most recent
+        if not hits:
+            return state
+        new = _new(ManagerState)
+        new._nodes = nodes
+        new._meta = (clock, meta[1], meta[2], meta[3], pending, pending_tick, meta[6] + hits, meta[7])
+        new._acct = state._acct
+        return new
+    if pending is not None:  # settle the previous hit's node unless its commit already did
+        p = nodes[pending]
+        if p[USED] != pending_tick:
+            nodes = nodes.set(pending, (p[SESSION], pending_tick, p[UID]))
+    start = meta[2]
+    end = meta[3]
+    log = meta[1]
+    sids = log.sids
+    if log.base + len(sids) == end:  # `recency_log.append`, written out for its common case
+        sids.append(sid)
+        if sids[end - log.base] is sid:
+            log.ticks.append(clock)
+        else:  # another table appended first: branch
+            log = append(log, end, sid, clock)
+    else:
+        log = append(log, end, sid, clock)
+    end += 1
+    if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
+        log = _compacted(nodes, log, start, end, sid, clock)
+        start, end = 0, len(log.sids)
+    new = _new(ManagerState)
+    new._nodes = nodes
+    new._meta = (clock + 1, log, start, end, sid, clock, meta[6] + hits, meta[7])
+    new._acct = state._acct
+    return new
+
+
+def insert(state: ManagerState, sid: str, session: SessionState, what: str, misses: int) -> ManagerState:
+    """Add a new session as the most recent, dropping the least recent one when the table is full.
+
+    Raises:
+      SessionAdmissionError: the table is full and ``evict_when_full`` is off.
+    """
+    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
+    uid, config, n_misses, evictions, parks, restores = cold
+    acct = state._acct
+    size = len(state._nodes)
+    if size >= config.max_sessions and not config.evict_when_full:
+        raise SessionAdmissionError(
+            f"`{what}`: the table is full ({size}/{config.max_sessions} sessions) and "
+            f"evict_when_full=False, so session {sid!r} is refused. Drop a finished session "
+            f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
+        )
+    # Plain `set`/`delete`, not a map mutation: for two writes, building and finishing a `MapMutation`
+    # costs more than the writes. A pending node stays pending (its tick is older than the new one's).
+    nodes = state._nodes
+    if size >= config.max_sessions:
+        sids, ticks, base = log.sids, log.ticks, log.base
+        while True:  # the oldest current entry; those before it were superseded
+            if start >= base:
+                victim_id, tick = sids[start - base], ticks[start - base]
+            else:
+                victim_id, tick = at(log, start)
+            start += 1
+            victim = nodes.get(victim_id)
+            if victim is not None and (pending_tick if victim_id == pending else victim[USED]) == tick:
+                break
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", victim_id, size, sid)
+        nodes = nodes.delete(victim_id)
+        if victim_id == pending:
+            pending = None
+        if acct is not None:
+            acct = acct.remove_session(victim[SESSION])
+        evictions += 1
+    nodes = nodes.set(sid, (session, clock, uid))
+    log = append(log, end, sid, clock)
+    end += 1
+    if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
+        log = _compacted(nodes, log, start, end, pending, pending_tick)
+        start, end = 0, len(log.sids)
+    if acct is not None:
+        acct = acct.add_session(session)
+    cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
+    return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold), acct)
+
+
+def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
+    """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
+    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
+    nodes = state._nodes.delete(sid)
+    if sid == pending:
+        pending = None
+    if end - start >= COMPACT_AT * len(nodes) + COMPACT_AT:  # after many drops: keep the window short
+        log = _compacted(nodes, log, start, end, pending, pending_tick)
+        start, end = 0, len(log.sids)
+    acct = None if state._acct is None else state._acct.remove_session(node[SESSION])
+    return make_state(nodes, (clock, log, start, end, pending, pending_tick, hits, cold), acct)
+
+
+def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
+    """``state`` with the session of ``sid`` (its node ``node``) replaced; recency and counters unchanged.
+
+    A pending node (the session a hit just made most recent) takes its tick in this same write."""
+    acct = state._acct
+    if acct is not None:
+        acct = acct.swap_session(node[SESSION], session)
+    meta = state._meta
+    used = meta[PENDING_TICK] if sid == meta[PENDING] else node[USED]
+    return make_state(state._nodes.set(sid, (session, used, node[UID])), meta, acct)
+
+
+def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> immutables.Map:
+    """The nodes of ``state`` with the session of each id in ``new`` replaced; recency kept."""
+    mm = state._nodes.mutate()
+    for sid, session in new.items():
+        n = mm[sid]
+        mm[sid] = (session, n[USED], n[UID])
+    return mm.finish()
