@@ -8,7 +8,12 @@ never need a walk: a buffer shared by two forks is counted once and leaves only 
 
 Extents are identical or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
 arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it).
-Attrs are not tracked here: a model may mutate them in place, so they are re-read on demand (`attr_extents`).
+Holder questions ("does anything else in the table hold this buffer?", asked by a donating `step` and by
+`park`) are answered here too, in O(size of the object): ``refs`` counts the objects per extent; ``leaves``
+counts the array leaves objects hold that the byte accounting leaves out (ring positions: zero bytes, but a
+donation could delete them); ``attrs`` is the attr index (`memory.holders.AttrIndex`): closed attr values
+(arrays, tensors, tuples of them) recorded when they are written through the table's verbs, containers
+re-read on each question, because a model may change them in place.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import immutables
+import jax
 
 from ..core.latent_buffer import LatentBuffer
 from ..core.state_object import StateObject
 from ..engine.kv_handle import PagedKVHandle, kv_keys
 from ..engine.paged_kv import POOLS
 from ..memory import accounting
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, holder_extents
 
 _CACHE_SLOT = StateObject.__dict__["_acct_cache"]
 
@@ -92,17 +99,52 @@ def _buffer_cache(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent
     return cached
 
 
+class _Extents(frozenset):
+    """An object's extents, with ``extra``: those of its array leaves the byte accounting leaves out."""
+
+    __slots__ = ("extra",)
+    extra: frozenset[Extent]
+
+
+_NO_EXTRA: frozenset[Extent] = frozenset()
+
+
+def _object_cache(obj: Any) -> _Extents:
+    cached = getattr(obj, "_acct_cache", None)
+    if cached is None:
+        out: accounting.Extents = []
+        seen: dict[int, Any] = {}
+        report = accounting.WalkReport()
+        accounting.collect_extents(obj, out, seen, report)
+        cached = _Extents(out)
+        extra: accounting.Extents = []
+        for leaf in jax.tree_util.tree_leaves(obj):
+            if id(leaf) not in seen:
+                accounting.collect_extents(leaf, extra, seen, report)
+        cached.extra = frozenset(e for e in extra if e not in cached) if extra else _NO_EXTRA
+        _CACHE_SLOT.__set__(obj, cached)  # past the frozen dataclass's __setattr__: a memo, not state
+    return cached
+
+
 def object_extents(obj: Any) -> frozenset[Extent]:
     """The extents a state object holds (committed, staged and parked), computed once and cached on it."""
     if type(obj) is LatentBuffer:
         return frozenset(_buffer_cache(obj)[0].keys())
-    cached = getattr(obj, "_acct_cache", None)
-    if cached is None:
-        out: accounting.Extents = []
-        accounting.collect_extents(obj, out, {}, accounting.WalkReport())
-        cached = frozenset(out)
-        _CACHE_SLOT.__set__(obj, cached)  # past the frozen dataclass's __setattr__: a memo, not state
-    return cached
+    return _object_cache(obj)
+
+
+def leaf_extents(obj: Any) -> frozenset[Extent]:
+    """The extents of the array leaves of ``obj`` that its byte accounting leaves out (ring positions); a
+    buffer ring's accounting reaches every leaf."""
+    if type(obj) is LatentBuffer:
+        return _NO_EXTRA
+    return _object_cache(obj).extra
+
+
+def held_by(obj: Any) -> frozenset[Extent]:
+    """Every extent ``obj`` holds as a holder: `object_extents` and `leaf_extents`."""
+    extra = leaf_extents(obj)
+    return object_extents(obj) | extra if extra else object_extents(obj)
 
 
 def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
@@ -113,10 +155,28 @@ def session_extents(session: Any) -> list[frozenset[Extent]]:
     return [object_extents(obj) for obj in session._objects.values()]
 
 
+def _count(counts: immutables.Map, add: Iterable[frozenset[Extent]], remove: Iterable[frozenset[Extent]]) -> immutables.Map:
+    add, remove = [a for a in add if a], [r for r in remove if r]
+    if not add and not remove:
+        return counts
+    m = counts.mutate()
+    for extents in remove:
+        for e in extents:
+            n = m[e] - 1
+            if n:
+                m[e] = n
+            else:
+                del m[e]
+    for extents in add:
+        for e in extents:
+            m[e] = m.get(e, 0) + 1
+    return m.finish()
+
+
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("kv", "log", "refs", "root", "totals")
+    __slots__ = ("attrs", "kv", "leaves", "log", "refs", "root", "totals")
 
     def __init__(
         self,
@@ -125,6 +185,8 @@ class Acct:
         kv: immutables.Map = _EMPTY,
         log: Any = None,
         root: Any = None,
+        leaves: immutables.Map = _EMPTY,
+        attrs: AttrIndex = EMPTY_ATTRS,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the extents held at least once
@@ -134,6 +196,8 @@ class Acct:
         self.kv = kv
         self.log = log
         self.root = root if root is not None else object()
+        self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
+        self.attrs = attrs  # the attr values' holder index
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
@@ -144,11 +208,21 @@ class Acct:
 
     def add_session(self, session: Any) -> Acct:
         objs = session._objects.values()
-        return self.change(add=[object_extents(o) for o in objs], kv_add=[kv_keys(o) for o in objs])
+        return self.change(
+            add=[object_extents(o) for o in objs],
+            kv_add=[kv_keys(o) for o in objs],
+            leaves_add=[leaf_extents(o) for o in objs],
+            attrs_add=session._attrs.values(),
+        )
 
     def remove_session(self, session: Any) -> Acct:
         objs = session._objects.values()
-        return self.change(remove=[object_extents(o) for o in objs], kv_remove=[kv_keys(o) for o in objs])
+        return self.change(
+            remove=[object_extents(o) for o in objs],
+            kv_remove=[kv_keys(o) for o in objs],
+            leaves_remove=[leaf_extents(o) for o in objs],
+            attrs_remove=session._attrs.values(),
+        )
 
     def change(
         self,
@@ -156,9 +230,14 @@ class Acct:
         remove: Iterable[frozenset[Extent]] = (),
         kv_add: Iterable[Iterable[tuple[int, int]]] = (),
         kv_remove: Iterable[Iterable[tuple[int, int]]] = (),
+        leaves_add: Iterable[frozenset[Extent]] = (),
+        leaves_remove: Iterable[frozenset[Extent]] = (),
+        attrs_add: Iterable[Any] = (),
+        attrs_remove: Iterable[Any] = (),
     ) -> Acct:
         """The counts after the objects with extents ``remove`` left and those with ``add`` arrived (and the
-        handles holding KV blocks ``kv_remove`` / ``kv_add``)."""
+        handles holding KV blocks ``kv_remove`` / ``kv_add``, the objects' unaccounted leaves, the attr
+        values)."""
         refs = self.refs.mutate()
         totals = self.totals.mutate()
         for extents in remove:
@@ -175,6 +254,9 @@ class Acct:
                 refs[e] = n + 1
                 if not n:
                     totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+        leaves = _count(self.leaves, leaves_add, leaves_remove)
+        attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
+        attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
         kv, log = self.kv, self.log
         kv_add, kv_remove = [k for k in kv_add if k], [k for k in kv_remove if k]
         if kv_add or kv_remove:
@@ -208,7 +290,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is _CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), _CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move."""
@@ -221,9 +303,10 @@ class Acct:
         if type(old) is PagedKVHandle or type(new) is PagedKVHandle:
             return self._swap_handle(old, new)
         a, b = object_extents(old), object_extents(new)
-        if a == b:
+        la, lb = leaf_extents(old), leaf_extents(new)
+        if a == b and la == lb:
             return self
-        return self.change(add=[b - a], remove=[a - b])
+        return self.change(add=[b - a], remove=[a - b], leaves_add=[lb - la], leaves_remove=[la - lb])
 
     def _ring_swap(self, old: LatentBuffer, new: LatentBuffer) -> Acct | None:
         """The counts after ring ``old`` became ``new`` by a commit (items appended, the oldest dropped), in
@@ -271,7 +354,7 @@ class Acct:
         _CACHE_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
         if refs is self.refs:
             return self
-        return Acct(refs, totals, self.kv, self.log, self.root)
+        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs)
 
     def _swap_handle(self, old: Any, new: Any) -> Acct:
         if (
@@ -281,32 +364,59 @@ class Acct:
             and old.staged == new.staged
             and old.host_copy is new.host_copy  # (a restore also only adds blocks, but lets go of its host copy)
             and new.block_ids[: len(old.block_ids)] == old.block_ids
+            and leaf_extents(old) == leaf_extents(new)
         ):  # a commit of new blocks: priced by those blocks alone
             tail = new.block_ids[len(old.block_ids) :]
             uid = new.pool.uid
             return self.change(add=[frozenset(new.pool.extents(tail))], kv_add=[[(uid, b) for b in tail]])
         a, b = object_extents(old), object_extents(new)
         ka, kb = set(kv_keys(old)), set(kv_keys(new))
-        return self.change(add=[b - a], remove=[a - b], kv_add=[kb - ka], kv_remove=[ka - kb])
+        la, lb = leaf_extents(old), leaf_extents(new)
+        return self.change(
+            add=[b - a], remove=[a - b], kv_add=[kb - ka], kv_remove=[ka - kb], leaves_add=[lb - la], leaves_remove=[la - lb]
+        )
 
     def swap_session(self, old: Any, new: Any) -> Acct:
-        """A session replaced by another: the objects that changed identity move."""
-        if old._objects is new._objects:
+        """A session replaced by another: the objects and attr values that changed identity move."""
+        same_objects, same_attrs = old._objects is new._objects, old._attrs is new._attrs
+        if same_objects and same_attrs:
             return self
-        added, removed, kv_added, kv_removed = [], [], [], []
-        for name, obj in new._objects.items():
-            prev = old._objects.get(name)
-            if prev is not obj:
-                added.append(object_extents(obj))
-                kv_added.append(kv_keys(obj))
-                if prev is not None:
-                    removed.append(object_extents(prev))
-                    kv_removed.append(kv_keys(prev))
-        for name, obj in old._objects.items():
-            if name not in new._objects:
-                removed.append(object_extents(obj))
-                kv_removed.append(kv_keys(obj))
-        return self.change(add=added, remove=removed, kv_add=kv_added, kv_remove=kv_removed)
+        added, removed, kv_added, kv_removed, leaves_added, leaves_removed = [], [], [], [], [], []
+        if not same_objects:
+            for name, obj in new._objects.items():
+                prev = old._objects.get(name)
+                if prev is not obj:
+                    added.append(object_extents(obj))
+                    kv_added.append(kv_keys(obj))
+                    leaves_added.append(leaf_extents(obj))
+                    if prev is not None:
+                        removed.append(object_extents(prev))
+                        kv_removed.append(kv_keys(prev))
+                        leaves_removed.append(leaf_extents(prev))
+            for name, obj in old._objects.items():
+                if name not in new._objects:
+                    removed.append(object_extents(obj))
+                    kv_removed.append(kv_keys(obj))
+                    leaves_removed.append(leaf_extents(obj))
+        attrs_added, attrs_removed = [], []
+        if not same_attrs:
+            for key, value in new._attrs.items():
+                prev = old._attrs.get(key, _CUT)
+                if prev is not value:
+                    attrs_added.append(value)
+                    if prev is not _CUT:
+                        attrs_removed.append(prev)
+            attrs_removed.extend(value for key, value in old._attrs.items() if key not in new._attrs)
+        return self.change(
+            add=added,
+            remove=removed,
+            kv_add=kv_added,
+            kv_remove=kv_removed,
+            leaves_add=leaves_added,
+            leaves_remove=leaves_removed,
+            attrs_add=attrs_added,
+            attrs_remove=attrs_removed,
+        )
 
     def kv_held(self) -> dict[int, int]:
         """``{pool uid: distinct blocks handles hold}`` (kept under ``("held", uid)`` keys of ``kv``)."""
@@ -316,23 +426,38 @@ class Acct:
         return {k: v for k, v in sorted(self.totals.items()) if v}
 
 
-def attr_extents(sessions: Iterable[Any]) -> tuple[accounting.Extents, accounting.WalkReport]:
-    """The extents of every attr of ``sessions`` (re-read: attrs may change in place), and the walk's report."""
+def held_elsewhere(acct: Acct, extents: Iterable[Extent], own: frozenset[Extent] = _NO_EXTRA) -> set[Extent]:
+    """Those of ``extents`` that something in the table holds besides one holder ``own`` (the `held_by` of an
+    object the table holds, or nothing): another object, an unaccounted leaf of one, an attr value.
+
+    O(len(extents)) from the kept counts, plus a walk of the attr containers only (they may have changed in
+    place). Exact: the counts are those of every object and attr value of every session of the table.
+    """
+    refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
+    out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
+    if acct.attrs.n_open:
+        opened = acct.attrs.open_extents()
+        out.update(e for e in extents if e in opened)
+    return out
+
+
+def totals_with_attrs(acct: Acct, sessions: Any = None) -> tuple[dict[str, int], accounting.WalkReport]:
+    """Bytes per pool of everything the table holds: the tracked objects, plus the attrs' extents that no
+    object holds (an attr that is a view of an object's buffer adds nothing).
+
+    Closed attr values are read from the attr index; only containers are walked (``sessions`` is not read:
+    the index holds every attr value of the table). The report counts what the container walk could not
+    read, and the deleted JAX arrays among the attr values.
+    """
     out: accounting.Extents = []
     report = accounting.WalkReport()
     seen: dict[int, Any] = {}
-    for session in sessions:
-        for value in session._attrs.values():
-            accounting.collect_extents(value, out, seen, report)
-    return out, report
-
-
-def totals_with_attrs(acct: Acct, sessions: Iterable[Any]) -> tuple[dict[str, int], accounting.WalkReport]:
-    """Bytes per pool of everything the sessions hold: the tracked objects, plus the attrs' extents that no
-    object holds (an attr that is a view of an object's buffer adds nothing)."""
-    extents, report = attr_extents(sessions)
+    for value in acct.attrs.open_values():
+        accounting.collect_extents(value, out, seen, report)
+    report.deleted_arrays += acct.attrs.deleted_arrays()
+    refs = acct.refs
+    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs]
     totals = dict(acct.totals)
-    loose = [e for e in set(extents) if e not in acct.refs]
     for pool, bytes_ in accounting.union_by_device(loose).items():
         totals[pool] = totals.get(pool, 0) + bytes_
     return {k: v for k, v in sorted(totals.items()) if v}, report

@@ -10,7 +10,8 @@ from ..errors import (
     SharedStorageError,
 )
 from ..memory import holders as _holders
-from .manager_state import ManagerState, find_object, locate, replace_object, session_map
+from .ledger import held_by, held_elsewhere
+from .manager_state import ManagerState, find_object, ledger_of, locate, replace_object, session_map
 
 _log = logging.getLogger("functional_state")
 
@@ -62,12 +63,15 @@ def park(
     sid, node = locate(state, session_id, "park")
     obj = find_object(node, name, "park")
     obj._require_resident("park")
-    sessions_now = session_map(state)
-    holding = _holding(state, obj)
-    targets = holding if with_sharers else {sid: [name]}
-    mine = _holders.buffer_keys(obj._committed_roots())
-    others = _holders.holders_except(sessions_now, targets)
-    holders = sorted(s for s, values in others.items() if mine & _holders.buffer_keys(values))
+    mine = _holders.holder_extents(obj._committed_roots())
+    if not held_elsewhere(ledger_of(state), mine, held_by(obj)):  # the common case, O(size of the object)
+        targets, holders = {sid: [name]}, []
+    else:  # something else holds part of it: find what (a walk), for the sharers to park or the message
+        holding = _holding(state, obj)
+        targets = holding if with_sharers else {sid: [name]}
+        keys = {(p, s) for p, s, _ in mine}
+        others = _holders.holders_except(session_map(state), targets)
+        holders = sorted(s for s, values in others.items() if keys & _holders.buffer_keys(values))
     if holders:
         same = sorted(f"{s}/{n}" for s, names in holding.items() for n in names if (s, n) != (sid, name))
         hint = (
