@@ -1,0 +1,84 @@
+"""The argument checks every table function shares: the state, the session id, the session, the object.
+
+Each raises the library error that says what was wrong and what to pass instead; none changes anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..core.session import no_object_message
+from ..core.state_object import StateObject
+from ..errors import InvalidTypeError, ObjectNotFoundError, SessionStateLostError, StateConsumedError
+from .state import DEFAULT_SESSION_ID, SESSION, ConsumedManagerState, ManagerState, Node
+
+__all__ = ["check_state", "find_object", "locate", "lost_error", "resolve_id", "resolve_session_id"]
+
+
+def check_state(state: Any, what: str) -> None:
+    """Called when ``type(state) is not ManagerState``: raise the error that says what to pass instead."""
+    if isinstance(state, ConsumedManagerState):
+        raise StateConsumedError(
+            f"`{what}`: this ManagerState was consumed by `step(..., donate=True)`, which may have deleted its "
+            f"buffers. Use the state that call returned."
+        )
+    if isinstance(state, ManagerState):
+        return
+    if type(state).__name__ == "SessionStateManager" and hasattr(state, "state"):
+        raise InvalidTypeError(
+            f"`{what}` takes a ManagerState, got a SessionStateManager: pass `manager.state` to the pure "
+            f"function, or call the manager's own method."
+        )
+    raise InvalidTypeError(f"`{what}` takes a ManagerState (from `ManagerState.create`), got {type(state).__name__}.")
+
+
+def resolve_id(session_id: Any, what: str) -> str:
+    """The table key for ``session_id``: None means ``"default"``; anything but a non-empty str raises."""
+    if session_id is None:
+        return DEFAULT_SESSION_ID
+    if not isinstance(session_id, str) or not session_id:
+        raise InvalidTypeError(
+            f"`{what}`: session_id must be a non-empty str or None (for {DEFAULT_SESSION_ID!r}), got {session_id!r}."
+        )
+    return session_id
+
+
+def resolve_session_id(session_id: str | None) -> str:
+    """The table key every function uses for ``session_id``: None means ``"default"``.
+
+    Raises:
+      InvalidTypeError: ``session_id`` is neither a non-empty str nor None.
+
+    Example:
+      >>> resolve_session_id(None), resolve_session_id("robot-0")
+      ('default', 'robot-0')
+    """
+    return resolve_id(session_id, "resolve_session_id")
+
+
+def lost_error(state: ManagerState, sid: str, what: str) -> SessionStateLostError:
+    """The error for a session ``state`` does not hold, saying why that happens and what to do."""
+    return SessionStateLostError(
+        f"`{what}`: session {sid!r} is not in the table: it was never created, or it was evicted "
+        f"(LRU cap {state.max_sessions}) or dropped. A continuation cannot resume it; start a new "
+        f"session with `get_or_create`."
+    )
+
+
+def locate(state: ManagerState, session_id: Any, what: str) -> tuple[str, Node]:
+    """``(sid, node)`` of an existing session, with every argument check the public functions need."""
+    if type(state) is not ManagerState:
+        check_state(state, what)
+    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, what)
+    node = state._nodes.get(sid)
+    if node is None:
+        raise lost_error(state, sid, what)
+    return sid, node
+
+
+def find_object(node: Node, name: str, what: str) -> StateObject:
+    """Object ``name`` of the node's session, or an `ObjectNotFoundError` listing the names it has."""
+    obj = node[SESSION]._objects.get(name)
+    if obj is None:
+        raise ObjectNotFoundError(no_object_message(node[SESSION], name, what))
+    return obj

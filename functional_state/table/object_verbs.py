@@ -1,0 +1,120 @@
+"""The object verbs of the table: store, stage, commit, discard and read one state object of a session,
+and replace one object wherever the table holds it (what `park` and `restore` do).
+
+Every function takes a `ManagerState` and returns a new one; the input is never changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..core.pytree import MISSING
+from ..core.session import SessionState, no_object_message
+from ..core.state_object import StateObject
+from ..errors import ObjectNotFoundError
+from .checks import check_state, find_object, locate, lost_error, resolve_id
+from .ledger import Acct, totals_with_attrs
+from .lru import replace_session, replace_sessions
+from .state import NEXT, PREV, SESSION, UID, ManagerState, add_to_counter, make_state, session_map
+
+__all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
+
+_new = object.__new__
+
+
+def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
+    """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
+    sid, node = locate(state, session_id, "put")
+    return replace_session(state, sid, node, node[SESSION].put(name, obj))
+
+
+def _object_op(
+    state: ManagerState, session_id: Any, name: str, what: str, op: Callable[[StateObject], StateObject]
+) -> ManagerState:
+    sid, node = locate(state, session_id, what)
+    session = node[SESSION]
+    return replace_session(state, sid, node, session._with_object(name, op(find_object(node, name, what))))
+
+
+def stage(state: ManagerState, session_id: str | None, name: str, payload: Any) -> ManagerState:
+    """Stage ``payload`` in object ``name`` of a session (see `StateObject.stage`)."""
+    return _object_op(state, session_id, name, "stage", lambda o: o.stage(payload))
+
+
+def commit(state: ManagerState, session_id: str | None, name: str, payload: Any = MISSING) -> ManagerState:
+    """Commit ``payload`` (or the staged payload) into object ``name`` of a session.
+
+    Example:
+      >>> from functional_state import LatentBuffer, ManagerState, get_or_create
+      >>> s, _ = get_or_create(ManagerState.create(), "a")
+      >>> s = put(s, "a", "frames", LatentBuffer.create(maxlen=2))
+      >>> s = commit(commit(commit(s, "a", "frames", 1), "a", "frames", 2), "a", "frames", 3)
+      >>> view(s, "a", "frames")
+      (2, 3)
+    """
+    # Written out, with every helper inlined: this is the per-step path.
+    if type(state) is not ManagerState:
+        check_state(state, "commit")
+    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, "commit")
+    nodes = state._nodes
+    node = nodes.get(sid)
+    if node is None:
+        raise lost_error(state, sid, "commit")
+    session = node[SESSION]
+    objects = session._objects
+    obj = objects.get(name)
+    if obj is None:
+        raise ObjectNotFoundError(no_object_message(session, name, "commit"))
+    new_obj = obj.commit(payload)
+    new_session = _new(SessionState)
+    new_session._objects = objects.set(name, new_obj)
+    new_session._attrs = session._attrs
+    new_session._policies = session._policies
+    new = _new(ManagerState)
+    new._nodes = nodes.set(sid, (new_session, node[PREV], node[NEXT], node[UID]))
+    new._meta = state._meta
+    acct = state._acct
+    new._acct = None if acct is None else acct.swap(obj, new_obj)
+    return new
+
+
+def discard(state: ManagerState, session_id: str | None, name: str) -> ManagerState:
+    """Drop the staged payload of object ``name`` in a session."""
+    return _object_op(state, session_id, name, "discard", lambda o: o.discard())
+
+
+def view(state: ManagerState, session_id: str | None, name: str, include_staged: bool = True) -> Any:
+    """Read object ``name`` of a session (see `StateObject.view`). Recency is unchanged."""
+    _, node = locate(state, session_id, "view")
+    return find_object(node, name, "view").view(include_staged=include_staged)
+
+
+def _pool_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {
+        k: after.get(k, 0) - before.get(k, 0) for k in sorted({*before, *after}) if after.get(k, 0) != before.get(k, 0)
+    }
+
+
+def replace_object(
+    state: ManagerState, old: StateObject, new: StateObject, targets: dict[str, list[str]], counter: str
+) -> tuple[ManagerState, dict[str, int]]:
+    """``state`` with object ``old`` replaced by ``new`` under ``targets`` (session -> names), the named
+    counter (``"parks"`` or ``"restores"``) raised by the names replaced, and the change in bytes per pool
+    that makes, measured: the table's accounting (objects, and attrs re-read) before and after, each buffer
+    counted once, exactly as `stats` counts it."""
+    current = session_map(state)
+    sessions_now = list(current.values())
+    before = state._acct if state._acct is not None else Acct.build(sessions_now)
+    after = before
+    changed = {}
+    for target, names in targets.items():
+        session = current[target]
+        for name in names:
+            session = session._with_object(name, new)
+            after = after.swap(old, new)
+        changed[target] = session
+    moved = _pool_delta(totals_with_attrs(before, sessions_now)[0], totals_with_attrs(after, sessions_now)[0])
+    count = sum(len(names) for names in targets.values())
+    replaced = make_state(replace_sessions(state, changed), state._meta, None if state._acct is None else after)
+    return add_to_counter(replaced, counter, count), moved
