@@ -59,6 +59,25 @@ def holders_except(sessions: dict[str, Any], excluded: dict[str, Any]) -> dict[s
     return out
 
 
+def count_change(counts: immutables.Map, add: Iterable[frozenset[Extent]], remove: Iterable[frozenset[Extent]]) -> immutables.Map:
+    """``counts`` (key -> holders) after holders of the keys ``remove`` left and of ``add`` arrived."""
+    add, remove = [a for a in add if a], [r for r in remove if r]
+    if not add and not remove:
+        return counts
+    m = counts.mutate()
+    for extents in remove:
+        for e in extents:
+            n = m[e] - 1
+            if n:
+                m[e] = n
+            else:
+                del m[e]
+    for extents in add:
+        for e in extents:
+            m[e] = m.get(e, 0) + 1
+    return m.finish()
+
+
 _SCALARS = (str, bytes, int, float, complex, bool, type(None), range, slice)
 _MAX_DEPTH = 4
 _MAX_ITEMS = 64
@@ -158,9 +177,16 @@ class AttrIndex:
     def closed_extents(self) -> Iterable[Extent]:
         return self.refs.keys()
 
-    def deleted_arrays(self) -> int:
-        """JAX arrays among the closed values that were deleted (donated) since they arrived."""
-        return sum(1 for entry in self.memo.values() for a in entry.arrays if a.is_deleted())
+    def deleted(self) -> tuple[int, set[Extent]]:
+        """The JAX arrays among the closed values that were deleted (donated) since they arrived, and the
+        extents they held then (which hold no bytes now). O(closed values), no walk of containers."""
+        count, stale = 0, set()
+        for entry in self.memo.values():
+            dead = sum(1 for a in entry.arrays if a.is_deleted())
+            if dead:
+                count += dead
+                stale |= entry.extents - holder_extents(entry.value)  # type: ignore[operator]
+        return count, stale
 
 
 EMPTY_ATTRS = AttrIndex(immutables.Map(), immutables.Map(), 0)

@@ -30,42 +30,19 @@ from ..core.state_object import StateObject
 from ..engine.kv_handle import PagedKVHandle, kv_keys
 from ..engine.paged_kv import POOLS
 from ..memory import accounting
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, holder_extents
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change
 
 _CACHE_SLOT = StateObject.__dict__["_acct_cache"]
 
 Extent = tuple[str, int, int]
 _EMPTY: immutables.Map = immutables.Map()
-_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
+_ABSENT = object()
+LOG_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
 _LOG_DEPTH = 4096
 
 
 def _pool_uids() -> list[int]:
     return list(POOLS.keys())
-
-
-def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
-    """``{pool uid: block ids}`` that handles held in ``before`` and none holds in ``after``.
-
-    Read from ``after``'s release log back to ``before``'s (O(released)) when ``after`` descends from
-    ``before``; otherwise (another lineage, a cut log) by comparing every held block.
-    """
-    candidates: list[Any] = []  # (pool uid, block id); also ("held", uid) counters in a full comparison
-    node = after.log
-    complete = before.root is after.root
-    while complete and node is not before.log:
-        if node is None or node is _CUT:
-            complete = False
-            break
-        candidates.extend(node[1])
-        node = node[2]
-    if not complete:
-        candidates = list(before.kv.keys())
-    out: dict[int, list[int]] = {}
-    for key in candidates:
-        if key[0] != "held" and key in before.kv and key not in after.kv:
-            out.setdefault(key[0], []).append(key[1])
-    return {uid: tuple(sorted(set(ids))) for uid, ids in out.items()}
 
 
 def value_extents(value: Any) -> list[Extent]:
@@ -151,28 +128,6 @@ def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
     return tuple(extents) if len(extents) < 2 else tuple(set(extents))
 
 
-def session_extents(session: Any) -> list[frozenset[Extent]]:
-    return [object_extents(obj) for obj in session._objects.values()]
-
-
-def _count(counts: immutables.Map, add: Iterable[frozenset[Extent]], remove: Iterable[frozenset[Extent]]) -> immutables.Map:
-    add, remove = [a for a in add if a], [r for r in remove if r]
-    if not add and not remove:
-        return counts
-    m = counts.mutate()
-    for extents in remove:
-        for e in extents:
-            n = m[e] - 1
-            if n:
-                m[e] = n
-            else:
-                del m[e]
-    for extents in add:
-        for e in extents:
-            m[e] = m.get(e, 0) + 1
-    return m.finish()
-
-
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
@@ -254,7 +209,7 @@ class Acct:
                 refs[e] = n + 1
                 if not n:
                     totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
-        leaves = _count(self.leaves, leaves_add, leaves_remove)
+        leaves = count_change(self.leaves, leaves_add, leaves_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
         attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
         kv, log = self.kv, self.log
@@ -288,8 +243,8 @@ class Acct:
             # Every change of the held blocks is a node, even one that releases nothing: reaching
             # ``before``'s node from ``after``'s then proves ``after`` descends from ``before`` (a table
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
-            depth = 0 if log is None or log is _CUT else log[0] + 1
-            log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), _CUT)
+            depth = 0 if log is None or log is LOG_CUT else log[0] + 1
+            log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
         return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs)
 
     def swap(self, old: Any, new: Any) -> Acct:
@@ -401,10 +356,10 @@ class Acct:
         attrs_added, attrs_removed = [], []
         if not same_attrs:
             for key, value in new._attrs.items():
-                prev = old._attrs.get(key, _CUT)
+                prev = old._attrs.get(key, _ABSENT)
                 if prev is not value:
                     attrs_added.append(value)
-                    if prev is not _CUT:
+                    if prev is not _ABSENT:
                         attrs_removed.append(prev)
             attrs_removed.extend(value for key, value in old._attrs.items() if key not in new._attrs)
         return self.change(
@@ -454,9 +409,10 @@ def totals_with_attrs(acct: Acct, sessions: Any = None) -> tuple[dict[str, int],
     seen: dict[int, Any] = {}
     for value in acct.attrs.open_values():
         accounting.collect_extents(value, out, seen, report)
-    report.deleted_arrays += acct.attrs.deleted_arrays()
+    deleted, stale = acct.attrs.deleted()
+    report.deleted_arrays += deleted
     refs = acct.refs
-    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs]
+    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs and e not in stale]
     totals = dict(acct.totals)
     for pool, bytes_ in accounting.union_by_device(loose).items():
         totals[pool] = totals.get(pool, 0) + bytes_

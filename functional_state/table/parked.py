@@ -64,7 +64,11 @@ def park(
     obj = find_object(node, name, "park")
     obj._require_resident("park")
     mine = _holders.holder_extents(obj._committed_roots())
-    if not held_elsewhere(ledger_of(state), mine, held_by(obj)):  # the common case, O(size of the object)
+    acct, own = ledger_of(state), held_by(obj)
+    # The common case, O(size of the object): nothing else holds the storage, and (for with_sharers) the
+    # counts show this very object held once, so there are no sharers to find.
+    alone = not with_sharers or (own and not held_elsewhere(acct, own, own))
+    if alone and not held_elsewhere(acct, mine, own):
         targets, holders = {sid: [name]}, []
     else:  # something else holds part of it: find what (a walk), for the sharers to park or the message
         holding = _holding(state, obj)
