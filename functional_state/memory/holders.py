@@ -11,7 +11,7 @@ counts per extent; `buffer_keys` and `holders_except` are the full walk it is ch
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import immutables
 import jax
@@ -59,7 +59,9 @@ def holders_except(sessions: dict[str, Any], excluded: dict[str, Any]) -> dict[s
     return out
 
 
-def count_change(counts: immutables.Map, add: Iterable[frozenset[Extent]], remove: Iterable[frozenset[Extent]]) -> immutables.Map:
+def count_change(
+    counts: immutables.Map, add: Iterable[frozenset[Extent]], remove: Iterable[frozenset[Extent]]
+) -> immutables.Map:
     """``counts`` (key -> holders) after holders of the keys ``remove`` left and of ``add`` arrived."""
     add, remove = [a for a in add if a], [r for r in remove if r]
     if not add and not remove:
@@ -76,6 +78,41 @@ def count_change(counts: immutables.Map, add: Iterable[frozenset[Extent]], remov
         for e in extents:
             m[e] = m.get(e, 0) + 1
     return m.finish()
+
+
+def jax_arrays(value: Any) -> tuple[Any, ...]:
+    """The JAX arrays among ``value``'s pytree leaves (each occurrence)."""
+    if isinstance(value, jax.Array):
+        return (value,)
+    if isinstance(value, (np.ndarray, *_SCALARS)):
+        return ()
+    return tuple(x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array))
+
+
+def count_arrays(registry: immutables.Map, add: Iterable[Any], remove: Iterable[Any]) -> immutables.Map:
+    """``registry`` (id(array) -> (array, holders)) after holders of arrays ``remove`` left and of ``add``
+    arrived: the JAX arrays a table holds, for a deleted-array check without a walk."""
+    add, remove = [a for a in add if a], [r for r in remove if r]
+    if not add and not remove:
+        return registry
+    m = registry.mutate()
+    for arrays in remove:
+        for a in arrays:
+            _, n = m[id(a)]
+            if n > 1:
+                m[id(a)] = (a, n - 1)
+            else:
+                del m[id(a)]
+    for arrays in add:
+        for a in arrays:
+            entry = m.get(id(a))
+            m[id(a)] = (a, 1 if entry is None else entry[1] + 1)
+    return m.finish()
+
+
+def deleted_in(registry: immutables.Map) -> int:
+    """How many arrays of ``registry`` were deleted (donated, e.g. by a user's own ``donate_argnums``)."""
+    return sum(1 for a, _ in registry.values() if a.is_deleted())
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None), range, slice)
@@ -190,3 +227,62 @@ class AttrIndex:
 
 
 EMPTY_ATTRS = AttrIndex(immutables.Map(), immutables.Map(), 0)
+
+
+class HolderCounts(Protocol):
+    """What the table's ledger (`functional_state.table.ledger.Acct`) keeps: holder counts per extent."""
+
+    refs: immutables.Map  # extent -> objects holding it (bytes counted)
+    leaves: immutables.Map  # extent -> objects holding it as a leaf the byte accounting leaves out
+    totals: immutables.Map  # pool -> bytes of the extents objects hold
+    attrs: AttrIndex
+    arrays: immutables.Map  # id(JAX array) -> (array, objects holding it)
+
+
+def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset[Extent] = frozenset()) -> set[Extent]:
+    """Those of ``extents`` that something in the table holds besides one holder ``own`` (the `held_by` of an
+    object the table holds, or nothing): another object, an unaccounted leaf of one, an attr value.
+
+    O(len(extents)) from the kept counts, plus a walk of the attr containers only (they may have changed in
+    place). Exact: the counts are those of every object and attr value of every session of the table.
+    """
+    refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
+    out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
+    if acct.attrs.n_open:
+        opened = acct.attrs.open_extents()
+        out.update(e for e in extents if e in opened)
+    return out
+
+
+def deleted_count(acct: HolderCounts) -> int:
+    """JAX arrays the table holds (objects and closed attr values) that were deleted since they arrived,
+    e.g. donated by a user's own ``jax.jit(donate_argnums=...)``: O(JAX arrays held), no walk."""
+    return deleted_in(acct.arrays) + acct.attrs.deleted()[0]
+
+
+def pool_totals(acct: HolderCounts) -> dict[str, int]:
+    """Bytes per pool of the table's objects and closed attr values (each extent once), from the kept
+    counts; attr containers are walked (they may change in place)."""
+    return totals_with_attrs(acct)[0]
+
+
+def totals_with_attrs(acct: HolderCounts, sessions: Any = None) -> tuple[dict[str, int], accounting.WalkReport]:
+    """Bytes per pool of everything the table holds: the tracked objects, plus the attrs' extents that no
+    object holds (an attr that is a view of an object's buffer adds nothing).
+
+    Closed attr values are read from the attr index; only containers are walked (``sessions`` is not read:
+    the index holds every attr value of the table). The report counts what the container walk could not
+    read; `deleted_count` counts the deleted arrays of the rest.
+    """
+    out: accounting.Extents = []
+    report = accounting.WalkReport()
+    seen: dict[int, Any] = {}
+    for value in acct.attrs.open_values():
+        accounting.collect_extents(value, out, seen, report)
+    _, stale = acct.attrs.deleted()
+    refs = acct.refs
+    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs and e not in stale]
+    totals = dict(acct.totals)
+    for pool, bytes_ in accounting.union_by_device(loose).items():
+        totals[pool] = totals.get(pool, 0) + bytes_
+    return {k: v for k, v in sorted(totals.items()) if v}, report

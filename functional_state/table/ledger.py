@@ -30,7 +30,7 @@ from ..core.state_object import StateObject
 from ..engine.kv_handle import PagedKVHandle, kv_keys
 from ..engine.paged_kv import POOLS
 from ..memory import accounting
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_arrays, count_change, jax_arrays
 
 _CACHE_SLOT = StateObject.__dict__["_acct_cache"]
 
@@ -79,8 +79,9 @@ def _buffer_cache(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent
 class _Extents(frozenset):
     """An object's extents, with ``extra``: those of its array leaves the byte accounting leaves out."""
 
-    __slots__ = ("extra",)
+    __slots__ = ("arrays", "extra")
     extra: frozenset[Extent]
+    arrays: tuple[Any, ...]  # its JAX arrays (each leaf), for the deleted-array check
 
 
 _NO_EXTRA: frozenset[Extent] = frozenset()
@@ -95,7 +96,9 @@ def _object_cache(obj: Any) -> _Extents:
         accounting.collect_extents(obj, out, seen, report)
         cached = _Extents(out)
         extra: accounting.Extents = []
-        for leaf in jax.tree_util.tree_leaves(obj):
+        leaves = jax.tree_util.tree_leaves(obj)
+        cached.arrays = tuple(x for x in leaves if isinstance(x, jax.Array))
+        for leaf in leaves:
             if id(leaf) not in seen:
                 accounting.collect_extents(leaf, extra, seen, report)
         cached.extra = frozenset(e for e in extra if e not in cached) if extra else _NO_EXTRA
@@ -118,6 +121,17 @@ def leaf_extents(obj: Any) -> frozenset[Extent]:
     return _object_cache(obj).extra
 
 
+def object_arrays(obj: Any) -> tuple[Any, ...]:
+    """The JAX arrays among ``obj``'s leaves (cached, but for a buffer ring: read from its items)."""
+    if type(obj) is LatentBuffer:
+        return jax_arrays((obj.items, obj.staged, obj.host_copy))
+    return _object_cache(obj).arrays
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 def held_by(obj: Any) -> frozenset[Extent]:
     """Every extent ``obj`` holds as a holder: `object_extents` and `leaf_extents`."""
     extra = leaf_extents(obj)
@@ -131,7 +145,7 @@ def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("attrs", "kv", "leaves", "log", "refs", "root", "totals")
+    __slots__ = ("arrays", "attrs", "kv", "leaves", "log", "refs", "root", "totals")
 
     def __init__(
         self,
@@ -142,6 +156,7 @@ class Acct:
         root: Any = None,
         leaves: immutables.Map = _EMPTY,
         attrs: AttrIndex = EMPTY_ATTRS,
+        arrays: immutables.Map = _EMPTY,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the extents held at least once
@@ -153,6 +168,7 @@ class Acct:
         self.root = root if root is not None else object()
         self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
         self.attrs = attrs  # the attr values' holder index
+        self.arrays = arrays  # id(JAX array) -> (array, objects holding it): what `deleted_count` checks
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
@@ -162,21 +178,27 @@ class Acct:
         return acct
 
     def add_session(self, session: Any) -> Acct:
-        objs = session._objects.values()
-        return self.change(
-            add=[object_extents(o) for o in objs],
-            kv_add=[kv_keys(o) for o in objs],
-            leaves_add=[leaf_extents(o) for o in objs],
-            attrs_add=session._attrs.values(),
-        )
+        return self.change_objects(session._objects.values(), (), session._attrs.values())
 
     def remove_session(self, session: Any) -> Acct:
-        objs = session._objects.values()
+        return self.change_objects((), session._objects.values(), (), session._attrs.values())
+
+    def change_objects(
+        self, add: Iterable[Any], remove: Iterable[Any], attrs_add: Iterable[Any] = (), attrs_remove: Iterable[Any] = ()
+    ) -> Acct:
+        """The counts after objects ``remove`` left and ``add`` arrived (and attr values likewise)."""
+        add, remove = list(add), list(remove)
         return self.change(
-            remove=[object_extents(o) for o in objs],
-            kv_remove=[kv_keys(o) for o in objs],
-            leaves_remove=[leaf_extents(o) for o in objs],
-            attrs_remove=session._attrs.values(),
+            add=[object_extents(o) for o in add],
+            remove=[object_extents(o) for o in remove],
+            kv_add=[kv_keys(o) for o in add],
+            kv_remove=[kv_keys(o) for o in remove],
+            leaves_add=[leaf_extents(o) for o in add],
+            leaves_remove=[leaf_extents(o) for o in remove],
+            attrs_add=attrs_add,
+            attrs_remove=attrs_remove,
+            arrays_add=[object_arrays(o) for o in add],
+            arrays_remove=[object_arrays(o) for o in remove],
         )
 
     def change(
@@ -189,6 +211,8 @@ class Acct:
         leaves_remove: Iterable[frozenset[Extent]] = (),
         attrs_add: Iterable[Any] = (),
         attrs_remove: Iterable[Any] = (),
+        arrays_add: Iterable[tuple[Any, ...]] = (),
+        arrays_remove: Iterable[tuple[Any, ...]] = (),
     ) -> Acct:
         """The counts after the objects with extents ``remove`` left and those with ``add`` arrived (and the
         handles holding KV blocks ``kv_remove`` / ``kv_add``, the objects' unaccounted leaves, the attr
@@ -210,6 +234,7 @@ class Acct:
                 if not n:
                     totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
+        arrays = count_arrays(self.arrays, arrays_add, arrays_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
         attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
         kv, log = self.kv, self.log
@@ -245,7 +270,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is LOG_CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, arrays)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move."""
@@ -259,9 +284,16 @@ class Acct:
             return self._swap_handle(old, new)
         a, b = object_extents(old), object_extents(new)
         la, lb = leaf_extents(old), leaf_extents(new)
-        if a == b and la == lb:
+        if a == b and la == lb and _same(object_arrays(old), object_arrays(new)):
             return self
-        return self.change(add=[b - a], remove=[a - b], leaves_add=[lb - la], leaves_remove=[la - lb])
+        return self.change(
+            add=[b - a],
+            remove=[a - b],
+            leaves_add=[lb - la],
+            leaves_remove=[la - lb],
+            arrays_add=[object_arrays(new)],
+            arrays_remove=[object_arrays(old)],
+        )
 
     def _ring_swap(self, old: LatentBuffer, new: LatentBuffer) -> Acct | None:
         """The counts after ring ``old`` became ``new`` by a commit (items appended, the oldest dropped), in
@@ -307,9 +339,13 @@ class Acct:
             if not n:
                 totals = totals.set(e[0], totals.get(e[0], 0) + (e[2] - e[1]))
         _CACHE_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
-        if refs is self.refs:
+        arrays = self.arrays
+        gone, came = [jax_arrays(item) for item in oi[:drop]], jax_arrays(ni[-1])
+        if came or any(gone):
+            arrays = count_arrays(arrays, [came], gone)
+        if refs is self.refs and arrays is self.arrays:
             return self
-        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs)
+        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, arrays)
 
     def _swap_handle(self, old: Any, new: Any) -> Acct:
         if (
@@ -323,12 +359,24 @@ class Acct:
         ):  # a commit of new blocks: priced by those blocks alone
             tail = new.block_ids[len(old.block_ids) :]
             uid = new.pool.uid
-            return self.change(add=[frozenset(new.pool.extents(tail))], kv_add=[[(uid, b) for b in tail]])
+            return self.change(
+                add=[frozenset(new.pool.extents(tail))],
+                kv_add=[[(uid, b) for b in tail]],
+                arrays_add=[object_arrays(new)],
+                arrays_remove=[object_arrays(old)],
+            )
         a, b = object_extents(old), object_extents(new)
         ka, kb = set(kv_keys(old)), set(kv_keys(new))
         la, lb = leaf_extents(old), leaf_extents(new)
         return self.change(
-            add=[b - a], remove=[a - b], kv_add=[kb - ka], kv_remove=[ka - kb], leaves_add=[lb - la], leaves_remove=[la - lb]
+            add=[b - a],
+            remove=[a - b],
+            kv_add=[kb - ka],
+            kv_remove=[ka - kb],
+            leaves_add=[lb - la],
+            leaves_remove=[la - lb],
+            arrays_add=[object_arrays(new)],
+            arrays_remove=[object_arrays(old)],
         )
 
     def swap_session(self, old: Any, new: Any) -> Acct:
@@ -336,24 +384,15 @@ class Acct:
         same_objects, same_attrs = old._objects is new._objects, old._attrs is new._attrs
         if same_objects and same_attrs:
             return self
-        added, removed, kv_added, kv_removed, leaves_added, leaves_removed = [], [], [], [], [], []
+        added, removed, attrs_added, attrs_removed = [], [], [], []
         if not same_objects:
             for name, obj in new._objects.items():
                 prev = old._objects.get(name)
                 if prev is not obj:
-                    added.append(object_extents(obj))
-                    kv_added.append(kv_keys(obj))
-                    leaves_added.append(leaf_extents(obj))
+                    added.append(obj)
                     if prev is not None:
-                        removed.append(object_extents(prev))
-                        kv_removed.append(kv_keys(prev))
-                        leaves_removed.append(leaf_extents(prev))
-            for name, obj in old._objects.items():
-                if name not in new._objects:
-                    removed.append(object_extents(obj))
-                    kv_removed.append(kv_keys(obj))
-                    leaves_removed.append(leaf_extents(obj))
-        attrs_added, attrs_removed = [], []
+                        removed.append(prev)
+            removed.extend(obj for name, obj in old._objects.items() if name not in new._objects)
         if not same_attrs:
             for key, value in new._attrs.items():
                 prev = old._attrs.get(key, _ABSENT)
@@ -362,58 +401,8 @@ class Acct:
                     if prev is not _ABSENT:
                         attrs_removed.append(prev)
             attrs_removed.extend(value for key, value in old._attrs.items() if key not in new._attrs)
-        return self.change(
-            add=added,
-            remove=removed,
-            kv_add=kv_added,
-            kv_remove=kv_removed,
-            leaves_add=leaves_added,
-            leaves_remove=leaves_removed,
-            attrs_add=attrs_added,
-            attrs_remove=attrs_removed,
-        )
+        return self.change_objects(added, removed, attrs_added, attrs_removed)
 
     def kv_held(self) -> dict[int, int]:
         """``{pool uid: distinct blocks handles hold}`` (kept under ``("held", uid)`` keys of ``kv``)."""
         return {uid: self.kv[("held", uid)] for uid in _pool_uids() if ("held", uid) in self.kv}
-
-    def pools(self) -> dict[str, int]:
-        return {k: v for k, v in sorted(self.totals.items()) if v}
-
-
-def held_elsewhere(acct: Acct, extents: Iterable[Extent], own: frozenset[Extent] = _NO_EXTRA) -> set[Extent]:
-    """Those of ``extents`` that something in the table holds besides one holder ``own`` (the `held_by` of an
-    object the table holds, or nothing): another object, an unaccounted leaf of one, an attr value.
-
-    O(len(extents)) from the kept counts, plus a walk of the attr containers only (they may have changed in
-    place). Exact: the counts are those of every object and attr value of every session of the table.
-    """
-    refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
-    out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
-    if acct.attrs.n_open:
-        opened = acct.attrs.open_extents()
-        out.update(e for e in extents if e in opened)
-    return out
-
-
-def totals_with_attrs(acct: Acct, sessions: Any = None) -> tuple[dict[str, int], accounting.WalkReport]:
-    """Bytes per pool of everything the table holds: the tracked objects, plus the attrs' extents that no
-    object holds (an attr that is a view of an object's buffer adds nothing).
-
-    Closed attr values are read from the attr index; only containers are walked (``sessions`` is not read:
-    the index holds every attr value of the table). The report counts what the container walk could not
-    read, and the deleted JAX arrays among the attr values.
-    """
-    out: accounting.Extents = []
-    report = accounting.WalkReport()
-    seen: dict[int, Any] = {}
-    for value in acct.attrs.open_values():
-        accounting.collect_extents(value, out, seen, report)
-    deleted, stale = acct.attrs.deleted()
-    report.deleted_arrays += deleted
-    refs = acct.refs
-    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs and e not in stale]
-    totals = dict(acct.totals)
-    for pool, bytes_ in accounting.union_by_device(loose).items():
-        totals[pool] = totals.get(pool, 0) + bytes_
-    return {k: v for k, v in sorted(totals.items()) if v}, report

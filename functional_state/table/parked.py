@@ -10,7 +10,8 @@ from ..errors import (
     SharedStorageError,
 )
 from ..memory import holders as _holders
-from .ledger import held_by, held_elsewhere
+from ..memory.holders import held_elsewhere
+from .ledger import held_by
 from .manager_state import ManagerState, find_object, ledger_of, locate, replace_object, session_map
 
 _log = logging.getLogger("functional_state")

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
 from ..memory.holders import Extent, holder_extents
-from .ledger import Acct, held_by, held_elsewhere, value_extents
+from ..memory.holders import held_elsewhere
+from .ledger import Acct, held_by, value_extents
 from .manager_state import (
     ConsumedManagerState,
     ManagerState,

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..engine.paged_kv import pool_by_uid
 from ..memory import accounting
-from .ledger import totals_with_attrs
+from ..memory.holders import deleted_count, totals_with_attrs
 from .manager_state import ManagerState, check_state, ledger_of, session_map
 
 
@@ -36,7 +36,9 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     if exact:
         per_device, report = accounting.walk(*sessions_now)
     else:
-        per_device, report = totals_with_attrs(ledger_of(state), sessions_now)
+        acct = ledger_of(state)
+        per_device, report = totals_with_attrs(acct)
+        report.deleted_arrays += deleted_count(acct)  # arrays a user donated behind the table's back
     # Read from the host copies themselves, in both modes: a parked copy need not sit in a host pool (numpy
     # stays where it was, an engine's offload token is the engine's), so host-pool totals undercount it.
     parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
