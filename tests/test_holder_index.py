@@ -10,8 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import functional_state as fs
 from functional_state import ArrayRing, ManagerState
-from functional_state.memory.holders import buffer_keys, holders_except
-from functional_state.memory.holders import held_elsewhere
+from functional_state.memory.holders import buffer_keys, held_elsewhere, holders_except
 from functional_state.table.ledger import Acct, held_by, value_extents
 from functional_state.table.manager_state import ledger_of, session_map
 

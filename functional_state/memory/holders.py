@@ -84,8 +84,9 @@ def jax_arrays(value: Any) -> tuple[Any, ...]:
     """The JAX arrays among ``value``'s pytree leaves (each occurrence)."""
     if isinstance(value, jax.Array):
         return (value,)
-    if isinstance(value, (np.ndarray, *_SCALARS)):
-        return ()
+    torch = accounting.torch_module()
+    if isinstance(value, (np.ndarray, *_SCALARS)) or (torch is not None and isinstance(value, torch.Tensor)):
+        return ()  # (the common ring items: no flatten on the per-step path)
     return tuple(x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array))
 
 
@@ -142,7 +143,7 @@ class AttrEntry(NamedTuple):
     """One attr value the index holds: how many sessions hold it, and (closed values) what it holds."""
 
     value: Any
-    count: int
+    holders: int
     extents: frozenset[Extent] | None  # None: a container, re-read on every question
     arrays: tuple[Any, ...]  # its JAX arrays (closed values): what a deleted-array check looks at
 
@@ -170,8 +171,8 @@ class AttrIndex:
             if isinstance(value, _SCALARS):
                 continue
             entry = memo[id(value)]
-            if entry.count > 1:
-                memo[id(value)] = entry._replace(count=entry.count - 1)
+            if entry.holders > 1:
+                memo[id(value)] = entry._replace(holders=entry.holders - 1)
                 continue
             del memo[id(value)]
             if entry.extents is None:
@@ -187,7 +188,7 @@ class AttrIndex:
                 continue
             entry = memo.get(id(value))
             if entry is not None:
-                memo[id(value)] = entry._replace(count=entry.count + 1)
+                memo[id(value)] = entry._replace(holders=entry.holders + 1)
                 continue
             if closed(value):
                 extents = frozenset(holder_extents(value))
@@ -222,7 +223,7 @@ class AttrIndex:
             dead = sum(1 for a in entry.arrays if a.is_deleted())
             if dead:
                 count += dead
-                stale |= entry.extents - holder_extents(entry.value)  # type: ignore[operator]
+                stale |= entry.extents - holder_extents(entry.value)
         return count, stale
 
 

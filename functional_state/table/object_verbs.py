@@ -13,8 +13,8 @@ from ..core.pytree import MISSING
 from ..core.session import SessionState, no_object_message
 from ..core.state_object import StateObject
 from ..errors import ObjectNotFoundError
-from .checks import check_state, find_object, locate, lost_error, resolve_id
 from ..memory.holders import totals_with_attrs
+from .checks import check_state, find_object, locate, lost_error, resolve_id
 from .lru import replace_session, replace_sessions
 from .state import NEXT, PREV, SESSION, UID, ManagerState, add_to_counter, ledger_of, make_state
 

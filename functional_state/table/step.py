@@ -20,8 +20,7 @@ import jax.numpy as jnp
 
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
-from ..memory.holders import Extent, holder_extents
-from ..memory.holders import held_elsewhere
+from ..memory.holders import Extent, held_elsewhere, holder_extents
 from .ledger import Acct, held_by, value_extents
 from .manager_state import (
     ConsumedManagerState,
