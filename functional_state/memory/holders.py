@@ -238,6 +238,7 @@ class HolderCounts(Protocol):
     totals: immutables.Map  # pool -> bytes of the extents objects hold
     attrs: AttrIndex
     arrays: immutables.Map  # id(JAX array) -> (array, objects holding it)
+    parked: immutables.Map  # id(host copy) -> (host copy, objects holding it)
 
 
 def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset[Extent] = frozenset()) -> set[Extent]:
@@ -259,6 +260,12 @@ def deleted_count(acct: HolderCounts) -> int:
     """JAX arrays the table holds (objects and closed attr values) that were deleted since they arrived,
     e.g. donated by a user's own ``jax.jit(donate_argnums=...)``: O(JAX arrays held), no walk."""
     return deleted_in(acct.arrays) + acct.attrs.deleted()[0]
+
+
+def parked_nbytes(acct: HolderCounts) -> int:
+    """Bytes of the parked host copies the table holds, each once, read from the copies themselves (a copy
+    need not sit in a host pool: numpy stays where it was): O(parked objects), no walk of the table."""
+    return accounting.total_nbytes(*(copy for copy, _ in acct.parked.values()))
 
 
 def pool_totals(acct: HolderCounts) -> dict[str, int]:

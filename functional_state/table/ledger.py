@@ -8,12 +8,10 @@ never need a walk: a buffer shared by two forks is counted once and leaves only 
 
 Extents are identical or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
 arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it).
-Holder questions ("does anything else in the table hold this buffer?", asked by a donating `step` and by
-`park`) are answered here too, in O(size of the object): ``refs`` counts the objects per extent; ``leaves``
-counts the array leaves objects hold that the byte accounting leaves out (ring positions: zero bytes, but a
-donation could delete them); ``attrs`` is the attr index (`memory.holders.AttrIndex`): closed attr values
-(arrays, tensors, tuples of them) recorded when they are written through the table's verbs, containers
-re-read on each question, because a model may change them in place.
+The counts also answer the holder questions of `memory.holders` in O(size of the object): ``leaves``
+counts the array leaves the byte accounting leaves out (ring positions: a donation could delete them),
+``attrs`` indexes the attr values (recorded on write), ``arrays`` and ``parked`` keep the JAX arrays and
+host copies held, for `stats` without a walk.
 """
 
 from __future__ import annotations
@@ -39,10 +37,6 @@ _EMPTY: immutables.Map = immutables.Map()
 _ABSENT = object()
 LOG_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
 _LOG_DEPTH = 4096
-
-
-def _pool_uids() -> list[int]:
-    return list(POOLS.keys())
 
 
 def value_extents(value: Any) -> list[Extent]:
@@ -128,6 +122,10 @@ def object_arrays(obj: Any) -> tuple[Any, ...]:
     return _object_cache(obj).arrays
 
 
+def _host(obj: Any) -> tuple[Any, ...]:
+    return () if obj.host_copy is None else (obj.host_copy,)
+
+
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
@@ -145,7 +143,7 @@ def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("arrays", "attrs", "kv", "leaves", "log", "refs", "root", "totals")
+    __slots__ = ("arrays", "attrs", "kv", "leaves", "log", "parked", "refs", "root", "totals")
 
     def __init__(
         self,
@@ -157,6 +155,7 @@ class Acct:
         leaves: immutables.Map = _EMPTY,
         attrs: AttrIndex = EMPTY_ATTRS,
         arrays: immutables.Map = _EMPTY,
+        parked: immutables.Map = _EMPTY,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the extents held at least once
@@ -169,6 +168,7 @@ class Acct:
         self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
         self.attrs = attrs  # the attr values' holder index
         self.arrays = arrays  # id(JAX array) -> (array, objects holding it): what `deleted_count` checks
+        self.parked = parked  # id(host copy) -> (host copy, objects holding it): what `parked_nbytes` reads
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
@@ -199,6 +199,8 @@ class Acct:
             attrs_remove=attrs_remove,
             arrays_add=[object_arrays(o) for o in add],
             arrays_remove=[object_arrays(o) for o in remove],
+            parked_add=[_host(o) for o in add],
+            parked_remove=[_host(o) for o in remove],
         )
 
     def change(
@@ -213,6 +215,8 @@ class Acct:
         attrs_remove: Iterable[Any] = (),
         arrays_add: Iterable[tuple[Any, ...]] = (),
         arrays_remove: Iterable[tuple[Any, ...]] = (),
+        parked_add: Iterable[tuple[Any, ...]] = (),
+        parked_remove: Iterable[tuple[Any, ...]] = (),
     ) -> Acct:
         """The counts after the objects with extents ``remove`` left and those with ``add`` arrived (and the
         handles holding KV blocks ``kv_remove`` / ``kv_add``, the objects' unaccounted leaves, the attr
@@ -235,6 +239,7 @@ class Acct:
                     totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
         arrays = count_arrays(self.arrays, arrays_add, arrays_remove)
+        parked = count_arrays(self.parked, parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
         attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
         kv, log = self.kv, self.log
@@ -270,7 +275,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is LOG_CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, arrays)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, arrays, parked)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move."""
@@ -284,7 +289,7 @@ class Acct:
             return self._swap_handle(old, new)
         a, b = object_extents(old), object_extents(new)
         la, lb = leaf_extents(old), leaf_extents(new)
-        if a == b and la == lb and _same(object_arrays(old), object_arrays(new)):
+        if a == b and la == lb and _same(object_arrays(old), object_arrays(new)) and old.host_copy is new.host_copy:
             return self
         return self.change(
             add=[b - a],
@@ -293,6 +298,8 @@ class Acct:
             leaves_remove=[la - lb],
             arrays_add=[object_arrays(new)],
             arrays_remove=[object_arrays(old)],
+            parked_add=[_host(new)],
+            parked_remove=[_host(old)],
         )
 
     def _ring_swap(self, old: LatentBuffer, new: LatentBuffer) -> Acct | None:
@@ -345,7 +352,7 @@ class Acct:
             arrays = count_arrays(arrays, [came], gone)
         if refs is self.refs and arrays is self.arrays:
             return self
-        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, arrays)
+        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, arrays, self.parked)
 
     def _swap_handle(self, old: Any, new: Any) -> Acct:
         if (
@@ -377,6 +384,8 @@ class Acct:
             leaves_remove=[la - lb],
             arrays_add=[object_arrays(new)],
             arrays_remove=[object_arrays(old)],
+            parked_add=[_host(new)],
+            parked_remove=[_host(old)],
         )
 
     def swap_session(self, old: Any, new: Any) -> Acct:
@@ -405,4 +414,4 @@ class Acct:
 
     def kv_held(self) -> dict[int, int]:
         """``{pool uid: distinct blocks handles hold}`` (kept under ``("held", uid)`` keys of ``kv``)."""
-        return {uid: self.kv[("held", uid)] for uid in _pool_uids() if ("held", uid) in self.kv}
+        return {uid: self.kv[("held", uid)] for uid in list(POOLS.keys()) if ("held", uid) in self.kv}
