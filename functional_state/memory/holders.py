@@ -80,13 +80,20 @@ def count_change(
     return m.finish()
 
 
+_NO_JAX: set[type] = {np.ndarray}  # exact types known to hold no JAX array (torch.Tensor joins on first sight)
+
+
 def jax_arrays(value: Any) -> tuple[Any, ...]:
     """The JAX arrays among ``value``'s pytree leaves (each occurrence)."""
+    t = type(value)
+    if t in _NO_JAX:  # the common ring items: one set lookup on the per-step path
+        return ()
     if isinstance(value, jax.Array):
         return (value,)
     torch = accounting.torch_module()
-    if isinstance(value, (np.ndarray, *_SCALARS)) or (torch is not None and isinstance(value, torch.Tensor)):
-        return ()  # (the common ring items: no flatten on the per-step path)
+    if isinstance(value, _SCALARS) or (torch is not None and t is torch.Tensor):
+        _NO_JAX.add(t)
+        return ()
     return tuple(x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array))
 
 
