@@ -104,7 +104,18 @@ class ModelCaches:
           InvalidArgumentError: the session's cache has another layout than this model's.
         """
         state = self._resident(state, session_id, "step")
-        return _step(state, session_id, self.name, self._step_fn, self._params, *args, donate=donate, has_aux=True)
+        # The initial cache is held here, outside the table, for sessions begun later: never donated.
+        return _step(
+            state,
+            session_id,
+            self.name,
+            self._step_fn,
+            self._params,
+            *args,
+            donate=donate,
+            has_aux=True,
+            retained=(self._initial,),
+        )
 
     def step_many(self, state: ManagerState, session_ids: Sequence[str], *args: Any) -> tuple[ManagerState, Any]:
         """Step several sessions in one batched call: ``args`` and the output are stacked on a leading axis,

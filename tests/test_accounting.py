@@ -250,3 +250,19 @@ def test_temporaries_built_by_flatten_never_hide_later_buffers():
     # to the next bag's temporary list, which was then skipped and its arrays went uncounted.
     bags = [_Bag([np.zeros(100 + i, np.uint8)]) for i in range(200)]
     assert nbytes_by_device(bags) == {"cpu": sum(100 + i for i in range(200))}
+
+
+def test_a_user_donation_outside_the_library_shows_in_default_stats():
+    # Regression (issue 21): a user's own `jax.jit(donate_argnums=...)` deleted an array a session holds;
+    # only stats(exact=True) saw it. The ledger keeps the JAX arrays the table holds, so the default does.
+    import jax
+    import jax.numpy as jnp
+
+    state, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    state = fs.put(state, "a", "ring", fs.ArrayRing.create(2, (8,)))
+    state = fs.step(state, "a", "ring", fs.ArrayRing.commit, jnp.ones(8))
+    state = fs.set_attr(state, "a", "cond", jnp.zeros(4))
+    assert fs.stats(state)["deleted_arrays"] == 0
+    jax.jit(lambda x: x * 2, donate_argnums=0)(fs.lookup(state, "a").get("ring").storage)
+    jax.jit(lambda x: x * 2, donate_argnums=0)(fs.get_attr(state, "a", "cond"))
+    assert fs.stats(state)["deleted_arrays"] == fs.stats(state, exact=True)["deleted_arrays"] == 2

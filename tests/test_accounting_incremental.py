@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import functional_state as fs
 from functional_state import DenseValue, LatentBuffer, ManagerState, SharedStorageError
+from functional_state.memory import accounting
 from torch_bridge import to_jax
 
 IDS = st.sampled_from(["a", "b", "c", "d"])
@@ -165,3 +166,24 @@ def test_a_ring_item_resized_in_place_leaves_as_it_was_counted():
     for _ in range(3):
         state = fs.commit(state, "a", "buf", torch.ones(4))
     assert _pools(fs.stats(state)) == _pools(fs.stats(state, exact=True)) == {"nbytes:cpu": 2 * 16}
+
+
+def test_default_stats_reads_kept_figures_and_walks_no_session(monkeypatch):
+    # Regression (issue 24): stats() re-walked every attr and every object's host copy of every session, so
+    # its cost grew with the table. Closed attr values (arrays, tensors) are recorded on write; only attr
+    # containers, which a model may change in place, are walked.
+    state = fs.ManagerState.create(max_sessions=64)
+    for i in range(40):
+        state, _ = fs.get_or_create(state, f"s{i}")
+        state = fs.set_attr(state, f"s{i}", "cond", jnp.full(8, float(i)))
+        state = fs.put(state, f"s{i}", "ring", fs.ArrayRing.create(2, (4,)))
+    state, _ = fs.park(state, "s0", "ring")
+    state = fs.set_attr(state, "s1", "history", [jnp.zeros(16)])  # a container: walked
+    exact = fs.stats(state, exact=True)
+    fs.stats(state)  # builds the ledger (one walk), as the first call always did
+    calls = []
+    real = accounting.collect_extents
+    monkeypatch.setattr(accounting, "collect_extents", lambda root, *a: calls.append(root) or real(root, *a))
+    kept = fs.stats(state)
+    assert len(calls) <= 3  # the one container (and the parked copy's bytes), never the 40 sessions
+    assert {k: v for k, v in kept.items() if "bytes" in k} == {k: v for k, v in exact.items() if "bytes" in k}

@@ -284,8 +284,8 @@ def test_shell_step_never_donates_what_a_fork_a_snapshot_or_a_holder_still_reads
     snap = m.state  # a snapshot handed out
     h.step("ring", ArrayRing.commit, jnp.full((256,), 3.0), donate=True)
     np.testing.assert_array_equal(fs.view(snap, "a", "ring")[:, 0], [1.0, 2.0])
-    held = h.get("ring")  # a user variable holding the object
-    h.step("ring", ArrayRing.commit, jnp.full((256,), 4.0), donate=True)
+    held = h.get("ring")  # a user variable holding the object: the caller's, retained explicitly (issue 23)
+    h.step("ring", ArrayRing.commit, jnp.full((256,), 4.0), donate=True, retained=[held])
     np.testing.assert_array_equal(held.view()[:, 0], [1.0, 2.0, 3.0])
     assert m.stats()["deleted_arrays"] == 0
     np.testing.assert_array_equal(h.view("ring")[:, 0], [1.0, 2.0, 3.0, 4.0])

@@ -69,15 +69,42 @@ def test_a_donating_step_consumes_its_input_state():
     assert fs.stats(new)["sessions"] == 1
 
 
-def test_a_user_reference_to_the_object_or_its_array_is_never_donated():
+def test_a_user_reference_the_caller_retains_is_never_donated():
+    # The donation contract (issue 23): what the caller took out of the table and still reads is protected
+    # when passed in `retained` (explicit ownership, not reference counts).
+    state = _table()
+    held = fs.lookup(state, "a").get("ring")
+    new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True, retained=[held])
+    np.testing.assert_array_equal(held.latest(1)[:, 0], [1.0])
+    array = fs.lookup(new, "a").get("ring").storage
+    newer = fs.step(new, "a", "ring", ArrayRing.commit, jnp.full((128,), 3.0), donate=True, retained=[array])
+    assert not array.is_deleted()
+    np.testing.assert_array_equal(np.asarray(array)[:2, 0], [1.0, 2.0])
+    np.testing.assert_array_equal(fs.view(newer, "a", "ring")[:, 0], [1.0, 2.0, 3.0])
+
+
+def test_a_user_reference_not_retained_is_the_callers_and_reads_as_deleted_never_as_wrong_values():
+    # As with `jax.jit(donate_argnums=...)`: a donated input the caller kept raises JAX's error when read.
     state = _table()
     held = fs.lookup(state, "a").get("ring")
     new = fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True)
-    np.testing.assert_array_equal(held.latest(1)[:, 0], [1.0])
-    array = fs.lookup(new, "a").get("ring").storage
-    newer = fs.step(new, "a", "ring", ArrayRing.commit, jnp.full((128,), 3.0), donate=True)
-    assert not array.is_deleted()
-    np.testing.assert_array_equal(fs.view(newer, "a", "ring")[:, 0], [1.0, 2.0, 3.0])
+    assert held.storage.is_deleted()
+    with pytest.raises(RuntimeError, match="deleted"):
+        np.asarray(held.storage)
+    np.testing.assert_array_equal(fs.view(new, "a", "ring")[:, 0], [1.0, 2.0])
+
+
+def test_step_never_swaps_the_process_wide_warning_filters(monkeypatch):
+    # Regression (issue 23): `warnings.catch_warnings()` inside step replaced the process-wide filters on
+    # each call, racing with other threads; the donation warning is now filtered once, at import.
+    import warnings
+
+    state = _table()
+    calls = []
+    real = warnings.catch_warnings
+    monkeypatch.setattr(warnings, "catch_warnings", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fs.step(state, "a", "ring", ArrayRing.commit, jnp.full((128,), 2.0), donate=True)
+    assert calls == []
 
 
 def test_without_donation_step_is_pure_and_traces_once():

@@ -215,13 +215,11 @@ def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
         out.append(("cpu", start, start + owner.nbytes))
         return
     # Memory owned by some other object (bytes, mmap, a foreign buffer): count the span this array covers.
-    lo = hi = 0
-    for n, s in zip(owner.shape, owner.strides):
-        if s >= 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    out.append(("cpu", start + lo, start + hi + owner.itemsize))
+    lo, hi = _span(owner.shape, owner.strides, owner.itemsize)  # (owner.size > 0 here)
+    out.append(("cpu", start + lo, start + hi))
+
+
+_SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
 
 
 def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
@@ -234,7 +232,16 @@ def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, 
     if a.is_deleted():
         report.deleted_arrays += 1
         return
-    memory_kind = getattr(a.sharding, "memory_kind", None)
+    sharding = a.sharding
+    memory_kind = getattr(sharding, "memory_kind", None)
+    if type(sharding) is _SINGLE_DEVICE:  # one buffer: read it directly (building shard objects is ~2/3 of it)
+        size = a.on_device_size_in_bytes()
+        if size:
+            start = a.unsafe_buffer_pointer()
+            key = _jax_pool_key(next(iter(sharding.device_set)), memory_kind)
+            if not (POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out)):
+                out.append((key, start, start + size))
+        return
     for shard in a.addressable_shards:
         data = shard.data
         size = data.on_device_size_in_bytes()

@@ -1,22 +1,31 @@
-"""Private helpers: which buffers a value holds, and what else in a table holds the same ones.
+"""Which buffers a value holds, for the questions "may a donation delete this?" and "does parking free it?".
 
 `step` must never donate, and `park` never parks, a buffer that something else still reads. Both compare
-buffers by (pool, start address): views, aliases through the bridge and forks all meet there.
+the extents the byte accounting uses (so views, aliases through the bridge and forks all meet there) plus
+every array leaf the accounting leaves out (ring positions: buffers a donation could delete too).
+
+The table answers these questions from its ledger (`functional_state.table.ledger`), which keeps holder
+counts per extent; `buffer_keys` and `holders_except` are the full walk it is checked against in tests.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple, Protocol
 
+import immutables
 import jax
+import numpy as np
 
 from . import accounting
 
+Extent = tuple[str, int, int]
 
-def buffer_keys(tree: Any) -> set[tuple[str, int]]:
-    """Every (pool, start address) of the buffers reachable from ``tree``: those the byte accounting counts,
-    and every array leaf of its pytrees (ring positions and other small leaves the accounting leaves out
-    are buffers a donation could delete too)."""
+
+def holder_extents(tree: Any) -> set[Extent]:
+    """Every extent reachable from ``tree``: those the byte accounting counts, and those of every array leaf
+    of its pytrees (ring positions and other small leaves the accounting leaves out are buffers a donation
+    could delete too)."""
     extents: accounting.Extents = []
     seen: dict[int, Any] = {}
     report = accounting.WalkReport()
@@ -28,11 +37,17 @@ def buffer_keys(tree: Any) -> set[tuple[str, int]]:
     for leaf in leaves:
         if id(leaf) not in seen:
             accounting.collect_extents(leaf, extents, seen, report)
-    return {(key, start) for key, start, _ in extents}
+    return set(extents)
+
+
+def buffer_keys(tree: Any) -> set[tuple[str, int]]:
+    """Every (pool, start address) of the buffers reachable from ``tree`` (see `holder_extents`)."""
+    return {(key, start) for key, start, _ in holder_extents(tree)}
 
 
 def holders_except(sessions: dict[str, Any], excluded: dict[str, Any]) -> dict[str, list[Any]]:
-    """Per session id, everything the session holds except objects ``excluded[sid]`` (a name or names)."""
+    """Per session id, everything the session holds except objects ``excluded[sid]`` (a name or names): the
+    reference answer (a walk of the whole table) the ledger's holder counts are tested against."""
     out: dict[str, list[Any]] = {}
     for sid, session in sessions.items():
         names = excluded.get(sid)
@@ -42,3 +57,247 @@ def holders_except(sessions: dict[str, Any], excluded: dict[str, Any]) -> dict[s
             names = {names} if isinstance(names, str) else set(names)
             out[sid] = [o for n, o in session._objects.items() if n not in names] + list(session._attrs.values())
     return out
+
+
+def count_change(
+    counts: immutables.Map, add: Iterable[frozenset[Extent]], remove: Iterable[frozenset[Extent]]
+) -> immutables.Map:
+    """``counts`` (key -> holders) after holders of the keys ``remove`` left and of ``add`` arrived."""
+    add, remove = [a for a in add if a], [r for r in remove if r]
+    if not add and not remove:
+        return counts
+    m = counts.mutate()
+    for extents in remove:
+        for e in extents:
+            n = m[e] - 1
+            if n:
+                m[e] = n
+            else:
+                del m[e]
+    for extents in add:
+        for e in extents:
+            m[e] = m.get(e, 0) + 1
+    return m.finish()
+
+
+_NO_JAX: set[type] = {np.ndarray}  # exact types known to hold no JAX array (torch.Tensor joins on first sight)
+
+
+def jax_arrays(value: Any) -> tuple[Any, ...]:
+    """The JAX arrays among ``value``'s pytree leaves (each occurrence)."""
+    t = type(value)
+    if t in _NO_JAX:  # the common ring items: one set lookup on the per-step path
+        return ()
+    if isinstance(value, jax.Array):
+        return (value,)
+    torch = accounting.torch_module()
+    if isinstance(value, _SCALARS) or (torch is not None and t is torch.Tensor):
+        _NO_JAX.add(t)
+        return ()
+    return tuple(x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array))
+
+
+def count_arrays(registry: immutables.Map, add: Iterable[Any], remove: Iterable[Any]) -> immutables.Map:
+    """``registry`` (id(array) -> (array, holders)) after holders of arrays ``remove`` left and of ``add``
+    arrived: the JAX arrays a table holds, for a deleted-array check without a walk."""
+    add, remove = [a for a in add if a], [r for r in remove if r]
+    if not add and not remove:
+        return registry
+    m = registry.mutate()
+    for arrays in remove:
+        for a in arrays:
+            _, n = m[id(a)]
+            if n > 1:
+                m[id(a)] = (a, n - 1)
+            else:
+                del m[id(a)]
+    for arrays in add:
+        for a in arrays:
+            entry = m.get(id(a))
+            m[id(a)] = (a, 1 if entry is None else entry[1] + 1)
+    return m.finish()
+
+
+def deleted_in(registry: immutables.Map) -> int:
+    """How many arrays of ``registry`` were deleted (donated, e.g. by a user's own ``donate_argnums``)."""
+    return sum(1 for a, _ in registry.values() if a.is_deleted())
+
+
+_SCALARS = (str, bytes, int, float, complex, bool, type(None), range, slice)
+_MAX_DEPTH = 4
+_MAX_ITEMS = 64
+
+
+def closed(value: Any, depth: int = 0) -> bool:
+    """True when ``value`` cannot come to hold other buffers than it holds now: an array or tensor (its
+    contents may change in place, its buffer does not), a scalar, or a tuple of such. Containers (lists,
+    dicts, objects) may: a model changes them in place, so the index re-reads them on every question."""
+    if isinstance(value, _SCALARS):
+        return True
+    if isinstance(value, jax.Array):
+        return True
+    if isinstance(value, np.ndarray):
+        return value.dtype != object
+    torch = accounting.torch_module()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return True
+    if type(value) in (tuple, frozenset) or (isinstance(value, tuple) and hasattr(type(value), "_fields")):
+        return depth < _MAX_DEPTH and len(value) <= _MAX_ITEMS and all(closed(v, depth + 1) for v in value)
+    return False
+
+
+class AttrEntry(NamedTuple):
+    """One attr value the index holds: how many sessions hold it, and (closed values) what it holds."""
+
+    value: Any
+    holders: int
+    extents: frozenset[Extent] | None  # None: a container, re-read on every question
+    arrays: tuple[Any, ...]  # its JAX arrays (closed values): what a deleted-array check looks at
+
+
+class AttrIndex:
+    """Holder counts of a table's attr values, kept on write (``set_attr``, forks, resets, drops).
+
+    A closed value (an array, a tensor, a tuple of them) has its extents recorded once, when it arrives, and
+    counted per extent (``refs``); a container is kept by identity and walked whenever a holder question is
+    asked (``open_extents``), because a model may change it in place. Either way the answer is exact.
+    Scalars hold nothing and are not kept. Immutable: every change returns a new index.
+    """
+
+    __slots__ = ("memo", "n_open", "refs")
+
+    def __init__(self, memo: immutables.Map, refs: immutables.Map, n_open: int):
+        self.memo = memo  # id(value) -> AttrEntry
+        self.refs = refs  # extent -> closed attr values holding it (each value once per session holding it)
+        self.n_open = n_open  # containers held (distinct values)
+
+    def change(self, add: Iterable[Any] = (), remove: Iterable[Any] = ()) -> AttrIndex:
+        """The index after attr values ``remove`` left one session and ``add`` arrived in one."""
+        memo, refs, n_open = self.memo.mutate(), self.refs.mutate(), self.n_open
+        for value in remove:
+            if isinstance(value, _SCALARS):
+                continue
+            entry = memo[id(value)]
+            if entry.holders > 1:
+                memo[id(value)] = entry._replace(holders=entry.holders - 1)
+                continue
+            del memo[id(value)]
+            if entry.extents is None:
+                n_open -= 1
+            for e in entry.extents or ():
+                n = refs[e] - 1
+                if n:
+                    refs[e] = n
+                else:
+                    del refs[e]
+        for value in add:
+            if isinstance(value, _SCALARS):
+                continue
+            entry = memo.get(id(value))
+            if entry is not None:
+                memo[id(value)] = entry._replace(holders=entry.holders + 1)
+                continue
+            if closed(value):
+                extents = frozenset(holder_extents(value))
+                arrays = tuple(x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array))
+                for e in extents:
+                    refs[e] = refs.get(e, 0) + 1
+                memo[id(value)] = AttrEntry(value, 1, extents, arrays)
+            else:
+                memo[id(value)] = AttrEntry(value, 1, None, ())
+                n_open += 1
+        return AttrIndex(memo.finish(), refs.finish(), n_open)
+
+    def open_values(self) -> list[Any]:
+        """The containers held (each once): what a holder question re-reads."""
+        if not self.n_open:
+            return []
+        return [entry.value for entry in self.memo.values() if entry.extents is None]
+
+    def open_extents(self) -> set[Extent]:
+        """What the containers hold now (a walk of them alone)."""
+        values = self.open_values()
+        return holder_extents(values) if values else set()
+
+    def closed_extents(self) -> Iterable[Extent]:
+        return self.refs.keys()
+
+    def deleted(self) -> tuple[int, set[Extent]]:
+        """The JAX arrays among the closed values that were deleted (donated) since they arrived, and the
+        extents they held then (which hold no bytes now). O(closed values), no walk of containers."""
+        count, stale = 0, set()
+        for entry in self.memo.values():
+            dead = sum(1 for a in entry.arrays if a.is_deleted())
+            if dead:
+                count += dead
+                stale |= entry.extents - holder_extents(entry.value)
+        return count, stale
+
+
+EMPTY_ATTRS = AttrIndex(immutables.Map(), immutables.Map(), 0)
+
+
+class HolderCounts(Protocol):
+    """What the table's ledger (`functional_state.table.ledger.Acct`) keeps: holder counts per extent."""
+
+    refs: immutables.Map  # extent -> objects holding it (bytes counted)
+    leaves: immutables.Map  # extent -> objects holding it as a leaf the byte accounting leaves out
+    totals: immutables.Map  # pool -> bytes of the extents objects hold
+    attrs: AttrIndex
+    arrays: immutables.Map  # id(JAX array) -> (array, objects holding it)
+    parked: immutables.Map  # id(host copy) -> (host copy, objects holding it)
+
+
+def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset[Extent] = frozenset()) -> set[Extent]:
+    """Those of ``extents`` that something in the table holds besides one holder ``own`` (the `held_by` of an
+    object the table holds, or nothing): another object, an unaccounted leaf of one, an attr value.
+
+    O(len(extents)) from the kept counts, plus a walk of the attr containers only (they may have changed in
+    place). Exact: the counts are those of every object and attr value of every session of the table.
+    """
+    refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
+    out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
+    if acct.attrs.n_open:
+        opened = acct.attrs.open_extents()
+        out.update(e for e in extents if e in opened)
+    return out
+
+
+def deleted_count(acct: HolderCounts) -> int:
+    """JAX arrays the table holds (objects and closed attr values) that were deleted since they arrived,
+    e.g. donated by a user's own ``jax.jit(donate_argnums=...)``: O(JAX arrays held), no walk."""
+    return deleted_in(acct.arrays) + acct.attrs.deleted()[0]
+
+
+def parked_nbytes(acct: HolderCounts) -> int:
+    """Bytes of the parked host copies the table holds, each once, read from the copies themselves (a copy
+    need not sit in a host pool: numpy stays where it was): O(parked objects), no walk of the table."""
+    return accounting.total_nbytes(*(copy for copy, _ in acct.parked.values()))
+
+
+def pool_totals(acct: HolderCounts) -> dict[str, int]:
+    """Bytes per pool of the table's objects and closed attr values (each extent once), from the kept
+    counts; attr containers are walked (they may change in place)."""
+    return totals_with_attrs(acct)[0]
+
+
+def totals_with_attrs(acct: HolderCounts, sessions: Any = None) -> tuple[dict[str, int], accounting.WalkReport]:
+    """Bytes per pool of everything the table holds: the tracked objects, plus the attrs' extents that no
+    object holds (an attr that is a view of an object's buffer adds nothing).
+
+    Closed attr values are read from the attr index; only containers are walked (``sessions`` is not read:
+    the index holds every attr value of the table). The report counts what the container walk could not
+    read; `deleted_count` counts the deleted arrays of the rest.
+    """
+    out: accounting.Extents = []
+    report = accounting.WalkReport()
+    seen: dict[int, Any] = {}
+    for value in acct.attrs.open_values():
+        accounting.collect_extents(value, out, seen, report)
+    _, stale = acct.attrs.deleted()
+    refs = acct.refs
+    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs and e not in stale]
+    totals = dict(acct.totals)
+    for pool, bytes_ in accounting.union_by_device(loose).items():
+        totals[pool] = totals.get(pool, 0) + bytes_
+    return {k: v for k, v in sorted(totals.items()) if v}, report

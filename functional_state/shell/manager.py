@@ -536,14 +536,22 @@ class SessionStateManager:
         return {k[len("nbytes:") :]: v for k, v in self.stats().items() if k.startswith("nbytes:")}
 
     def step(
-        self, session_id: str | None, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False
+        self,
+        session_id: str | None,
+        name: str,
+        fn: Callable[..., StateObject],
+        *args: Any,
+        donate: bool = False,
+        retained: Iterable[Any] = (),
     ) -> None:
         """Run ``jax.jit(fn)(object, *args)`` on object ``name`` and store the result (see
         `functional_state.step`). With ``donate=True`` a buffer is donated only if no other session, fork,
-        snapshot this manager handed out (``.state``) or detached handle still references it; otherwise
-        it is copied first. The jitted call runs under the lock (it is library code over immutable values).
+        snapshot this manager handed out (``.state``), detached handle or value in ``retained`` still
+        references it; otherwise it is copied first. An object or array you took out (``handle.get``) and
+        still read is yours, as with `functional_state.step`: pass it in ``retained``. The jitted call runs under the lock (it is library code over immutable values).
         """
         sid = ms.resolve_session_id(session_id)
+        kept = list(retained)
 
         def op(state: ManagerState) -> tuple[ManagerState, None]:
             self._require(state, sid, "step")
@@ -553,8 +561,8 @@ class SessionStateManager:
                 return _pure_step(state, sid, name, fn, *args, donate=False), None
             # Other snapshots handed out and detached handles may still read this table's buffers. The
             # donating step consumes `state`, which only this shell held.
-            retained: list[Any] = [*self._published, *(c.session for c in list(self._detached))]
-            return _pure_step(state, sid, name, fn, *args, donate=donate, retained=retained), None
+            protected: list[Any] = [*self._published, *(c.session for c in list(self._detached)), *kept]
+            return _pure_step(state, sid, name, fn, *args, donate=donate, retained=protected), None
 
         self._swap(op, writer=sid)
 
@@ -901,9 +909,11 @@ class SessionHandle:
         """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""
         return self._manager._write(self._cell, "evict", lambda s: s.evict(name), (name,))
 
-    def step(self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False) -> SessionHandle:
+    def step(
+        self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False, retained: Iterable[Any] = ()
+    ) -> SessionHandle:
         """`SessionStateManager.step` on this session (which must be in the table)."""
-        self._manager.step(self.session_id, name, fn, *args, donate=donate)
+        self._manager.step(self.session_id, name, fn, *args, donate=donate, retained=retained)
         return self
 
     # attrs

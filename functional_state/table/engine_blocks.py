@@ -15,10 +15,34 @@ from typing import Any
 
 from ..engine.paged_kv import PagedKVPool, pool_by_uid
 from ..errors import KVFreeError
-from .ledger import released_between
+from .ledger import LOG_CUT, Acct
 from .manager_state import ManagerState, check_state, ledger_of
 
 __all__ = ["free_acquired", "free_released", "released_blocks"]
+
+
+def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
+    """``{pool uid: block ids}`` that handles held in ``before`` and none holds in ``after``.
+
+    Read from ``after``'s release log back to ``before``'s (O(released)) when ``after`` descends from
+    ``before``; otherwise (another lineage, a cut log) by comparing every held block.
+    """
+    candidates: list[Any] = []  # (pool uid, block id); also ("held", uid) counters in a full comparison
+    node = after.log
+    complete = before.root is after.root
+    while complete and node is not before.log:
+        if node is None or node is LOG_CUT:
+            complete = False
+            break
+        candidates.extend(node[1])
+        node = node[2]
+    if not complete:
+        candidates = list(before.kv.keys())
+    out: dict[int, list[int]] = {}
+    for key in candidates:
+        if key[0] != "held" and key in before.kv and key not in after.kv:
+            out.setdefault(key[0], []).append(key[1])
+    return {uid: tuple(sorted(set(ids))) for uid, ids in out.items()}
 
 
 def released_blocks(before: ManagerState, after: ManagerState) -> dict[PagedKVPool, tuple[int, ...]]:

@@ -13,10 +13,10 @@ from ..core.pytree import MISSING
 from ..core.session import SessionState, no_object_message
 from ..core.state_object import StateObject
 from ..errors import ObjectNotFoundError
+from ..memory.holders import totals_with_attrs
 from .checks import check_state, find_object, locate, lost_error, resolve_id
-from .ledger import Acct, totals_with_attrs
 from .lru import replace_session, replace_sessions
-from .state import PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, add_to_counter, make_state, session_map
+from .state import PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, add_to_counter, ledger_of, make_state
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
 
@@ -105,18 +105,17 @@ def replace_object(
     counter (``"parks"`` or ``"restores"``) raised by the names replaced, and the change in bytes per pool
     that makes, measured: the table's accounting (objects, and attrs re-read) before and after, each buffer
     counted once, exactly as `stats` counts it."""
-    current = session_map(state)
-    sessions_now = list(current.values())
-    before = state._acct if state._acct is not None else Acct.build(sessions_now)
+    tracked = state._acct is not None
+    before = ledger_of(state)  # (the attr index in it answers for the attrs: no walk of the table)
     after = before
     changed = {}
     for target, names in targets.items():
-        session = current[target]
+        session = state._nodes[target][SESSION]
         for name in names:
             session = session._with_object(name, new)
             after = after.swap(old, new)
         changed[target] = session
-    moved = _pool_delta(totals_with_attrs(before, sessions_now)[0], totals_with_attrs(after, sessions_now)[0])
+    moved = _pool_delta(totals_with_attrs(before)[0], totals_with_attrs(after)[0])
     count = sum(len(names) for names in targets.values())
-    replaced = make_state(replace_sessions(state, changed), state._meta, None if state._acct is None else after)
+    replaced = make_state(replace_sessions(state, changed), state._meta, after if tracked else None)
     return add_to_counter(replaced, counter, count), moved

@@ -10,7 +10,9 @@ from ..errors import (
     SharedStorageError,
 )
 from ..memory import holders as _holders
-from .manager_state import ManagerState, find_object, locate, replace_object, session_map
+from ..memory.holders import held_elsewhere
+from .ledger import held_by
+from .manager_state import ManagerState, find_object, ledger_of, locate, replace_object, session_map
 
 _log = logging.getLogger("functional_state")
 
@@ -62,12 +64,19 @@ def park(
     sid, node = locate(state, session_id, "park")
     obj = find_object(node, name, "park")
     obj._require_resident("park")
-    sessions_now = session_map(state)
-    holding = _holding(state, obj)
-    targets = holding if with_sharers else {sid: [name]}
-    mine = _holders.buffer_keys(obj._committed_roots())
-    others = _holders.holders_except(sessions_now, targets)
-    holders = sorted(s for s, values in others.items() if mine & _holders.buffer_keys(values))
+    mine = _holders.holder_extents(obj._committed_roots())
+    acct, own = ledger_of(state), held_by(obj)
+    # The common case, O(size of the object): nothing else holds the storage, and (for with_sharers) the
+    # counts show this very object held once, so there are no sharers to find.
+    alone = not with_sharers or (own and not held_elsewhere(acct, own, own))
+    if alone and not held_elsewhere(acct, mine, own):
+        targets, holders = {sid: [name]}, []
+    else:  # something else holds part of it: find what (a walk), for the sharers to park or the message
+        holding = _holding(state, obj)
+        targets = holding if with_sharers else {sid: [name]}
+        keys = {(p, s) for p, s, _ in mine}
+        others = _holders.holders_except(session_map(state), targets)
+        holders = sorted(s for s, values in others.items() if keys & _holders.buffer_keys(values))
     if holders:
         same = sorted(f"{s}/{n}" for s, names in holding.items() for n in names if (s, n) != (sid, name))
         hint = (

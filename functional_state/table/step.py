@@ -3,13 +3,12 @@
 Donation lets XLA write a step's output into its input's buffer (no second copy of a large ring), and
 deletes the input. In a table of immutable states that is dangerous: a fork shares every buffer of its
 source, an attr or another object may hold the same array, and any earlier state still reads it. `step`
-donates a buffer only when nothing else in the table holds it; any other buffer is copied first and the
-copy donated, so the others keep reading valid memory.
+donates a buffer only when nothing else in the table (nor anything the caller retains) holds it, as the
+table's ledger counts holders; any other buffer is copied first and the copy donated.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 import weakref
@@ -21,21 +20,24 @@ import jax.numpy as jnp
 
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
-from ..memory.holders import buffer_keys, holders_except
-from .ledger import object_extents
+from ..memory.holders import Extent, held_elsewhere, holder_extents
+from .ledger import Acct, held_by, value_extents
 from .manager_state import (
     ConsumedManagerState,
     ManagerState,
-    entries,
     find_object,
     ledger_of,
     locate,
     node_session,
     replace_session,
-    session_map,
 )
 
 __all__ = ["step"]
+
+# Scalars (a ring's head and size) often cannot be reused in place, and JAX warns on every such call; nothing
+# is lost. Filtered once, for this message only: `warnings.catch_warnings()` around each call would change
+# the process-wide filters from whichever thread steps (it is not thread-safe).
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable", category=UserWarning)
 
 _JITTED: weakref.WeakKeyDictionary[Callable[..., Any], dict[bool, Callable[..., Any]]] = weakref.WeakKeyDictionary()
 _JITTED_LOCK = threading.Lock()
@@ -52,59 +54,44 @@ def _jitted(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
         return jitted
 
 
-# References to a leaf array while `_donation_copies` inspects it: the object's field, the leaves list, the
-# loop variable and getrefcount's argument. One more means someone outside the table holds the array.
-_LEAF_REFS = 4
-# References to the object itself there: the session's map, the caller's local, this function's argument
-# and getrefcount's argument.
-_OBJECT_REFS = 4
+def _protected(state: ManagerState, retained: Iterable[Any]) -> tuple[list[Acct], set[Extent]]:
+    """The ledgers of the retained tables, and the extents of the other retained values (walked)."""
+    tables, values = [], []
+    for value in retained:
+        if isinstance(value, ManagerState):
+            if value is not state:
+                tables.append(ledger_of(value))
+        else:
+            values.append(value)
+    return tables, (holder_extents(values) if values else set())
 
 
-def _donation_copies(obj: StateObject, others: Iterable[Any]) -> tuple[StateObject, int]:
-    """``obj`` with every JAX array that anything else may read replaced by a copy; and how many.
+def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[Any] = ()) -> tuple[StateObject, int]:
+    """``obj`` (an object ``state`` holds once, under the name being stepped) with every JAX array that
+    anything else may read replaced by a copy; and how many.
 
-    "Anything else" is ``others`` (compared by buffer address, so aliases and views count), and any Python
-    reference to the object or the array from outside the table (a variable holding ``h.get(name)``):
-    CPython reference counts show those, and a copy is the safe answer to any doubt.
+    "Anything else" is every other holder in ``state`` (answered by its ledger: objects, their unaccounted
+    leaves, attr values, in O(size of ``obj``)) and everything in ``retained``. Compared by extent, so
+    aliases, views and forks count.
     """
-    held = buffer_keys(list(others))
-    outside = sys.getrefcount(obj) > _OBJECT_REFS
+    acct = ledger_of(state)
+    own = held_by(obj)
+    tables, walked = _protected(state, retained)
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     new_leaves = []
     for leaf in leaves:
-        if (
-            isinstance(leaf, jax.Array)
-            and not leaf.is_deleted()
-            and (outside or sys.getrefcount(leaf) > _LEAF_REFS or buffer_keys(leaf) & held)
-        ):
-            new_leaves.append(jnp.array(leaf, copy=True))
-        else:
-            new_leaves.append(leaf)
-    del leaf
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            extents = value_extents(leaf)
+            if (
+                not extents  # an empty buffer: no address to compare, and a copy costs nothing
+                or held_elsewhere(acct, extents, own)
+                or any(held_elsewhere(t, extents) for t in tables)
+                or not walked.isdisjoint(extents)
+            ):
+                leaf = jnp.array(leaf, copy=True)
+        new_leaves.append(leaf)
     copied = sum(a is not b for a, b in zip(leaves, new_leaves))
     return jax.tree_util.tree_unflatten(treedef, new_leaves), copied
-
-
-def _others(state: ManagerState, sid: str, name: str, obj: StateObject) -> list[Any]:
-    """Everything in ``state`` except object ``name`` of session ``sid``: what a donation must not touch.
-
-    The table's incremental accounting counts, per buffer, the objects holding it: when it shows ``obj`` the
-    only holder of every buffer it has (and it accounts for all of them), only the attrs remain to look at
-    (they are never tracked: a model may change them in place). That keeps a step's cost independent of
-    how many other sessions the table holds; any doubt falls back to every object of every session.
-    """
-    extents = object_extents(obj)
-    refs = ledger_of(state).refs
-    if all(refs.get(e, 0) == 1 for e in extents) and buffer_keys(obj) <= {(p, s) for p, s, _ in extents}:
-        return [value for _, _, session in entries(state) for value in session.attrs.values()]
-    sessions = session_map(state)
-    return [value for values in holders_except(sessions, {sid: name}).values() for value in values]
-
-
-def _table_values(value: Any) -> list[Any]:
-    if isinstance(value, ManagerState):
-        return list(session_map(value).values())
-    return [value]
 
 
 def step(
@@ -126,13 +113,22 @@ def step(
       fn: a pure function ``(object, *args) -> object`` of the same structure, e.g. ``ArrayRing.commit``.
         Pass the same function every step: it is jitted once and traced once per structure.
       *args: the step's other inputs (traced, never baked in as constants).
-      donate: let XLA reuse the object's buffers for the result. A buffer that any other object, attr,
-        session or fork in ``state`` (or anything in ``retained``) also references is copied first and the
-        copy donated, so nothing but the object itself ever loses a buffer. With ``donate=True`` the input
-        ``state`` is *consumed*, as with ``jax.jit(..., donate_argnums=...)``: it may read deleted buffers,
-        so every function refuses it afterwards with `StateConsumedError`. Keep using the returned state.
-      retained: other values the caller still reads (older states, views): their buffers are protected
-        too. `SessionStateManager.step` fills this in with its snapshots and detached handles.
+      donate: let XLA reuse the object's buffers for the result. With ``donate=True`` the input ``state``
+        is *consumed*, as with ``jax.jit(..., donate_argnums=...)``: it may read deleted buffers, so every
+        function refuses it afterwards with `StateConsumedError`. Keep using the returned state. What is
+        protected (copied first, the copy donated) is decided by ownership, never by reference counts:
+
+        * everything ``state`` holds besides this object: other objects, forks, parked sharers, attrs
+          (aliases and views included), answered exactly by the table's ledger in O(size of the object);
+        * everything in ``retained``: other tables (older states, snapshots) through their ledgers, any
+          other value by a walk of it.
+
+        An array or object you took *out* of the table (``view``, ``get_attr``, ``lookup(...).get``) and
+        still read is yours, as an argument you donate to ``jax.jit`` is: pass it (or the state you read it
+        from) in ``retained``, or it may be deleted, and reading it then raises JAX's "Array has been
+        deleted" error (never wrong values). `SessionStateManager.step` retains its snapshots and detached
+        handles itself.
+      retained: values the caller still reads (older states, views, objects): their buffers are protected.
       has_aux: ``fn`` returns ``(new_object, aux)`` (a decode step's logits, say), as with
         ``jax.value_and_grad(has_aux=True)``; ``aux`` is any pytree, returned beside the new table.
 
@@ -164,14 +160,8 @@ def step(
     jitted = _jitted(fn, donate)
     _check_returns_same_type(jitted, obj, args, has_aux)  # before anything is donated: a refusal changes nothing
     if donate:
-        protected = _others(state, sid, name, obj)
-        for value in retained:  # snapshots of the table are protected through their sessions
-            protected.extend(_table_values(value))
-        obj, _ = _donation_copies(obj, protected)
-    with warnings.catch_warnings():
-        # Scalars (head, size) often cannot be reused in place; JAX says so each call. Nothing is lost.
-        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        out = jitted(obj, *args)
+        obj, _ = _donation_copies(state, obj, retained)
+    out = jitted(obj, *args)
     new_obj, aux = out if has_aux else (out, None)
     if donate:
         state.__class__ = ConsumedManagerState

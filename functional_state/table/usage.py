@@ -6,7 +6,8 @@ from typing import Any
 
 from ..engine.paged_kv import pool_by_uid
 from ..memory import accounting
-from .ledger import totals_with_attrs
+from ..memory.holders import deleted_count, totals_with_attrs
+from ..memory.holders import parked_nbytes as kept_parked_nbytes
 from .manager_state import ManagerState, check_state, ledger_of, session_map
 
 
@@ -32,15 +33,18 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     """
     if type(state) is not ManagerState:
         check_state(state, "stats")
-    sessions_now = list(session_map(state).values())
     if exact:
+        sessions_now = list(session_map(state).values())
         per_device, report = accounting.walk(*sessions_now)
-    else:
-        per_device, report = totals_with_attrs(ledger_of(state), sessions_now)
-    # Read from the host copies themselves, in both modes: a parked copy need not sit in a host pool (numpy
-    # stays where it was, an engine's offload token is the engine's), so host-pool totals undercount it.
-    parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
-    parked_nbytes = accounting.total_nbytes(*parked)
+        # Read from the host copies themselves: a parked copy need not sit in a host pool (numpy stays where
+        # it was, an engine's offload token is the engine's), so host-pool totals undercount it.
+        parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
+        parked_nbytes = accounting.total_nbytes(*parked)
+    else:  # kept by the ledger: O(pools + JAX arrays held + parked copies + attr containers), no walk
+        acct = ledger_of(state)
+        per_device, report = totals_with_attrs(acct)
+        report.deleted_arrays += deleted_count(acct)  # arrays a user donated behind the table's back
+        parked_nbytes = kept_parked_nbytes(acct)
     out: dict[str, Any] = {
         "sessions": len(state),
         "max_sessions": state.max_sessions,
