@@ -22,8 +22,6 @@ OVERSIZED = {
     "table/manager_state.py": "the node encoding is a plain tuple for speed (a NamedTuple costs ~9% of a "
     "stage+commit); every function that builds or indexes nodes stays in this one module so the layout "
     "never crosses a module. Splitting it needs a node API fast enough for commit (issue 20, remaining)",
-    "shell/manager.py": "SessionStateManager is one class (~690 lines: admission, KV frees, retry loop); "
-    "splitting it is the shell part of issue 20 (admission as a pure function, one retry loop), not done",
 }
 
 # The public face: what README, docs/api/functional_state.md (`::: functional_state`) and users rely on.

@@ -1,0 +1,55 @@
+"""Handing engine blocks back outside the shell's lock: what an installed write released, what a refused
+restore took, and the debts of changes whose engine ``free`` raised after others were built on them."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..errors import KVFreeError
+from ..table.engine_blocks import free_acquired, free_released
+from ..table.manager_state import ManagerState
+
+__all__ = ["Debts", "hand_back"]
+
+_log = logging.getLogger("functional_state")
+
+
+def hand_back(base: ManagerState, grabbed: ManagerState) -> None:
+    """The engine blocks the library took for ``grabbed`` (a restore's ``reload``), which will not be
+    installed, go back (`free_acquired`); the parked copies in ``base`` stay restorable. A failing ``free``
+    is logged: the caller is already raising the reason the change was refused."""
+    if grabbed is not base:
+        try:
+            free_acquired(base, grabbed)
+        except KVFreeError:
+            _log.warning("a refused restore could not hand its reloaded blocks back", exc_info=True)
+
+
+class Debts:
+    """Installed changes whose blocks an engine did not take back yet; each retry frees only what is still
+    owed (`free_released` keeps that per pool). Its own small lock guards only the list: no callback runs
+    under it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owed: list[tuple[ManagerState, ManagerState]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._owed)
+
+    def owe(self, before: ManagerState, after: ManagerState) -> None:
+        """Free what ``before`` -> ``after`` released, keeping the change as a debt if an engine refuses."""
+        try:
+            free_released(before, after)
+        except KVFreeError:
+            _log.warning("an installed change could not hand its engine blocks back yet; retried later", exc_info=True)
+            with self._lock:
+                self._owed.append((before, after))
+
+    def pay(self) -> None:
+        """Retry every debt (outside any lock)."""
+        with self._lock:
+            owed, self._owed = self._owed, []
+        for before, after in owed:
+            self.owe(before, after)
