@@ -17,9 +17,10 @@ from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budg
 from ..table import manager_state as ms
 from ..table.engine_blocks import released_blocks
 from ..table.manager_state import ManagerState
+from ..table.session_edits import update_session
 from .cells import Departure, departures
 
-__all__ = ["Decision", "admit", "within_budget_fast"]
+__all__ = ["Decision", "admit", "rebase", "within_budget_fast"]
 
 Surplus = dict[str, int]  # attr bytes beyond the objects', per pool (an upper bound; exact after a full check)
 
@@ -101,3 +102,22 @@ def admit(
     # arrays, never which handles the table holds.)
     released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
+
+
+def rebase(base: ManagerState, after: ManagerState, current: ManagerState, sid: str) -> ManagerState | None:
+    """A write ``base`` -> ``after`` that changed only session ``sid`` (and counters), replayed on
+    ``current``, a later table in which ``sid`` is unchanged; None if ``sid`` changed (compute it again).
+
+    So a write whose plan was slow (an engine ``offload``, user code) lands although other sessions were
+    written meanwhile, without running its callbacks again."""
+    if after is base:
+        return current
+    mine = ms.lookup(base, sid, None)
+    if mine is None or ms.lookup(current, sid, None) is not mine:
+        return None
+    if ms.incarnation(current, sid) != ms.incarnation(base, sid):
+        return None
+    new = ms.lookup(after, sid)
+    moved = update_session(current, sid, lambda _: new)
+    counted = [c + a - b for c, a, b in zip(current.counters, after.counters, base.counters)]
+    return ms.with_counters(moved, tuple(counted)) if counted != list(current.counters) else moved

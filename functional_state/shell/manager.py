@@ -32,7 +32,7 @@ from ..table.parked import restore as restore_object
 from ..table.step import step as _pure_step
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit
+from .admission import Decision, admit, rebase
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
@@ -114,6 +114,7 @@ class SessionStateManager:
         acquires: bool = False,
         dropped: Callable[[ManagerState], Mapping[str, str]] | None = None,
         then: Callable[[ManagerState, Undo], Any] | None = None,
+        local: bool = False,
         **admission: Any,
     ) -> Any:
         """The one write loop: ``plan(table) -> (new table, result)`` and its admission (`admit`) computed
@@ -123,7 +124,9 @@ class SessionStateManager:
         or all), so the restores land only with the write. Blocks the library took for an attempt that is not
         installed (restores; with ``acquires``, ``plan``'s own) go back. ``dropped(table)``: the sessions
         ``plan`` removes at a caller's request, with why. ``then(installed table, undo)`` runs under the lock
-        after the install (journaling in ``undo``); its result, unless None, replaces ``plan``'s."""
+        after the install (journaling in ``undo``); its result, unless None, replaces ``plan``'s. ``local``:
+        ``plan`` changes only ``writer``'s session, so it lands on writes to other sessions made meanwhile
+        (`rebase`) without being computed again (an engine callback, user code run once)."""
         while True:
             base, pinned, seen = self._state, self._pins.pinned, cell.session if cell else None
             work = after = base  # ``work``: ``base`` with the restores this attempt made
@@ -138,22 +141,41 @@ class SessionStateManager:
                             raise
                         work = restored
                 gone = dropped(base) if dropped is not None else None
-                budget: dict[str, Any] = dict(pinned=pinned, levers=self._levers, surplus=self._surplus, dropped=gone)
-                decision = admit(base, after, writer, **budget, **admission)
+                decision = self._admit(base, after, writer, pinned, gone, admission)
             except BaseException:
                 hand_back(base, after if acquires else work)
                 raise
-            with self._lock:
-                if self._state is base and self._pins.pinned is pinned and (cell is None or cell.session is seen):
-                    undo = self._install(decision)
-                    epoch = self._epoch
-                    if then is not None:
-                        kept = then(decision.final, undo)
-                        out = out if kept is None else kept
+            grabbed, installed = (base, after if acquires else work), False  # (what the library took)
+            while True:  # install; a session-local write is replayed onto writes to other sessions meanwhile
+                with self._lock:
+                    current = self._state
+                    if current is base and self._pins.pinned is pinned and (cell is None or cell.session is seen):
+                        undo, epoch, installed = self._install(decision), self._epoch, True
+                        if then is not None:
+                            kept = then(decision.final, undo)
+                            out = out if kept is None else kept
+                        break
+                moved = rebase(base, after, current, writer) if local and writer else None
+                if moved is None or (cell is not None and cell.session is not seen):
                     break
-            hand_back(base, after if acquires else work)  # another write landed first: compute again
+                base, after, pinned = current, moved, self._pins.pinned
+                try:
+                    decision = self._admit(base, after, writer, pinned, None, admission)
+                except BaseException:
+                    hand_back(*grabbed)
+                    raise
+            if installed:
+                break
+            hand_back(*grabbed)  # its session changed meanwhile: compute it again
         self._free(base, decision, undo, epoch)
         return out
+
+    def _admit(
+        self, before: ManagerState, after: ManagerState, writer: str | None, pinned: Any, dropped: Any, kw: Any
+    ) -> Decision:
+        return admit(
+            before, after, writer, pinned=pinned, levers=self._levers, surplus=self._surplus, dropped=dropped, **kw
+        )
 
     def _install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
@@ -357,7 +379,7 @@ class SessionStateManager:
         Raises:
           BudgetExceededError: the host copy does not fit even so; nothing changed.
         """
-        return self._by_id("park", park_object, session_id, name, with_sharers=with_sharers)
+        return self._by_id("park", park_object, session_id, name, with_sharers=with_sharers, local=not with_sharers)
 
     def restore(self, session_id: str | None, name: str) -> dict[str, int]:
         """Restore a parked object (see `functional_state.restore`); returns the bytes moved per pool.
@@ -366,19 +388,19 @@ class SessionStateManager:
           BudgetExceededError: the restored object does not fit the budget; nothing changed (engine blocks a
             KV ``reload`` took go back, and the object stays parked, restorable later).
         """
-        return self._by_id("restore", restore_object, session_id, name, acquires=True)
+        return self._by_id("restore", restore_object, session_id, name, acquires=True, local=True)
 
     def _by_id(self, what: str, verb: Callable[..., Any], session_id: str | None, *args: Any, **kw: Any) -> Any:
         """Table verb ``verb(table, sid, *args)`` on a session named by id, through the retry loop."""
         sid = ms.resolve_session_id(session_id)
-        acquires = kw.pop("acquires", False)
+        acquires, local = kw.pop("acquires", False), kw.pop("local", False)
 
         def plan(state: ManagerState) -> tuple[ManagerState, Any]:
             self._cells.require(state, sid, what)
             self._ops.refuse_reentrant(state, sid, what)
             return verb(state, sid, *args, **kw)
 
-        return self._run(plan, sid, acquires=acquires)
+        return self._run(plan, sid, acquires=acquires, local=local)
 
     def __len__(self) -> int:
         return len(self._state)

@@ -127,7 +127,7 @@ class SessionOps:
           SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
         """
         self.check_writable(cell, what)
-        attrs_unchanged = kw.pop("attrs_unchanged", False)
+        admission = {"attrs_unchanged": kw.pop("attrs_unchanged", False)}
         acquires = kw.pop("acquires", False)
         sid, copy = cell.session_id, list[SessionState]()
 
@@ -139,15 +139,9 @@ class SessionOps:
             copy[:] = [new]
             return base, out
 
-        return self._run(
-            plan,
-            sid,
-            cell=cell,
-            names=names,
-            acquires=acquires,
-            attrs_unchanged=attrs_unchanged,
-            then=self._keep(cell, copy),
-        )
+        local = not kw.get("with_sharers")  # (a park with its sharers writes other sessions too)
+        keep = self._keep(cell, copy)
+        return self._run(plan, sid, cell=cell, names=names, acquires=acquires, local=local, then=keep, **admission)
 
     def restored(self, cell: Cell, names: Iterable[str] | None) -> SessionState:
         """The cell's session with its parked objects (``names``, or all) restored and installed; read under
@@ -166,6 +160,7 @@ class SessionOps:
             cell.session_id,
             cell=cell,
             acquires=True,
+            local=True,
             attrs_unchanged=True,
             then=lambda state, undo: keep(state, undo) or self.read(cell),
         )
@@ -201,7 +196,7 @@ class SessionOps:
             return base, out[1]
 
         with self._pin(sid):
-            return self._run(plan, sid, cell=cell, then=self._keep(cell, copy))
+            return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
 
     def _keep(self, cell: Cell, copy: list[SessionState]) -> Callable[[ManagerState, Undo], Any]:
         """A ``then``: under the lock, the new copy of a detached handle replaces the old (journaled)."""
