@@ -119,7 +119,11 @@ def test_a_failing_free_changes_nothing_and_keeps_stats_exact(verb):
     h = m.get_or_create_session("a")
     before, stats = m.state, m.stats(exact=True)
     engine.fail_free = 1
-    write = {"drop": lambda: m.drop_session("a"), "evict": lambda: h.evict("kv"), "miss": lambda: m.get_or_create_session("b")}
+    write = {
+        "drop": lambda: m.drop_session("a"),
+        "evict": lambda: h.evict("kv"),
+        "miss": lambda: m.get_or_create_session("b"),
+    }
     with pytest.raises(fs.KVFreeError, match="injected"):
         write[verb]()
     assert m.state is before and h.in_table and h.get("kv").block_ids == (0, 1)

@@ -86,6 +86,14 @@ def admit(
     Raises:
       BudgetExceededError: the write cannot fit even so.
     """
+    if (
+        not POOLS
+        and not dropped
+        and after.issued == before.issued
+        and len(after) == len(before)
+        and (not budget or after.byte_budget is None)
+    ):
+        return Decision(after, surplus, [], {})  # the common write: one session changed, no budget, no KV pools
     final, bound = after, surplus
     if budget and after is not before and after.byte_budget is not None:
         bound = within_budget_fast(before, after, writer, attrs_unchanged, surplus)

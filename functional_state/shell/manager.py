@@ -167,7 +167,8 @@ class SessionStateManager:
             if installed:
                 break
             hand_back(*grabbed)  # its session changed meanwhile: compute it again
-        self._free(base, decision, undo, epoch)
+        if decision.released or self._debts:
+            self._free(base, decision, undo, epoch)
         return out
 
     def _admit(

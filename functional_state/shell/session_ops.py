@@ -126,22 +126,32 @@ class SessionOps:
         Raises:
           SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
         """
-        self.check_writable(cell, what)
-        admission = {"attrs_unchanged": kw.pop("attrs_unchanged", False)}
+        attrs_unchanged = kw.pop("attrs_unchanged", False)
         acquires = kw.pop("acquires", False)
-        sid, copy = cell.session_id, list[SessionState]()
+        sid, uid, copy = cell.session_id, cell.uid, list[SessionState]()
 
         def plan(base: ManagerState) -> tuple[ManagerState, Any]:
-            self.check_writable(cell, what)  # each attempt: a drop may have landed meanwhile
-            if self.in_table(base, cell):
-                return _pair(verb(base, sid, *args, **kw))
+            if cell.closed or uid in getattr(self._writing, "uids", ()):  # each attempt: a drop may land meanwhile
+                self.check_writable(cell, what)
+            if cell.left is None and ms.held_session(base, sid, uid) is not None:
+                out = verb(base, sid, *args, **kw)
+                return (out, None) if type(out) is ManagerState else out
             new, out = _on_copy(cell, names, lambda t: _pair(verb(t, sid, *args, **kw)))
             copy[:] = [new]
             return base, out
 
         local = not kw.get("with_sharers")  # (a park with its sharers writes other sessions too)
         keep = self._keep(cell, copy)
-        return self._run(plan, sid, cell=cell, names=names, acquires=acquires, local=local, then=keep, **admission)
+        return self._run(
+            plan,
+            sid,
+            cell=cell,
+            names=names,
+            acquires=acquires,
+            local=local,
+            then=keep,
+            attrs_unchanged=attrs_unchanged,
+        )
 
     def restored(self, cell: Cell, names: Iterable[str] | None) -> SessionState:
         """The cell's session with its parked objects (``names``, or all) restored and installed; read under
