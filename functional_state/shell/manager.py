@@ -167,7 +167,7 @@ class SessionStateManager:
             if installed:
                 break
             hand_back(*grabbed)  # its session changed meanwhile: compute it again
-        if decision.released or self._debts:
+        if decision.released or self._debts.owed:
             self._free(base, decision, undo, epoch)
         return out
 
@@ -195,7 +195,7 @@ class SessionStateManager:
         If an engine's ``free`` raises and nothing was installed since, the write is taken back whole (the
         table and the handles as they were) and `KVFreeError` raised: retrying it frees only what is still
         owed. If another write was built on it meanwhile, it stays, and the blocks stay owed (`Debts`)."""
-        if self._debts:
+        if self._debts.owed:
             self._debts.pay()
         if not decision.released:
             return

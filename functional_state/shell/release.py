@@ -33,10 +33,7 @@ class Debts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._owed: list[tuple[ManagerState, ManagerState]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._owed)
+        self.owed: list[tuple[ManagerState, ManagerState]] = []  # (read without the lock: truthiness only)
 
     def owe(self, before: ManagerState, after: ManagerState) -> None:
         """Free what ``before`` -> ``after`` released, keeping the change as a debt if an engine refuses."""
@@ -45,11 +42,11 @@ class Debts:
         except KVFreeError:
             _log.warning("an installed change could not hand its engine blocks back yet; retried later", exc_info=True)
             with self._lock:
-                self._owed.append((before, after))
+                self.owed.append((before, after))
 
     def pay(self) -> None:
         """Retry every debt (outside any lock)."""
         with self._lock:
-            owed, self._owed = self._owed, []
+            owed, self.owed = self.owed, []
         for before, after in owed:
             self.owe(before, after)
