@@ -20,7 +20,7 @@ from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
 from .cells import Departure, departures
 
-__all__ = ["Decision", "admit", "rebase", "within_budget_fast"]
+__all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast"]
 
 Surplus = dict[str, int]  # attr bytes beyond the objects', per pool (an upper bound; exact after a full check)
 
@@ -50,6 +50,17 @@ def within_budget_fast(
             if extra:
                 bound = {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
     return None if over_budget_objects(after, bound) else bound
+
+
+def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
+    """Whether admission has nothing to do for ``before`` -> ``after``: no session leaves, no budget to
+    check, no engine pool whose blocks could be released (the common write: one session changed)."""
+    return (
+        not POOLS
+        and after.issued == before.issued
+        and len(after) == len(before)
+        and (not budget or after.byte_budget is None)
+    )
 
 
 def admit(
@@ -86,13 +97,7 @@ def admit(
     Raises:
       BudgetExceededError: the write cannot fit even so.
     """
-    if (
-        not POOLS
-        and not dropped
-        and after.issued == before.issued
-        and len(after) == len(before)
-        and (not budget or after.byte_budget is None)
-    ):
+    if not dropped and trivial(before, after, budget):
         return Decision(after, surplus, [], {})  # the common write: one session changed, no budget, no KV pools
     final, bound = after, surplus
     if budget and after is not before and after.byte_budget is not None:

@@ -2,7 +2,13 @@
 
 Every write method is one line: the same pure verb the table offers (`commit`, `park`, `set_attr` ...),
 applied by the manager to the session wherever it is (in the table, or a detached handle's own copy), so a
-verb's semantics (its refusals, what it returns) are decided once, by the table.
+verb's semantics (its refusals, what it returns) are decided once, by the table. Handles give the object
+API the bespoke caches had:
+
+* writes through any handle of a session that is in the table are seen by every handle of it;
+* a handle whose session left the table (LRU eviction, drop) keeps working on its own copy, so nothing is
+  lost mid-generation, and its writes never resurrect the evicted entry. A session later re-created under
+  the same id is a new incarnation that old handles never touch.
 """
 
 from __future__ import annotations
@@ -98,11 +104,11 @@ class SessionHandle:
         return self._ops.apply(self._cell, "restore", parked.restore, name, names=(), acquires=True)
 
     def put(self, name: str, obj: StateObject) -> SessionHandle:
-        return self._ops.apply(self._cell, "put", ms.put, name, obj) or self
+        return self._ops.apply(self._cell, "put", ms.put, name, obj, inline=True) or self
 
     def remove(self, name: str) -> SessionHandle:
         """Remove object ``name`` (a no-op if absent)."""
-        return self._ops.apply(self._cell, "remove", _remove, name) or self
+        return self._ops.apply(self._cell, "remove", _remove, name, inline=True) or self
 
     def get_or_create(self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None) -> ObjectT:
         """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident.
@@ -119,18 +125,21 @@ class SessionHandle:
         return self._ops.transact(self._cell, lambda s: s.get_or_create(name, factory, cls))
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
-        return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,)) or self
+        return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
         return (
-            self._ops.apply(self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True) or self
+            self._ops.apply(
+                self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True, inline=True
+            )
+            or self
         )
 
     def append(self, name: str, payload: Any) -> SessionHandle:
         return self.commit(name, payload)
 
     def discard(self, name: str) -> SessionHandle:
-        return self._ops.apply(self._cell, "discard", ms.discard, name, names=(name,)) or self
+        return self._ops.apply(self._cell, "discard", ms.discard, name, names=(name,), inline=True) or self
 
     def view(self, name: str, include_staged: bool = True) -> Any:
         return self.get(name).view(include_staged=include_staged)
@@ -149,14 +158,17 @@ class SessionHandle:
         return self.state.get_attr(key, default)
 
     def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> SessionHandle:
-        return self._ops.apply(self._cell, "set_attr", session_edits.set_attr, key, value, on_fork=on_fork) or self
+        return (
+            self._ops.apply(self._cell, "set_attr", session_edits.set_attr, key, value, on_fork=on_fork, inline=True)
+            or self
+        )
 
     def del_attr(self, key: str) -> SessionHandle:
-        return self._ops.apply(self._cell, "del_attr", session_edits.del_attr, key) or self
+        return self._ops.apply(self._cell, "del_attr", session_edits.del_attr, key, inline=True) or self
 
     def reset(self) -> SessionHandle:
         """Reset every object and clear the attrs."""
-        return self._ops.apply(self._cell, "reset", session_edits.reset_session) or self
+        return self._ops.apply(self._cell, "reset", session_edits.reset_session, inline=True) or self
 
     def nbytes_by_device(self) -> dict[str, int]:
         return self.state.nbytes_by_device()

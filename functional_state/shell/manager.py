@@ -3,36 +3,29 @@
 The shell holds one immutable `ManagerState` and swaps it under a lock, nothing more. Every write goes
 through one retry loop: the new table (the pure verb, user code, the engine's ``offload``/``reload``, the
 byte budget's decision) is computed *outside* the lock and installed under it if the table did not change
-meanwhile; the blocks it released go back to their engines after the lock is released.
-
-Session handles (`SessionHandle`) give the object API the bespoke caches had:
-
-* writes through any handle of a session that is in the table are seen by every handle of it;
-* a handle whose session left the table (LRU eviction, drop) keeps working on its own copy, so nothing is
-  lost mid-generation, and its writes never resurrect the evicted entry. A session later re-created under
-  the same id is a new incarnation that old handles never touch.
+meanwhile; the blocks it released go back to their engines after the lock is released. Handles: `handle`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from ..errors import InvalidArgumentError, KVFreeError, ObjectParkedError
+from ..errors import InvalidArgumentError, ObjectParkedError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
-from ..table.engine_blocks import free_released
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
 from ..table.step import step as _pure_step
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, rebase
+from .admission import Decision, admit, rebase, trivial
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
@@ -115,6 +108,7 @@ class SessionStateManager:
         dropped: Callable[[ManagerState], Mapping[str, str]] | None = None,
         then: Callable[[ManagerState, Undo], Any] | None = None,
         local: bool = False,
+        inline: bool = False,
         **admission: Any,
     ) -> Any:
         """The one write loop: ``plan(table) -> (new table, result)`` and its admission (`admit`) computed
@@ -126,7 +120,19 @@ class SessionStateManager:
         ``plan`` removes at a caller's request, with why. ``then(installed table, undo)`` runs under the lock
         after the install (journaling in ``undo``); its result, unless None, replaces ``plan``'s. ``local``:
         ``plan`` changes only ``writer``'s session, so it lands on writes to other sessions made meanwhile
-        (`rebase`) without being computed again (an engine callback, user code run once)."""
+        (`rebase`) without being computed again (an engine callback, user code run once). ``inline``: ``plan``
+        is a table verb that calls no engine and no user code, so a first attempt runs under the lock and, if
+        admission has nothing to do (`trivial`), is installed at once."""
+        if inline and cell is not None:
+            with self._lock:
+                base = self._state
+                if SessionOps.in_table(base, cell):
+                    with contextlib.suppress(ObjectParkedError):  # (a restore calls the engine: not here)
+                        after, out = plan(base)
+                        if trivial(base, after, admission.get("budget", True)):
+                            self._state = after
+                            self._epoch += 1
+                            return out if then is None or (kept := then(after, [])) is None else kept
         while True:
             base, pinned, seen = self._state, self._pins.pinned, cell.session if cell else None
             work = after = base  # ``work``: ``base`` with the restores this attempt made
@@ -168,14 +174,14 @@ class SessionStateManager:
                 break
             hand_back(*grabbed)  # its session changed meanwhile: compute it again
         if decision.released or self._debts.owed:
-            self._free(base, decision, undo, epoch)
+            self._debts.settle(base, decision.final, decision.released, lambda: self._take_back(base, undo, epoch))
         return out
 
     def _admit(
-        self, before: ManagerState, after: ManagerState, writer: str | None, pinned: Any, dropped: Any, kw: Any
+        self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any
     ) -> Decision:
         return admit(
-            before, after, writer, pinned=pinned, levers=self._levers, surplus=self._surplus, dropped=dropped, **kw
+            before, after, writer, pinned=pinned, levers=self._levers, surplus=self._surplus, dropped=gone, **kw
         )
 
     def _install(self, decision: Decision) -> Undo:
@@ -189,26 +195,15 @@ class SessionStateManager:
             self._cells.evict_freed(decision.released, undo)
         return undo
 
-    def _free(self, base: ManagerState, decision: Decision, undo: Undo, epoch: int) -> None:
-        """Outside the lock: hand the blocks an installed write released back to their engines, each once.
-
-        If an engine's ``free`` raises and nothing was installed since, the write is taken back whole (the
-        table and the handles as they were) and `KVFreeError` raised: retrying it frees only what is still
-        owed. If another write was built on it meanwhile, it stays, and the blocks stay owed (`Debts`)."""
-        if self._debts.owed:
-            self._debts.pay()
-        if not decision.released:
-            return
-        try:
-            free_released(base, decision.final)
-        except KVFreeError:
-            with self._lock:
-                if self._epoch == epoch:
-                    self._state, self._surplus = base, None  # (None: the next write checks the budget in full)
-                    self._epoch += 1
-                    Cells.take_back(undo)
-                    raise
-            self._debts.owe(base, decision.final)
+    def _take_back(self, base: ManagerState, undo: Undo, epoch: int) -> bool:
+        """After a failed ``free``: reinstall ``base`` and the handles, unless a write landed since ``epoch``."""
+        with self._lock:
+            if self._epoch != epoch:
+                return False
+            self._state, self._surplus = base, None  # (None: the next write checks the budget in full)
+            self._epoch += 1
+            Cells.take_back(undo)
+            return True
 
     def pin(self, session_id: str | None) -> AbstractContextManager[None]:
         """Protect a session from the byte budget while the block runs (a request in flight): its objects are
@@ -222,11 +217,9 @@ class SessionStateManager:
         return self._pins.pin(ms.resolve_session_id(session_id))
 
     def _handle(self, sid: str) -> Callable[[ManagerState, Undo], SessionHandle]:
-        """A ``then`` for `_run`: a handle on ``sid`` in the installed table (its cell made only once the write
-        is in, and taken back with it: a cell of a refused write names an incarnation number reused next)."""
+        """A ``then`` for `_run`: a handle on ``sid`` in the installed table (its cell journaled with the write)."""
         return lambda state, undo: SessionHandle(self._ops, self._cells.cell(state, sid, undo))
 
-    # --- sessions ----------------------------------------------------------------------------------
     def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on session ``session_id`` (None means ``"default"``), created on a miss.
 
@@ -238,8 +231,7 @@ class SessionStateManager:
             state = self._state
             uid = ms.incarnation_of(state, sid)
             if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
-                self._state = state = ms.get_or_create(state, sid)[0]
-                self._epoch += 1
+                self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
                 cell = self._cells.live.get(uid) or self._cells.cell(state, sid)
                 return SessionHandle(self._ops, cell)
         # a miss adds an empty session (no bytes), evicting the least recent one at the cap
@@ -276,7 +268,6 @@ class SessionStateManager:
 
         return self._run(plan, nid, then=self._handle(nid))
 
-    # --- checkpoints -------------------------------------------------------------------------------
     def save_session(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
         """Write session ``session_id`` as it is now (a snapshot: the write never blocks other sessions); see
         `functional_state.save_session` for the arguments. Returns its `SaveHandle`."""
@@ -341,7 +332,6 @@ class SessionStateManager:
         """Bytes per device held by all sessions in the table, each allocation once."""
         return {k[len("nbytes:") :]: v for k, v in self.stats().items() if k.startswith("nbytes:")}
 
-    # --- verbs by session id -----------------------------------------------------------------------
     def step(self, session_id: str | None, name: str, fn: Callable[..., Any], *args: Any, donate: bool = False) -> None:
         """Run ``jax.jit(fn)(object, *args)`` on object ``name`` and store the result (see
         `functional_state.step`). With ``donate=True`` a buffer is donated only if no other session, fork,
@@ -365,10 +355,7 @@ class SessionStateManager:
                 # donating step consumes `state`, which only this shell held.
                 retained: list[Any] = [*self._published, *(c.session for c in list(self._cells.detached))]
                 after = _pure_step(state, sid, name, fn, *args, donate=donate, retained=retained)
-            decision = admit(state, after, sid, pinned=self._pins.pinned, levers=self._levers, surplus=self._surplus)
-            undo = self._install(decision)  # (a step releases no blocks: see `admit`)
-            epoch = self._epoch
-        self._free(state, decision, undo, epoch)
+            self._install(self._admit(state, after, sid, self._pins.pinned, None, {}))  # (releases no blocks)
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from ..errors import KVFreeError
 from ..table.engine_blocks import free_acquired, free_released
@@ -34,6 +35,24 @@ class Debts:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.owed: list[tuple[ManagerState, ManagerState]] = []  # (read without the lock: truthiness only)
+
+    def settle(
+        self, before: ManagerState, after: ManagerState, released: object, take_back: Callable[[], bool]
+    ) -> None:
+        """Outside the lock, after installing ``before`` -> ``after``: pay earlier debts, then hand the blocks
+        it ``released`` back to their engines, each once. If an engine's ``free`` raises, ``take_back()``
+        reinstalls ``before`` when nothing was built on the change (then `KVFreeError` propagates: a retry
+        frees only what is still owed); otherwise the change stays and its blocks become a debt."""
+        if self.owed:
+            self.pay()
+        if not released:
+            return
+        try:
+            free_released(before, after)
+        except KVFreeError:
+            if take_back():
+                raise
+            self.owe(before, after)
 
     def owe(self, before: ManagerState, after: ManagerState) -> None:
         """Free what ``before`` -> ``after`` released, keeping the change as a debt if an engine refuses."""

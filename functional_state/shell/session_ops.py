@@ -141,6 +141,7 @@ class SessionOps:
             return base, out
 
         local = not kw.get("with_sharers")  # (a park with its sharers writes other sessions too)
+        inline = kw.pop("inline", False)
         keep = self._keep(cell, copy)
         return self._run(
             plan,
@@ -149,6 +150,7 @@ class SessionOps:
             names=names,
             acquires=acquires,
             local=local,
+            inline=inline,
             then=keep,
             attrs_unchanged=attrs_unchanged,
         )
