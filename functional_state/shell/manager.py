@@ -8,7 +8,6 @@ meanwhile; the blocks it released go back to their engines after the lock is rel
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -126,13 +125,13 @@ class SessionStateManager:
         if inline and cell is not None:
             with self._lock:
                 base = self._state
-                if SessionOps.in_table(base, cell):
-                    with contextlib.suppress(ObjectParkedError):  # (a restore calls the engine: not here)
-                        after, out = plan(base)
-                        if trivial(base, after, admission.get("budget", True)):
-                            self._state = after
-                            self._epoch += 1
-                            return out if then is None or (kept := then(after, [])) is None else kept
+                try:  # (a parked object: its restore calls the engine, so not here)
+                    after, out = plan(base) if SessionOps.in_table(base, cell) else (base, None)
+                except ObjectParkedError:
+                    after = base
+                if after is not base and trivial(base, after, admission.get("budget", True)):
+                    self._state, self._epoch = after, self._epoch + 1
+                    return out if then is None or (kept := then(after, [])) is None else kept
         while True:
             base, pinned, seen = self._state, self._pins.pinned, cell.session if cell else None
             work = after = base  # ``work``: ``base`` with the restores this attempt made

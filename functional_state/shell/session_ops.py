@@ -115,7 +115,16 @@ class SessionOps:
         return cell.session
 
     def apply(
-        self, cell: Cell, what: str, verb: Verb, *args: Any, names: Iterable[str] | None = None, **kw: Any
+        self,
+        cell: Cell,
+        what: str,
+        verb: Verb,
+        *args: Any,
+        names: Iterable[str] | None = None,
+        attrs_unchanged: bool = False,
+        acquires: bool = False,
+        inline: bool = False,
+        **kw: Any,
     ) -> Any:
         """Table verb ``verb(table, session id, *args, **kw)`` on the cell's session, in the table or on its copy.
 
@@ -126,8 +135,6 @@ class SessionOps:
         Raises:
           SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
         """
-        attrs_unchanged = kw.pop("attrs_unchanged", False)
-        acquires = kw.pop("acquires", False)
         sid, uid, copy = cell.session_id, cell.uid, list[SessionState]()
 
         def plan(base: ManagerState) -> tuple[ManagerState, Any]:
@@ -141,7 +148,6 @@ class SessionOps:
             return base, out
 
         local = not kw.get("with_sharers")  # (a park with its sharers writes other sessions too)
-        inline = kw.pop("inline", False)
         keep = self._keep(cell, copy)
         return self._run(
             plan,
