@@ -198,3 +198,26 @@ def _check_returns_same_type(
         )
     with _JITTED_LOCK:
         checked.add(key)
+
+
+def trace(
+    state: ManagerState,
+    session_id: str | None,
+    name: str,
+    fn: Callable[..., Any],
+    *args: Any,
+    donate: bool = False,
+    has_aux: bool = False,
+) -> None:
+    """Trace ``fn`` for object ``name`` as `step` would, without running it (or donating anything).
+
+    `step` traces a function once per input structure; a caller that runs `step` under a lock calls this
+    first, outside it, so user code (the trace) never runs under its lock.
+
+    Raises:
+      as `step` before it computes anything (no such session or object, a wrong return type).
+    """
+    _, node = locate(state, session_id, "step")
+    obj = find_object(node, name, "step")
+    obj._require_resident("step")
+    _check_returns_same_type(_jitted(fn, donate), obj, args, has_aux)

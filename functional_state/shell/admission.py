@@ -1,0 +1,136 @@
+"""Admission: what a write must become to be installed, decided by a pure function.
+
+`admit(before, after, ...)` takes the table before and after a write and returns a `Decision`: the table to
+install (``after`` brought within the byte budget, or `BudgetExceededError`), the sessions that leave it
+(their handles are detached), the engine blocks that go back (freed after the install, outside the lock),
+and the bound on attr bytes the next fast check starts from. It reads nothing but its arguments, so the
+shell computes it outside its lock and installs it only if the table did not change meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import NamedTuple
+
+from ..engine.paged_kv import POOLS, PagedKVPool
+from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
+from ..table import manager_state as ms
+from ..table.engine_blocks import released_blocks
+from ..table.manager_state import ManagerState
+from ..table.session_edits import update_session
+from .cells import Departure, departures
+
+__all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast"]
+
+Surplus = dict[str, int]  # attr bytes beyond the objects', per pool (an upper bound; exact after a full check)
+
+
+class Decision(NamedTuple):
+    """What the shell must do to install a write (see `admit`)."""
+
+    final: ManagerState  # the table to install
+    surplus: Surplus | None  # the attr bound after this write (None: the next write checks in full)
+    left: list[Departure]  # incarnations that leave the table: their handles keep their own copy
+    released: dict[PagedKVPool, tuple[int, ...]]  # engine blocks no state holds any more: free them, once
+
+
+def within_budget_fast(
+    before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool, surplus: Surplus | None
+) -> Surplus | None:
+    """The attr bound after the write if the write stays within the budget by the kept object totals plus
+    the bound, else None (a full check is needed). A write that changes a session's attrs adds all of its
+    new attr bytes to the bound (reading only that session's attrs)."""
+    if surplus is None:
+        return None
+    bound = surplus
+    if not attrs_unchanged and writer is not None and writer in after:
+        attrs = ms.lookup(after, writer).attrs
+        if writer not in before or ms.lookup(before, writer).attrs is not attrs:
+            extra = attr_bytes(attrs)
+            if extra:
+                bound = {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
+    return None if over_budget_objects(after, bound) else bound
+
+
+def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
+    """Whether admission has nothing to do for ``before`` -> ``after``: no session leaves, no budget to
+    check, no engine pool whose blocks could be released (the common write: one session changed)."""
+    return (
+        not POOLS
+        and after.issued == before.issued
+        and len(after) == len(before)
+        and (not budget or after.byte_budget is None)
+    )
+
+
+def admit(
+    before: ManagerState,
+    after: ManagerState,
+    writer: str | None,
+    *,
+    pinned: Collection[str] = (),
+    levers: tuple[str, ...],
+    surplus: Surplus | None,
+    attrs_unchanged: bool = False,
+    budget: bool = True,
+    dropped: Mapping[str, str] | None = None,
+) -> Decision:
+    """Decide how the write ``before`` -> ``after`` is installed.
+
+    The common case is a write within budget: decided from the kept object totals plus ``surplus`` (an
+    upper bound on the attr bytes beyond them), with no walk of the table. When that sum crosses a budget,
+    a full check re-reads every attr and, for a pool over its budget, releases what `plan_release` chooses
+    (never ``writer`` or a ``pinned`` session), making the bound exact again. An attr a model grows in place
+    is therefore seen at the next full check, or by `stats()`.
+
+    Args:
+      before, after: the table before and after the write (``after`` derived from ``before``, or a table
+        that replaces it).
+      writer: the session written, never released to make room.
+      pinned: sessions the budget must not touch (requests in flight).
+      levers: the release levers the budget may use.
+      surplus: the attr bound kept since the last full check (None: check in full).
+      attrs_unchanged: the write changed no attrs (a commit).
+      budget: False for a write that adds no bytes (a miss inserts an empty session).
+      dropped: ids the op removes at a caller's request, with why (see `departures`).
+
+    Raises:
+      BudgetExceededError: the write cannot fit even so.
+    """
+    if not dropped and trivial(before, after, budget):
+        return Decision(after, surplus, [], {})  # the common write: one session changed, no budget, no KV pools
+    final, bound = after, surplus
+    if budget and after is not before and after.byte_budget is not None:
+        bound = within_budget_fast(before, after, writer, attrs_unchanged, surplus)
+        if bound is None:
+            protect = {sid for sid in pinned if sid in after}
+            if writer is not None and writer in after:
+                protect.add(writer)
+            final = enforce_budget(after, protect, levers=levers)
+            bound = attr_surplus(final)
+    if final is before:
+        return Decision(final, bound, [], {})
+    left = departures(before, after, final, dropped or {})
+    # (A state a donating step consumed held no fewer blocks than its successor: a step changes one object's
+    # arrays, never which handles the table holds.)
+    released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
+    return Decision(final, bound, left, released)
+
+
+def rebase(base: ManagerState, after: ManagerState, current: ManagerState, sid: str) -> ManagerState | None:
+    """A write ``base`` -> ``after`` that changed only session ``sid`` (and counters), replayed on
+    ``current``, a later table in which ``sid`` is unchanged; None if ``sid`` changed (compute it again).
+
+    So a write whose plan was slow (an engine ``offload``, user code) lands although other sessions were
+    written meanwhile, without running its callbacks again."""
+    if after is base:
+        return current
+    mine = ms.lookup(base, sid, None)
+    if mine is None or ms.lookup(current, sid, None) is not mine:
+        return None
+    if ms.incarnation(current, sid) != ms.incarnation(base, sid):
+        return None
+    new = ms.lookup(after, sid)
+    moved = update_session(current, sid, lambda _: new)
+    counted = [c + a - b for c, a, b in zip(current.counters, after.counters, base.counters)]
+    return ms.with_counters(moved, tuple(counted)) if counted != list(current.counters) else moved

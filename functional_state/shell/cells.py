@@ -1,0 +1,193 @@
+"""The shell's record of handles: one `Cell` per session incarnation, and who left the table, and why.
+
+A cell holds nothing while its session is in the table (handles read the table); when a write takes the
+session out, the cell keeps the session's last state as the handles' own copy. Every change the shell makes
+to cells while installing a write is journaled, so a write that must be taken back (an engine ``free`` that
+raised, with nothing installed on top of it) leaves the cells exactly as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+from ..core.session import SessionState
+from ..engine.kv_handle import PagedKVHandle
+from ..errors import SessionStateLostError
+from ..table import manager_state as ms
+from ..table.manager_state import ManagerState
+
+__all__ = ["Cell", "Cells", "Departure", "departures"]
+
+_log = logging.getLogger("functional_state")
+_DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
+
+
+class Cell:
+    """The latest state of one session incarnation, shared by all of its handles.
+
+    ``left`` says why the incarnation left the table (None while it is there); ``closed`` is True when it
+    left because a caller removed it (a drop): its handles then refuse writes, which could reach no session.
+    """
+
+    __slots__ = ("__weakref__", "closed", "left", "session", "session_id", "uid")
+
+    def __init__(self, uid: int, session_id: str, session: SessionState):
+        self.uid = uid
+        self.session_id = session_id
+        self.session = session
+        self.left: str | None = None
+        self.closed = False
+
+
+class Departure(NamedTuple):
+    """A session incarnation a write took out of the table, and the last state it had there."""
+
+    sid: str
+    uid: int
+    session: SessionState
+    reason: str  # "evicted (...)" or "dropped (...)", for logs and errors
+    closed: bool  # a caller removed it: its handles refuse writes
+
+
+def _holds(state: ManagerState, sid: str, uid: int) -> bool:
+    return ms.held_session(state, sid, uid) is not None
+
+
+def departures(
+    before: ManagerState, after: ManagerState, final: ManagerState, dropped: Mapping[str, str]
+) -> list[Departure]:
+    """The incarnations in ``before`` that ``final`` no longer holds: those the op removed (``before`` to
+    ``after``), then those the budget released (``after`` to ``final``). Pure: found by comparing tables by
+    incarnation (whatever the op did, never a prediction of it).
+
+    ``dropped``: ids the op removes at a caller's request, with why: these leave even if an id's incarnation
+    number reappears (a table replaced by `load`), and their handles refuse writes."""
+    out: list[Departure] = []
+    # A table derived from `before` gained exactly one incarnation number per insertion, so the sessions
+    # that left number `missing`; they are found from the least recent end (where an LRU eviction takes
+    # them), stopping once all are found: a miss at a full table costs O(1), not a walk of the table.
+    missing = len(before) + (after.issued - before.issued) - len(after)
+    for sid, reason in dropped.items():
+        uid = ms.incarnation_of(before, sid)
+        if uid is not None:
+            out.append(Departure(sid, uid, ms.lookup(before, sid), reason, True))
+            missing -= not _holds(after, sid, uid)
+    if missing:
+        exhaustive = missing < 0  # `after` was not derived from `before` (a load): look at every session
+        evicted = f"evicted (LRU: the table holds at most max_sessions={before.max_sessions})"
+        for sid, uid, session in ms.entries_lru(before):
+            if sid not in dropped and not _holds(after, sid, uid):
+                out.append(Departure(sid, uid, session, evicted, False))
+                missing -= 1
+                if not missing and not exhaustive:
+                    break
+    gone_by_budget = len(after) - len(final) if final is not after else 0
+    if gone_by_budget > 0:
+        gone = {d.uid for d in out}
+        budget = "dropped by the byte budget (to make room; released like an LRU eviction)"
+        for sid, uid, session in ms.entries_lru(after):
+            if uid not in gone and not _holds(final, sid, uid):
+                out.append(Departure(sid, uid, session, budget, False))
+                gone_by_budget -= 1
+                if not gone_by_budget:
+                    break
+    return out
+
+
+Undo = list[Callable[[], None]]
+
+
+class Cells:
+    """Cells by incarnation while their session is in the table; detached cells (weakly); why ids left.
+
+    Every method here runs under the shell's lock. ``undo`` lists, newest last, how to take back what the
+    mutating methods did (see `take_back`)."""
+
+    def __init__(self) -> None:
+        # Kept while the session is in the table, so handles made per call share one cell. A cell leaves this
+        # dict when its session leaves the table; handles still holding it then work on its own copy.
+        self.live: dict[int, Cell] = {}
+        self.detached: weakref.WeakSet[Cell] = weakref.WeakSet()
+        self.departed: OrderedDict[str, str] = OrderedDict()  # id -> why it last left (for errors)
+
+    def cell(self, state: ManagerState, sid: str, undo: Undo | None = None) -> Cell:
+        """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use."""
+        uid = ms.incarnation(state, sid)
+        assert uid is not None
+        cell = self.live.get(uid)
+        if cell is None:
+            cell = self.live[uid] = Cell(uid, sid, ms.lookup(state, sid))
+            if undo is not None:  # a cell of an insertion taken back would name an incarnation reused next
+                undo.append(lambda: self._forget(uid))
+        return cell
+
+    def _forget(self, uid: int) -> None:
+        self.live.pop(uid, None)
+
+    def require(self, state: ManagerState, sid: str, what: str) -> None:
+        """Refuse an absent session that this shell saw leave, saying how it left (the pure functions can
+        only say it is absent)."""
+        if sid not in state and sid in self.departed:
+            raise SessionStateLostError(
+                f"`{what}`: session {sid!r} was {self.departed[sid]}, so a continuation cannot resume it. "
+                f"Start a new session with `get_or_create_session`."
+            )
+
+    def detach(self, left: list[Departure], undo: Undo) -> None:
+        """Once a write that took sessions out of the table is installed: the live handles of each keep its
+        last state as their own copy (only on leaving does the copy matter, so writes never pay for it)."""
+        for d in left:
+            self.departed[d.sid] = d.reason
+            self.departed.move_to_end(d.sid)
+            if len(self.departed) > _DEPARTED_KEPT:
+                self.departed.popitem(last=False)
+            if d.closed or d.reason.startswith("dropped"):
+                _log.info("session %r %s", d.sid, d.reason)
+            else:
+                _log.debug("session %r %s", d.sid, d.reason)
+            cell = self.live.pop(d.uid, None)
+            if cell is not None:
+                undo.append(_restorer(self, cell, True))
+                cell.session = d.session  # first: a lock-free reader that sees `left` must find the copy
+                cell.closed = d.closed
+                cell.left = d.reason
+                self.detached.add(cell)
+
+    def evict_freed(self, released: Mapping[Any, tuple[int, ...]], undo: Undo) -> None:
+        """Handles of sessions that left the table keep their copy, minus the engine blocks a write releases:
+        a handle holding a block that goes back to the engine is evicted there, so it never reads recycled
+        memory."""
+        freed = {pool.uid: set(ids) for pool, ids in released.items()}
+        for cell in list(self.detached):
+            session = cell.session
+            for name, obj in session.objects.items():
+                if isinstance(obj, PagedKVHandle) and freed.get(obj.pool.uid, set()) & set(obj.held_blocks()):
+                    session = session.update(name, lambda o: o.evict()[0])
+                    _log.debug(
+                        "session %r: detached handle's KV %r evicted (its blocks went back)", cell.session_id, name
+                    )
+            if session is not cell.session:
+                undo.append(_restorer(self, cell, False))
+                cell.session = session
+
+    @staticmethod
+    def take_back(undo: Undo) -> None:
+        """Undo what was journaled in ``undo``, newest first."""
+        for step in reversed(undo):
+            step()
+
+
+def _restorer(cells: Cells, cell: Cell, was_live: bool) -> Callable[[], None]:
+    session, closed, left = cell.session, cell.closed, cell.left
+
+    def restore() -> None:
+        cell.session, cell.closed, cell.left = session, closed, left
+        if was_live:
+            cells.detached.discard(cell)
+            cells.live[cell.uid] = cell
+
+    return restore

@@ -1,0 +1,186 @@
+"""`SessionHandle`: the object API on one session incarnation, each write one table verb.
+
+Every write method is one line: the same pure verb the table offers (`commit`, `park`, `set_attr` ...),
+applied by the manager to the session wherever it is (in the table, or a detached handle's own copy), so a
+verb's semantics (its refusals, what it returns) are decided once, by the table. Handles give the object
+API the bespoke caches had:
+
+* writes through any handle of a session that is in the table are seen by every handle of it;
+* a handle whose session left the table (LRU eviction, drop) keeps working on its own copy, so nothing is
+  lost mid-generation, and its writes never resurrect the evicted entry. A session later re-created under
+  the same id is a new incarnation that old handles never touch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, overload
+
+from ..core.pytree import MISSING
+from ..core.session import ForkPolicy, SessionState
+from ..core.state_object import StateObject
+from ..errors import InvalidTypeError, ObjectParkedError
+from ..table import manager_state as ms
+from ..table import parked, session_edits
+from .cells import Cell
+from .session_ops import SessionOps
+
+__all__ = ["SessionHandle"]
+
+ObjectT = TypeVar("ObjectT", bound=StateObject)
+
+
+def _remove(state: ms.ManagerState, sid: str, name: str) -> ms.ManagerState:
+    return session_edits.update_session(state, sid, lambda s: s.remove(name))
+
+
+class SessionHandle:
+    """The object API on one session incarnation. Obtain it from `SessionStateManager`.
+
+    Write methods return the handle, so calls chain: ``h.put("x", buf).commit("x", item)``.
+    """
+
+    __slots__ = ("_cell", "_ops")
+
+    def __init__(self, ops: SessionOps, cell: Cell):
+        self._ops = ops
+        self._cell = cell
+
+    @property
+    def session_id(self) -> str:
+        return self._cell.session_id
+
+    @property
+    def in_table(self) -> bool:
+        """False once this incarnation was evicted or dropped from the manager's table."""
+        return self._ops.in_table(self._ops.read_table(), self._cell)
+
+    @property
+    def state(self) -> SessionState:
+        """The session's current immutable `SessionState`."""
+        return self._ops.read(self._cell)
+
+    def __bool__(self) -> bool:
+        return True
+
+    def transact(self, fn: Callable[[SessionState], SessionState]) -> SessionHandle:
+        """Replace the session by ``fn(session)``: all of fn's changes land, or none (if fn raises, the
+        session is unchanged).
+
+        ``fn`` runs outside the manager's lock, so it may read through handles and use the manager; if
+        another thread changed the session meanwhile, ``fn`` runs again on the newer session. So ``fn`` must
+        be a function of the session it receives (no side effects it cannot repeat), and must not write
+        to this session through a handle (`ReentrantWriteError`).
+        """
+        self._ops.transact(self._cell, lambda s: (fn(s), None))
+        return self
+
+    def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> SessionHandle:
+        """Replace object ``name`` by ``fn(object)`` in one step (several commits, one swap)."""
+        return self.transact(lambda s: s.update(name, fn))
+
+    # objects
+    @overload
+    def get(self, name: str, default: Any = ..., *, cls: type[ObjectT]) -> ObjectT: ...
+    @overload
+    def get(self, name: str, default: Any = ...) -> Any: ...
+    def get(self, name: str, default: Any = MISSING, *, cls: type[Any] | None = None) -> Any:
+        """The state object ``name`` (immutable snapshot); a parked object is restored first.
+
+        ``cls`` names the type expected (checked, and seen by type checkers: ``h.get("x", cls=LatentBuffer)``
+        is a `LatentBuffer`)."""
+        obj = self.state.get(name, default)
+        if isinstance(obj, StateObject) and obj.parked:
+            obj = self._ops.restored(self._cell, [name]).get(name, default)
+        return _typed(obj, cls, name)
+
+    def park(self, name: str, *, with_sharers: bool = False) -> dict[str, int]:
+        """Park object ``name`` in host memory; the next access through any handle restores it. Returns the
+        bytes moved per pool (see `functional_state.park`)."""
+        return self._ops.apply(self._cell, "park", parked.park, name, names=(), with_sharers=with_sharers)
+
+    def restore(self, name: str) -> dict[str, int]:
+        """Restore a parked object now (handles also do it on first access). Returns the bytes moved per pool."""
+        return self._ops.apply(self._cell, "restore", parked.restore, name, names=(), acquires=True)
+
+    def put(self, name: str, obj: StateObject) -> SessionHandle:
+        return self._ops.apply(self._cell, "put", ms.put, name, obj, inline=True) or self
+
+    def remove(self, name: str) -> SessionHandle:
+        """Remove object ``name`` (a no-op if absent)."""
+        return self._ops.apply(self._cell, "remove", _remove, name, inline=True) or self
+
+    def get_or_create(self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None) -> ObjectT:
+        """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident.
+
+        The factory runs outside the manager's lock (it may use the manager); if two threads race, one
+        object wins and both get it. A parked object is restored, never rebuilt.
+        """
+        try:
+            obj = self.state._reusable(name, cls)
+        except ObjectParkedError:  # restored and read under one lock: no other thread parks it in between
+            obj = self._ops.restored(self._cell, [name])._reusable(name, cls)
+        if obj is not None:
+            return obj
+        return self._ops.transact(self._cell, lambda s: s.get_or_create(name, factory, cls))
+
+    def stage(self, name: str, payload: Any) -> SessionHandle:
+        return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self
+
+    def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
+        return (
+            self._ops.apply(
+                self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True, inline=True
+            )
+            or self
+        )
+
+    def append(self, name: str, payload: Any) -> SessionHandle:
+        return self.commit(name, payload)
+
+    def discard(self, name: str) -> SessionHandle:
+        return self._ops.apply(self._cell, "discard", ms.discard, name, names=(name,), inline=True) or self
+
+    def view(self, name: str, include_staged: bool = True) -> Any:
+        return self.get(name).view(include_staged=include_staged)
+
+    def evict(self, name: str) -> int:
+        """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""
+        return self._ops.apply(self._cell, "evict", session_edits.evict, name, names=(name,))
+
+    def step(
+        self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False, retained: Iterable[Any] = ()
+    ) -> SessionHandle:
+        """`SessionStateManager.step` on this session (which must be in the table)."""
+        self._ops.step(self._cell, name, fn, *args, donate=donate, retained=retained)
+        return self
+
+    # attrs
+    def get_attr(self, key: str, default: Any = MISSING) -> Any:
+        return self.state.get_attr(key, default)
+
+    def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> SessionHandle:
+        return (
+            self._ops.apply(self._cell, "set_attr", session_edits.set_attr, key, value, on_fork=on_fork, inline=True)
+            or self
+        )
+
+    def del_attr(self, key: str) -> SessionHandle:
+        return self._ops.apply(self._cell, "del_attr", session_edits.del_attr, key, inline=True) or self
+
+    def reset(self) -> SessionHandle:
+        """Reset every object and clear the attrs."""
+        return self._ops.apply(self._cell, "reset", session_edits.reset_session, inline=True) or self
+
+    def nbytes_by_device(self) -> dict[str, int]:
+        return self.state.nbytes_by_device()
+
+    def __repr__(self) -> str:
+        where = "in table" if self.in_table else "detached"
+        return f"SessionHandle({self.session_id!r}, {where}, {self.state!r})"
+
+
+def _typed(obj: Any, cls: type[Any] | None, name: str) -> Any:
+    if cls is not None and not isinstance(obj, cls):
+        raise InvalidTypeError(f"`SessionHandle.get`: object {name!r} is a {type(obj).__name__}, not a {cls.__name__}.")
+    return obj

@@ -1,0 +1,259 @@
+"""What a `SessionHandle` asks of its manager: the table's own verbs, applied to its session wherever it is.
+
+A handle's session is in the manager's table, or (once evicted or dropped) a copy the handle keeps. Either
+way a write is the same pure table verb (`commit`, `park`, `set_attr` ...): on the table, or on a table of
+just the copy, so refusals, returned values and counters are decided once, by the table. Every write goes
+through the manager's one retry loop; user code (a ``transact`` function) runs outside its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ..core.session import SessionState
+from ..errors import InvalidTypeError, ObjectParkedError, SessionStateError, SessionStateLostError
+from ..table import manager_state as ms
+from ..table.engine_blocks import free_acquired
+from ..table.manager_state import ManagerState
+from ..table.parked import restore as restore_object
+from ..table.session_edits import update_session
+from .cells import Cell, Undo
+
+__all__ = ["ReentrantWriteError", "SessionOps", "restore_parked"]
+
+Verb = Callable[..., Any]  # a table verb: (table, session id, *args) -> table or (table, result)
+
+
+class ReentrantWriteError(SessionStateError, RuntimeError):
+    """A ``transact`` function (or a factory) wrote to the very session it is computing a new state for."""
+
+
+def restore_parked(state: ManagerState, cell: Cell | str | None, names: Iterable[str] | None) -> ManagerState:
+    """``state`` with the parked objects (``names``, or all) of ``cell``'s session restored, if the table holds
+    it (a cell, or a session id): what a handle does when it meets a parked object. The engine blocks a KV
+    ``reload`` takes are the library's (see `free_acquired`)."""
+    if (isinstance(cell, Cell) and not SessionOps.in_table(state, cell)) or cell is None:
+        return state
+    sid = cell.session_id if isinstance(cell, Cell) else cell
+    session = ms.lookup(state, sid)
+    wanted = None if names is None else set(names)
+    for name, obj in session.objects.items():
+        if obj.parked and (wanted is None or name in wanted):
+            state, _ = restore_object(state, sid, name)
+    return state
+
+
+def _pair(out: Any) -> tuple[ManagerState, Any]:
+    return (out, None) if isinstance(out, ManagerState) else out
+
+
+def _alone(cell: Cell) -> ManagerState:
+    """A table of just the cell's copy: where a detached handle's writes run the table's verbs."""
+    table, _ = ms.get_or_create(ManagerState.create(1), cell.session_id)
+    return update_session(table, cell.session_id, lambda _: cell.session)
+
+
+def _on_copy(cell: Cell, names: Iterable[str] | None, fn: Callable[[ManagerState], tuple[ManagerState, Any]]) -> Any:
+    """``fn`` on a table of the cell's copy, restoring a parked object it meets first; returns
+    ``(new copy, result)``."""
+    start = work = _alone(cell)
+    try:
+        while True:
+            try:
+                table, out = fn(work)
+                return ms.lookup(table, cell.session_id), out
+            except ObjectParkedError:
+                restored = restore_parked(work, cell.session_id, names)
+                if restored is work:
+                    raise
+                work = restored
+    except BaseException:
+        if work is not start:
+            free_acquired(start, work)
+        raise
+
+
+class SessionOps:
+    """The manager's side of its handles (made by `SessionStateManager`, one per manager).
+
+    Args:
+      run: the manager's retry loop (`SessionStateManager._run`).
+      current: the manager's installed table, read without its lock.
+      pin: protects a session from the byte budget while a transaction runs.
+      step: the manager's `SessionStateManager.step`.
+    """
+
+    def __init__(
+        self,
+        run: Callable[..., Any],
+        current: Callable[[], ManagerState],
+        pin: Callable[[str], Any],
+        step: Callable[..., None],
+    ):
+        self._run, self._current, self._pin, self._step = run, current, pin, step
+        self._writing = threading.local()  # uids whose transaction this thread is computing
+
+    @staticmethod
+    def in_table(state: ManagerState, cell: Cell) -> bool:
+        # (the cell's id was checked when it was made)
+        return cell.left is None and ms.held_session(state, cell.session_id, cell.uid) is not None
+
+    def read_table(self) -> ManagerState:
+        return self._current()
+
+    def step(
+        self, cell: Cell, name: str, fn: Callable[..., Any], *args: Any, donate: bool = False, retained: Any = ()
+    ) -> None:
+        self._step(cell.session_id, name, fn, *args, donate=donate, retained=retained)
+
+    def read(self, cell: Cell) -> SessionState:
+        """The cell's session now: one atomic read of the table, or the handle's copy."""
+        if cell.left is None:
+            held = ms.held_session(self._current(), cell.session_id, cell.uid)
+            if held is not None:
+                return held
+        return cell.session
+
+    def apply(
+        self,
+        cell: Cell,
+        what: str,
+        verb: Verb,
+        *args: Any,
+        names: Iterable[str] | None = None,
+        attrs_unchanged: bool = False,
+        acquires: bool = False,
+        inline: bool = False,
+        **kw: Any,
+    ) -> Any:
+        """Table verb ``verb(table, session id, *args, **kw)`` on the cell's session, in the table or on its copy.
+
+        A parked object the verb meets is restored first (``names``, or every parked object), in the same
+        install: no other thread can park it again in between, and a refused write leaves everything as it
+        was (engine blocks a KV restore took go back).
+
+        Raises:
+          SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
+        """
+        sid, uid, copy = cell.session_id, cell.uid, list[SessionState]()
+
+        def plan(base: ManagerState) -> tuple[ManagerState, Any]:
+            if cell.closed or uid in getattr(self._writing, "uids", ()):  # each attempt: a drop may land meanwhile
+                self.check_writable(cell, what)
+            if cell.left is None and ms.held_session(base, sid, uid) is not None:
+                out = verb(base, sid, *args, **kw)
+                return (out, None) if type(out) is ManagerState else out
+            new, out = _on_copy(cell, names, lambda t: _pair(verb(t, sid, *args, **kw)))
+            copy[:] = [new]
+            return base, out
+
+        local = not kw.get("with_sharers")  # (a park with its sharers writes other sessions too)
+        keep = self._keep(cell, copy)
+        return self._run(
+            plan,
+            sid,
+            cell=cell,
+            names=names,
+            acquires=acquires,
+            local=local,
+            inline=inline,
+            then=keep,
+            attrs_unchanged=attrs_unchanged,
+        )
+
+    def restored(self, cell: Cell, names: Iterable[str] | None) -> SessionState:
+        """The cell's session with its parked objects (``names``, or all) restored and installed; read under
+        the same lock as the install, so no other thread parked one again in between."""
+        copy: list[SessionState] = []
+
+        def plan(base: ManagerState) -> tuple[ManagerState, None]:
+            if self.in_table(base, cell):
+                return restore_parked(base, cell.session_id, names), None
+            copy[:] = [_on_copy(cell, names, lambda t: (restore_parked(t, cell.session_id, names), None))[0]]
+            return base, None
+
+        keep = self._keep(cell, copy)
+        return self._run(
+            plan,
+            cell.session_id,
+            cell=cell,
+            acquires=True,
+            local=True,
+            attrs_unchanged=True,
+            then=lambda state, undo: keep(state, undo) or self.read(cell),
+        )
+
+    def transact(self, cell: Cell, fn: Callable[[SessionState], tuple[SessionState, Any]]) -> Any:
+        """User code ``fn`` on the cell's session, outside the lock, its new session installed by the retry
+        loop; ``fn`` runs again only if its session changed meanwhile. The session is pinned meanwhile: the
+        byte budget never releases a session inside a transaction."""
+        self.check_writable(cell, "transact")
+        sid, seen, copy = cell.session_id, list[Any](), list[SessionState]()
+
+        def run_fn(session: SessionState) -> tuple[SessionState, Any]:
+            if not seen or seen[0] is not session:
+                writing = self.writing()
+                writing.add(cell.uid)
+                try:
+                    new, out = fn(session)
+                finally:
+                    writing.discard(cell.uid)
+                if not isinstance(new, SessionState):
+                    raise InvalidTypeError(f"a transaction must return a SessionState, got {type(new).__name__}.")
+                seen[:] = [session, new, out]
+            return seen[1], seen[2]
+
+        def plan(base: ManagerState) -> tuple[ManagerState, Any]:
+            if cell.closed:
+                self.check_writable(cell, "transact")
+            if self.in_table(base, cell):
+                new, out = run_fn(ms.lookup(base, sid))
+                return update_session(base, sid, lambda _: new), out
+            new, out = _on_copy(cell, None, lambda t: (t, run_fn(ms.lookup(t, sid))))
+            copy[:] = [out[0]]
+            return base, out[1]
+
+        with self._pin(sid):
+            return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
+
+    def _keep(self, cell: Cell, copy: list[SessionState]) -> Callable[[ManagerState, Undo], Any]:
+        """A ``then``: under the lock, the new copy of a detached handle replaces the old (journaled)."""
+
+        def keep(state: ManagerState, undo: Undo) -> None:
+            if copy:
+                old = cell.session
+                cell.session = copy[0]
+                undo.append(lambda: setattr(cell, "session", old))
+
+        return keep
+
+    def writing(self) -> set[int]:
+        uids = getattr(self._writing, "uids", None)
+        if uids is None:
+            uids = self._writing.uids = set()
+        return uids
+
+    def check_writable(self, cell: Cell, what: str) -> None:
+        """Refuse a write through a dropped handle, or one from inside a transaction on the same session."""
+        self.check_not_reentrant(cell)
+        if cell.closed:
+            raise SessionStateLostError(
+                f"`{what}`: session {cell.session_id!r} was {cell.left}; this handle is detached from the manager "
+                f"and a write through it would reach no session, so it is refused. Its last state is still "
+                f"readable (`handle.state`); start a new session with `get_or_create_session`."
+            )
+
+    def check_not_reentrant(self, cell: Cell) -> None:
+        if cell.uid in self.writing():
+            raise ReentrantWriteError(
+                f"session {cell.session_id!r}: a transaction function (or get_or_create factory) wrote to the "
+                f"session it is computing a new state for. Return the new state from the function instead "
+                f"(e.g. `s.set_attr(...)` on the SessionState it receives); reads through handles are fine."
+            )
+
+    def refuse_reentrant(self, state: ManagerState, sid: str, what: str) -> None:
+        uid = ms.incarnation(state, sid)
+        if uid is not None and uid in self.writing():
+            raise ReentrantWriteError(f"session {sid!r}: `{what}` inside a transaction on the same session.")
