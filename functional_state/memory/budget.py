@@ -14,10 +14,10 @@ from fractions import Fraction
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .pools import ANY_DEVICE, POOL_FORMS, POOL_PATTERN, Pool
 
-__all__ = ["ANY_DEVICE", "capacity_for", "normalize_budget", "parse_bytes"]
+__all__ = ["ANY_DEVICE", "POOL_FORMS", "POOL_PATTERN", "capacity_for", "limit_for", "normalize_budget", "parse_bytes"]
 
-ANY_DEVICE = "*"
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -26,11 +26,6 @@ _UNITS = {
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$")
 MAX_BYTES = 2**63 - 1  # the largest size a pool can report (a signed 64-bit count); anything above is a typo
-# Pools exactly as `stats()` names them: the host ("cpu") and its two memory kinds for parked storage, and
-# devices as "<platform>:<index>" ("cuda:0", "tpu:3"). Never "cpu:0" (one host pool) nor "gpu:0" (JAX's GPU
-# platform is filed as "cuda"), and memory kinds exist only for the host.
-POOL_PATTERN = re.compile(r"^(cpu(/(pinned_host|unpinned_host))?|(?!cpu:|gpu:)[a-z][a-z0-9_]*:\d+)$")
-POOL_FORMS = "'cpu', 'cpu/pinned_host', 'cpu/unpinned_host', or a device such as 'cuda:0' or 'tpu:0'"
 
 
 def format_bytes(n: int) -> str:
@@ -137,6 +132,24 @@ def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] |
             )
         out[pool] = parse_bytes(size, f"{what}[{pool!r}]")
     return dict(sorted(out.items()))
+
+
+def limit_for(budget: Mapping[str, int] | None, pool: Pool) -> int | None:
+    """The bytes ``pool`` may hold under a normalized ``budget`` (``"*"`` covers each device pool), or None.
+
+    Example:
+      >>> budget = normalize_budget({"*": "1GiB", "cpu/pinned_host": 1024})
+      >>> limit_for(budget, Pool("cuda:0")), limit_for(budget, Pool("cpu", "pinned_host"))
+      (1073741824, 1024)
+      >>> limit_for(budget, Pool("cpu", "unpinned_host")) is None
+      True
+    """
+    if not budget:
+        return None
+    limit = budget.get(str(pool))
+    if limit is None and pool.is_device:
+        limit = budget.get(ANY_DEVICE)
+    return limit
 
 
 def capacity_for(budget: Any, bytes_per_session: Any) -> int:

@@ -1,4 +1,5 @@
-"""What the table holds: its counters and bytes per pool, as one mapping (stats)."""
+"""What the table holds: a typed `Usage` snapshot (usage), its bytes per pool alone (pool_bytes), and the
+`stats()` mapping that formats the snapshot."""
 
 from __future__ import annotations
 
@@ -6,12 +7,70 @@ from typing import Any
 
 from ..engine.paged_kv import pool_by_uid
 from ..memory import accounting
+from ..memory.pools import Pool
+from ..memory.usage import KVPoolUsage, Usage, pools_by_name
 from .ledger import totals_with_attrs
 from .manager_state import ManagerState, check_state, ledger_of, session_map
 
+__all__ = ["pool_bytes", "stats", "usage"]
+
+
+def pool_bytes(state: ManagerState) -> dict[Pool, int]:
+    """Bytes per pool the table holds, attrs included (`Usage.by_pool` without the rest of the snapshot)."""
+    return pools_by_name(totals_with_attrs(ledger_of(state), session_map(state).values())[0])
+
+
+def usage(state: ManagerState, *, exact: bool = False) -> Usage:
+    """What the table holds, typed: bytes per `Pool`, engine KV pools, counters (see `stats` for each figure).
+
+    ``exact=True`` walks every object too, as a check (see `stats`).
+
+    Example:
+      >>> import numpy as np, functional_state as fs
+      >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+      >>> s = fs.put(s, "a", "cache", fs.DenseValue.create([np.zeros(256, np.float32)]))
+      >>> u = usage(s)
+      >>> u.nbytes(fs.Pool("cpu")), u.as_stats() == fs.stats(s)
+      (1024, True)
+    """
+    return _usage(state, exact, "usage")
+
+
+def _usage(state: ManagerState, exact: bool, what: str) -> Usage:
+    if type(state) is not ManagerState:
+        check_state(state, what)
+    sessions_now = list(session_map(state).values())
+    if exact:
+        per_device, report = accounting.walk(*sessions_now)
+    else:
+        per_device, report = totals_with_attrs(ledger_of(state), sessions_now)
+    # Read from the host copies themselves, in both modes: a parked copy need not sit in a host pool (numpy
+    # stays where it was, an engine's offload token is the engine's), so host-pool totals undercount it.
+    parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
+    kv_pools = []
+    for uid, blocks in ledger_of(state).kv_held().items():
+        pool = pool_by_uid(uid)
+        if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
+            kv_pools.append(KVPoolUsage(pool.name, blocks * pool.block_nbytes, pool.capacity()))
+    return Usage(
+        by_pool=pools_by_name(per_device),
+        sessions=len(state),
+        max_sessions=state.max_sessions,
+        byte_budget=state.byte_budget,
+        hits=state.hits,
+        misses=state.misses,
+        evictions=state.evictions,
+        parks=state.parks,
+        restores=state.restores,
+        parked_nbytes=accounting.total_nbytes(*parked),
+        deleted_arrays=report.deleted_arrays,
+        unaccounted_objects=report.unaccounted_objects,
+        kv_pools=tuple(kv_pools),
+    )
+
 
 def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
-    """Counters and bytes of the table.
+    """Counters and bytes of the table: `usage` formatted as one flat mapping (`Usage.as_stats`).
 
     Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
     ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes of parked host copies: what objects
@@ -30,36 +89,4 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     instead (objects too), as a check: the figures are the same unless an object's buffer was deleted or
     resized behind the manager's back.
     """
-    if type(state) is not ManagerState:
-        check_state(state, "stats")
-    sessions_now = list(session_map(state).values())
-    if exact:
-        per_device, report = accounting.walk(*sessions_now)
-    else:
-        per_device, report = totals_with_attrs(ledger_of(state), sessions_now)
-    # Read from the host copies themselves, in both modes: a parked copy need not sit in a host pool (numpy
-    # stays where it was, an engine's offload token is the engine's), so host-pool totals undercount it.
-    parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
-    parked_nbytes = accounting.total_nbytes(*parked)
-    out: dict[str, Any] = {
-        "sessions": len(state),
-        "max_sessions": state.max_sessions,
-        "byte_budget": state.byte_budget,
-        "total_nbytes": sum(per_device.values()),
-        "hits": state.hits,
-        "misses": state.misses,
-        "evictions": state.evictions,
-        "parks": state.parks,
-        "restores": state.restores,
-        "parked_nbytes": parked_nbytes,
-        "deleted_arrays": report.deleted_arrays,
-        "unaccounted_objects": report.unaccounted_objects,
-    }
-    out.update({f"nbytes:{device}": n for device, n in per_device.items()})
-    for uid, blocks in ledger_of(state).kv_held().items():
-        pool = pool_by_uid(uid)
-        if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
-            out[f"kv_pool:{pool.name}:held_nbytes"] = blocks * pool.block_nbytes
-            for key, n in pool.capacity().items():
-                out[f"kv_pool:{pool.name}:{key}"] = n
-    return out
+    return _usage(state, exact, "stats").as_stats()
