@@ -41,6 +41,8 @@ from .errors import (
 )
 from .memory.accounting import nbytes_by_device, register_alias, total_nbytes
 from .memory.budget import capacity_for, format_bytes, parse_bytes
+from .memory.pools import Pool
+from .memory.usage import Usage
 from .persist.checkpoint import (
     SaveHandle,
     has_checkpoint,
@@ -79,7 +81,7 @@ from .table.manager_state import (
 from .table.parked import park, restore
 from .table.session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
 from .table.step import step
-from .table.usage import stats
+from .table.usage import stats, usage
 
 register_checkpoint_type(PytreeValue)  # its structure is plain static data: no hooks needed
 
@@ -108,6 +110,7 @@ __all__ = [
     "ObjectParkedError",
     "PagedKVHandle",
     "PagedKVPool",
+    "Pool",
     "PoolChangedError",
     "PytreeValue",
     "ReentrantWriteError",
@@ -126,6 +129,7 @@ __all__ = [
     "StateConsumedError",
     "StateObject",
     "StateShapeError",
+    "Usage",
     "__version__",
     "apply_plan",
     "capacity_for",
@@ -171,6 +175,7 @@ __all__ = [
     "step",
     "total_nbytes",
     "update_session",
+    "usage",
     "view",
     "with_sessions",
 ]

@@ -26,7 +26,7 @@ PUBLIC = {
     *("DEFAULT_MAX_SESSIONS", "DEFAULT_SESSION_ID", "FORK_POLICIES", "LEVERS", "__version__"),
     *("ArrayRing", "DenseValue", "LatentBuffer", "ManagerState", "PagedKVHandle", "PagedKVPool", "SessionAttr"),
     *("ReentrantWriteError", "ReleaseAction", "ReleasePlan", "SaveHandle", "SessionHandle", "SessionState"),
-    *("SessionStateManager", "StateObject", "PytreeValue", "pytree_dataclass"),
+    *("SessionStateManager", "StateObject", "PytreeValue", "pytree_dataclass", "Pool", "Usage"),
     *("AttrNotFoundError", "BudgetExceededError", "CheckpointError", "CopyRequiredError", "DeletedArrayError"),
     *("InvalidArgumentError", "InvalidTypeError", "KVFreeError", "NotAllocatedError", "NotParkedError"),
     *("NotResidentError", "NothingStagedError", "ObjectNotFoundError", "ObjectParkedError", "PoolChangedError"),
@@ -38,7 +38,7 @@ PUBLIC = {
     *("park", "parse_bytes", "plan_release", "put", "raise_max_sessions", "read_session", "register_alias"),
     *("register_checkpoint_type", "released_blocks", "reset_session", "resolve_session_id"),
     *("resolve_session_state_config", "restore", "save", "save_session", "sessions", "set_attr", "stage"),
-    *("stats", "step", "total_nbytes", "update_session", "view", "with_sessions"),
+    *("stats", "step", "total_nbytes", "update_session", "usage", "view", "with_sessions"),
 }
 
 
@@ -147,6 +147,6 @@ def test_the_public_face_is_the_documented_set_and_each_layer_exports_its_part()
     layers = [memory, core, engine, table, policy, persist, shell]
     exported = [n for layer in layers for n in layer.__all__]
     assert len(exported) == len(set(exported)), "a name exported by two layers"
-    assert set(exported) | set(errors.__all__) | {"__version__", "step"} == PUBLIC
+    assert set(exported) | set(errors.__all__) | {"__version__", "step", "usage"} == PUBLIC
     for layer in layers:
         assert all(getattr(layer, n) is getattr(fs, n) for n in layer.__all__), layer.__name__

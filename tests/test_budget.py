@@ -3,7 +3,7 @@
 import pytest
 
 import functional_state as fs
-from functional_state import InvalidArgumentError, ManagerState, parse_bytes, plan_release
+from functional_state import InvalidArgumentError, ManagerState, format_bytes, parse_bytes, plan_release
 from functional_state.budget import normalize_budget
 
 
@@ -45,3 +45,16 @@ def test_budgets_accept_every_pool_stats_names():
     assert normalize_budget(pools) == dict(sorted(pools.items()))
     state, _ = fs.get_or_create(ManagerState.create(byte_budget={"cpu": 10}), "a")
     assert set(fs.stats(state)["byte_budget"]) == {"cpu"}
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (5 * 2**20, "5.0 MiB"), (3 * 2**30, "3.00 GiB")]
+    + [(2 * 2**40, "2.00 TiB"), (3 * 2**49, "1.50 PiB"), (2**63 - 1, "8.00 EiB"), (-(2**41), "-2.00 TiB")],
+)
+def test_format_bytes_reads_at_every_scale(n, text):
+    # Regression (issue 23): sizes stopped at GiB, so a 2 TiB host pool or the largest budget printed as
+    # "2048.00 GiB" and "8589934592.00 GiB" in plans and budget errors.
+    assert format_bytes(n) == text
+    if 0 <= n < 2**20:
+        assert parse_bytes(text) == n  # these read back exactly

@@ -178,6 +178,22 @@ class PlannerMachine(RuleBasedStateMachine):
             return  # its source would have to come along
         self._write(sid, lambda state: fs.put(state, sid, name, obj))
 
+    @rule(
+        src=st.sampled_from(SIDS),
+        src_name=st.sampled_from(NAMES),
+        sid=st.sampled_from(SIDS),
+        name=st.sampled_from(NAMES),
+    )
+    def alias(self, src, src_name, sid, name):
+        """Another object over the same storage (a view of a torch value): the ledger counts a second holder
+        of its extents that is not the same object, so the planner must find that parking either frees
+        nothing, never take the pair for forks of one object (issue 20: holders from the ledger's counts)."""
+        obj = self._object(src, src_name)
+        if not isinstance(obj, DenseValue) or not obj.resident or not isinstance(obj.value[0], torch.Tensor):
+            return
+        view = DenseValue.create([obj.value[0][: max(1, obj.value[0].numel() // 2)]])
+        self._write(sid, lambda state: fs.put(state, sid, name, view))
+
     @rule(sid=st.sampled_from(SIDS))
     def attr(self, sid):
         self._write(sid, lambda state: fs.set_attr(state, sid, "prompt", torch.ones(UNIT // 8)))

@@ -4,5 +4,16 @@ holders, byte budgets and pool keys. Imports nothing of the package but `errors`
 # What users see of this layer (re-exported by `functional_state`); the rest are its modules' names.
 from .accounting import nbytes_by_device, register_alias, total_nbytes
 from .budget import capacity_for, format_bytes, parse_bytes
+from .pools import Pool
+from .usage import Usage
 
-__all__ = ["capacity_for", "format_bytes", "nbytes_by_device", "parse_bytes", "register_alias", "total_nbytes"]
+__all__ = [
+    "Pool",
+    "Usage",
+    "capacity_for",
+    "format_bytes",
+    "nbytes_by_device",
+    "parse_bytes",
+    "register_alias",
+    "total_nbytes",
+]

@@ -14,10 +14,10 @@ from fractions import Fraction
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from .pools import ANY_DEVICE, POOL_FORMS, POOL_PATTERN, Pool
 
-__all__ = ["ANY_DEVICE", "capacity_for", "normalize_budget", "parse_bytes"]
+__all__ = ["ANY_DEVICE", "POOL_FORMS", "POOL_PATTERN", "capacity_for", "limit_for", "normalize_budget", "parse_bytes"]
 
-ANY_DEVICE = "*"
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -26,22 +26,25 @@ _UNITS = {
 }  # fmt: skip
 _SIZE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$")
 MAX_BYTES = 2**63 - 1  # the largest size a pool can report (a signed 64-bit count); anything above is a typo
-# Pools exactly as `stats()` names them: the host ("cpu") and its two memory kinds for parked storage, and
-# devices as "<platform>:<index>" ("cuda:0", "tpu:3"). Never "cpu:0" (one host pool) nor "gpu:0" (JAX's GPU
-# platform is filed as "cuda"), and memory kinds exist only for the host.
-POOL_PATTERN = re.compile(r"^(cpu(/(pinned_host|unpinned_host))?|(?!cpu:|gpu:)[a-z][a-z0-9_]*:\d+)$")
-POOL_FORMS = "'cpu', 'cpu/pinned_host', 'cpu/unpinned_host', or a device such as 'cuda:0' or 'tpu:0'"
+
+
+# Kept rather than humanize.naturalsize(binary=True) and pydantic.ByteSize (issue 23): humanize is no core
+# dependency (only orbax's, in the checkpoint extra), costs ~50 ms to import and ~13x per call, and writes
+# "1 Byte"/"3.0 GiB"; ByteSize parses through float (int(float(scalar) * unit)), so it rounds 2**53 + 1 and
+# reads "0.5 B" as 0 where `parse_bytes` is exact and refuses fractional bytes.
+_LARGE = ((2**60, "EiB"), (2**50, "PiB"), (2**40, "TiB"), (2**30, "GiB"))
 
 
 def format_bytes(n: int) -> str:
-    """A byte count for people, in binary units (the inverse of `parse_bytes`, to one decimal).
+    """A byte count for people, in binary units (the inverse of `parse_bytes`, to one decimal; two from GiB).
 
     Example:
-      >>> format_bytes(1536), format_bytes(3 * 2**30)
-      ('1.5 KiB', '3.00 GiB')
+      >>> format_bytes(1536), format_bytes(3 * 2**30), format_bytes(2**63 - 1)
+      ('1.5 KiB', '3.00 GiB', '8.00 EiB')
     """
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
+    for size, unit in _LARGE:
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
     if abs(n) >= 2**20:
         return f"{n / 2**20:.1f} MiB"
     if abs(n) >= 1024:
@@ -137,6 +140,24 @@ def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] |
             )
         out[pool] = parse_bytes(size, f"{what}[{pool!r}]")
     return dict(sorted(out.items()))
+
+
+def limit_for(budget: Mapping[str, int] | None, pool: Pool) -> int | None:
+    """The bytes ``pool`` may hold under a normalized ``budget`` (``"*"`` covers each device pool), or None.
+
+    Example:
+      >>> budget = normalize_budget({"*": "1GiB", "cpu/pinned_host": 1024})
+      >>> limit_for(budget, Pool("cuda:0")), limit_for(budget, Pool("cpu", "pinned_host"))
+      (1073741824, 1024)
+      >>> limit_for(budget, Pool("cpu", "unpinned_host")) is None
+      True
+    """
+    if not budget:
+        return None
+    limit = budget.get(str(pool))
+    if limit is None and pool.is_device:
+        limit = budget.get(ANY_DEVICE)
+    return limit
 
 
 def capacity_for(budget: Any, bytes_per_session: Any) -> int:

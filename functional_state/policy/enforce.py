@@ -7,7 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import BudgetExceededError, InvalidArgumentError
-from ..memory.budget import ANY_DEVICE, format_bytes
+from ..memory.budget import format_bytes, limit_for
+from ..memory.pools import Pool
 from ..table.manager_state import (
     ManagerState,
     check_state,
@@ -17,7 +18,7 @@ from ..table.manager_state import (
 )
 from ..table.parked import park
 from ..table.session_edits import evict
-from ..table.usage import stats
+from ..table.usage import pool_bytes
 from .planner import LEVERS, ReleasePlan, extents_of, plan_release, protect_ids
 from .pricing import by_pool
 
@@ -61,20 +62,33 @@ def _drop_as_eviction(state: ManagerState, sid: str) -> ManagerState:
 
 def over_budget(state: ManagerState) -> dict[str, tuple[int, int]]:
     """``{pool: (held, budget)}`` for every pool over its budget (``"*"`` covering each device pool)."""
+    return {str(pool): figures for pool, figures in _over(state).items()}
+
+
+def _over(state: ManagerState) -> dict[Pool, tuple[int, int]]:
     if not state.byte_budget:
         return {}
-    held = {k[len("nbytes:") :]: v for k, v in stats(state).items() if k.startswith("nbytes:")}
-    return _over(state, held)
+    out = {}
+    for pool, held in pool_bytes(state).items():
+        limit = limit_for(state.byte_budget, pool)
+        if limit is not None and held > limit:
+            out[pool] = (held, limit)
+    return out
+
+
+# The shell's fast admission check keeps an attr surplus between writes; these three speak pool names (the
+# keys of `stats()` and budgets), so that what the shell keeps is plain data.
 
 
 def over_budget_objects(state: ManagerState, surplus: dict[str, int]) -> bool:
     """Whether a pool is over budget by the kept object totals plus a known attr ``surplus``: no walk."""
+    budget = state.byte_budget
+    if not budget:
+        return False
     totals = ledger_of(state).totals
-    for pool, limit in (state.byte_budget or {}).items():
-        if pool == ANY_DEVICE:
-            if any(held + surplus.get(p, 0) > limit for p, held in totals.items() if "/" not in p):
-                return True
-        elif totals.get(pool, 0) + surplus.get(pool, 0) > limit:
+    for name in totals.keys() | surplus.keys():  # (a pool only attrs hold is still a pool the budget covers)
+        limit = limit_for(budget, Pool.of(name))
+        if limit is not None and totals.get(name, 0) + surplus.get(name, 0) > limit:
             return True
     return False
 
@@ -82,23 +96,16 @@ def over_budget_objects(state: ManagerState, surplus: dict[str, int]) -> bool:
 def attr_surplus(state: ManagerState) -> dict[str, int]:
     """Bytes per pool the attrs hold beyond what the objects hold (a walk of the attrs)."""
     objects = ledger_of(state).totals
-    with_attrs = {k[len("nbytes:") :]: v for k, v in stats(state).items() if k.startswith("nbytes:")}
-    return {pool: n - objects.get(pool, 0) for pool, n in with_attrs.items() if n > objects.get(pool, 0)}
+    return {
+        str(pool): n - objects.get(str(pool), 0)
+        for pool, n in pool_bytes(state).items()
+        if n > objects.get(str(pool), 0)
+    }
 
 
 def attr_bytes(attrs: Any) -> dict[str, int]:
     """Bytes per pool a session's attrs hold (no deduplication against the objects: an upper bound)."""
-    return by_pool(extents_of(dict(attrs))) if attrs else {}
-
-
-def _over(state: ManagerState, held: dict[str, int]) -> dict[str, tuple[int, int]]:
-    budget = state.byte_budget or {}
-    out = {}
-    for pool, bytes_held in held.items():
-        limit = budget.get(pool, budget.get(ANY_DEVICE) if "/" not in pool else None)
-        if limit is not None and bytes_held > limit:
-            out[pool] = (bytes_held, limit)
-    return out
+    return {str(pool): n for pool, n in by_pool(extents_of(dict(attrs))).items()} if attrs else {}
 
 
 def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[str] = LEVERS) -> ManagerState:
@@ -121,47 +128,48 @@ def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[s
     """
     protected = sorted(protect_ids(protect, "enforce_budget"))
     levers = tuple(levers)
-    planned: dict[str, ReleasePlan] = {}
+    planned: dict[Pool, ReleasePlan] = {}
     current = state
     while True:
-        over = over_budget(current)
+        over = _over(current)
         if not over:
             return current
-        pool, (held, limit) = min(over.items())
+        pool = min(over, key=str)
+        held, limit = over[pool]
         if pool in planned:  # measured after applying: the plan did not hold
             plan = planned[pool]
             raise BudgetExceededError(
-                f"pool {pool!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)} even "
+                f"pool {str(pool)!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)} even "
                 f"after the release plan for it, which promised to free {format_bytes(plan.freed)} there:\n{plan}\n"
                 f"The plan was not installed; the state is as it was.",
-                pool=pool,
+                pool=str(pool),
                 budget=limit,
                 held=held,
                 releasable=plan.freed,
             )
-        found = plan_release(current, pool, held - limit, protected, levers=levers)
+        found = plan_release(current, str(pool), held - limit, protected, levers=levers)
         if found is None:
             releasable = _releasable(current, pool, protected, levers)
             raise BudgetExceededError(
-                f"pool {pool!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)}, and releasing "
-                f"everything allowed ({', '.join(levers) or 'no levers'}; protected: {protected}) frees "
+                f"pool {str(pool)!r} would hold {format_bytes(held)} against a budget of {format_bytes(limit)}, and "
+                f"releasing everything allowed ({', '.join(levers) or 'no levers'}; protected: {protected}) frees "
                 f"only {format_bytes(releasable)}. The last change was refused; the state is as it was.",
-                pool=pool,
+                pool=str(pool),
                 budget=limit,
                 held=held,
                 releasable=releasable,
             )
-        _log.debug("enforce_budget: pool %r over budget by %s\n%s", pool, format_bytes(held - limit), found)
+        _log.debug("enforce_budget: pool %r over budget by %s\n%s", str(pool), format_bytes(held - limit), found)
         current = apply_plan(current, found)
         planned[pool] = found
 
 
-def _releasable(state: ManagerState, pool: str, protect: list[str], levers: tuple[str, ...]) -> int:
+def _releasable(state: ManagerState, pool: Pool, protect: list[str], levers: tuple[str, ...]) -> int:
     """The most the planner could free in ``pool``: a plan for an unreachable need, stopped at exhaustion."""
-    lo, hi = 0, sum(v for k, v in stats(state).items() if k == f"nbytes:{pool}")
+    lo, hi = 0, pool_bytes(state).get(pool, 0)
     while lo < hi:  # the largest need that still has a plan (plans are monotone in the need)
         mid = (lo + hi + 1) // 2
-        if plan_release(state, pool, mid, protect, levers=levers) is None:
+        if plan_release(state, str(pool), mid, protect, levers=levers) is None:
             hi = mid - 1
         else:
             lo = mid

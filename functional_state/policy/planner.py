@@ -36,8 +36,10 @@ import jax
 from ..engine.kv_handle import PagedKVHandle
 from ..errors import InvalidArgumentError
 from ..memory import accounting, parking
-from ..memory.budget import ANY_DEVICE, POOL_FORMS, POOL_PATTERN, format_bytes, parse_bytes
-from ..table.ledger import Extent, object_extents
+from ..memory.budget import format_bytes, limit_for, parse_bytes
+from ..memory.pools import HOST, PINNED_HOST, POOL_FORMS, UNPINNED_HOST, Pool
+from ..memory.usage import pools_by_name
+from ..table.ledger import Acct, Extent, object_extents
 from ..table.manager_state import (
     ManagerState,
     check_state,
@@ -120,13 +122,17 @@ def protect_ids(protect: Any, what: str) -> set[str]:
     return {p if p is not None else "default" for p in ids}
 
 
-def _check_plan_args(state: Any, pool: Any, protect: Any, levers: Iterable[str]) -> tuple[set[str], tuple[str, ...]]:
+def _check_plan_args(
+    state: Any, pool: Any, protect: Any, levers: Iterable[str]
+) -> tuple[Pool, set[str], tuple[str, ...]]:
     if type(state) is not ManagerState:
         check_state(state, "plan_release")
-    if not isinstance(pool, str) or not POOL_PATTERN.match(pool):
+    try:
+        target = Pool.parse(pool)
+    except InvalidArgumentError:
         raise InvalidArgumentError(
             f"`plan_release`: pool must be a pool as stats() names it ({POOL_FORMS}), got {pool!r}."
-        )
+        ) from None
     protected = protect_ids(protect, "plan_release")
     unknown = sorted(p for p in protected if p not in state)
     if unknown:
@@ -135,7 +141,7 @@ def _check_plan_args(state: Any, pool: Any, protect: Any, levers: Iterable[str])
     bad = [lever for lever in levers if lever not in LEVERS]
     if bad:
         raise InvalidArgumentError(f"`plan_release`: unknown lever(s) {bad}; the levers are {LEVERS}.")
-    return protected, levers
+    return target, protected, levers
 
 
 def plan_release(
@@ -175,35 +181,15 @@ def plan_release(
       >>> fs.stats(fs.apply_plan(s, plan))["nbytes:cpu"]
       1024
     """
-    protected, levers = _check_plan_args(state, pool, protect, levers)
+    target, protected, levers = _check_plan_args(state, pool, protect, levers)
     need = parse_bytes(need_bytes, "plan_release: need_bytes")
     acct = ledger_of(state)
     sids, objs = lru_sessions(state)
-    attr_sets: dict[str, frozenset[Extent]] = {}
-    attr_holders: Counter[Extent] = Counter()
-    for sid, session in zip(sids, objs):
-        out: accounting.Extents = []
-        for value in session._attrs.values():
-            accounting.collect_extents(value, out, {}, accounting.WalkReport())
-        if out:  # (one container per session would trigger full garbage collections at 100k sessions)
-            attr_sets[sid] = extents = frozenset(out)
-            for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
-                attr_holders[e] += 1
-    unreleasable = by_pool(e for extents in attr_sets.values() for e in extents).get(pool, 0)
-    # Sharers of an object: every (session, name) holding that very object (forks, or one cache put under
-    # two names), as `park(with_sharers=True)` finds and parks them, least recent first.
-    first_holder: dict[int, tuple[str, str]] = {}  # id(object) -> its least recent (session, name)
-    more_holders: dict[int, list[tuple[str, str]]] = {}  # ... and the others, only where any
-    for sid, session in zip(sids, objs):
-        for name, obj in sorted(session._objects.items()):
-            if first_holder.setdefault(id(obj), (sid, name)) != (sid, name):
-                more_holders.setdefault(id(obj), []).append((sid, name))
+    snap = _Snapshot(acct, sids, objs)  # the one read of the table's usage this plan prices against
+    unreleasable = by_pool(e for extents in snap.attr_sets.values() for e in extents).get(target, 0)
     budget = state.byte_budget or {}
-    # Bytes per pool as the plan leaves them (attrs included): to keep a park's host pool within its budget.
-    held = dict(acct.totals)
-    for p, n in by_pool(e for e in attr_holders if e not in acct.refs).items():
-        held[p] = held.get(p, 0) + n
-    ledger = Ledger(acct.refs, attr_holders)
+    held = dict(snap.held)  # bytes per pool as the plan leaves them: to keep a park's host pool within budget
+    ledger = Ledger(acct.refs, snap.attr_holders)
     now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
     actions: list[ReleaseAction] = []
     skipped: list[str] = []
@@ -213,19 +199,21 @@ def plan_release(
     def done() -> bool:
         return freed >= need
 
-    def take(action: ReleaseAction, change: Change, became: dict[tuple[str, str], frozenset[Extent]]) -> None:
+    def take(kind: Lever, sessions: tuple[str, ...], name: str | None, change: Change, why: str, **kw: Any) -> None:
         nonlocal freed
         ledger.take(change)
-        now.update(became)
         for p, n in change.frees.items():
             held[p] = held.get(p, 0) - n
+        action = ReleaseAction(kind, sessions, name, {str(p): n for p, n in change.frees.items()}, why, **kw)
         actions.append(action)
-        freed += action.frees.get(pool, 0)
+        freed += change.frees.get(target, 0)
 
     skipped.extend(f"{sid}: protected" for sid in sorted(protected))
     if "park" in levers and not done():
         for sid, session in zip(sids, objs):
-            if sid in protected or done():
+            if done():
+                break
+            if sid in protected:
                 continue
             for name, obj in sorted(session._objects.items()):
                 if done():
@@ -235,7 +223,7 @@ def plan_release(
                 extents = object_extents(obj)
                 if not any(e[0] == pool for e in extents):
                     continue
-                holders = [first_holder[id(obj)], *more_holders.get(id(obj), ())]
+                holders = snap.holders(obj, sid, name, extents)
                 sharers = list(dict.fromkeys(s for s, _ in holders))
                 if any(s in protected for s in sharers):
                     skipped.append(
@@ -252,27 +240,24 @@ def plan_release(
                     skipped.append(f"{sid}/{name}: something else holds part of its storage; parking frees nothing")
                     continue
                 change = ledger.change([extents] * len(holders), [parked] * len(holders))
-                if change.frees.get(pool, 0) <= 0:
+                if change.frees.get(target, 0) <= 0:
                     skipped.append(f"{sid}/{name}: parking frees nothing in {pool!r} (its bytes would stay there)")
                     continue
                 full = [
                     p
                     for p, n in change.frees.items()
-                    if n < 0 and (limit := _limit(budget, p)) is not None and held.get(p, 0) - n > limit
+                    if n < 0 and (limit := limit_for(budget, p)) is not None and held.get(p, 0) - n > limit
                 ]
                 if full:
-                    skipped.append(f"{sid}/{name}: host pool {full[0]!r} has no room under its budget")
+                    skipped.append(f"{sid}/{name}: host pool {str(full[0])!r} has no room under its budget")
                     continue
                 why = (
                     "least recently used session"
                     if len(holders) == 1
                     else f"least recently used; held as {['/'.join(h) for h in holders]}"
                 )
-                take(
-                    ReleaseAction("park", tuple(sharers), name, change.frees, why, tuple(holders)),
-                    change,
-                    dict.fromkeys(holders, parked),
-                )
+                take("park", tuple(sharers), name, change, why, holders=tuple(holders))
+                now.update(dict.fromkeys(holders, parked))
                 released.update(holders)
     if "evict" in levers and not done():
         candidates = []
@@ -292,11 +277,11 @@ def plan_release(
                 continue
             evicted = object_extents(obj.evict()[0])  # priced by what evicting really keeps (the staged payload)
             change = ledger.change([object_extents(obj)], [evicted])
-            if change.frees.get(pool, 0) <= 0:
+            if change.frees.get(target, 0) <= 0:
                 skipped.append(f"{sid}/{name}: evicting frees nothing in {pool!r} (storage held elsewhere)")
                 continue
-            reason = f"recomputable from {obj.recompute_source!r} (cost {cost:g})"
-            take(ReleaseAction("evict", (sid,), name, change.frees, reason), change, {(sid, name): evicted})
+            take("evict", (sid,), name, change, f"recomputable from {obj.recompute_source!r} (cost {cost:g})")
+            now[(sid, name)] = evicted
             released.add((sid, name))
     if "drop" in levers and not done():
         # Two passes: a session whose storage a later session shares frees nothing at first, and its bytes
@@ -307,13 +292,13 @@ def plan_release(
                 continue
             # What each object holds once this plan's earlier parks and evictions ran: all of it leaves now.
             objects = [now[(sid, n)] if (sid, n) in now else object_extents(o) for n, o in session._objects.items()]
-            change = ledger.change(objects, (), attr_sets.get(sid, _NO_EXTENTS))
-            if change.frees.get(pool, 0) <= 0:
+            change = ledger.change(objects, (), snap.attr_sets.get(sid, _NO_EXTENTS))
+            if change.frees.get(target, 0) <= 0:
                 note = f"{sid}: dropping it frees nothing in {pool!r} (its storage is held elsewhere)"
                 if note not in skipped:
                     skipped.append(note)
                 continue
-            take(ReleaseAction("drop", (sid,), None, change.frees, "least recently used session"), change, {})
+            take("drop", (sid,), None, change, "least recently used session")
             dropped.add(sid)
     if not done():
         _log.debug(
@@ -326,9 +311,47 @@ def plan_release(
 _NO_EXTENTS: frozenset[Extent] = frozenset()
 
 
-def _limit(budget: dict[str, int], pool: str) -> int | None:
-    """The budget of ``pool`` (``"*"`` covers each device pool), or None."""
-    return budget.get(pool, budget.get(ANY_DEVICE) if "/" not in pool else None)
+class _Snapshot:
+    """What the table holds, read once per plan: each session's attr extents, how many sessions' attrs hold
+    each extent, bytes per pool (attrs included), and who holds an object the ledger says is shared."""
+
+    def __init__(self, acct: Acct, sids: list[str], objs: list[Any]):
+        self.refs = acct.refs
+        self.sids, self.objs = sids, objs
+        self.attr_sets: dict[str, frozenset[Extent]] = {}
+        self.attr_holders: Counter[Extent] = Counter()
+        for sid, session in zip(sids, objs):
+            if not session._attrs:
+                continue
+            out: accounting.Extents = []
+            for value in session._attrs.values():
+                accounting.collect_extents(value, out, {}, accounting.WalkReport())
+            if out:  # (one container per session would trigger full garbage collections at 100k sessions)
+                self.attr_sets[sid] = extents = frozenset(out)
+                for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
+                    self.attr_holders[e] += 1
+        held = dict(acct.totals)
+        for p, n in by_pool(e for e in self.attr_holders if e not in acct.refs).items():  # attr bytes no object holds
+            held[str(p)] = held.get(str(p), 0) + n
+        self.held = pools_by_name(held)
+        self._slots: dict[int, list[tuple[str, str]]] | None = None
+
+    def holders(self, obj: Any, sid: str, name: str, extents: frozenset[Extent]) -> list[tuple[str, str]]:
+        """Every (session, name) holding this very object (forks, or one cache put under two names), as
+        `park(with_sharers=True)` parks them, least recent first.
+
+        The ledger answers the common case: when no extent of the object has a second holder, ``(sid,
+        name)`` is the only slot. Otherwise one pass over the table names the slots (built once per plan).
+        """
+        refs = self.refs
+        if all(refs.get(e, 0) <= 1 for e in extents):
+            return [(sid, name)]
+        if self._slots is None:
+            self._slots = {}
+            for s, session in zip(self.sids, self.objs):
+                for n, o in sorted(session._objects.items()):
+                    self._slots.setdefault(id(o), []).append((s, n))
+        return self._slots[id(obj)]
 
 
 def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:
@@ -344,11 +367,11 @@ def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset
     if type(obj) is PagedKVHandle:  # the engine's offload token: host memory of the size of the blocks
         committed = frozenset(obj.pool.extents(obj.block_ids))
         kept = frozenset(obj.pool.extents(obj.staged or ()))
-        token = [ledger.virtual("cpu", len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
+        token = [ledger.virtual(HOST, len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
         return committed, kept | frozenset(token)
     committed = extents_of(obj._committed_roots())
     kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
-    host_bytes: dict[str, int] = {}
+    host_bytes: dict[Pool, int] = {}
     storages: set[tuple[Any, int]] = set()
     for i, leaf in enumerate(_leaves(obj._parkable_fields())):
         tensor, _ = parking.as_torch(leaf)
@@ -357,14 +380,14 @@ def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset
             key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
             if key not in storages:
                 storages.add(key)
-                kind = "cpu/pinned_host" if tensor.device.type == "cuda" else "cpu/unpinned_host"
+                kind = PINNED_HOST if tensor.device.type == "cuda" else UNPINNED_HOST
                 host_bytes[kind] = host_bytes.get(kind, 0) + storage.nbytes()
         elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             n = sum(s.data.on_device_size_in_bytes() for s in leaf.addressable_shards)
-            host_bytes["cpu/pinned_host"] = host_bytes.get("cpu/pinned_host", 0) + n
+            host_bytes[PINNED_HOST] = host_bytes.get(PINNED_HOST, 0) + n
         else:
             kept_values.append(leaf)
-    host = frozenset(ledger.virtual(p, n) for p, n in sorted(host_bytes.items()) if n)
+    host = frozenset(ledger.virtual(p, n) for p, n in sorted(host_bytes.items(), key=str) if n)
     return committed, extents_of(kept_values) | host
 
 

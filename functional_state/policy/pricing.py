@@ -8,6 +8,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..memory import accounting
+from ..memory.pools import Pool
+from ..memory.usage import pools_by_name
 from ..table.ledger import Extent
 
 
@@ -31,11 +33,11 @@ class Ledger:
         objects = self.refs.get(e, 0) + self.objects[e] + d_objects
         return objects > 0 or self.attr_holders[e] + self.attrs[e] + d_attrs > 0
 
-    def virtual(self, pool: str, nbytes: int) -> Extent:
+    def virtual(self, pool: Pool, nbytes: int) -> Extent:
         """An extent for a host copy that does not exist yet (a park's), disjoint from every real buffer."""
         start = self._next_virtual
         self._next_virtual += nbytes
-        return (pool, start, start + nbytes)
+        return (str(pool), start, start + nbytes)
 
     def change(
         self, remove: Iterable[frozenset[Extent]], add: Iterable[frozenset[Extent]] = (), attrs: Iterable[Extent] = ()
@@ -61,7 +63,9 @@ class Ledger:
         frees = by_pool(left)
         for pool, n in by_pool(came).items():
             frees[pool] = frees.get(pool, 0) - n
-        return Change({p: n for p, n in sorted(frees.items()) if n}, frozenset(left), d, d_attrs)
+        if came:
+            frees = dict(sorted(frees.items(), key=_by_name))
+        return Change({p: n for p, n in frees.items() if n}, frozenset(left), d, d_attrs)
 
     def take(self, change: Change) -> None:
         self.objects.update(change.objects)
@@ -70,11 +74,16 @@ class Ledger:
 
 @dataclasses.dataclass(frozen=True)
 class Change:
-    frees: dict[str, int]  # pool -> bytes leaving (negative: arriving)
+    frees: dict[Pool, int]  # pool -> bytes leaving (negative: arriving), by pool name
     left: frozenset[Extent]  # extents no holder keeps afterwards
     objects: Counter[Extent]
     attrs: Counter[Extent]
 
 
-def by_pool(extents: Iterable[Extent]) -> dict[str, int]:
-    return accounting.union_by_device(list(extents))
+def by_pool(extents: Iterable[Extent]) -> dict[Pool, int]:
+    """Bytes per pool of ``extents``, overlaps counted once, by pool name."""
+    return pools_by_name(accounting.union_by_device(list(extents)))
+
+
+def _by_name(item: tuple[Pool, int]) -> str:
+    return str(item[0])

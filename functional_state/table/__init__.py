@@ -27,7 +27,8 @@ from .parked import park, restore
 from .session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
 from .usage import stats
 
-# `step` is exported by `functional_state` only: here it would hide the module `table.step`.
+# `step` and `usage` are exported by `functional_state` only: here they would hide the modules `table.step`
+# and `table.usage`.
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",

@@ -1,4 +1,5 @@
-"""What the table holds: its counters and bytes per pool, as one mapping (stats)."""
+"""What the table holds: a typed `Usage` snapshot (usage), its bytes per pool alone (pool_bytes), and the
+`stats()` mapping that formats the snapshot."""
 
 from __future__ import annotations
 
@@ -6,13 +7,75 @@ from typing import Any
 
 from ..engine.paged_kv import pool_by_uid
 from ..memory import accounting
-from ..memory.holders import deleted_count, totals_with_attrs
+from ..memory.holders import deleted_count, pool_totals, totals_with_attrs
 from ..memory.holders import parked_nbytes as kept_parked_nbytes
+from ..memory.pools import Pool
+from ..memory.usage import KVPoolUsage, Usage, pools_by_name
 from .manager_state import ManagerState, check_state, ledger_of, session_map
+
+__all__ = ["pool_bytes", "stats", "usage"]
+
+
+def pool_bytes(state: ManagerState) -> dict[Pool, int]:
+    """Bytes per pool the table holds, attrs included (`Usage.by_pool` without the rest of the snapshot)."""
+    return pools_by_name(pool_totals(ledger_of(state)))
+
+
+def usage(state: ManagerState, *, exact: bool = False) -> Usage:
+    """What the table holds, typed: bytes per `Pool`, engine KV pools, counters (see `stats` for each figure).
+
+    ``exact=True`` walks every object too, as a check (see `stats`).
+
+    Example:
+      >>> import numpy as np, functional_state as fs
+      >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+      >>> s = fs.put(s, "a", "cache", fs.DenseValue.create([np.zeros(256, np.float32)]))
+      >>> u = usage(s)
+      >>> u.nbytes(fs.Pool("cpu")), u.as_stats() == fs.stats(s)
+      (1024, True)
+    """
+    return _usage(state, exact, "usage")
+
+
+def _usage(state: ManagerState, exact: bool, what: str) -> Usage:
+    if type(state) is not ManagerState:
+        check_state(state, what)
+    if exact:
+        sessions_now = list(session_map(state).values())
+        per_device, report = accounting.walk(*sessions_now)
+        # Read from the host copies themselves: a parked copy need not sit in a host pool (numpy stays where
+        # it was, an engine's offload token is the engine's), so host-pool totals undercount it.
+        parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
+        parked_nbytes = accounting.total_nbytes(*parked)
+    else:  # kept by the ledger: O(pools + JAX arrays held + parked copies + attr containers), no walk
+        acct = ledger_of(state)
+        per_device, report = totals_with_attrs(acct)
+        report.deleted_arrays += deleted_count(acct)  # arrays a user donated behind the table's back
+        parked_nbytes = kept_parked_nbytes(acct)
+    kv_pools = []
+    for uid, blocks in ledger_of(state).kv_held().items():
+        pool = pool_by_uid(uid)
+        if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
+            kv_pools.append(KVPoolUsage(pool.name, blocks * pool.block_nbytes, pool.capacity()))
+    return Usage(
+        by_pool=pools_by_name(per_device),
+        sessions=len(state),
+        max_sessions=state.max_sessions,
+        byte_budget=state.byte_budget,
+        hits=state.hits,
+        misses=state.misses,
+        evictions=state.evictions,
+        parks=state.parks,
+        restores=state.restores,
+        parked_nbytes=parked_nbytes,
+        deleted_arrays=report.deleted_arrays,
+        unaccounted_objects=report.unaccounted_objects,
+        kv_pools=tuple(kv_pools),
+    )
 
 
 def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
-    """Counters and bytes of the table.
+    """Counters and bytes of the table: `usage` formatted as one flat mapping (`Usage.as_stats`).
 
     Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
     ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes of parked host copies: what objects
@@ -31,39 +94,4 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     instead (objects too), as a check: the figures are the same unless an object's buffer was deleted or
     resized behind the manager's back.
     """
-    if type(state) is not ManagerState:
-        check_state(state, "stats")
-    if exact:
-        sessions_now = list(session_map(state).values())
-        per_device, report = accounting.walk(*sessions_now)
-        # Read from the host copies themselves: a parked copy need not sit in a host pool (numpy stays where
-        # it was, an engine's offload token is the engine's), so host-pool totals undercount it.
-        parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
-        parked_nbytes = accounting.total_nbytes(*parked)
-    else:  # kept by the ledger: O(pools + JAX arrays held + parked copies + attr containers), no walk
-        acct = ledger_of(state)
-        per_device, report = totals_with_attrs(acct)
-        report.deleted_arrays += deleted_count(acct)  # arrays a user donated behind the table's back
-        parked_nbytes = kept_parked_nbytes(acct)
-    out: dict[str, Any] = {
-        "sessions": len(state),
-        "max_sessions": state.max_sessions,
-        "byte_budget": state.byte_budget,
-        "total_nbytes": sum(per_device.values()),
-        "hits": state.hits,
-        "misses": state.misses,
-        "evictions": state.evictions,
-        "parks": state.parks,
-        "restores": state.restores,
-        "parked_nbytes": parked_nbytes,
-        "deleted_arrays": report.deleted_arrays,
-        "unaccounted_objects": report.unaccounted_objects,
-    }
-    out.update({f"nbytes:{device}": n for device, n in per_device.items()})
-    for uid, blocks in ledger_of(state).kv_held().items():
-        pool = pool_by_uid(uid)
-        if pool is not None:  # engine pools sessions hold blocks of: what they hold, and the pool's size
-            out[f"kv_pool:{pool.name}:held_nbytes"] = blocks * pool.block_nbytes
-            for key, n in pool.capacity().items():
-                out[f"kv_pool:{pool.name}:{key}"] = n
-    return out
+    return _usage(state, exact, "stats").as_stats()
