@@ -8,6 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.codec import refuse, register_checkpoint_type
 from ..core.pytree import pytree_dataclass
 from ..core.state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, check_source
 from ..errors import (
@@ -45,6 +46,15 @@ def paged_gather(layer: Any, block_ids: Any) -> Any:
     return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
 
 
+def _not_checkpointable(where: str) -> str:
+    return (
+        f"{where} is a PagedKVHandle: its K/V lives in an engine's pool, which a session checkpoint does not own. "
+        f"Evict it before saving (it is recomputed on resume), or pass object_hooks with an export that gathers "
+        f"its K/V and an import that writes it into the engine's new blocks."
+    )
+
+
+@register_checkpoint_type(codec=refuse(_not_checkpointable))
 @pytree_dataclass(static=("pool", "block_ids", "staged", "status", "recompute_source", "recompute_cost"))
 class PagedKVHandle(StateObject):
     """A session's blocks in an engine's paged KV pool: committing appends block ids, oldest first.

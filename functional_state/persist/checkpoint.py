@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ import jax
 import numpy as np
 
 from .._version import __version__
+from ..core.codec import register_checkpoint_type
 from ..core.session import SessionState
 from ..errors import CheckpointError, SessionExistsError, SessionStateError
 from ..table import manager_state as ms
@@ -52,7 +54,7 @@ from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
 from .decode import Reader, decode_sharding, release_sessions
 from .directory import has_checkpoint, import_orbax, list_steps, orbax_manager
-from .encode import AttrHooks, Writer, register_checkpoint_type
+from .encode import AttrHooks, Writer
 from .manifest import (
     CHECKSUM,
     FORMAT,
@@ -250,6 +252,7 @@ def read_session(
     torch_device: Any = None,
     attr_hooks: AttrHooks | None = None,
     object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
 ) -> SessionState:
     """The `SessionState` of ``session_id`` in the checkpoint at ``path`` (what `load_session` installs).
 
@@ -262,7 +265,7 @@ def read_session(
     if sid not in entries:
         raise CheckpointError(f"{path}: holds sessions {sorted(entries)[:8]}, not {sid!r}.")
     try:
-        return Reader(arrays, attr_hooks, torch_device, object_hooks).session(entries[sid])
+        return Reader(arrays, attr_hooks, torch_device, object_hooks, templates).session(entries[sid])
     except CheckpointError:
         raise
     except Exception as e:
@@ -280,6 +283,7 @@ def load_session(
     replace: bool = False,
     attr_hooks: AttrHooks | None = None,
     object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
 ) -> ManagerState:
     """``state`` with session ``session_id`` loaded from the checkpoint at ``path`` (under ``as_id`` if given),
     as the most recently used session.
@@ -290,6 +294,13 @@ def load_session(
       torch_device: where torch tensors go (default: the device each was saved from).
       replace: load over a session of that id (default: refuse; the caller decides what a clash means).
       attr_hooks, object_hooks: the import halves of the hooks the save used.
+      templates: ``{object name: abstract tree}`` for `PytreeValue` objects whose tree is not made of plain
+        containers (an ``nnx.State``, an ``eqx.nn.State``, a NamedTuple, a pytree dataclass): a tree of that
+        type and structure whose leaves are arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` gives
+        one), orbax's abstract-target idea. The loaded value has the template's type and structure; its
+        leaf shapes, dtypes and key paths must be the saved ones. Plain containers (dict, list, tuple, None)
+        need none, nor do pytree types whose module is imported and whose static data is plain; a tree
+        that needs one and has none is refused, naming the object and this option. Nothing is unpickled.
 
     Raises:
       CheckpointError: ``path`` is not a checkpoint, is damaged (the leaf is named), was written with another
@@ -306,6 +317,7 @@ def load_session(
         torch_device=torch_device,
         attr_hooks=attr_hooks,
         object_hooks=object_hooks,
+        templates=templates,
     )
     try:
         return install_session(state, target, session, replace=replace)
@@ -370,8 +382,11 @@ def load(
     torch_device: Any = None,
     attr_hooks: AttrHooks | None = None,
     object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
 ) -> ManagerState:
     """The table a `save` wrote: sessions in their recency order, counters and configuration as they were.
+
+    See `load_session` for the arguments (``templates`` apply to the objects of that name in every session).
 
     Raises:
       CheckpointError: see `load_session`; also a checkpoint of one session (use `load_session`).
@@ -380,7 +395,7 @@ def load(
     table = manifest.get("table")
     if manifest["kind"] != "table" or table is None:
         raise CheckpointError(f"{path} holds a session checkpoint, not a table; use load_session.")
-    reader = Reader(arrays, attr_hooks, torch_device, object_hooks)
+    reader = Reader(arrays, attr_hooks, torch_device, object_hooks, templates)
     try:
         state = ManagerState.create(table["max_sessions"], table["byte_budget"], table["evict_when_full"])
     except SessionStateError as e:
