@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,10 @@ from .manifest import (
     CHECKSUM,
     FORMAT,
     LAYOUT,
-    aligned_copy,
+    aligned_empty,
     check_manifest,
     checksum,
+    copy_checksum,
     in_parallel,
     leaf_nbytes,
 )
@@ -121,6 +123,11 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
             f"damaged or another tool wrote this directory."
         )
     check_manifest(manifest, root)
+    on_cpu = _storages_on_cpu(manifest, torch_device)
+    # While orbax waits on the disk, fault in the aligned memory the host-bound storages are copied into.
+    prepared: dict[str, np.ndarray] = {}
+    prefault = threading.Thread(target=_prepare, args=(manifest["leaves"], on_cpu, prepared), daemon=True)
+    prefault.start()
     manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
     try:
         abstract: dict[str, Any] = {}
@@ -142,21 +149,26 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
             ) from e
     finally:
         manager.close()
+    prefault.join()
     leaves = manifest["leaves"]
     missing = [key for key in leaves if arrays.get(key) is None]
     if missing:
         raise CheckpointError(f"{root}: leaf {missing[0]!r} is missing from the arrays.")
 
-    on_cpu = _storages_on_cpu(manifest, torch_device)
-
     def verify(key: str) -> tuple[Any, bool]:
         got, info = arrays[key], leaves[key]
+        algorithm = next((a for a in (CHECKSUM, "sha256") if a in info), None)
         if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
-            got = aligned_copy(np.asarray(got, dtype=np.uint8))
-        for algorithm in (CHECKSUM, "sha256"):
-            if algorithm in info:
-                return got, checksum(np.asarray(got), algorithm) == info[algorithm]
-        return got, True  # a leaf no process could read whole (sharded over several hosts) has none
+            src = np.asarray(got, dtype=np.uint8)
+            out = prepared.get(key)
+            out = out if out is not None and out.nbytes == src.nbytes else aligned_empty(src.nbytes)
+            if algorithm is None:
+                np.copyto(out, src)
+                return out, True
+            return out, copy_checksum(src, out, algorithm) == info[algorithm]
+        if algorithm is None:
+            return got, True  # a leaf no process could read whole (sharded over several hosts) has none
+        return got, checksum(np.asarray(got), algorithm) == info[algorithm]
 
     keys = sorted(leaves, key=lambda k: -leaf_nbytes(leaves[k]))  # largest first, so the cores finish together
     results = in_parallel(verify, keys, sum(leaf_nbytes(info) for info in leaves.values()))
@@ -169,6 +181,15 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
             )
         arrays[key] = got
     return manifest, arrays
+
+
+def _prepare(leaves: dict[str, Any], keys: set[str], out: dict[str, np.ndarray]) -> None:
+    """Aligned, faulted-in memory for each of ``keys`` (leaves sized by the manifest), into ``out``."""
+    try:
+        for key in sorted(keys, key=lambda k: -leaf_nbytes(leaves[k])):
+            out[key] = aligned_empty(leaf_nbytes(leaves[key]), touch=True)
+    except (MemoryError, ValueError, TypeError, KeyError):  # a damaged manifest's sizes: the read refuses it
+        out.clear()
 
 
 def _storages_on_cpu(manifest: dict[str, Any], torch_device: Any) -> set[str]:
