@@ -154,7 +154,11 @@ def test_a_tree_with_unportable_static_data_loads_from_a_template_only(tmp_path)
     wrong = {"kv": {"k": jax.ShapeDtypeStruct((2, 3), jnp.float32), "v": jax.ShapeDtypeStruct((3,), jnp.float32)}}
     with pytest.raises(CheckpointError, match="differs from the saved tree"):
         fs.load_session(empty, "a", tmp_path / "ck", templates=wrong)
-    abstract = jax.eval_shape(lambda: _cache(0.0))
+    with pytest.raises(fs.InvalidArgumentError, match="`templates` must map object names"):
+        fs.load_session(
+            empty, "a", tmp_path / "ck", templates=[abstract_of_cache := jax.eval_shape(lambda: _cache(0.0))]
+        )
+    abstract = abstract_of_cache
     loaded = fs.load_session(empty, "a", tmp_path / "ck", templates={"kv": abstract})
     got = fs.view(loaded, "a", "kv")
     assert type(got) is Cache and got.act is jax.nn.relu

@@ -16,7 +16,7 @@ from ..core.pytree import MISSING
 from ..core.session import SessionState
 from ..engine.kv_handle import kv_keys
 from ..engine.paged_kv import pool_by_uid
-from ..errors import CheckpointError
+from ..errors import CheckpointError, InvalidArgumentError
 from ..memory.parking import jax_alias
 from .encode import AttrHooks
 from .manifest import (
@@ -46,6 +46,15 @@ def decode_sharding(info: dict[str, Any]) -> Any:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
+def check_templates(templates: Any) -> dict[str, Any]:
+    """``templates`` as a dict, or `InvalidArgumentError` unless it maps object names to trees."""
+    if templates is not None and not (isinstance(templates, Mapping) and all(isinstance(k, str) for k in templates)):
+        raise InvalidArgumentError(
+            f"`templates` must map object names (str) to abstract trees, got {type(templates).__name__}."
+        )
+    return dict(templates or {})
+
+
 class Reader:
     def __init__(
         self,
@@ -56,6 +65,12 @@ class Reader:
         templates: Mapping[str, Any] | None = None,
     ):
         self.object_hooks = dict(object_hooks or {})
+        if templates is not None and not (
+            isinstance(templates, Mapping) and all(isinstance(k, str) for k in templates)
+        ):
+            raise InvalidArgumentError(
+                f"templates must map object names (str) to abstract trees, got {type(templates).__name__}."
+            )
         self.templates = dict(templates or {})
         self.arrays = arrays
         self.hooks = dict(hooks or {})
