@@ -22,7 +22,9 @@ from torch_bridge.adapters import dreamzero_rollout as dz
 
 MIB = 2**20
 KV = "self_attn_kv"
-ROUNDS = 5  # the disk of a shared machine is noisy: medians of five interleaved rounds
+ROUNDS = int(
+    os.environ.get("FS_BENCH_CKPT_ROUNDS", "5")
+)  # the disk of a shared machine is noisy: medians of five interleaved rounds
 
 
 def _deploy_session(steps: int = 16) -> tuple[DreamZeroSessions, dz._SelfAttnKV]:
@@ -77,6 +79,52 @@ def _same_cache_state(path: Path) -> str:
         return "warm (files read once first)"
 
 
+def _safetensors_pair(tensors: dict[str, torch.Tensor], path: Path) -> tuple[float, float] | None:
+    """Seconds for safetensors to write ``tensors`` (with an fsync, as the save does) and to read them back
+    (page cache put in the same state first); None when safetensors is not installed."""
+    try:
+        from safetensors.torch import load_file, save_file
+    except ImportError:
+        return None
+    t0 = time.perf_counter()
+    save_file(tensors, str(path))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    write = time.perf_counter() - t0
+    _same_cache_state(path)
+    t0 = time.perf_counter()
+    back = load_file(str(path))
+    read = time.perf_counter() - t0
+    assert sum(t.nbytes for t in back.values()) == sum(t.nbytes for t in tensors.values())
+    return write, read
+
+
+def _step_helpers(root: Path) -> dict[str, float]:
+    """Median seconds of one `has_checkpoint` poll against orbax's own step helpers on the same directory
+    (issue 23: why `has_checkpoint` keeps its own scan)."""
+    from _timing import interleaved_medians
+    from functional_state.persist.directory import import_orbax
+
+    ocp = import_orbax()
+    name_format = ocp.path.step.standard_name_format()
+
+    def manager() -> object:
+        with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(create=False)) as m:
+            return m.latest_step()
+
+    return interleaved_medians(
+        {
+            "has_checkpoint": lambda: fs.has_checkpoint(root),
+            "ocp.utils.checkpoint_steps": lambda: ocp.utils.checkpoint_steps(root),
+            "ocp.path.step.latest_step_metadata": lambda: ocp.path.step.latest_step_metadata(root, name_format),
+            "CheckpointManager.latest_step": manager,
+        },
+        repeats=5,
+        number=5,
+    )
+
+
 def _step_latencies(store: DreamZeroSessions, kv: dz._SelfAttnKV, n: int, first: int) -> list[float]:
     """``n`` model steps of a small-shape session served next to the big one."""
     cfg = dz.small_config(steps=10**6, sessions=2, prompt_every=10**9)
@@ -94,9 +142,12 @@ def run() -> dict:
     store, kv = _deploy_session()
     hooks = {"object_hooks": {KV: kv.engine.checkpoint_hooks()}}
     nbytes = store.resume("deploy").total_nbytes()
+    # The peer: the same bulk bytes (the feat map, ~99% of the session) as one safetensors file.
+    feat = {f"feat{i}": t.contiguous() for i, t in enumerate(store.resume("deploy").vae_enc_feat_map)}
+    feat_bytes = sum(t.nbytes for t in feat.values())
     work = Path(tempfile.mkdtemp(prefix="fs-bench-ckpt-"))
     try:
-        saves, loads, raw_w, raw_r = [], [], [], []
+        saves, loads, raw_w, raw_r, st_w, st_r, st_raw_w, st_raw_r = [], [], [], [], [], [], [], []
         for i in range(ROUNDS):  # side by side: raw disk, save, load, each round
             raw_w.append(_raw_write(work / f"raw{i}", nbytes))
             t0 = time.perf_counter()
@@ -112,7 +163,17 @@ def run() -> dict:
             # server does when it closes a session it installed.
             kv.engine.free(loaded.objects[KV].block_ids)
             (work / f"raw{i}").unlink()
+            peer = _safetensors_pair(feat, work / f"st{i}.safetensors")
+            if peer is not None:  # paired with a raw write and read of its own byte count, beside it
+                st_raw_w.append(_raw_write(work / f"straw{i}", feat_bytes))
+                _same_cache_state(work / f"straw{i}")
+                st_raw_r.append(_raw_read(work / f"straw{i}", feat_bytes))
+                st_w.append(peer[0])
+                st_r.append(peer[1])
+                (work / f"straw{i}").unlink()
+                (work / f"st{i}.safetensors").unlink()
         disk = sum(p.stat().st_size for p in (work / "ck0").rglob("*") if p.is_file())
+        helpers = _step_helpers(work / "ck0")
         # Step latency: steps with no save, then steps while an asynchronous save of the big session runs.
         _step_latencies(store, kv, 20, 0)  # warm
         quiet, busy, step = [], [], 20
@@ -145,6 +206,21 @@ def run() -> dict:
         ("model step, no save / async save in flight", fmt_time(med(quiet)), fmt_time(med(busy)) if busy else "-"),
         ("steps measured during async saves", str(len(busy)), "-"),
     ]
+    rows += [(f"step scan: {k}", fmt_time(v), f"{v / helpers['has_checkpoint']:.1f}x") for k, v in helpers.items()]
+    ours_w = med([t / w for w, t in zip(raw_w, saves)])
+    ours_r = med([t / r for r, t in zip(raw_r, loads)])
+    peer_ratios = []
+    if st_r:
+        peer_w = med([t / w for w, t in zip(st_raw_w, st_w)])
+        peer_r = med([t / r for r, t in zip(st_raw_r, st_r)])
+        rows.append(("safetensors save / load, each over its paired raw op", f"{peer_w:.2f}x", f"{peer_r:.2f}x"))
+        peer_ratios = [
+            ("load time / raw read, ours over safetensors' (goal <= 1.0)", ours_r / peer_r),
+            ("save time / raw write, ours over safetensors' (goal <= 1.0)", ours_w / peer_w),
+        ]
+    rows.append(
+        ("save / load, each over its paired raw op (goals <= 1.1x, <= 1.3x)", f"{ours_w:.2f}x", f"{ours_r:.2f}x")
+    )
     return {
         "title": f"Checkpoints: a {nbytes / MIB:.0f} MiB DreamZero session on orbax, against the raw disk",
         "header": ("measure", "value", "value"),
@@ -162,6 +238,7 @@ def run() -> dict:
                 "step latency during an async save / without (goal <= 1.2)",
                 med(busy) / med(quiet) if busy else float("nan"),
             ),
+            *peer_ratios,
         ],
         "notes": (
             f"One deploy-shape DreamZero session after 16 steps (the 603 MiB feat map filled with random values so "
@@ -176,7 +253,13 @@ def run() -> dict:
             f"comparison like for like. Before each timed read the page cache is put in the same state for both: "
             f"{cache}. Step latency: a small-shape DreamZero step on another session of the same store, "
             "30 steps without a save against every step taken while an asynchronous save of the big session "
-            "is in flight, three rounds each."
+            "is in flight, three rounds each. The peer: the feat map's tensors (~99% of the bytes) written with "
+            "safetensors' save_file (then fsync) and read with load_file, each round paired with a raw write and "
+            "read of its own byte count; 'ours over safetensors'' divides the two normalised ratios. The step "
+            "scan rows time one `has_checkpoint` poll against orbax's step helpers on the same directory."
         ),
-        "figures": {"saves": saves, "loads": loads, "raw_w": raw_w, "raw_r": raw_r, "quiet": quiet, "busy": busy},
+        "figures": {
+            **{"saves": saves, "loads": loads, "raw_w": raw_w, "raw_r": raw_r, "quiet": quiet, "busy": busy},
+            **{"st_w": st_w, "st_r": st_r, "st_raw_w": st_raw_w, "st_raw_r": st_raw_r, "step_helpers": helpers},
+        },
     }

@@ -413,7 +413,7 @@ def test_a_bridge_alias_comes_back_as_an_alias_of_the_restored_storage(tmp_path)
 
 
 def test_host_bound_storages_come_back_aligned_and_gpu_bound_ones_skip_the_host_copy(tmp_path):
-    from functional_state.persist.checkpoint import _storages_on_cpu
+    from functional_state.persist.read import _storages_on_cpu
 
     s, _ = fs.get_or_create(ManagerState.create(), "a")
     s = fs.put(s, "a", "v", fs.DenseValue.create([torch.arange(1000.0), torch.ones(7, dtype=torch.int16)]))

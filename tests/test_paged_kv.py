@@ -528,3 +528,49 @@ def test_released_blocks_between_a_table_and_its_ancestor_or_sibling():
     shrunk, _ = fs.evict(s, "a", "kv")
     assert fs.released_blocks(grown, shrunk) == {engine.pool: (0, 1, 2)}  # siblings
     assert fs.released_blocks(s, grown) == {} and fs.released_blocks(s, shrunk) == {engine.pool: (0, 1)}
+
+
+def test_jit_over_sessions_traces_once_across_block_commits_and_stages():
+    """Regression (issue 20): `block_ids` (and staged ids) were static aux data, so a jitted function over
+    sessions traced again on every block commit (5 traces for 5 commits)."""
+    pool = PagedKVPool(jnp.zeros((16, 4, 2)), free=lambda ids: None, name="traced")
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "kv", PagedKVHandle.create(pool))
+    s = fs.put(s, "a", "x", fs.DenseValue.create(jnp.zeros(3)))
+    traces = []
+
+    @jax.jit
+    def bump(sessions):
+        traces.append(1)
+        return jax.tree_util.tree_map(lambda a: a + 1 if a.dtype == jnp.float32 else a, sessions)
+
+    for i in range(5):
+        s = fs.commit(s, "a", "kv", [2 * i, 2 * i + 1])
+        out = bump(fs.sessions(s))
+    assert len(traces) == 1
+    handle = out["a"].get("kv")  # what comes back out of the trace is the host tuple again
+    assert handle.block_ids == tuple(range(10)) and handle.num_tokens == 40
+    assert handle.block_ids == fs.lookup(s, "a").get("kv").block_ids
+    for i in range(3):  # staging a window and committing it: one more structure (staged or not), no more
+        s = fs.stage(s, "a", "kv", [10 + i])
+        bump(fs.sessions(s))
+        s = fs.commit(s, "a", "kv")
+        bump(fs.sessions(s))
+    assert len(traces) == 2
+    assert fs.lookup(s, "a").get("kv").block_ids == tuple(range(13))
+
+
+def test_a_handles_block_ids_read_as_a_tuple_inside_a_trace_raise_and_the_padded_ids_work():
+    layer = jnp.arange(32.0).reshape(8, 2, 2)  # the engine's pool array (a pool holds it weakly)
+    pool = PagedKVPool(layer, free=lambda ids: None, name="inside")
+    h = PagedKVHandle.create(pool, [3, 1])
+
+    @jax.jit
+    def first_row(layer, h):
+        return layer[h.block_ids.ids[0]], h.block_ids.count
+
+    row, n = first_row(layer, h)
+    np.testing.assert_array_equal(np.asarray(row), np.asarray(layer[3]))
+    assert int(n) == 2
+    with pytest.raises(fs.InvalidArgumentError, match=r"inside a jitted function.*block_ids.ids"):
+        jax.jit(lambda h: len(h.block_ids))(h)

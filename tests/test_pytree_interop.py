@@ -263,3 +263,24 @@ def test_donated_step_donates_when_nothing_else_holds_the_buffers():
     assert all(r().is_deleted() for r in own)  # nothing else held them: donated, not copied
     del consumed
     assert _same(fs.view(s, "a", "kv"), _tree(3.0)) and _same(fs.view(s, "fork", "kv"), _tree(1.0))
+
+
+def test_orbax_standard_checkpointer_and_is_leaf_tree_map_over_a_session_of_shipped_types(tmp_path):
+    """Regression (issue 21): `SessionState`'s unflatten called `immutables.Map(children)`, so orbax's
+    `StandardCheckpointer().save(path, session)` failed ('SaveArgs' object is not iterable: orbax maps an empty
+    node, here the attrs, to one SaveArgs) and so did a `tree_map` with `is_leaf` whose results are not
+    mappings. Uses only types older than the fix, so it runs on the commit before it."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.put(s, "a", "dense", fs.DenseValue.create(jnp.arange(4.0)))
+    session = fs.get_session(s, "a")[1]  # no attrs
+    kinds = jax.tree_util.tree_map(
+        lambda x: type(x).__name__, session, is_leaf=lambda x: isinstance(x, (dict, fs.StateObject))
+    )
+    assert kinds.get("dense") == "DenseValue"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "orbax", session)
+        ckpt.wait_until_finished()
+        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, session)
+        restored = ckpt.restore(tmp_path / "orbax", abstract)
+    np.testing.assert_array_equal(np.asarray(restored.get("dense").view()), np.arange(4.0))

@@ -11,6 +11,7 @@ import numpy as np
 
 from .._repr import short
 from ..errors import InvalidArgumentError, InvalidTypeError, StateShapeError
+from .codec import register_checkpoint_type
 from .pytree import pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, check_source
 
@@ -26,6 +27,7 @@ def _raise_short_window(size: Any, k: int, capacity: int) -> None:
     )
 
 
+@register_checkpoint_type
 @pytree_dataclass(static=("capacity", "frame_shape", "dtype", "status", "recompute_source", "recompute_cost"))
 class ArrayRing(StateObject):
     """The last ``capacity`` frames of shape ``frame_shape``, in one ``[capacity, *frame_shape]`` array.

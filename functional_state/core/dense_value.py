@@ -6,6 +6,7 @@ from typing import Any
 
 from .._repr import short
 from ..errors import InvalidArgumentError, InvalidTypeError
+from .codec import register_checkpoint_type
 from .pytree import pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status
 
@@ -33,6 +34,7 @@ def _check_value(value: Any, what: str) -> Any:
     )
 
 
+@register_checkpoint_type
 @pytree_dataclass(static=("status", "recompute_source", "recompute_cost"))
 class DenseValue(StateObject):
     """One value the model replaces wholesale, or item by item: a cache like DreamZero's VAE feat map.

@@ -6,12 +6,14 @@ from typing import Any
 
 from .._repr import short
 from ..errors import InvalidArgumentError
+from .codec import register_checkpoint_type
 from .pytree import pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, check_source
 
 __all__ = ["LatentBuffer"]
 
 
+@register_checkpoint_type
 @pytree_dataclass(static=("maxlen", "status", "recompute_source", "recompute_cost"))
 class LatentBuffer(StateObject):
     """Items in commit order; unbounded, or a ring of ``maxlen`` that drops the oldest.

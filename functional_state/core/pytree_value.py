@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._repr import short
-from ..errors import InvalidArgumentError, InvalidTypeError, StateShapeError
-from .pytree import pytree_dataclass
+from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, StateShapeError
+from .codec import DecodeContext, ObjectCodec, register_checkpoint_type
+from .pytree import MISSING, pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status
 
 __all__ = ["PytreeValue"]
@@ -110,6 +111,111 @@ def _paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+_PLAIN = frozenset({"builtins:dict", "builtins:list", "builtins:tuple", "builtins:NoneType"})
+
+
+def _plain(desc: Any) -> bool:
+    return desc == _LEAF or (desc[0] in _PLAIN and all(_plain(c) for c in desc[2]))
+
+
+_NEEDS_TEMPLATE = "<template>"  # a saved structure whose aux data a manifest cannot hold (never a type name)
+
+_PORTABLE = (str, int, float, bool, type(None), np.dtype)
+
+
+def _portable(x: Any) -> bool:
+    return isinstance(x, _PORTABLE) or (isinstance(x, tuple) and all(_portable(v) for v in x))
+
+
+class _Codec(ObjectCodec):
+    """A checkpoint holds the tree's description; a load rebuilds its treedef from the caller's template, or
+    for plain containers (and pytree types of imported modules) from the description itself. A tree whose aux
+    data is not plain (a pytree dataclass with a callable static field, say) is saved as its root type and key
+    paths, and loads from a template only."""
+
+    def encode(self, obj: Any, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        static, fields = self.encode_fields(obj, where)
+        if not _portable(obj.structure):
+            root = obj.structure[0]
+            static["structure"] = (
+                _NEEDS_TEMPLATE,
+                root,
+                tuple(_paths(_treedef(obj.structure).unflatten([0] * len(obj.avals)))),
+            )
+        return static, fields
+
+    def decode(self, cls: type, static: dict[str, Any], fields: dict[str, Any], context: DecodeContext) -> Any:
+        structure, avals = static["structure"], tuple(static["avals"])
+        if structure != _LEAF and structure[0] == _NEEDS_TEMPLATE:
+            if context.template is MISSING:
+                raise CheckpointError(
+                    f"{context.where}: a PytreeValue holding a {structure[1]!r} tree whose static data a checkpoint "
+                    f"cannot describe; pass the load `templates={{{context.name!r}: abstract_tree}}` (a tree of "
+                    f"that type and structure, its leaves arrays or `jax.ShapeDtypeStruct`s)."
+                )
+            static = {**static, "structure": _adopt_by_paths(context.template, structure, avals, context.where)}
+        elif context.template is not MISSING:
+            _adopt_template(context.template, structure, avals, context.where)
+        elif not _plain(structure):
+            try:
+                _treedef(structure)
+            except InvalidTypeError as e:
+                raise CheckpointError(
+                    f"{context.where}: a PytreeValue holding a {structure[0]!r} tree, which no imported module "
+                    f"defines. Pass the load `templates={{{context.name!r}: abstract_tree}}` (a tree of that type "
+                    f"and structure, its leaves arrays or `jax.ShapeDtypeStruct`s), or import the module that "
+                    f"defines the type first."
+                ) from e
+        return super().decode(cls, static, fields, context)
+
+
+def _template_layout(template: Any, where: str) -> tuple[Any, Any, Any]:
+    """``(structure, avals, treedef)`` of a template (a tree, or a PytreeValue)."""
+    if isinstance(template, PytreeValue):
+        return template.structure, template.avals, template.treedef
+    try:
+        _, got, got_avals = _flatten(template, "templates")
+    except InvalidTypeError as e:
+        raise CheckpointError(f"{where}: its template is not a tree of arrays ({e}).") from e
+    return got, got_avals, jax.tree_util.tree_structure(template)
+
+
+def _adopt_by_paths(template: Any, saved: Any, avals: Any, where: str) -> Any:
+    """The template's structure, checked against a saved root type name and key paths (and each leaf's shape
+    and dtype); its treedef is the one views use."""
+    got, _, td = _template_layout(template, where)
+    paths = tuple(_paths(td.unflatten([0] * td.num_leaves)))
+    root = got[0] if got != _LEAF else _LEAF
+    if (root, paths) != (saved[1], tuple(saved[2])):
+        raise CheckpointError(
+            f"{where}: the template given in `templates` differs from the saved tree (template: a {root!r} with "
+            f"leaves {list(paths)[:6]}; saved: a {saved[1]!r} with leaves {list(saved[2])[:6]}); give a template of "
+            f"the layout that was saved."
+        )
+    _adopt_template(template, got, avals, where)
+    return got
+
+
+def _adopt_template(template: Any, structure: Any, avals: Any, where: str) -> None:
+    """Make ``template``'s treedef the one of ``structure``, refusing a template of another layout."""
+    got, got_avals, td = _template_layout(template, where)
+    if got != structure:
+        kind = structure[0].rpartition(":")[2] if structure != _LEAF else "leaf"
+        detail = f"the template is {td}; the checkpoint holds a {kind} tree of {len(avals)} leaves"
+    elif tuple(got_avals) != avals:
+        i = next(i for i, (a, b) in enumerate(zip(got_avals, avals)) if a != b)
+        path = _paths(jax.tree_util.tree_unflatten(td, [0] * td.num_leaves))[i] or "the root"
+        detail = f"the leaf at {path} is {_aval_str(got_avals[i])} in the template, {_aval_str(avals[i])} saved"
+    else:
+        _TREEDEFS[structure] = td
+        return
+    raise CheckpointError(
+        f"{where}: the template given in `templates` differs from the saved tree ({detail}); give a template of "
+        f"the layout that was saved."
+    )
+
+
+@register_checkpoint_type(codec=_Codec())
 @pytree_dataclass(static=("structure", "avals", "status", "recompute_source", "recompute_cost"))
 class PytreeValue(StateObject):
     """Any registered pytree of arrays, replaced whole on commit: a model's KV cache as an ``nnx.State``, an

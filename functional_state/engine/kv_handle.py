@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..core.codec import refuse, register_checkpoint_type
 from ..core.pytree import pytree_dataclass
 from ..core.state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, check_source
 from ..errors import (
@@ -18,7 +20,7 @@ from ..errors import (
 from ..memory import accounting
 from .paged_kv import PagedKVPool, is_torch
 
-__all__ = ["PagedKVHandle", "paged_gather"]
+__all__ = ["BlockIds", "PagedKVHandle", "paged_gather"]
 
 
 def paged_gather(layer: Any, block_ids: Any) -> Any:
@@ -45,7 +47,90 @@ def paged_gather(layer: Any, block_ids: Any) -> Any:
     return out.reshape(-1, *layer.shape[2:]) if layer.ndim > 1 else out
 
 
-@pytree_dataclass(static=("pool", "block_ids", "staged", "status", "recompute_source", "recompute_cost"))
+class BlockIds(tuple[int, ...]):
+    """A handle's block ids, oldest first: a tuple of ints on the host. As a pytree it is two leaves of fixed
+    shape (the ids padded with -1 to the pool's block count, and how many there are), so a jitted function
+    over sessions traces once whatever blocks a handle holds: as static aux data, each commit of a block was a
+    new trace.
+
+    Inside a trace the ids are tracers: `ids` and `count` hold them, and reading the tuple raises (a traced
+    handle has no host ids; gather with `paged_gather(layer, ids[:n])` outside, or on the padded `ids`).
+    """
+
+    capacity: int  # the pool's block count: the padded leaf's length
+
+    def __new__(cls, ids: Any = (), capacity: int = 0) -> BlockIds:
+        out = super().__new__(cls, ids)
+        out.capacity = capacity
+        return out
+
+    @property
+    def ids(self) -> Any:
+        """The ids as an int32 array of length `capacity`, padded with -1 (a tracer inside a trace)."""
+        leaves = self.__dict__.get("_leaves")
+        if leaves is None:
+            padded = np.full(self.capacity, -1, np.int32)
+            padded[: tuple.__len__(self)] = self
+            leaves = self.__dict__["_leaves"] = (padded, np.int32(tuple.__len__(self)))
+        return leaves[0]
+
+    @property
+    def count(self) -> Any:
+        """How many ids there are, as an int32 scalar (a tracer inside a trace)."""
+        self.ids  # noqa: B018 - builds the leaves
+        return self.__dict__["_leaves"][1]
+
+    def _check_host(self) -> None:
+        if self.__dict__.get("_traced"):
+            raise InvalidArgumentError(
+                "a PagedKVHandle's block ids were read as a tuple inside a jitted function, where they are "
+                "traced: use `handle.block_ids.ids` (int32, padded with -1) and `.count`, or read them outside."
+            )
+
+    def __len__(self) -> int:
+        self._check_host()
+        return tuple.__len__(self)
+
+    def __iter__(self) -> Any:
+        self._check_host()
+        return tuple.__iter__(self)
+
+    def __getitem__(self, i: Any) -> Any:
+        self._check_host()
+        return tuple.__getitem__(self, i)
+
+    def __reduce__(self) -> Any:
+        return (BlockIds, (tuple(self), self.capacity))
+
+
+def _flatten_ids(b: BlockIds) -> tuple[tuple[Any, Any], int]:
+    return (b.ids, b.count), b.capacity
+
+
+def _unflatten_ids(capacity: int, children: Any) -> BlockIds:
+    ids, count = children
+    if isinstance(ids, (np.ndarray, jax.Array)) and not isinstance(ids, jax.core.Tracer):
+        host = np.asarray(ids)
+        if host.shape == (capacity,):
+            return BlockIds(host[: int(np.asarray(count))].tolist(), capacity)
+    out = BlockIds((), capacity)  # tracers, or a tree_map's other values: carried as they are
+    out.__dict__.update(_leaves=(ids, count), _traced=True)
+    return out
+
+
+jax.tree_util.register_pytree_node(BlockIds, _flatten_ids, _unflatten_ids)
+
+
+def _not_checkpointable(where: str) -> str:
+    return (
+        f"{where} is a PagedKVHandle: its K/V lives in an engine's pool, which a session checkpoint does not own. "
+        f"Evict it before saving (it is recomputed on resume), or pass object_hooks with an export that gathers "
+        f"its K/V and an import that writes it into the engine's new blocks."
+    )
+
+
+@register_checkpoint_type(codec=refuse(_not_checkpointable))
+@pytree_dataclass(static=("pool", "status", "recompute_source", "recompute_cost"))
 class PagedKVHandle(StateObject):
     """A session's blocks in an engine's paged KV pool: committing appends block ids, oldest first.
 
@@ -63,8 +148,8 @@ class PagedKVHandle(StateObject):
     """
 
     pool: PagedKVPool
-    block_ids: tuple[int, ...]
-    staged: tuple[int, ...] | None  # staged block ids, or None
+    block_ids: BlockIds  # committed block ids (a tuple of ints): data, so a commit never retraces
+    staged: BlockIds | None  # staged block ids, or None
     host_copy: Any  # the engine's offload token while parked, else None
     status: Status
     recompute_source: str | None
@@ -87,7 +172,7 @@ class PagedKVHandle(StateObject):
         if not isinstance(pool, PagedKVPool):
             raise InvalidTypeError(f"`PagedKVHandle.create`: pool must be a PagedKVPool, got {type(pool).__name__}.")
         check_source(recompute_source, "PagedKVHandle.create", recompute_cost)
-        ids = pool.check_ids(block_ids, "PagedKVHandle.create")
+        ids = BlockIds(pool.check_ids(block_ids, "PagedKVHandle.create"), pool.num_blocks)
         return cls(pool, ids, None, None, RESIDENT, recompute_source, float(recompute_cost))
 
     @property
@@ -115,10 +200,13 @@ class PagedKVHandle(StateObject):
     def stage(self, payload: Any) -> PagedKVHandle:
         self._require_resident("stage")
         self._check_payload(payload)
-        return self._replace(staged=self.pool.check_ids(payload, "PagedKVHandle.stage"))
+        return self._replace(staged=self._ids(self.pool.check_ids(payload, "PagedKVHandle.stage")))
 
     def _commit_payload(self, payload: Any) -> PagedKVHandle:
-        return self._replace(block_ids=self.block_ids + self.pool.check_ids(payload, "PagedKVHandle.commit"))
+        return self._replace(block_ids=self._ids(self.block_ids + self.pool.check_ids(payload, "PagedKVHandle.commit")))
+
+    def _ids(self, ids: tuple[int, ...]) -> BlockIds:
+        return BlockIds(ids, self.pool.num_blocks)
 
     def _committed_view(self) -> Any:
         return self._gather(self.block_ids)
@@ -131,10 +219,10 @@ class PagedKVHandle(StateObject):
         return layers[0] if len(layers) == 1 else layers
 
     def _allocated_storage(self) -> dict[str, Any]:
-        return {"block_ids": ()}
+        return {"block_ids": self._ids(())}
 
     def _released_storage(self) -> dict[str, Any]:
-        return {"block_ids": ()}
+        return {"block_ids": self._ids(())}
 
     def _committed_roots(self) -> Any:
         return ()
@@ -147,10 +235,10 @@ class PagedKVHandle(StateObject):
         """Let go of the committed blocks (the manager frees them in the engine when no other handle holds
         them). Returns ``(evicted_handle, bytes_of_its_committed_blocks)``."""
         if self.status == PARKED:
-            return self._replace(status=EVICTED, host_copy=None, block_ids=()), 0
+            return self._replace(status=EVICTED, host_copy=None, block_ids=self._ids(())), 0
         if self.status != RESIDENT:
             return self, 0
-        return self._replace(status=EVICTED, block_ids=()), len(self.block_ids) * self.pool.block_nbytes
+        return self._replace(status=EVICTED, block_ids=self._ids(())), len(self.block_ids) * self.pool.block_nbytes
 
     def park(self) -> PagedKVHandle:
         """The blocks copied to host by the engine's ``offload`` (the device blocks are then released).
@@ -166,7 +254,7 @@ class PagedKVHandle(StateObject):
                 f"(its K/V can be recomputed from {self.recompute_source!r})."
             )
         token = self.pool.offload_fn(self.block_ids)
-        return self._replace(status=PARKED, host_copy=token, block_ids=())
+        return self._replace(status=PARKED, host_copy=token, block_ids=self._ids(()))
 
     def restore(self) -> PagedKVHandle:
         """Blocks allocated again by the engine's ``reload`` and the K/V copied back.
@@ -180,7 +268,7 @@ class PagedKVHandle(StateObject):
             )
         assert self.pool.reload_fn is not None
         ids = self.pool.check_ids(self.pool.reload_fn(self.host_copy), "PagedKVPool reload")
-        return self._replace(status=RESIDENT, host_copy=None, block_ids=ids)
+        return self._replace(status=RESIDENT, host_copy=None, block_ids=self._ids(ids))
 
     @property
     def parkable(self) -> bool:

@@ -37,32 +37,24 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
-import jax
-import numpy as np
-
 from .._version import __version__
+from ..core.codec import register_checkpoint_type
 from ..core.session import SessionState
 from ..errors import CheckpointError, SessionExistsError, SessionStateError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
-from .decode import Reader, decode_sharding, release_sessions
-from .directory import has_checkpoint, import_orbax, list_steps, orbax_manager
-from .encode import AttrHooks, Writer, register_checkpoint_type
+from .decode import Reader, check_templates, release_sessions
+from .directory import has_checkpoint
+from .encode import AttrHooks, Writer
 from .manifest import (
-    CHECKSUM,
     FORMAT,
     LAYOUT,
-    aligned_copy,
-    check_manifest,
-    checksum,
-    in_parallel,
-    leaf_nbytes,
 )
+from .read import read_checkpoint
 from .store import SaveHandle, write
 
 __all__ = [
@@ -79,128 +71,6 @@ __all__ = [
 
 
 _log = logging.getLogger("functional_state")
-
-
-# --- encoding: state -> (JSON nodes, arrays) ------------------------------------------------------------
-
-
-# --- decoding: (JSON nodes, arrays) -> state --------------------------------------------------------------
-
-
-# --- orbax I/O ----------------------------------------------------------------------------------------------
-
-
-def _read(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    root = Path(os.fspath(path)).absolute()
-    try:
-        return _read_step(root, placement, torch_device)
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # fields a manifest lacks or garbles
-        raise CheckpointError(
-            f"{root}: the manifest does not describe a checkpoint this version can read ({type(e).__name__}: "
-            f"{str(e)[:200]}); it is damaged or was not written by functional_state."
-        ) from e
-    except OSError as e:
-        raise CheckpointError(f"{root} cannot be read ({type(e).__name__}: {e}).") from e
-
-
-def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    ocp = import_orbax()
-    steps = list_steps(root)
-    if not steps:
-        what = "does not exist" if not root.exists() else "holds no complete checkpoint"
-        raise CheckpointError(f"{root} {what} (expected a directory written by functional_state's save).")
-    step = max(steps)
-    manifest = steps[step]
-    if manifest is None:
-        raise CheckpointError(
-            f"{root / str(step)}: its manifest is missing, unreadable or not functional_state's; the checkpoint is "
-            f"damaged or another tool wrote this directory."
-        )
-    check_manifest(manifest, root)
-    manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
-    try:
-        abstract: dict[str, Any] = {}
-        for key, info in manifest["leaves"].items():
-            if info["kind"] == "jax":
-                sharding = _placement_for(placement, key, info)
-                abstract[key] = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=sharding)
-            else:
-                abstract[key] = np.empty(info["nbytes"], np.uint8)
-        try:
-            restore = ocp.args.PyTreeRestore(
-                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
-            )
-            arrays = manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"]
-        except Exception as e:
-            raise CheckpointError(
-                f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
-                f"{str(e)[:300]})."
-            ) from e
-    finally:
-        manager.close()
-    leaves = manifest["leaves"]
-    missing = [key for key in leaves if arrays.get(key) is None]
-    if missing:
-        raise CheckpointError(f"{root}: leaf {missing[0]!r} is missing from the arrays.")
-
-    on_cpu = _storages_on_cpu(manifest, torch_device)
-
-    def verify(key: str) -> tuple[Any, bool]:
-        got, info = arrays[key], leaves[key]
-        if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
-            got = aligned_copy(np.asarray(got, dtype=np.uint8))
-        for algorithm in (CHECKSUM, "sha256"):
-            if algorithm in info:
-                return got, checksum(np.asarray(got), algorithm) == info[algorithm]
-        return got, True  # a leaf no process could read whole (sharded over several hosts) has none
-
-    keys = sorted(leaves, key=lambda k: -leaf_nbytes(leaves[k]))  # largest first, so the cores finish together
-    results = in_parallel(verify, keys, sum(leaf_nbytes(info) for info in leaves.values()))
-    for key, (got, ok) in zip(keys, results):
-        if not ok:
-            info = leaves[key]
-            raise CheckpointError(
-                f"{root}: leaf {key!r} ({info['kind']}, {info.get('dtype', 'bytes')}) fails its checksum: the "
-                f"checkpoint is corrupted."
-            )
-        arrays[key] = got
-    return manifest, arrays
-
-
-def _storages_on_cpu(manifest: dict[str, Any], torch_device: Any) -> set[str]:
-    """The torch storages a load leaves in host memory: the ones to copy into memory JAX can alias. A storage
-    bound for a GPU goes there from orbax's read buffer directly, with no host copy between."""
-    storages = {key for key, info in manifest["leaves"].items() if info["kind"] == "torch_storage"}
-    if torch_device is not None:
-        return storages if str(torch_device).split(":")[0] == "cpu" else set()
-    found: set[str] = set()
-    stack: list[Any] = [manifest["sessions"]]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, dict):
-            if x.get("t") == "torch" and str(x.get("device", "cpu")).split(":")[0] == "cpu":
-                found.add(x["storage"])
-            stack.extend(x.values())
-        elif isinstance(x, list):
-            stack.extend(x)
-    return found & storages
-
-
-def _placement_for(placement: Any, key: str, info: dict[str, Any]) -> Any:
-    """Where JAX leaf ``key`` goes: the caller's placement, else the sharding it was saved with (``info``)."""
-    if placement is None:
-        return decode_sharding(info["sharding"])
-    if callable(placement) and not isinstance(placement, (jax.Device, jax.sharding.Sharding)):
-        placement = placement(key)
-    if isinstance(placement, jax.Device):
-        return jax.sharding.SingleDeviceSharding(placement)
-    if isinstance(placement, jax.sharding.Sharding):
-        return placement
-    raise CheckpointError(
-        f"placement must be a jax.Device, a jax.sharding.Sharding, or a callable giving one; got {placement!r}."
-    )
 
 
 # --- the public functions -----------------------------------------------------------------------------------
@@ -250,6 +120,7 @@ def read_session(
     torch_device: Any = None,
     attr_hooks: AttrHooks | None = None,
     object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
 ) -> SessionState:
     """The `SessionState` of ``session_id`` in the checkpoint at ``path`` (what `load_session` installs).
 
@@ -257,12 +128,13 @@ def read_session(
       CheckpointError: see `load_session`.
     """
     sid = ms.resolve_id(session_id, "read_session")
-    manifest, arrays = _read(path, placement, torch_device)
+    check_templates(templates)
+    manifest, arrays = read_checkpoint(path, placement, torch_device)
     entries = {e["id"]: e for e in manifest["sessions"]}
     if sid not in entries:
         raise CheckpointError(f"{path}: holds sessions {sorted(entries)[:8]}, not {sid!r}.")
     try:
-        return Reader(arrays, attr_hooks, torch_device, object_hooks).session(entries[sid])
+        return Reader(arrays, attr_hooks, torch_device, object_hooks, templates).session(entries[sid])
     except CheckpointError:
         raise
     except Exception as e:
@@ -280,6 +152,7 @@ def load_session(
     replace: bool = False,
     attr_hooks: AttrHooks | None = None,
     object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
 ) -> ManagerState:
     """``state`` with session ``session_id`` loaded from the checkpoint at ``path`` (under ``as_id`` if given),
     as the most recently used session.
@@ -290,6 +163,13 @@ def load_session(
       torch_device: where torch tensors go (default: the device each was saved from).
       replace: load over a session of that id (default: refuse; the caller decides what a clash means).
       attr_hooks, object_hooks: the import halves of the hooks the save used.
+      templates: ``{object name: abstract tree}`` for `PytreeValue` objects whose tree is not made of plain
+        containers (an ``nnx.State``, an ``eqx.nn.State``, a NamedTuple, a pytree dataclass): a tree of that
+        type and structure whose leaves are arrays or ``jax.ShapeDtypeStruct`` (``jax.eval_shape`` gives
+        one), orbax's abstract-target idea. The loaded value has the template's type and structure; its
+        leaf shapes, dtypes and key paths must be the saved ones. Plain containers (dict, list, tuple, None)
+        need none, nor do pytree types whose module is imported and whose static data is plain; a tree
+        that needs one and has none is refused, naming the object and this option. Nothing is unpickled.
 
     Raises:
       CheckpointError: ``path`` is not a checkpoint, is damaged (the leaf is named), was written with another
@@ -306,6 +186,7 @@ def load_session(
         torch_device=torch_device,
         attr_hooks=attr_hooks,
         object_hooks=object_hooks,
+        templates=templates,
     )
     try:
         return install_session(state, target, session, replace=replace)
@@ -370,17 +251,21 @@ def load(
     torch_device: Any = None,
     attr_hooks: AttrHooks | None = None,
     object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
 ) -> ManagerState:
     """The table a `save` wrote: sessions in their recency order, counters and configuration as they were.
+
+    See `load_session` for the arguments (``templates`` apply to the objects of that name in every session).
 
     Raises:
       CheckpointError: see `load_session`; also a checkpoint of one session (use `load_session`).
     """
-    manifest, arrays = _read(path, placement, torch_device)
+    check_templates(templates)
+    manifest, arrays = read_checkpoint(path, placement, torch_device)
     table = manifest.get("table")
     if manifest["kind"] != "table" or table is None:
         raise CheckpointError(f"{path} holds a session checkpoint, not a table; use load_session.")
-    reader = Reader(arrays, attr_hooks, torch_device, object_hooks)
+    reader = Reader(arrays, attr_hooks, torch_device, object_hooks, templates)
     try:
         state = ManagerState.create(table["max_sessions"], table["byte_budget"], table["evict_when_full"])
     except SessionStateError as e:

@@ -11,11 +11,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..core.codec import DecodeContext, codec_named
+from ..core.pytree import MISSING
 from ..core.session import SessionState
-from ..engine.kv_handle import PagedKVHandle
-from ..errors import CheckpointError
+from ..engine.kv_handle import kv_keys
+from ..engine.paged_kv import pool_by_uid
+from ..errors import CheckpointError, InvalidArgumentError
 from ..memory.parking import jax_alias
-from .encode import TYPES, AttrHooks
+from .encode import AttrHooks
 from .manifest import (
     import_torch,
 )
@@ -43,6 +46,15 @@ def decode_sharding(info: dict[str, Any]) -> Any:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
+def check_templates(templates: Any) -> dict[str, Any]:
+    """``templates`` as a dict, or `InvalidArgumentError` unless it maps object names to trees."""
+    if templates is not None and not (isinstance(templates, Mapping) and all(isinstance(k, str) for k in templates)):
+        raise InvalidArgumentError(
+            f"`templates` must map object names (str) to abstract trees, got {type(templates).__name__}."
+        )
+    return dict(templates or {})
+
+
 class Reader:
     def __init__(
         self,
@@ -50,8 +62,16 @@ class Reader:
         hooks: AttrHooks | None,
         torch_device: Any,
         object_hooks: AttrHooks | None = None,
+        templates: Mapping[str, Any] | None = None,
     ):
         self.object_hooks = dict(object_hooks or {})
+        if templates is not None and not (
+            isinstance(templates, Mapping) and all(isinstance(k, str) for k in templates)
+        ):
+            raise InvalidArgumentError(
+                f"templates must map object names (str) to abstract trees, got {type(templates).__name__}."
+            )
+        self.templates = dict(templates or {})
         self.arrays = arrays
         self.hooks = dict(hooks or {})
         self.torch_device = torch_device
@@ -103,17 +123,18 @@ class Reader:
         )
         return out.requires_grad_(True) if node.get("requires_grad") else out
 
-    def object(self, node: dict[str, Any]) -> Any:
-        cls = TYPES.get(node["type"])
-        if cls is None:
+    def object(self, node: dict[str, Any], name: str = "", where: str = "an object") -> Any:
+        registered = codec_named(node["type"])
+        if registered is None:
             raise CheckpointError(
-                f"the checkpoint holds a {node['type']!r}, which is not a registered checkpoint type here; "
-                f"register it with `register_checkpoint_type` before loading."
+                f"{where}: the checkpoint holds a {node['type']!r}, which is not a registered checkpoint type "
+                f"here; import the module that defines (and registers) it, or register it with "
+                f"`register_checkpoint_type`, before loading."
             )
-        values = {k: self.value(v) for k, v in node["fields"].items()}
-        values.update({k: _decode_static(v) for k, v in node["static"].items()})
-        values["host_copy"] = None
-        obj: Any = cls(**values)
+        cls, codec = registered
+        fields = {k: self.value(v) for k, v in node["fields"].items()}
+        static = {k: _decode_static(v) for k, v in node["static"].items()}
+        obj: Any = codec.decode(cls, static, fields, DecodeContext(name, where, self.templates.get(name, MISSING)))
         return obj.park() if node.get("parked") else obj
 
     def session(self, node: dict[str, Any]) -> SessionState:
@@ -127,7 +148,7 @@ class Reader:
     def _session(self, node: dict[str, Any], objects: dict[str, Any]) -> SessionState:
         for name, v in node["objects"].items():
             if v["t"] != "hooked":
-                objects[name] = self.object(v)
+                objects[name] = self.object(v, name, f"session {node['id']!r}: object {name!r}")
             elif name in self.object_hooks:
                 objects[name] = self.object_hooks[name][1](self.value(v["value"]))
             else:
@@ -156,14 +177,19 @@ def _release_kv(objects: Iterable[Any], error: BaseException) -> None:
     Every handle in a loaded session comes from an import hook (a save refuses a handle without one), so all
     of its blocks are the load's own. A failing free is noted on ``error`` rather than hiding it.
     """
+    by_pool: dict[int, set[int]] = {}
     for obj in objects:
-        if isinstance(obj, PagedKVHandle) and obj.resident:
-            ids = tuple(sorted(set(obj.block_ids) | set(obj.staged or ())))
-            if ids:
-                try:
-                    obj.pool.free_fn(ids)
-                except Exception as free_error:
-                    error.add_note(f"handing back KV blocks {ids} of the failed load also failed: {free_error!r}")
+        if getattr(obj, "resident", False):
+            for uid, block in kv_keys(obj):
+                by_pool.setdefault(uid, set()).add(block)
+    for uid, blocks in by_pool.items():
+        pool, ids = pool_by_uid(uid), tuple(sorted(blocks))
+        if pool is None:
+            continue
+        try:
+            pool.free_fn(ids)
+        except Exception as free_error:
+            error.add_note(f"handing back KV blocks {ids} of the failed load also failed: {free_error!r}")
 
 
 def release_sessions(sessions: Iterable[SessionState], error: BaseException) -> None:

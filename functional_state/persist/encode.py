@@ -11,13 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.array_ring import ArrayRing
-from ..core.dense_value import DenseValue
-from ..core.latent_buffer import LatentBuffer
+from ..core.codec import codec_for
 from ..core.session import SessionState
-from ..core.state_object import PARKED, RESIDENT, StateObject
-from ..engine.kv_handle import PagedKVHandle
-from ..errors import CheckpointError, InvalidTypeError
+from ..core.state_object import PARKED, RESIDENT
+from ..errors import CheckpointError
 from ..memory import accounting
 from ..memory.parking import JaxLeaf, TorchLeaf, host_storage, rebuild_leaf
 from .manifest import (
@@ -27,19 +24,7 @@ from .manifest import (
     in_parallel,
 )
 
-TYPES: dict[str, type[StateObject]] = {"LatentBuffer": LatentBuffer, "ArrayRing": ArrayRing, "DenseValue": DenseValue}
-
 AttrHooks = Mapping[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]
-
-
-def register_checkpoint_type(cls: type[StateObject]) -> type[StateObject]:
-    """Allow checkpoints to hold instances of ``cls``, a `StateObject` subclass (a `pytree_dataclass`); its
-    fields must hold checkpointable values. Checkpoints name types, they never import them. Usable as a
-    decorator."""
-    if not (isinstance(cls, type) and issubclass(cls, StateObject)):
-        raise InvalidTypeError(f"`register_checkpoint_type`: expected a StateObject subclass, got {cls!r}.")
-    TYPES[cls.__name__] = cls
-    return cls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,30 +170,25 @@ class Writer:
         self._to_hash = []
 
     def object(self, obj: Any, where: str) -> dict[str, Any]:
-        if isinstance(obj, PagedKVHandle):
-            raise CheckpointError(
-                f"{where} is a PagedKVHandle: its K/V lives in an engine's pool, which a session checkpoint does "
-                f"not own. Evict it before saving (it is recomputed on resume), or pass object_hooks with an "
-                f"export that gathers its K/V and an import that writes it into the engine's new blocks."
-            )
-        name = type(obj).__name__
-        if TYPES.get(name) is not type(obj):
+        registered = codec_for(type(obj))
+        if registered is None:
             raise CheckpointError(
                 f"{where} is a {type(obj).__qualname__}, not a registered checkpoint type; call "
-                f"`functional_state.checkpoint.register_checkpoint_type({name})` first."
+                f"`functional_state.register_checkpoint_type({type(obj).__name__})` first (with a codec if its "
+                f"fields are not all checkpointable)."
             )
+        name, codec = registered
         parked = obj.status == PARKED
         if parked:  # encoded from its host copy as the resident object it stands for; parked again on load
             obj = self._unparked_view(obj)
-        fields, static = {}, {}
-        meta = set(getattr(type(obj), "_static_fields", ()))
-        for f in _fields(type(obj)):
-            value = getattr(obj, f)
-            if f in meta:
-                static[f] = _encode_static(value, f"{where}.{f}")
-            elif f != "host_copy":
-                fields[f] = self.value(value, f"{where}.{f}")
-        return {"t": "obj", "type": name, "static": static, "fields": fields, "parked": parked}
+        static, fields = codec.encode(obj, where)
+        return {
+            "t": "obj",
+            "type": name,
+            "static": {k: _encode_static(v, f"{where}.{k}") for k, v in static.items()},
+            "fields": {k: self.value(v, f"{where}.{k}") for k, v in fields.items()},
+            "parked": parked,
+        }
 
     def _unparked_view(self, obj: Any) -> Any:
         """``obj`` as the resident object its host copy stands for, its leaves views of that copy: rebuilt by
@@ -256,10 +236,6 @@ class Writer:
                 hooked.append(key)
             attrs[key] = self.value(value, where)
         return {"id": sid, "objects": objects, "attrs": attrs, "hooked": hooked, "policies": dict(session._policies)}
-
-
-def _fields(cls: type) -> list[str]:
-    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _encode_static(value: Any, where: str) -> Any:

@@ -51,13 +51,32 @@ _ALIGN = 64  # what JAX needs to alias host memory through DLPack (torch's own a
 _PARALLEL_MIN = 8 << 20  # below this many bytes, threads cost more than they save
 
 
-def aligned_copy(src: np.ndarray) -> np.ndarray:
-    """A copy of the 1-D uint8 array ``src`` in ``_ALIGN``-byte aligned memory of its own."""
-    buf = np.empty(src.nbytes + _ALIGN, np.uint8)
+def aligned_empty(nbytes: int, touch: bool = False) -> np.ndarray:
+    """``nbytes`` of ``_ALIGN``-byte aligned memory, as a 1-D uint8 array; ``touch``: with every page faulted
+    in already (first touch is most of a copy's cost into fresh memory)."""
+    buf = np.empty(nbytes + _ALIGN, np.uint8)
     start = -buf.ctypes.data % _ALIGN
-    out = buf[start : start + src.nbytes]
-    np.copyto(out, src)
+    out = buf[start : start + nbytes]
+    if touch:
+        out[:: 4096 if nbytes > 4096 else 1] = 0  # one write per page
     return out
+
+
+_CHUNK = 4 << 20  # copied and then hashed while still in cache
+
+
+def copy_checksum(src: np.ndarray, out: np.ndarray, algorithm: str = CHECKSUM) -> str:
+    """Copy the 1-D uint8 ``src`` into ``out`` and return the checksum of what ``out`` holds, in one pass
+    over memory (chunk by chunk: each is hashed from cache right after it is copied)."""
+    if algorithm != CHECKSUM:
+        np.copyto(out, src)
+        return checksum(out, algorithm)
+    digest = _xxhash().xxh3_128()
+    for start in range(0, src.nbytes, _CHUNK):
+        chunk = out[start : start + _CHUNK]
+        np.copyto(chunk, src[start : start + _CHUNK])
+        digest.update(chunk.data)
+    return str(digest.hexdigest())
 
 
 def in_parallel(fn: Callable[[Any], Any], jobs: list[Any], nbytes: int) -> list[Any]:

@@ -1,0 +1,158 @@
+"""Reading a checkpoint: the newest step's manifest checked, its arrays restored by orbax where the caller
+places them, host-bound torch storages copied into aligned memory, and every leaf's checksum verified."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..errors import CheckpointError
+from .decode import decode_sharding
+from .directory import import_orbax, list_steps, orbax_manager
+from .manifest import (
+    CHECKSUM,
+    aligned_empty,
+    check_manifest,
+    checksum,
+    copy_checksum,
+    in_parallel,
+    leaf_nbytes,
+)
+
+
+def read_checkpoint(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(manifest, arrays)`` of the checkpoint at ``path``, verified; `CheckpointError` for anything else."""
+    root = Path(os.fspath(path)).absolute()
+    try:
+        return _read_step(root, placement, torch_device)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:  # fields a manifest lacks or garbles
+        raise CheckpointError(
+            f"{root}: the manifest does not describe a checkpoint this version can read ({type(e).__name__}: "
+            f"{str(e)[:200]}); it is damaged or was not written by functional_state."
+        ) from e
+    except OSError as e:
+        raise CheckpointError(f"{root} cannot be read ({type(e).__name__}: {e}).") from e
+
+
+def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    ocp = import_orbax()
+    steps = list_steps(root)
+    if not steps:
+        what = "does not exist" if not root.exists() else "holds no complete checkpoint"
+        raise CheckpointError(f"{root} {what} (expected a directory written by functional_state's save).")
+    step = max(steps)
+    manifest = steps[step]
+    if manifest is None:
+        raise CheckpointError(
+            f"{root / str(step)}: its manifest is missing, unreadable or not functional_state's; the checkpoint is "
+            f"damaged or another tool wrote this directory."
+        )
+    check_manifest(manifest, root)
+    on_cpu = _storages_on_cpu(manifest, torch_device)
+    # While orbax waits on the disk, fault in the aligned memory the host-bound storages are copied into.
+    prepared: dict[str, np.ndarray] = {}
+    prefault = threading.Thread(target=_prepare, args=(manifest["leaves"], on_cpu, prepared), daemon=True)
+    prefault.start()
+    manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
+    try:
+        abstract: dict[str, Any] = {}
+        for key, info in manifest["leaves"].items():
+            if info["kind"] == "jax":
+                sharding = _placement_for(placement, key, info)
+                abstract[key] = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=sharding)
+            else:
+                abstract[key] = np.empty(info["nbytes"], np.uint8)
+        try:
+            restore = ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+            )
+            arrays = manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"]
+        except Exception as e:
+            raise CheckpointError(
+                f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
+                f"{str(e)[:300]})."
+            ) from e
+    finally:
+        manager.close()
+    prefault.join()
+    leaves = manifest["leaves"]
+    missing = [key for key in leaves if arrays.get(key) is None]
+    if missing:
+        raise CheckpointError(f"{root}: leaf {missing[0]!r} is missing from the arrays.")
+
+    def verify(key: str) -> tuple[Any, bool]:
+        got, info = arrays[key], leaves[key]
+        algorithm = next((a for a in (CHECKSUM, "sha256") if a in info), None)
+        if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
+            src = np.asarray(got, dtype=np.uint8)
+            out = prepared.get(key)
+            out = out if out is not None and out.nbytes == src.nbytes else aligned_empty(src.nbytes)
+            if algorithm is None:
+                np.copyto(out, src)
+                return out, True
+            return out, copy_checksum(src, out, algorithm) == info[algorithm]
+        if algorithm is None:
+            return got, True  # a leaf no process could read whole (sharded over several hosts) has none
+        return got, checksum(np.asarray(got), algorithm) == info[algorithm]
+
+    keys = sorted(leaves, key=lambda k: -leaf_nbytes(leaves[k]))  # largest first, so the cores finish together
+    results = in_parallel(verify, keys, sum(leaf_nbytes(info) for info in leaves.values()))
+    for key, (got, ok) in zip(keys, results):
+        if not ok:
+            info = leaves[key]
+            raise CheckpointError(
+                f"{root}: leaf {key!r} ({info['kind']}, {info.get('dtype', 'bytes')}) fails its checksum: the "
+                f"checkpoint is corrupted."
+            )
+        arrays[key] = got
+    return manifest, arrays
+
+
+def _prepare(leaves: dict[str, Any], keys: set[str], out: dict[str, np.ndarray]) -> None:
+    """Aligned, faulted-in memory for each of ``keys`` (leaves sized by the manifest), into ``out``."""
+    try:
+        for key in sorted(keys, key=lambda k: -leaf_nbytes(leaves[k])):
+            out[key] = aligned_empty(leaf_nbytes(leaves[key]), touch=True)
+    except (MemoryError, ValueError, TypeError, KeyError):  # a damaged manifest's sizes: the read refuses it
+        out.clear()
+
+
+def _storages_on_cpu(manifest: dict[str, Any], torch_device: Any) -> set[str]:
+    """The torch storages a load leaves in host memory: the ones to copy into memory JAX can alias. A storage
+    bound for a GPU goes there from orbax's read buffer directly, with no host copy between."""
+    storages = {key for key, info in manifest["leaves"].items() if info["kind"] == "torch_storage"}
+    if torch_device is not None:
+        return storages if str(torch_device).split(":")[0] == "cpu" else set()
+    found: set[str] = set()
+    stack: list[Any] = [manifest["sessions"]]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if x.get("t") == "torch" and str(x.get("device", "cpu")).split(":")[0] == "cpu":
+                found.add(x["storage"])
+            stack.extend(x.values())
+        elif isinstance(x, list):
+            stack.extend(x)
+    return found & storages
+
+
+def _placement_for(placement: Any, key: str, info: dict[str, Any]) -> Any:
+    """Where JAX leaf ``key`` goes: the caller's placement, else the sharding it was saved with (``info``)."""
+    if placement is None:
+        return decode_sharding(info["sharding"])
+    if callable(placement) and not isinstance(placement, (jax.Device, jax.sharding.Sharding)):
+        placement = placement(key)
+    if isinstance(placement, jax.Device):
+        return jax.sharding.SingleDeviceSharding(placement)
+    if isinstance(placement, jax.sharding.Sharding):
+        return placement
+    raise CheckpointError(
+        f"placement must be a jax.Device, a jax.sharding.Sharding, or a callable giving one; got {placement!r}."
+    )
