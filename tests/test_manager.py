@@ -506,3 +506,30 @@ def test_a_miss_at_a_full_table_reads_only_the_least_recent_end(monkeypatch):
     monkeypatch.setattr(table, "entries", lambda state: pytest.fail("a miss walked the whole table"))
     m.get_or_create_session("new")
     assert read == ["s1"] and "s1" not in m and "new" in m and len(m) == 500
+
+
+def test_a_donating_step_the_budget_refuses_leaves_the_manager_and_its_values_as_they_were():
+    # Regression: the donation consumed the table before the budget refused the grown result, so every
+    # later call raised StateConsumedError and the session's values were gone.
+    m = fs.SessionStateManager(byte_budget={"cpu": "4KiB"})
+    h = m.get_or_create_session("a")
+    h.put("v", fs.DenseValue.create([jnp.arange(256, dtype=jnp.float32)]))
+
+    def grow(obj):
+        (x,) = obj.view()
+        return obj.commit([jnp.tile(x, 9)])
+
+    with pytest.raises(fs.BudgetExceededError):
+        h.step("v", grow, donate=True)
+    np.testing.assert_array_equal(np.asarray(h.view("v")[0]), np.arange(256, dtype=np.float32))
+    assert m.stats() == m.stats(exact=True) and m.stats()["deleted_arrays"] == 0
+
+
+def test_a_donating_step_under_a_budget_is_admitted_and_stored():
+    # Regression: admission read the attrs of the table the donation had consumed (StateConsumedError).
+    m = fs.SessionStateManager(byte_budget={"cpu": "4KiB"})
+    h = m.get_or_create_session("a")
+    h.put("v", fs.DenseValue.create([jnp.arange(256, dtype=jnp.float32)]))
+    h.step("v", lambda obj: obj.commit([obj.view()[0] + 1]), donate=True)
+    np.testing.assert_array_equal(np.asarray(h.view("v")[0]), np.arange(256, dtype=np.float32) + 1)
+    assert m.stats() == m.stats(exact=True)

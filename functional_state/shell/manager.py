@@ -344,19 +344,25 @@ class SessionStateManager:
         `functional_state.step`). With ``donate=True`` a buffer is donated only if no other session, fork,
         snapshot this manager handed out (``.state``), detached handle or value in ``retained`` still
         references it; otherwise it is copied first. An object or array you took out (``handle.get``) and
-        still read is yours, as with `functional_state.step`: pass it in ``retained``. ``fn`` is traced outside the lock (user code); the compiled call runs under it,
-        since a donating step consumes the table it reads.
+        still read is yours, as with `functional_state.step`: pass it in ``retained``. ``fn`` is traced
+        outside the lock (user code); the compiled call runs under it, since a donating step consumes the
+        table it reads. Under a byte budget a step that changes the object's shapes or dtypes is not
+        donated: the budget could refuse its result after the donation had consumed the table.
         """
         sid = ms.resolve_session_id(session_id)
         kept = list(retained)
         state = self._state
         self._cells.require(state, sid, "step")
         self._ops.refuse_reentrant(state, sid, "step")
-        trace_step(state, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
+        keeps_bytes = trace_step(state, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
+        traced = state
         with self._lock:
             state = self._state
             self._cells.require(state, sid, "step")
-            if state in self._published:
+            # A refused result must leave the table as it was, which a donation would have consumed: under a
+            # budget, donate only a step that keeps the object's bytes (checked on this very table).
+            may_refuse = state.byte_budget is not None and not (keeps_bytes and state is traced)
+            if state in self._published or may_refuse:
                 # A caller holds this very table: nothing in it may be donated, and it must stay usable.
                 after = _pure_step(state, sid, name, fn, *args, donate=False)
             else:
@@ -364,7 +370,8 @@ class SessionStateManager:
                 # donating step consumes `state`, which only this shell held.
                 protected = [*self._published, *(c.session for c in list(self._cells.detached)), *kept]
                 after = _pure_step(state, sid, name, fn, *args, donate=donate, retained=protected)
-            self._install(self._admit(state, after, sid, self._pins.pinned, None, {}))  # (releases no blocks)
+            # (a step changes no attrs, and releases no blocks)
+            self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes

@@ -208,11 +208,15 @@ def trace(
     *args: Any,
     donate: bool = False,
     has_aux: bool = False,
-) -> None:
+) -> bool:
     """Trace ``fn`` for object ``name`` as `step` would, without running it (or donating anything).
 
     `step` traces a function once per input structure; a caller that runs `step` under a lock calls this
     first, outside it, so user code (the trace) never runs under its lock.
+
+    Returns:
+      Whether the object ``fn`` returns has the leaves it was given (structure, shapes, dtypes): such a step
+      leaves the table's bytes as they were, so a byte budget that admitted the table admits the result.
 
     Raises:
       as `step` before it computes anything (no such session or object, a wrong return type).
@@ -220,4 +224,13 @@ def trace(
     _, node = locate(state, session_id, "step")
     obj = find_object(node, name, "step")
     obj._require_resident("step")
-    _check_returns_same_type(_jitted(fn, donate), obj, args, has_aux)
+    jitted = _jitted(fn, donate)
+    _check_returns_same_type(jitted, obj, args, has_aux)
+    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]  (cached with the trace above)
+    if has_aux:
+        out = out[0]
+    before, tree = jax.tree_util.tree_flatten(obj)
+    after, out_tree = jax.tree_util.tree_flatten(out)
+    return tree == out_tree and all(
+        getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype for a, b in zip(before, after)
+    )
