@@ -48,7 +48,7 @@ def _commit_costs() -> dict[str, float]:
             budgeted.commit("buf", items[turn["b"] % 64])
             turn["b"] += 1
 
-    cfg = dz.small_config(prompt_every=10**6)
+    cfg = dz.small_config(prompt_every=10**6, vae_encoder="stand-in")  # commit overhead, not the encoder
     nets = dz.Networks(cfg)
     stores = {}
     for label, budget in (("plain", None), ("budgeted", "64GiB")):
@@ -108,7 +108,7 @@ def _planner_costs() -> dict[int, tuple[float, float]]:
 def _pressure(steps: int) -> dict[str, dz.RolloutResult]:
     """8 deploy-shape sessions (603 MiB feat map each) with a budget holding 3 sessions, against a count cap
     alone (every session resident), both through the serving store."""
-    cfg = dz.RolloutConfig(steps=steps, sessions=8, prompt_every=10**9, trace_pools=True)
+    cfg = dz.RolloutConfig(steps=steps, sessions=8, prompt_every=10**9, trace_pools=True, vae_encoder="stand-in")
     per_session = estimate_session_nbytes(steps=steps)
     out = {}
     with enable_override(True):

@@ -39,9 +39,17 @@ def _digest(values: list[Any]) -> str:
     return h.hexdigest()
 
 
-def run_actions(actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 120.0) -> dict[str, Any]:
-    """Run ``actions`` on the manager path; returns ``{"steps": {session: [digest, ...]}, "latents": {...}}``."""
-    cfg = dz.small_config(steps=10**6, sessions=sessions)
+def run_actions(
+    actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 120.0, vae_encoder: str = "stand-in"
+) -> dict[str, Any]:
+    """Run ``actions`` on the manager path; returns ``{"steps": {session: [digest, ...]}, "latents": {...}}``.
+
+    The VAE encoder defaults to the stand-in, unlike the rollout's: restart and migration checks serve hundreds
+    of steps in several processes, which the real encoder makes ~2.5x slower here, and the real encoder's
+    feat cache across a checkpoint and a fresh process is checked by tests/test_wan.py. ``vae_encoder="wan"``
+    runs it through the worker too.
+    """
+    cfg = dz.small_config(steps=10**6, sessions=sessions, vae_encoder=vae_encoder)
     nets = dz.Networks(cfg)
     kv = dz.SelfAttnKV(cfg)
     hooks: dict[str, Any] = {"object_hooks": {_KV: kv.engine.checkpoint_hooks()}}
@@ -95,8 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actions", required=True, help="a JSON list of actions (see the module docstring)")
     parser.add_argument("--sessions", type=int, default=3, help="sessions the store and engine are sized for")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds a load waits for a checkpoint")
+    parser.add_argument("--vae-encoder", choices=dz.VAE_ENCODERS, default="stand-in", help="the causal VAE encoder")
     args = parser.parse_args(argv)
-    print(json.dumps(run_actions(json.loads(args.actions), sessions=args.sessions, wait_s=args.wait)))
+    result = run_actions(
+        json.loads(args.actions), sessions=args.sessions, wait_s=args.wait, vae_encoder=args.vae_encoder
+    )
+    print(json.dumps(result))
     return 0
 
 

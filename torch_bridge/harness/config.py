@@ -38,10 +38,11 @@ class RolloutConfig:
     resident_bound: int | None = None  # sessions the store admits (None: sized by bytes, at least `sessions`)
     trace_pools: bool = False  # manager path: record stats() pools, parks and restores after every round
     self_attn_kv: bool = True  # the generator attends over a self-attention KV in a reference paged engine
-    # The causal VAE encoder: "wan" runs diffusers' real `WanEncoder3d` (tiny, random init, seeded; needs the
-    # [diffusers] extra), its feat cache the model's own (``feat_map_bytes`` then unused); "stand-in" runs the
-    # elementwise stand-in over a feat map of ``feat_map_bytes``.
-    vae_encoder: str = "stand-in"
+    # The causal VAE encoder: "wan" (the default) runs diffusers' real `WanEncoder3d` (tiny, random init,
+    # seeded; needs the [diffusers] extra), its feat cache the model's own (``feat_map_bytes`` then unused);
+    # "stand-in" runs the elementwise stand-in over a feat map of ``feat_map_bytes`` (fast at any shape, and
+    # sized to the deploy feat map for memory studies).
+    vae_encoder: str = "wan"
 
     def __post_init__(self) -> None:
         for name in (
@@ -81,7 +82,8 @@ class RolloutConfig:
 
 
 def small_config(**overrides: Any) -> RolloutConfig:
-    """Test-sized shapes (same logic, tiny tensors): 24x40 cameras, a 64 KiB feat map."""
-    base: dict[str, Any] = dict(camera_hw=(24, 40), feat_map_bytes=64 * 1024, feat_map_entries=8)
+    """Test-sized shapes (same logic, tiny tensors): 16x24 cameras (32x48 stitched, 4x6 latents), where the real
+    Wan encoder costs a few tens of ms a chunk; a 64 KiB feat map when the stand-in encoder is chosen."""
+    base: dict[str, Any] = dict(camera_hw=(16, 24), feat_map_bytes=64 * 1024, feat_map_entries=8)
     base.update(overrides)
     return RolloutConfig(**base)

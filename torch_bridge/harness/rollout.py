@@ -2,8 +2,9 @@
 
 It drives session state exactly as the pipeline does (frames in, a causal VAE encoder stream, an
 observation read, latents appended, window and session resets from ``local_attn_size`` and prompt
-changes) with stand-in networks built from elementwise ops only, so every result is bitwise reproducible
-whatever the tensor sizes. `resolve_session_state_config` picks the path (bespoke state, or the adapter
+changes). The VAE encoder stream is diffusers' real Wan causal encoder (tiny, seeded) unless the elementwise
+stand-in is asked for; the other networks are elementwise stand-ins (`Networks`), so every result is bitwise
+reproducible. `resolve_session_state_config` picks the path (bespoke state, or the adapter
 over a `SessionStateManager`), and every request goes through `DreamZeroSessions` (begin, continue, close). The run prints one digest of every per-step output; the two paths must
 print the same one.
 
@@ -203,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enable", action="store_true", help="config value of enable_session_state_manager")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
     parser.add_argument("--park-feat-map", action="store_true", help="manager path: park feat maps after each step")
-    parser.add_argument("--vae-encoder", choices=VAE_ENCODERS, default="stand-in", help="the causal VAE encoder")
+    parser.add_argument("--vae-encoder", choices=VAE_ENCODERS, default="wan", help="the causal VAE encoder")
+    parser.add_argument("--prompt-every", type=int, default=None, help="a new prompt every this many steps")
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = dict(
         steps=args.steps,
@@ -212,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         park_feat_map=args.park_feat_map,
         vae_encoder=args.vae_encoder,
     )
+    if args.prompt_every is not None:
+        overrides["prompt_every"] = args.prompt_every
     if args.feat_map_mib is not None:
         overrides["feat_map_bytes"] = int(args.feat_map_mib * MIB)
     cfg = RolloutConfig(**overrides) if args.deploy_shapes else small_config(**overrides)
