@@ -398,7 +398,7 @@ def test_tensors_enter_by_reference_and_are_counted_once():
     assert isinstance(stored, jax.Array) and stored.dtype == jax.numpy.bfloat16
     assert stored.unsafe_buffer_pointer() == video_out.data_ptr()  # a permuted view, aliased
     assert session.get("stitched_frames").view()[0].unsafe_buffer_pointer() == frame.data_ptr()
-    assert session.get("vae_encoder_out").view()[0].unsafe_buffer_pointer() == chunk.data_ptr()
+    assert session.get("vae_encoder_out").view()[0] is chunk  # the ring keeps the torch tensor itself
     assert report()["copied_count"] == 0
     back = a.get_concatenated_video_latents()
     assert back.untyped_storage().data_ptr() == video_out.untyped_storage().data_ptr()
@@ -549,8 +549,28 @@ def test_commit_all_is_one_transaction():
     a._session = type(
         "H", (), {"transact": staticmethod(transact), "__getattr__": lambda self, n: getattr(b._session, n)}
     )()
+    b._session.remove("vae_encoder_out")  # a lost ring: the append rebuilds it (the transaction's path)
     a.append_vae_encoder_chunk(_chunk(1))
     assert len(calls) == 1 and len(b._buffer("vae_encoder_out").view()) == 1
+
+
+def test_the_encoder_step_is_one_commit_of_the_torch_tensor_and_no_bridge_crossing(monkeypatch):
+    """The per-step encoder write and read (issue 24): the chunk goes into the ring as itself, by one commit
+    (no read-modify-write transaction), and the observation comes back without a DLPack import either way
+    (which cost ~5x the step's own torch.cat when the ring held JAX aliases)."""
+    manager = SessionStateManager()
+    state = DreamZeroStateAdapter("s", manager, vae_encoder_window=2)
+    state.append_vae_encoder_chunk(_chunk(0))
+    transactions = []
+    original = fs.SessionHandle.transact
+    monkeypatch.setattr(fs.SessionHandle, "transact", lambda h, fn: transactions.append(fn) or original(h, fn))
+    reset_report()
+    chunk = _chunk(1)
+    state.append_vae_encoder_chunk(chunk)
+    obs = state.observation_latents(2)
+    assert fs.sessions(manager.state)["s"].get("vae_encoder_out").view()[-1] is chunk
+    assert report()["wrapped_count"] == 0 and report()["copied_count"] == 0 and transactions == []
+    assert torch.equal(obs[:, :, :1], _chunk(0)) and torch.equal(obs[:, :, 1:], chunk)
 
 
 def test_a_thousand_begin_close_cycles_reclaim_every_slot_and_byte():

@@ -9,7 +9,7 @@ name                       bucket                                            why
 ``stitched_frames``        `LatentBuffer` ring of 4                          accumulated, reset per window
 ``video_latents``          `LatentBuffer` append buffer (host memory)        accumulated over the session
 ``vae_encoder_out``        `LatentBuffer` ring of ``vae_encoder_window``      bounded: the reader needs only
-                           latent frames                                     the last few frames
+                           latent frames (torch tensors, by reference)       the last few frames
 ``vae_enc_feat_map``       `DenseValue` (603 MiB at deploy shapes)           replaced whole or item by item,
                                                                              no recompute source: parkable
 counters, conditioning     attrs                                             assigned wholesale by the model
@@ -22,7 +22,10 @@ memory between steps (`park_feat_map`) and restore it on the next access, bit fo
 from the state each time it is used: the list a caller assigns is copied in, not kept by identity.
 
 Torch tensors enter through `torch_bridge.wrap` (a JAX alias when DLPack allows, the tensor itself
-otherwise; never a copy) and come back as torch tensors over the same storage, bit-identical.
+otherwise; never a copy) and come back as torch tensors over the same storage, bit-identical. The encoder
+ring is the exception: it is written and read back on every model step, where a JAX alias each way would cost
+several times the step's own ``torch.cat`` (issue 24), so it keeps the torch tensors themselves (a
+`LatentBuffer` carries any array type by reference; accounting, park and checkpoint treat them alike).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from functional_state import (
     DenseValue,
     InvalidArgumentError,
     LatentBuffer,
+    NotAllocatedError,
+    ObjectNotFoundError,
     PagedKVHandle,
     PagedKVPool,
     SessionAttr,
@@ -119,12 +124,16 @@ def _tensor_attr(doc: str) -> SessionAttr:
     return SessionAttr(default=None, coerce=_to_state, load=unwrap, doc=doc)
 
 
+def _as_torch(x: Any) -> Any:
+    return x if isinstance(x, torch.Tensor) else unwrap(x)
+
+
 def _cat_time(items: tuple[Any, ...]) -> torch.Tensor | None:
     if not items:
         return None
     if len(items) == 1:
-        return unwrap(items[0])
-    return torch.cat([unwrap(x) for x in items], dim=2)
+        return _as_torch(items[0])
+    return torch.cat([_as_torch(x) for x in items], dim=2)
 
 
 def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
@@ -320,19 +329,28 @@ class DreamZeroStateAdapter(ResetRules):
         self._session.put(_LATENTS, self._new_buffer(_LATENTS))
 
     # VAE encoder ring
-    def _encoder_frames(self, chunk: torch.Tensor) -> list[Any]:
+    def _encoder_frames(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         t = chunk.shape[2]
         if t == 1:
-            return [wrap(chunk)]  # the steady state: one latent frame per chunk, moved by reference
+            return [chunk]  # the steady state: one latent frame per chunk, kept by reference
         # A multi-frame chunk is split, and only the frames the ring keeps are materialized: a view would keep
         # the whole chunk alive and the ring would no longer bound memory.
         keep = range(max(0, t - self._window), t)
-        return [wrap(chunk[:, :, i : i + 1].clone(memory_format=torch.contiguous_format)) for i in keep]
+        return [chunk[:, :, i : i + 1].clone(memory_format=torch.contiguous_format) for i in keep]
 
     def append_vae_encoder_chunk(self, chunk: torch.Tensor) -> None:
         """Append an encoded chunk (B, C, T, H, W); frames beyond the window are dropped, oldest first."""
         check_encoder_chunk(chunk, "append_vae_encoder_chunk")
-        self._commit_all(_ENCODER, self._encoder_frames(chunk))
+        frames = self._encoder_frames(chunk)
+        if len(frames) == 1:
+            # The steady state: one commit into the ring (one manager operation). A ring the session lost
+            # (a reset, an eviction) is rebuilt and committed to in one transaction instead.
+            try:
+                self._session.commit(_ENCODER, frames[0])
+                return
+            except (ObjectNotFoundError, NotAllocatedError):
+                pass
+        self._commit_all(_ENCODER, frames)
 
     @property
     def vae_encoder_out(self) -> torch.Tensor | None:
