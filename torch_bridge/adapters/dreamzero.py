@@ -379,7 +379,8 @@ class DreamZeroStateAdapter(ResetRules):
                 f"`observation_latents`: asked for {num_frames} latent frames but the encoder ring retains "
                 f"{self._window} (vae_encoder_window). Build the adapter with vae_encoder_window >= {num_frames}."
             )
-        items = self._buffer(_ENCODER).view()
+        ring = self._session.get(_ENCODER, None)  # a plain read on the per-step path; rebuilt only if lost
+        items = (ring if ring is not None and ring.resident else self._buffer(_ENCODER)).view()
         return _cat_time(items[-num_frames:])
 
     def reset_vae_encoder_stream(self) -> None:
