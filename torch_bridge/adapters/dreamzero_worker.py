@@ -84,7 +84,13 @@ def run_actions(
 
 
 def _load_when_ready(store: DreamZeroSessions, sid: str, path: str, hooks: dict[str, Any], wait_s: float) -> None:
-    """Load ``sid`` from ``path``, waiting for another worker's save to complete (a checkpoint appears whole)."""
+    """Load ``sid`` from ``path``, waiting for another worker's save to complete (a checkpoint appears whole).
+
+    Not ``orbax.checkpoint.checkpoint_utils.wait_for_new_checkpoint`` (issue 23): it waits for a *step*
+    directory (``<dir>/<step>``, a `CheckpointManager` layout) and yields its number, while a session save
+    writes one checkpoint at ``path`` itself, so it would wait for a step that never appears; and it sleeps
+    whole seconds (``seconds_to_sleep: int``), ten times this loop's 0.1 s, on a migration's critical path.
+    """
     deadline = time.monotonic() + wait_s
     while True:
         try:
