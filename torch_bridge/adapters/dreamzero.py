@@ -30,7 +30,6 @@ several times the step's own ``torch.cat`` (issue 24), so it keeps the torch ten
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableSequence
 from typing import Any
 
 import torch
@@ -61,52 +60,14 @@ from ._dreamzero_rules import (
     split_frames,
     window_frames,
 )
+from .feat_map_view import FEAT_MAP, FeatMapView
 
 __all__ = ["DreamZeroStateAdapter", "dreamzero_component_nbytes"]
 
 _FRAMES = "stitched_frames"
 _LATENTS = "video_latents"
 _ENCODER = "vae_encoder_out"
-_FEAT_MAP = "vae_enc_feat_map"
 _KV = "self_attn_kv"  # the generator's self-attention KV: blocks of the engine's paged pool
-
-
-class FeatMapView(MutableSequence[Any]):
-    """The session's VAE feat map as the model uses it: a list whose item assignments commit into the
-    `DenseValue` (restored first if it was parked). Its length is fixed, as the cache's layer count is."""
-
-    def __init__(self, handle: SessionHandle, name: str = _FEAT_MAP):
-        self._handle = handle
-        self._name = name
-
-    def _items(self) -> tuple[Any, ...]:
-        return self._handle.get(self._name).value
-
-    def __getitem__(self, index: Any) -> Any:
-        items = self._items()
-        return list(items[index]) if isinstance(index, slice) else items[index]
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        if isinstance(index, slice):
-            raise InvalidArgumentError("`vae_enc_feat_map[...] = ...`: assign items one index at a time.")
-        self._handle.update(self._name, lambda cache: cache.set_item(index, value))  # type: ignore[attr-defined]
-
-    def __delitem__(self, index: Any) -> None:
-        raise InvalidArgumentError(
-            "`del vae_enc_feat_map[i]`: the feat map has one entry per cached layer; assign None."
-        )
-
-    def insert(self, index: int, value: Any) -> None:
-        raise InvalidArgumentError("`vae_enc_feat_map.insert`: the feat map has a fixed length; assign items instead.")
-
-    def __len__(self) -> int:
-        return len(self._items())
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._items())
-
-    def __repr__(self) -> str:
-        return f"FeatMapView({len(self)} items of session {self._handle.session_id!r})"
 
 
 def _check_window(window: Any) -> None:
@@ -142,7 +103,7 @@ def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
         "stitched_frames": session.get(_FRAMES, None),
         "video_latents": session.get(_LATENTS, None),
         "vae_encoder_out": session.get(_ENCODER, None),
-        "vae_enc_feat_map": session.get(_FEAT_MAP, None),
+        "vae_enc_feat_map": session.get(FEAT_MAP, None),
         "vae_pending_body_frames": session.get_attr("vae_pending_body_frames", None),
         "conditioning": [session.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
     }
@@ -285,7 +246,7 @@ class DreamZeroStateAdapter(ResetRules):
     @property
     def vae_enc_feat_map(self) -> FeatMapView | None:
         """The causal encoder's feature cache, or None: a list view (see `FeatMapView`)."""
-        cache = self._session.get(_FEAT_MAP, None)  # restored here if it was parked
+        cache = self._session.get(FEAT_MAP, None)  # restored here if it was parked
         if cache is None or not cache.resident or cache.value is None:
             return None
         return FeatMapView(self._session)
@@ -293,17 +254,17 @@ class DreamZeroStateAdapter(ResetRules):
     @vae_enc_feat_map.setter
     def vae_enc_feat_map(self, value: Any) -> None:
         if value is None:
-            self._session.remove(_FEAT_MAP)
+            self._session.remove(FEAT_MAP)
         else:
-            self._session.put(_FEAT_MAP, DenseValue.create(list(value)))
+            self._session.put(FEAT_MAP, DenseValue.create(list(value)))
 
     def park_feat_map(self) -> dict[str, int]:
         """Park the feat map in host memory until its next access (which restores it); returns the bytes moved
         per pool, or {} when there is none to park."""
-        cache = self._session.get(_FEAT_MAP, None)
+        cache = self._session.get(FEAT_MAP, None)
         if cache is None or not cache.resident or cache.value is None:
             return {}
-        return self._session.park(_FEAT_MAP)
+        return self._session.park(FEAT_MAP)
 
     @property
     def vae_encoder_window(self) -> int:
@@ -386,7 +347,7 @@ class DreamZeroStateAdapter(ResetRules):
     def reset_vae_encoder_stream(self) -> None:
         for name in ("vae_stream_initialized", "vae_pending_body_frames"):
             self._session.del_attr(name)
-        self._session.remove(_FEAT_MAP)
+        self._session.remove(FEAT_MAP)
         self._session.put(_ENCODER, self._new_buffer(_ENCODER))
 
     # self-attention KV: the engine owns the blocks, the session holds their ids
