@@ -161,15 +161,15 @@ def _run_concurrent(args: argparse.Namespace, console: Any) -> tuple[Any, float,
     import torch
 
     from functional_state import SessionStateManager
-    from torch_bridge.adapters import Cosmos3Shapes, Cosmos3TransformerCache, DreamZeroStateAdapter, request_session
-    from torch_bridge.adapters import dreamzero_rollout as dz
-    from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
+    from torch_bridge import harness as dz
+    from torch_bridge.adapters import DreamZeroStateAdapter, request_session
+    from torch_bridge.harness import Cosmos3Shapes, Cosmos3TransformerCache, build_freqs_gen, encode_und_kv
 
     manager = SessionStateManager()
     cfg = dz.RolloutConfig(
         steps=args.steps, sessions=args.sessions, feat_map_bytes=int(args.feat_map_mib * MIB), prompt_every=10**9
     )
-    nets = dz._Networks(cfg)
+    nets = dz.Networks(cfg)
     shapes = Cosmos3Shapes(
         num_layers=28, num_heads=16, head_dim=128, text_len=300, padded_text_len=512, media_tokens=4096
     )
@@ -187,7 +187,7 @@ def _run_concurrent(args: argparse.Namespace, console: Any) -> tuple[Any, float,
                     state = DreamZeroStateAdapter(
                         f"dreamzero-{session}", manager, vae_encoder_window=cfg.vae_encoder_window
                     )
-                    dz._step(state, nets, cfg, session, step)
+                    dz.pipeline_step(state, nets, cfg, session, step)
                     progress.advance(dz_task)
             except Exception as e:  # reported after the join
                 errors.append(e)
@@ -251,7 +251,7 @@ def _plot(args: argparse.Namespace, console: Any) -> tuple[Path, dict[str, Any]]
     import matplotlib.pyplot as plt
 
     from functional_state.config import enable_override
-    from torch_bridge.adapters import dreamzero_rollout as dz
+    from torch_bridge import harness as dz
 
     cfg = dz.RolloutConfig(
         steps=args.plot_steps,
@@ -302,7 +302,7 @@ def _budget_demo(args: argparse.Namespace, console: Any) -> bool:
 
     from functional_state import format_bytes
     from functional_state.config import enable_override
-    from torch_bridge.adapters import dreamzero_rollout as dz
+    from torch_bridge import harness as dz
 
     steps = args.budget_steps
     # The feat map dominates a session at deploy shapes (603 of 627 MiB); a smaller one would leave mostly

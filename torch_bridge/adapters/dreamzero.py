@@ -9,7 +9,7 @@ name                       bucket                                            why
 ``stitched_frames``        `LatentBuffer` ring of 4                          accumulated, reset per window
 ``video_latents``          `LatentBuffer` append buffer (host memory)        accumulated over the session
 ``vae_encoder_out``        `LatentBuffer` ring of ``vae_encoder_window``      bounded: the reader needs only
-                           latent frames                                     the last few frames
+                           latent frames (torch tensors, by reference)       the last few frames
 ``vae_enc_feat_map``       `DenseValue` (603 MiB at deploy shapes)           replaced whole or item by item,
                                                                              no recompute source: parkable
 counters, conditioning     attrs                                             assigned wholesale by the model
@@ -22,12 +22,14 @@ memory between steps (`park_feat_map`) and restore it on the next access, bit fo
 from the state each time it is used: the list a caller assigns is copied in, not kept by identity.
 
 Torch tensors enter through `torch_bridge.wrap` (a JAX alias when DLPack allows, the tensor itself
-otherwise; never a copy) and come back as torch tensors over the same storage, bit-identical.
+otherwise; never a copy) and come back as torch tensors over the same storage, bit-identical. The encoder
+ring is the exception: it is written and read back on every model step, where a JAX alias each way would cost
+several times the step's own ``torch.cat`` (issue 24), so it keeps the torch tensors themselves (a
+`LatentBuffer` carries any array type by reference; accounting, park and checkpoint treat them alike).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableSequence
 from typing import Any
 
 import torch
@@ -36,6 +38,8 @@ from functional_state import (
     DenseValue,
     InvalidArgumentError,
     LatentBuffer,
+    NotAllocatedError,
+    ObjectNotFoundError,
     PagedKVHandle,
     PagedKVPool,
     SessionAttr,
@@ -56,52 +60,14 @@ from ._dreamzero_rules import (
     split_frames,
     window_frames,
 )
+from .feat_map_view import FEAT_MAP, FeatMapView
 
 __all__ = ["DreamZeroStateAdapter", "dreamzero_component_nbytes"]
 
 _FRAMES = "stitched_frames"
 _LATENTS = "video_latents"
 _ENCODER = "vae_encoder_out"
-_FEAT_MAP = "vae_enc_feat_map"
 _KV = "self_attn_kv"  # the generator's self-attention KV: blocks of the engine's paged pool
-
-
-class FeatMapView(MutableSequence[Any]):
-    """The session's VAE feat map as the model uses it: a list whose item assignments commit into the
-    `DenseValue` (restored first if it was parked). Its length is fixed, as the cache's layer count is."""
-
-    def __init__(self, handle: SessionHandle, name: str = _FEAT_MAP):
-        self._handle = handle
-        self._name = name
-
-    def _items(self) -> tuple[Any, ...]:
-        return self._handle.get(self._name).value
-
-    def __getitem__(self, index: Any) -> Any:
-        items = self._items()
-        return list(items[index]) if isinstance(index, slice) else items[index]
-
-    def __setitem__(self, index: Any, value: Any) -> None:
-        if isinstance(index, slice):
-            raise InvalidArgumentError("`vae_enc_feat_map[...] = ...`: assign items one index at a time.")
-        self._handle.update(self._name, lambda cache: cache.set_item(index, value))  # type: ignore[attr-defined]
-
-    def __delitem__(self, index: Any) -> None:
-        raise InvalidArgumentError(
-            "`del vae_enc_feat_map[i]`: the feat map has one entry per cached layer; assign None."
-        )
-
-    def insert(self, index: int, value: Any) -> None:
-        raise InvalidArgumentError("`vae_enc_feat_map.insert`: the feat map has a fixed length; assign items instead.")
-
-    def __len__(self) -> int:
-        return len(self._items())
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._items())
-
-    def __repr__(self) -> str:
-        return f"FeatMapView({len(self)} items of session {self._handle.session_id!r})"
 
 
 def _check_window(window: Any) -> None:
@@ -119,12 +85,16 @@ def _tensor_attr(doc: str) -> SessionAttr:
     return SessionAttr(default=None, coerce=_to_state, load=unwrap, doc=doc)
 
 
+def _as_torch(x: Any) -> Any:
+    return x if isinstance(x, torch.Tensor) else unwrap(x)
+
+
 def _cat_time(items: tuple[Any, ...]) -> torch.Tensor | None:
     if not items:
         return None
     if len(items) == 1:
-        return unwrap(items[0])
-    return torch.cat([unwrap(x) for x in items], dim=2)
+        return _as_torch(items[0])
+    return torch.cat([_as_torch(x) for x in items], dim=2)
 
 
 def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
@@ -133,7 +103,7 @@ def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
         "stitched_frames": session.get(_FRAMES, None),
         "video_latents": session.get(_LATENTS, None),
         "vae_encoder_out": session.get(_ENCODER, None),
-        "vae_enc_feat_map": session.get(_FEAT_MAP, None),
+        "vae_enc_feat_map": session.get(FEAT_MAP, None),
         "vae_pending_body_frames": session.get_attr("vae_pending_body_frames", None),
         "conditioning": [session.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
     }
@@ -276,7 +246,7 @@ class DreamZeroStateAdapter(ResetRules):
     @property
     def vae_enc_feat_map(self) -> FeatMapView | None:
         """The causal encoder's feature cache, or None: a list view (see `FeatMapView`)."""
-        cache = self._session.get(_FEAT_MAP, None)  # restored here if it was parked
+        cache = self._session.get(FEAT_MAP, None)  # restored here if it was parked
         if cache is None or not cache.resident or cache.value is None:
             return None
         return FeatMapView(self._session)
@@ -284,17 +254,17 @@ class DreamZeroStateAdapter(ResetRules):
     @vae_enc_feat_map.setter
     def vae_enc_feat_map(self, value: Any) -> None:
         if value is None:
-            self._session.remove(_FEAT_MAP)
+            self._session.remove(FEAT_MAP)
         else:
-            self._session.put(_FEAT_MAP, DenseValue.create(list(value)))
+            self._session.put(FEAT_MAP, DenseValue.create(list(value)))
 
     def park_feat_map(self) -> dict[str, int]:
         """Park the feat map in host memory until its next access (which restores it); returns the bytes moved
         per pool, or {} when there is none to park."""
-        cache = self._session.get(_FEAT_MAP, None)
+        cache = self._session.get(FEAT_MAP, None)
         if cache is None or not cache.resident or cache.value is None:
             return {}
-        return self._session.park(_FEAT_MAP)
+        return self._session.park(FEAT_MAP)
 
     @property
     def vae_encoder_window(self) -> int:
@@ -320,19 +290,28 @@ class DreamZeroStateAdapter(ResetRules):
         self._session.put(_LATENTS, self._new_buffer(_LATENTS))
 
     # VAE encoder ring
-    def _encoder_frames(self, chunk: torch.Tensor) -> list[Any]:
+    def _encoder_frames(self, chunk: torch.Tensor) -> list[torch.Tensor]:
         t = chunk.shape[2]
         if t == 1:
-            return [wrap(chunk)]  # the steady state: one latent frame per chunk, moved by reference
+            return [chunk]  # the steady state: one latent frame per chunk, kept by reference
         # A multi-frame chunk is split, and only the frames the ring keeps are materialized: a view would keep
         # the whole chunk alive and the ring would no longer bound memory.
         keep = range(max(0, t - self._window), t)
-        return [wrap(chunk[:, :, i : i + 1].clone(memory_format=torch.contiguous_format)) for i in keep]
+        return [chunk[:, :, i : i + 1].clone(memory_format=torch.contiguous_format) for i in keep]
 
     def append_vae_encoder_chunk(self, chunk: torch.Tensor) -> None:
         """Append an encoded chunk (B, C, T, H, W); frames beyond the window are dropped, oldest first."""
         check_encoder_chunk(chunk, "append_vae_encoder_chunk")
-        self._commit_all(_ENCODER, self._encoder_frames(chunk))
+        frames = self._encoder_frames(chunk)
+        if len(frames) == 1:
+            # The steady state: one commit into the ring (one manager operation). A ring the session lost
+            # (a reset, an eviction) is rebuilt and committed to in one transaction instead.
+            try:
+                self._session.commit(_ENCODER, frames[0])
+                return
+            except (ObjectNotFoundError, NotAllocatedError):
+                pass
+        self._commit_all(_ENCODER, frames)
 
     @property
     def vae_encoder_out(self) -> torch.Tensor | None:
@@ -361,13 +340,14 @@ class DreamZeroStateAdapter(ResetRules):
                 f"`observation_latents`: asked for {num_frames} latent frames but the encoder ring retains "
                 f"{self._window} (vae_encoder_window). Build the adapter with vae_encoder_window >= {num_frames}."
             )
-        items = self._buffer(_ENCODER).view()
+        ring = self._session.get(_ENCODER, None)  # a plain read on the per-step path; rebuilt only if lost
+        items = (ring if ring is not None and ring.resident else self._buffer(_ENCODER)).view()
         return _cat_time(items[-num_frames:])
 
     def reset_vae_encoder_stream(self) -> None:
         for name in ("vae_stream_initialized", "vae_pending_body_frames"):
             self._session.del_attr(name)
-        self._session.remove(_FEAT_MAP)
+        self._session.remove(FEAT_MAP)
         self._session.put(_ENCODER, self._new_buffer(_ENCODER))
 
     # self-attention KV: the engine owns the blocks, the session holds their ids

@@ -24,7 +24,7 @@ from typing import Any
 from functional_state import CheckpointError, has_checkpoint
 from functional_state.config import enable_override
 
-from . import dreamzero_rollout as dz
+from .. import harness as dz
 from .dreamzero_store import DreamZeroSessions
 
 __all__ = ["run_actions"]
@@ -35,15 +35,23 @@ _KV = "self_attn_kv"
 def _digest(values: list[Any]) -> str:
     h = hashlib.sha256()
     for value in values:
-        dz._hash(h, value)
+        dz.hash_value(h, value)
     return h.hexdigest()
 
 
-def run_actions(actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 120.0) -> dict[str, Any]:
-    """Run ``actions`` on the manager path; returns ``{"steps": {session: [digest, ...]}, "latents": {...}}``."""
-    cfg = dz.small_config(steps=10**6, sessions=sessions)
-    nets = dz._Networks(cfg)
-    kv = dz._SelfAttnKV(cfg)
+def run_actions(
+    actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 120.0, vae_encoder: str = "stand-in"
+) -> dict[str, Any]:
+    """Run ``actions`` on the manager path; returns ``{"steps": {session: [digest, ...]}, "latents": {...}}``.
+
+    The VAE encoder defaults to the stand-in, unlike the rollout's: restart and migration checks serve hundreds
+    of steps in several processes, which the real encoder makes ~2.5x slower here, and the real encoder's
+    feat cache across a checkpoint and a fresh process is checked by tests/test_wan.py. ``vae_encoder="wan"``
+    runs it through the worker too.
+    """
+    cfg = dz.small_config(steps=10**6, sessions=sessions, vae_encoder=vae_encoder)
+    nets = dz.Networks(cfg)
+    kv = dz.SelfAttnKV(cfg)
     hooks: dict[str, Any] = {"object_hooks": {_KV: kv.engine.checkpoint_hooks()}}
     with enable_override(True):
         store = DreamZeroSessions(resident_bound=sessions)
@@ -57,7 +65,7 @@ def run_actions(actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 
                 for i in which:
                     sid = f"session-{i}"
                     state = store.begin(sid) if step == 0 else store.resume(sid)
-                    steps.setdefault(sid, []).append(_digest(dz._step(state, nets, cfg, i, step, kv=kv)))
+                    steps.setdefault(sid, []).append(_digest(dz.pipeline_step(state, nets, cfg, i, step, kv=kv)))
         elif kind == "save":
             sid = f"session-{action[1]}"
             store.save(sid, action[2], **hooks)
@@ -76,7 +84,13 @@ def run_actions(actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 
 
 
 def _load_when_ready(store: DreamZeroSessions, sid: str, path: str, hooks: dict[str, Any], wait_s: float) -> None:
-    """Load ``sid`` from ``path``, waiting for another worker's save to complete (a checkpoint appears whole)."""
+    """Load ``sid`` from ``path``, waiting for another worker's save to complete (a checkpoint appears whole).
+
+    Not ``orbax.checkpoint.checkpoint_utils.wait_for_new_checkpoint`` (issue 23): it waits for a *step*
+    directory (``<dir>/<step>``, a `CheckpointManager` layout) and yields its number, while a session save
+    writes one checkpoint at ``path`` itself, so it would wait for a step that never appears; and it sleeps
+    whole seconds (``seconds_to_sleep: int``), ten times this loop's 0.1 s, on a migration's critical path.
+    """
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -95,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actions", required=True, help="a JSON list of actions (see the module docstring)")
     parser.add_argument("--sessions", type=int, default=3, help="sessions the store and engine are sized for")
     parser.add_argument("--wait", type=float, default=120.0, help="seconds a load waits for a checkpoint")
+    parser.add_argument("--vae-encoder", choices=dz.VAE_ENCODERS, default="stand-in", help="the causal VAE encoder")
     args = parser.parse_args(argv)
-    print(json.dumps(run_actions(json.loads(args.actions), sessions=args.sessions, wait_s=args.wait)))
+    result = run_actions(
+        json.loads(args.actions), sessions=args.sessions, wait_s=args.wait, vae_encoder=args.vae_encoder
+    )
+    print(json.dumps(result))
     return 0
 
 
