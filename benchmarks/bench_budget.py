@@ -13,8 +13,8 @@ import torch
 import functional_state as fs
 from _timing import fmt_time, interleaved_medians
 from functional_state.config import enable_override
+from torch_bridge import harness as dz
 from torch_bridge.adapters import DreamZeroSessions
-from torch_bridge.adapters import dreamzero_rollout as dz
 from torch_bridge.adapters.dreamzero_store import estimate_session_nbytes
 
 HERE = Path(__file__).resolve().parent
@@ -49,20 +49,20 @@ def _commit_costs() -> dict[str, float]:
             turn["b"] += 1
 
     cfg = dz.small_config(prompt_every=10**6)
-    nets = dz._Networks(cfg)
+    nets = dz.Networks(cfg)
     stores = {}
     for label, budget in (("plain", None), ("budgeted", "64GiB")):
         with enable_override(True):
             store = DreamZeroSessions(resident_bound=8, byte_budget=budget)
         for s in range(4):
-            dz._step(store.begin(f"s{s}"), nets, cfg, s, 0)
+            dz.pipeline_step(store.begin(f"s{s}"), nets, cfg, s, 0)
         stores[label] = store
     steps = {"plain": 1, "budgeted": 1}
 
     def step(label: str) -> None:
         store = stores[label]
         for s in range(4):
-            dz._step(store.resume(f"s{s}"), nets, cfg, s, steps[label])
+            dz.pipeline_step(store.resume(f"s{s}"), nets, cfg, s, steps[label])
         steps[label] += 1
 
     t = interleaved_medians(

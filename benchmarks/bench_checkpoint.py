@@ -17,22 +17,22 @@ import torch
 import functional_state as fs
 from _timing import fmt_time
 from functional_state.config import enable_override
+from torch_bridge import harness as dz
 from torch_bridge.adapters import DreamZeroSessions
-from torch_bridge.adapters import dreamzero_rollout as dz
 
 MIB = 2**20
 KV = "self_attn_kv"
 ROUNDS = 5  # the disk of a shared machine is noisy: medians of five interleaved rounds
 
 
-def _deploy_session(steps: int = 16) -> tuple[DreamZeroSessions, dz._SelfAttnKV]:
+def _deploy_session(steps: int = 16) -> tuple[DreamZeroSessions, dz.SelfAttnKV]:
     cfg = dz.RolloutConfig(steps=steps, sessions=2, prompt_every=10**9)
-    nets, kv = dz._Networks(cfg), dz._SelfAttnKV(cfg)
+    nets, kv = dz.Networks(cfg), dz.SelfAttnKV(cfg)
     with enable_override(True):
         store = DreamZeroSessions(resident_bound=4)
     for step in range(steps):
         state = store.begin("deploy") if step == 0 else store.resume("deploy")
-        dz._step(state, nets, cfg, 0, step, kv=kv)
+        dz.pipeline_step(state, nets, cfg, 0, step, kv=kv)
     # The rollout's feat map starts as zeros, which compress to nothing: give it incompressible values, as a
     # real encoder cache has, so the bytes measured are bytes written.
     g = torch.Generator().manual_seed(0)
@@ -77,15 +77,15 @@ def _same_cache_state(path: Path) -> str:
         return "warm (files read once first)"
 
 
-def _step_latencies(store: DreamZeroSessions, kv: dz._SelfAttnKV, n: int, first: int) -> list[float]:
+def _step_latencies(store: DreamZeroSessions, kv: dz.SelfAttnKV, n: int, first: int) -> list[float]:
     """``n`` model steps of a small-shape session served next to the big one."""
     cfg = dz.small_config(steps=10**6, sessions=2, prompt_every=10**9)
-    nets = dz._Networks(cfg)
+    nets = dz.Networks(cfg)
     out = []
     for step in range(first, first + n):
         state = store.begin("live") if step == 0 else store.resume("live")
         t0 = time.perf_counter()
-        dz._step(state, nets, cfg, 1, step, kv=kv)
+        dz.pipeline_step(state, nets, cfg, 1, step, kv=kv)
         out.append(time.perf_counter() - t0)
     return out
 

@@ -4,7 +4,7 @@ with the full 603 MiB VAE feat map."""
 from __future__ import annotations
 
 from functional_state.config import enable_override
-from torch_bridge.adapters import dreamzero_rollout as dz
+from torch_bridge import harness as dz
 
 MIB = 2**20
 STEPS = 400

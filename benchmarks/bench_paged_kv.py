@@ -8,7 +8,7 @@ from bench_accounting import dreamzero_like_session
 
 import functional_state as fs
 from _timing import fmt_time, interleaved_medians
-from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
 N_SESSIONS = 64
 BLOCKS = 1_000

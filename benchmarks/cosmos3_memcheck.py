@@ -27,8 +27,8 @@ def _child(args: argparse.Namespace) -> dict:
     import torch
 
     from functional_state import SessionStateManager, nbytes_by_device
-    from torch_bridge.adapters import Cosmos3Shapes, Cosmos3TransformerCache, request_session
-    from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
+    from torch_bridge.adapters import request_session
+    from torch_bridge.harness import Cosmos3Shapes, Cosmos3TransformerCache, build_freqs_gen, encode_und_kv
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = Cosmos3Shapes(

@@ -109,7 +109,7 @@ def test_the_whole_table_keeps_its_order_counters_and_config(tmp_path):
 
 def test_adapters_round_trip_with_their_bespoke_surface(tmp_path):
     from torch_bridge.adapters import Cosmos3StateAdapter, DreamZeroStateAdapter
-    from torch_bridge.adapters.cosmos3_bespoke import (
+    from torch_bridge.harness.cosmos3_bespoke import (
         Cosmos3Shapes,
         Cosmos3TransformerCache,
         build_freqs_gen,
@@ -290,7 +290,7 @@ def test_a_checkpoint_with_sha256_checksums_as_earlier_versions_wrote_still_veri
 
 
 def test_engine_kv_is_refused_without_hooks_and_travels_with_them(tmp_path):
-    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+    from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
     engine = ReferenceKVEngine(num_blocks=8, block_size=2, heads=1, head_dim=4)
     ids = engine.allocate(2)
@@ -319,7 +319,7 @@ def _kv_session(engine, sid: str, state: ManagerState | None = None) -> ManagerS
 
 def test_a_load_that_fails_hands_the_kv_blocks_it_took_back_to_the_engine(tmp_path):
     from functional_state import BudgetExceededError
-    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+    from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
     source = ReferenceKVEngine(num_blocks=8, block_size=2, heads=1, head_dim=4)
     s = _kv_session(source, "b", _kv_session(source, "a"))

@@ -10,15 +10,8 @@ import torch
 import functional_state as fs
 from functional_state import SessionStateManager, nbytes_by_device
 from torch_bridge import report, reset_report
-from torch_bridge.adapters import (
-    BranchStateError,
-    Cosmos3Shapes,
-    Cosmos3StateAdapter,
-    Cosmos3TransformerCache,
-    cosmos3_footprint,
-    request_session,
-)
-from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
+from torch_bridge.adapters import BranchStateError, Cosmos3StateAdapter, cosmos3_footprint, request_session
+from torch_bridge.harness import Cosmos3Shapes, Cosmos3TransformerCache, build_freqs_gen, encode_und_kv
 
 SHAPES = Cosmos3Shapes(num_layers=3, num_heads=2, head_dim=16, text_len=7, padded_text_len=32, media_tokens=24)
 

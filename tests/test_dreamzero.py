@@ -15,17 +15,16 @@ import torch
 import functional_state as fs
 from functional_state import SessionStateManager, nbytes_by_device
 from functional_state.config import enable_override
+from torch_bridge import harness as rollout
 from torch_bridge import report, reset_report, unwrap
 from torch_bridge.adapters import (
     BespokeDreamZeroCache,
     BespokeDreamZeroState,
-    Cosmos3Shapes,
     DreamZeroStateAdapter,
     request_session,
 )
-from torch_bridge.adapters import dreamzero_rollout as rollout
-from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
 from torch_bridge.adapters.dreamzero import FeatMapView
+from torch_bridge.harness import Cosmos3Shapes, build_freqs_gen, encode_und_kv
 
 
 def _same(a, b):
@@ -451,7 +450,7 @@ def _rollout_in_fresh_process(flag):
         [
             sys.executable,
             "-m",
-            "torch_bridge.adapters.dreamzero_rollout",
+            "torch_bridge.harness",
             "--steps",
             "400",
             "--sessions",
@@ -485,10 +484,10 @@ def _replay_digest(cfg, nets, streams, adapter_steps=None):
     ):
         h = hashlib.sha256()
         for step, stream in enumerate(streams):
-            out = rollout._step(state, nets, cfg, 0, step, frame_stream=stream)
+            out = rollout.pipeline_step(state, nets, cfg, 0, step, frame_stream=stream)
             if step in adapter_steps:
                 for v in out:
-                    rollout._hash(h, v)
+                    rollout.hash_value(h, v)
         digests.append(h.hexdigest())
     assert digests[0] == digests[1]
     return digests[0]
@@ -506,21 +505,21 @@ def test_a_fork_is_a_real_snapshot_of_a_dreamzero_session(policy, monkeypatch):
         # attr whose declared policy copies it.
         monkeypatch.setattr(DreamZeroStateAdapter.__dict__["vae_pending_body_frames"], "on_fork", "share")
     cfg = rollout.small_config(prompt_every=10**6)
-    nets = rollout._Networks(cfg)
+    nets = rollout.Networks(cfg)
     manager = SessionStateManager()
 
     def adapter(sid):
         return DreamZeroStateAdapter(sid, manager, vae_encoder_window=cfg.vae_encoder_window)
 
     for step in range(100):
-        rollout._step(adapter("s"), nets, cfg, 0, step)
+        rollout.pipeline_step(adapter("s"), nets, cfg, 0, step)
     manager.fork_session("s", "s/fork")
     streams = {"s": 0, "s/fork": 7}
     digests = {sid: hashlib.sha256() for sid in streams}
     for step in range(100, 150):
         for sid, stream in streams.items():
-            for v in rollout._step(adapter(sid), nets, cfg, 0, step, frame_stream=stream):
-                rollout._hash(digests[sid], v)
+            for v in rollout.pipeline_step(adapter(sid), nets, cfg, 0, step, frame_stream=stream):
+                rollout.hash_value(digests[sid], v)
     later = set(range(100, 150))
     replays = {sid: _replay_digest(cfg, nets, [0] * 100 + [stream] * 50, later) for sid, stream in streams.items()}
     assert replays["s"] != replays["s/fork"]  # the inputs matter
@@ -604,7 +603,7 @@ def test_self_attention_kv_lives_in_the_paged_engine_through_a_handle_and_stays_
 
 
 def test_the_session_surface_reports_and_resets_its_kv_blocks():
-    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+    from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
     engine = ReferenceKVEngine(num_blocks=8, block_size=4, heads=2, head_dim=8)
     manager = SessionStateManager()

@@ -17,13 +17,13 @@ from functional_state import (
     incarnation,
 )
 from functional_state.config import ENV_MAX_SESSIONS, enable_override
+from torch_bridge import harness as rollout
 from torch_bridge.adapters import (
     BespokeDreamZeroCache,
     DreamZeroSessions,
     DreamZeroStateAdapter,
     begins_session,
 )
-from torch_bridge.adapters import dreamzero_rollout as rollout
 from torch_bridge.adapters.dreamzero_store import MIB, default_resident_bound, estimate_session_nbytes
 
 PATHS = ["bespoke", "manager"]
@@ -37,12 +37,12 @@ def _store(path, bound=2):
 def _run_steps(store, sid, steps, session=0, start=0, cfg=None):
     """Drive ``steps`` rollout steps on ``sid`` through the store (begin on the first when start == 0)."""
     cfg = cfg or rollout.small_config(feat_map_bytes=4096, feat_map_entries=4)
-    nets = rollout._Networks(cfg)
+    nets = rollout.Networks(cfg)
     h = hashlib.sha256()
     for step in range(start, start + steps):
         state = store.begin(sid) if begins_session({"reset": step == 0}) else store.resume(sid)
-        for value in rollout._step(state, nets, cfg, session, step):
-            rollout._hash(h, value)
+        for value in rollout.pipeline_step(state, nets, cfg, session, step):
+            rollout.hash_value(h, value)
     return h.hexdigest()
 
 
@@ -364,12 +364,12 @@ def test_a_malformed_flat_reset_is_an_error():
 def _interleaved_digest(get_state, sessions=3, steps=24):
     """Digest of an interleaved rollout whose state per request comes from ``get_state(sid, step)``."""
     cfg = rollout.small_config(feat_map_bytes=4096, feat_map_entries=4)
-    nets = rollout._Networks(cfg)
+    nets = rollout.Networks(cfg)
     h = hashlib.sha256()
     for step in range(steps):
         for session in range(sessions):
-            for value in rollout._step(get_state(f"s{session}", step), nets, cfg, session, step):
-                rollout._hash(h, value)
+            for value in rollout.pipeline_step(get_state(f"s{session}", step), nets, cfg, session, step):
+                rollout.hash_value(h, value)
     return h.hexdigest()
 
 
@@ -417,7 +417,7 @@ def test_flag_flip_ab_with_diffusers_real_wan_encoder_is_bit_identical_and_the_e
         parked = rollout.run_rollout(dataclasses.replace(cfg, park_feat_map=True))
     stand_in = rollout.run_rollout(dataclasses.replace(cfg, vae_encoder="stand-in"))
     assert bespoke.digest == managed.digest == parked.digest != stand_in.digest
-    nets = rollout._Networks(cfg)
+    nets = rollout.Networks(cfg)
     assert type(nets.wan).__module__.startswith("diffusers.") and nets.wan_convs > 0
     feat = {r.components["session-0"]["vae_enc_feat_map"] for r in (bespoke, managed)}
     assert len(feat) == 1 and feat.pop() > 0  # the model's own cache, the same bytes on both paths

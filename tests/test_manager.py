@@ -324,7 +324,7 @@ def test_a_refused_fork_at_the_cap_detaches_nothing():
 def test_a_refused_fork_leaves_no_handle_for_the_next_session_to_inherit():
     # Regression: the fork made its handle's cell before the write was refused; the next insertion reused
     # the incarnation number, and its handle was the refused fork's.
-    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+    from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
     engine = ReferenceKVEngine(num_blocks=8, block_size=16, heads=2, head_dim=8)
     m = SessionStateManager(max_sessions=2)
@@ -447,7 +447,7 @@ def test_an_evicted_session_is_named_as_evicted_and_its_handle_keeps_working(cap
 def test_a_budget_refused_kv_restore_hands_the_reloaded_blocks_back_and_stays_parked():
     # Regression: a KV restore the budget refused kept the blocks the engine reloaded (leaked) and left the
     # handle unusable.
-    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+    from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
     engine = ReferenceKVEngine(num_blocks=8, block_size=16, heads=2, head_dim=8, offload=True)
     ids = engine.allocate(2)
@@ -476,7 +476,7 @@ def test_a_budget_refused_kv_restore_hands_the_reloaded_blocks_back_and_stays_pa
 def test_kv_restore_moves_the_kept_accounting_like_a_walk():
     # Regression (_acct._swap_handle): a restore was priced as a commit of new blocks, so the kept totals
     # kept counting the host copy it let go of.
-    from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+    from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
     engine = ReferenceKVEngine(num_blocks=8, block_size=16, heads=2, head_dim=8, offload=True)
     m = SessionStateManager()

@@ -31,7 +31,7 @@ from functional_state import (
 )
 from functional_state.engine_blocks import free_acquired
 from helpers import assert_unchanged, snapshot
-from torch_bridge.adapters.paged_engine import EngineError, ReferenceKVEngine
+from torch_bridge.harness.paged_engine import EngineError, ReferenceKVEngine
 
 BLOCK = 16 * 2 * 8 * 2  # block_size 16 x heads 2 x head_dim 8 x bf16, per pool tensor
 LAYER_BLOCK = 2 * BLOCK  # a K and a V pool per layer
@@ -452,7 +452,7 @@ def test_a_process_that_made_pools_exits_without_errors_on_stderr():
         """
         import jax.numpy as jnp, torch
         import functional_state as fs
-        from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+        from torch_bridge.harness.paged_engine import ReferenceKVEngine
         layer = torch.zeros(4, 2)
         pool = fs.PagedKVPool(layer, free=lambda ids: None)
         jlayer = jnp.zeros((4, 2))

@@ -28,7 +28,7 @@ from functional_state import (
 )
 from functional_state.planner import over_budget
 from helpers import assert_unchanged, promised_frees, snapshot
-from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
 SIDS = ("a", "b", "c", "d")
 NAMES = ("x", "y", "z")

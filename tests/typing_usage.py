@@ -28,7 +28,7 @@ def readme_torch_pipeline(manager: fs.SessionStateManager) -> None:
     # user pastes must type-check as it stands.
     from torch_bridge import to_jax, to_torch
     from torch_bridge.adapters import DreamZeroStateAdapter, request_session
-    from torch_bridge.adapters.cosmos3_bespoke import (
+    from torch_bridge.harness.cosmos3_bespoke import (
         Cosmos3Shapes,
         Cosmos3TransformerCache,
         build_freqs_gen,

@@ -1,5 +1,8 @@
 """torch_bridge: zero-copy DLPack exchange between PyTorch and JAX, and the model adapters.
 
+Subpackages: `torch_bridge.adapters` (the model adapters and the DreamZero session store) and
+`torch_bridge.harness` (the A/B harness: stand-in networks, the synthetic rollout, reference engines).
+
 Needs PyTorch: install ``functional-state[torch]``. The pure core (`functional_state`) never imports torch.
 """
 

@@ -100,9 +100,9 @@ def _progress(console: Any) -> Any:
 def _harness() -> Any:
     """The deterministic DreamZero rollout (configs, networks, one step, a whole run): every use goes
     through here, so the demo and the A/B children import it from one place."""
-    from torch_bridge.adapters import dreamzero_rollout
+    from torch_bridge import harness
 
-    return dreamzero_rollout
+    return harness
 
 
 def _pin_threads() -> None:
@@ -270,13 +270,13 @@ def _run_concurrent(args: argparse.Namespace, console: Any) -> tuple[Any, float,
     import torch
 
     from functional_state import SessionStateManager
-    from torch_bridge.adapters import Cosmos3Shapes, Cosmos3TransformerCache, DreamZeroStateAdapter, request_session
-    from torch_bridge.adapters.cosmos3_bespoke import build_freqs_gen, encode_und_kv
+    from torch_bridge.adapters import DreamZeroStateAdapter, request_session
+    from torch_bridge.harness import Cosmos3Shapes, Cosmos3TransformerCache, build_freqs_gen, encode_und_kv
 
     dz = _harness()
     manager = SessionStateManager()
     cfg = _config(_rollout_fields(args, steps=args.steps, sessions=args.sessions, prompt_every=10**9))
-    nets = dz._Networks(cfg)
+    nets = dz.Networks(cfg)
     shapes = Cosmos3Shapes(
         num_layers=28, num_heads=16, head_dim=128, text_len=300, padded_text_len=512, media_tokens=4096
     )
@@ -294,7 +294,7 @@ def _run_concurrent(args: argparse.Namespace, console: Any) -> tuple[Any, float,
                     state = DreamZeroStateAdapter(
                         f"dreamzero-{session}", manager, vae_encoder_window=cfg.vae_encoder_window
                     )
-                    dz._step(state, nets, cfg, session, step)
+                    dz.pipeline_step(state, nets, cfg, session, step)
                     progress.advance(dz_task)
             except Exception as e:  # reported after the join
                 errors.append(e)

@@ -121,7 +121,7 @@ class Cosmos3StateAdapter:
     """Cosmos3's cond/uncond conditioning cache, one manager session per request.
 
     Example:
-      >>> from torch_bridge.adapters.cosmos3_bespoke import Cosmos3Shapes, encode_und_kv, build_freqs_gen
+      >>> from torch_bridge.harness.cosmos3_bespoke import Cosmos3Shapes, encode_und_kv, build_freqs_gen
       >>> shapes = Cosmos3Shapes(num_layers=2)
       >>> state = Cosmos3StateAdapter("req-1", SessionStateManager())
       >>> kv, freqs = encode_und_kv(shapes, seed=0), build_freqs_gen(shapes)

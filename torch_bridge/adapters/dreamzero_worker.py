@@ -24,7 +24,7 @@ from typing import Any
 from functional_state import CheckpointError, has_checkpoint
 from functional_state.config import enable_override
 
-from . import dreamzero_rollout as dz
+from .. import harness as dz
 from .dreamzero_store import DreamZeroSessions
 
 __all__ = ["run_actions"]
@@ -35,15 +35,15 @@ _KV = "self_attn_kv"
 def _digest(values: list[Any]) -> str:
     h = hashlib.sha256()
     for value in values:
-        dz._hash(h, value)
+        dz.hash_value(h, value)
     return h.hexdigest()
 
 
 def run_actions(actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 120.0) -> dict[str, Any]:
     """Run ``actions`` on the manager path; returns ``{"steps": {session: [digest, ...]}, "latents": {...}}``."""
     cfg = dz.small_config(steps=10**6, sessions=sessions)
-    nets = dz._Networks(cfg)
-    kv = dz._SelfAttnKV(cfg)
+    nets = dz.Networks(cfg)
+    kv = dz.SelfAttnKV(cfg)
     hooks: dict[str, Any] = {"object_hooks": {_KV: kv.engine.checkpoint_hooks()}}
     with enable_override(True):
         store = DreamZeroSessions(resident_bound=sessions)
@@ -57,7 +57,7 @@ def run_actions(actions: list[list[Any]], *, sessions: int = 3, wait_s: float = 
                 for i in which:
                     sid = f"session-{i}"
                     state = store.begin(sid) if step == 0 else store.resume(sid)
-                    steps.setdefault(sid, []).append(_digest(dz._step(state, nets, cfg, i, step, kv=kv)))
+                    steps.setdefault(sid, []).append(_digest(dz.pipeline_step(state, nets, cfg, i, step, kv=kv)))
         elif kind == "save":
             sid = f"session-{action[1]}"
             store.save(sid, action[2], **hooks)
