@@ -15,8 +15,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
-demo: $(STAMP)
-	$(PY) -m functional_state demo
+# The demo installs only what it runs (torch, the CLI's rich/matplotlib/psutil, diffusers' Wan encoder), with
+# pip's progress shown; where `make test`'s full [dev] install is already there (a superset) it uses that.
+# One torch/OpenMP thread: default threads oversubscribe a shared box.
+DEMO_STAMP := $(VENV)/.installed-demo
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "make demo: installing functional-state[torch,cli,diffusers] into $(VENV) (the first time only)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[torch,cli,diffusers]' \
+		--config-settings editable_mode=compat
+	touch $(DEMO_STAMP)
+
+demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m functional_state demo $(DEMO_ARGS)
 
 test: lint typecheck check-core-install docs
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules --nbmake functional_state torch_bridge tests notebooks

@@ -51,6 +51,18 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _camera_hw(text: str) -> tuple[int, int]:
+    """``HxW`` of one camera: three are stitched two over one and the VAE encodes them at 1/8 scale, so the
+    height must be at least 8 and the width a multiple of 4."""
+    try:
+        h, w = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HxW (e.g. 48x80), got {text!r}") from None
+    if h < 8 or w <= 0 or w % 4:
+        raise argparse.ArgumentTypeError(f"expected HxW with H >= 8 and W a multiple of 4, got {text!r}")
+    return h, w
+
+
 def benchmark_names() -> list[str]:
     """The benchmarks of a source checkout (``benchmarks/bench_<name>.py``); none in an installed package."""
     if not _BENCH_DIR.is_dir():
@@ -71,20 +83,42 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
     def add_common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
+            "--camera-hw",
+            type=_camera_hw,
+            default=(48, 80),
+            metavar="HxW",
+            help="DreamZero camera size (three, stitched two over one; deploy: 180x320, minutes per run on CPU)",
+        )
+        p.add_argument(
+            "--vae-encoder",
+            choices=("wan", "stand-in"),
+            default="wan",
+            help="DreamZero's VAE encoder: diffusers' real Wan encoder, or the elementwise stand-in",
+        )
+        p.add_argument(
             "--feat-map-mib",
             type=_non_negative_float,
             default=24.0,
-            help="DreamZero VAE feat map size in MiB (deploy: 603; smaller keeps the demo light)",
+            help="the stand-in encoder's feat map in MiB (deploy: 603); the Wan encoder's is its own",
         )
         p.add_argument("--ab-steps", type=_positive_int, default=400, help="steps of the small-shape A/B run")
-        p.add_argument("--ab-deploy-steps", type=_positive_int, default=48, help="steps of the deploy-shape A/B run")
+        p.add_argument(
+            "--ab-demo-steps",
+            "--ab-deploy-steps",
+            dest="ab_demo_steps",
+            type=_positive_int,
+            default=48,
+            help="steps of the A/B run at --camera-hw",
+        )
 
     demo = sub.add_parser(
         "demo",
         help="run the tour",
         formatter_class=_Formatter,
-        description="Concurrent DreamZero sessions and Cosmos3 requests through one manager, the A/B check in "
-        "fresh processes, the per-session memory table, and a bytes-per-step plot. Exits 1 if any digest differs.",
+        description="Concurrent DreamZero sessions (through diffusers' real Wan VAE encoder) and Cosmos3 requests "
+        "through one manager, the per-session memory and pools, park bandwidth, the A/B check in fresh processes, "
+        "a bytes-per-step plot, six sessions under a byte budget for two, and a recap of what was measured. "
+        "Exits 1 if any digest differs or the budget is not held.",
     )
     add_common(demo)
     demo.add_argument("--sessions", type=_positive_int, default=3, help="concurrent DreamZero sessions")

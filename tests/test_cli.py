@@ -1,4 +1,5 @@
 import importlib.util
+import re
 import subprocess
 import sys
 import textwrap
@@ -39,6 +40,12 @@ def _run(*args, **kw):
             "functional-state ab: error: argument --ab-steps: expected a positive integer, got 'x'",
         ),
         (["bench", "nope"], "functional-state bench: error: argument NAME: invalid choice: 'nope'"),
+        (
+            ["demo", "--camera-hw", "48x81"],
+            "functional-state demo: error: argument --camera-hw: expected HxW with H >= 8 and W a multiple of 4",
+        ),
+        (["ab", "--camera-hw", "big"], "functional-state ab: error: argument --camera-hw: expected HxW"),
+        (["demo", "--vae-encoder", "vq"], "functional-state demo: error: argument --vae-encoder: invalid choice"),
     ],
 )
 def test_bad_options_give_one_line_naming_the_subcommand_and_exit_2(args, message):
@@ -53,9 +60,9 @@ def test_help_describes_every_option_with_its_default(sub):
     out = _run(*sub, "--help")
     assert out.returncode == 0 and "usage: functional-state" in out.stdout
     if sub == ["demo"]:
-        for option in ("--sessions", "--steps", "--requests", "--feat-map-mib", "--out-dir", "--no-plot"):
+        for option in ("--sessions", "--steps", "--requests", "--camera-hw", "--vae-encoder", "--out-dir", "--no-plot"):
             assert option in out.stdout
-        assert "(default: 60)" in out.stdout and "(default: out)" in out.stdout
+        assert "(default: 60)" in out.stdout and "(default: out)" in out.stdout and "(default: wan)" in out.stdout
     if sub == ["ab"]:
         assert "OMNI_DIFFUSION_SESSION_STATE_MANAGER flipped" in out.stdout
     if sub == ["bench"]:
@@ -121,9 +128,11 @@ def test_benchmarks_run_writes_its_report_only_with_write(tmp_path, monkeypatch,
 def test_ab_exits_nonzero_when_a_digest_differs(monkeypatch, capsys):
     pytest.importorskip("rich", reason="the command line's tables need the [cli] extra")
 
-    def fake(flag, extra):
+    def fake(flag, fields, on_step):
+        for _ in range(fields["steps"]):
+            on_step()
         return {
-            "digest": "same" if flag == "0" or "--deploy-shapes" not in extra else "other",
+            "digest": "same" if flag == "0" or fields["camera_hw"] == [24, 40] else "other",
             "path": "bespoke" if flag == "0" else "manager",
         }
 
@@ -131,45 +140,83 @@ def test_ab_exits_nonzero_when_a_digest_differs(monkeypatch, capsys):
     assert cli.main(["ab"]) == 1
     assert "DIFFER" in capsys.readouterr().out
     monkeypatch.setattr(
-        cli, "_rollout_process", lambda flag, extra: {"digest": "d", "path": "bespoke" if flag == "0" else "manager"}
+        cli,
+        "_rollout_process",
+        lambda flag, fields, on_step: {"digest": "d", "path": "bespoke" if flag == "0" else "manager"},
     )
     assert cli.main(["ab"]) == 0
 
 
+def test_ab_child_reports_every_step_and_runs_the_path_the_flag_picks():
+    # The A/B bars move per step: the child process reports each one as it finishes it.
+    steps = []
+    fields = {"camera_hw": [24, 40], "vae_encoder": "stand-in", "feat_map_bytes": 4096, "feat_map_entries": 4}
+    for flag, path in (("0", "bespoke"), ("1", "manager")):
+        seen = []
+        out = cli._rollout_process(flag, {**fields, "steps": 3, "sessions": 2}, lambda seen=seen: seen.append(1))
+        assert out["path"] == path and len(out["digest"]) == 64
+        steps.append(len(seen))
+    assert steps == [3, 3]
+
+
+_BYTES = r"([\d.]+ (?:B|KiB|MiB|GiB))"
+
+
+def _nbytes(text):
+    value, unit = text.split()
+    return float(value) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
 def test_demo_runs_end_to_end_and_writes_the_plot(tmp_path):
-    for extra in ("rich", "matplotlib"):
-        pytest.importorskip(extra, reason="the demo's tables and plot need the [cli] extra")
+    for extra in ("rich", "matplotlib", "diffusers"):
+        pytest.importorskip(extra, reason="the demo's tables and plot need the [cli] extra, its encoder [diffusers]")
     out = _run(
-        "demo",
-        "--sessions",
-        "2",
-        "--steps",
-        "6",
-        "--requests",
-        "2",
-        "--ab-steps",
-        "8",
-        "--ab-deploy-steps",
-        "4",
-        "--plot-steps",
-        "12",
-        "--budget-steps",
-        "6",
-        "--feat-map-mib",
-        "1",
-        "--out-dir",
-        str(tmp_path),
+        *("demo", "--sessions", "2", "--steps", "6", "--requests", "2", "--ab-steps", "8", "--ab-demo-steps", "4"),
+        *("--plot-steps", "12", "--budget-steps", "6", "--camera-hw", "24x40", "--out-dir", str(tmp_path)),
     )
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
-    assert "every digest matched" in text and "LRU: sessions 2/64" in text and "stats(): " in text
-    assert "in all: each allocation once" in text and "━" in text
-    assert "real Wan encoder (diffusers)" in text and "stats(): {" not in text  # rich tables and progress bars
+    assert "every digest matched" in text and "LRU: sessions 2/64" in text and "Pools: manager.stats()" in text
+    assert "stats(): {" not in text and "━" in text  # rich tables and progress bars, no raw dict
+    assert "stream through the real Wan VAE encoder (diffusers); 3 cameras 24x40 stitched to 48x80" in text
+    assert "torch threads: 1" in text
+    # One memory table; the two sessions hold the same bytes, so they share its column.
+    assert text.count("MiB per DreamZero session") == 1 and "dreamzero-0, dreamzero-1 (each)" in text
     for component in ("stitched_frames", "video_latents", "vae_encoder_out", "vae_enc_feat_map"):
         assert component in text
     assert "parking kept every session, bit-identical" in text and "differ (sessions lost)" in text
     png = tmp_path / "dreamzero_bytes_per_step.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in text
+
+    # The recap: every figure is this run's, and they agree with each other and with the tables above.
+    recap = text[text.index("Recap: every figure measured in this run") :]
+    ab = re.search(r"A/B, bespoke vs manager-backed: bit-identical: (\d+)/(\d+) runs", recap)
+    assert ab and ab.group(1) == ab.group(2) == "2"
+    ring = re.search(
+        rf"bounded ring vs bespoke growth \(12 steps\): encoder output held: bespoke {_BYTES}, ring {_BYTES}: "
+        rf"{_BYTES} saved",
+        recap,
+    )
+    assert ring, recap
+    bespoke, kept, saved = (_nbytes(g) for g in ring.groups())
+    assert bespoke > kept > 0 and abs(bespoke - kept - saved) <= 0.06 * bespoke
+    per_frame = re.search(rf"bespoke {_BYTES} \(growing, {_BYTES} per latent frame\)", text)
+    assert per_frame and abs(_nbytes(per_frame.group(2)) * 3 - bespoke) <= 0.06 * bespoke  # 12 steps: 3 latents
+    budget = re.search(
+        rf"byte budget \(6 sessions, budget for 2\): held: peak {_BYTES} <= limit {_BYTES} \(unbudgeted {_BYTES}\); "
+        r"(\d+) parks, (\d+) restores, 0 sessions lost, outputs identical; drop-only lost (\d+)",
+        recap,
+    )
+    assert budget, recap
+    peak, limit, unbudgeted = (_nbytes(g) for g in budget.groups()[:3])
+    parks, restores, dropped = (int(g) for g in budget.groups()[3:])
+    assert peak <= limit < unbudgeted and parks > 0 and restores > 0 and dropped > 0
+    park = re.search(rf"park bandwidth: park ([\d.]+) GiB/s, restore ([\d.]+) GiB/s of a {_BYTES} feat cache", recap)
+    assert park and float(park.group(1)) > 0 and float(park.group(2)) > 0
+    feat_map_mib = re.search(r"vae_enc_feat_map +│.*│ +([\d.]+) │", text)
+    assert feat_map_mib and abs(_nbytes(park.group(3)) - float(feat_map_mib.group(1)) * 2**20) <= 0.06 * 2**20
+    assert "real model code: the VAE encoder: diffusers' AutoencoderKLWan encoder" in recap
+    assert re.search(r"\nOK: demo finished in \d+s", text)
 
 
 def test_console_script_is_installed():
