@@ -1,4 +1,13 @@
-"""Timing helpers for the benchmarks: medians of repeated runs, measured side by side, GC on by default."""
+"""Timing helpers for the benchmarks: medians of repeated runs, measured side by side, GC on by default.
+
+Kept instead of pyperf or pytest-benchmark: every claim in BENCHMARKS.md is a ratio of two things timed in
+one process, round by round (A, B, A, B, ...), so that load from the other jobs on a shared machine hits
+both alike. pyperf times each benchmark in its own worker processes, one benchmark after the other, and
+pytest-benchmark runs all rounds of one benchmark before the next: neither interleaves two functions. On
+this 2-core machine under load (load average 8), an A/A check (the same workload timed as A and as B, true
+ratio 1, 40 trials of medians of 7) was off by a median 6% interleaved and 15% in consecutive blocks
+(worst 47% vs 89%). The Markdown tables are tabulate's (benchmarks/run.py).
+"""
 
 from __future__ import annotations
 
