@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 NOTORCH := .venv-notorch
 LOWEST := .venv-lowest
 
-.PHONY: demo test test-lowest docs notebooks lint typecheck check-core-install bench ab clean-venv
+.PHONY: demo test test-lowest test-pythons docs notebooks lint typecheck check-core-install bench ab clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,29 @@ test-lowest:
 	rm -rf build
 	rm -rf $(LOWEST)
 
+# The core install (no torch, no extras) on each newer CPython this machine has (pyenv's 3.12 and 3.13; one
+# that is absent is skipped with a message): a fresh venv per interpreter, the package from this tree plus the
+# test tools at their constraints.txt pins, the core check (scripts/check_core_without_torch.py), then with
+# the [checkpoint] extra (orbax, no torch) the tests that import neither torch nor another extra. `step`'s donation check counts references, which CPython 3.12 changed (immortal objects): this is
+# where a version difference shows.
+PYTHONS ?= /root/.pyenv/versions/3.12.1/bin/python /root/.pyenv/versions/3.13.0/bin/python
+PYTHONS_TOOLS = $(shell grep -E '^(pytest|hypothesis|chex)==' constraints.txt)
+PYTHONS_TESTS = tests/test_step.py tests/test_array_ring.py tests/test_budget.py tests/test_config.py \
+	tests/test_architecture.py tests/test_pytree_interop.py tests/test_shell_stress.py \
+	tests/test_accounting_multidevice.py tests/test_manager_stateful.py
+test-pythons:
+	@for py in $(PYTHONS); do \
+		if ! test -x $$py; then echo "test-pythons: $$py not found, skipped"; continue; fi; \
+		v=$$($$py -c 'import sys; print("%d.%d" % sys.version_info[:2])'); venv=.venv-py$$v; \
+		echo "test-pythons: Python $$v ($$py) in $$venv"; \
+		rm -rf $$venv && $$py -m venv $$venv && \
+		$$venv/bin/python -m pip install -q -c constraints.txt . $(PYTHONS_TOOLS) && \
+		(cd scripts && ../$$venv/bin/python check_core_without_torch.py) && \
+		$$venv/bin/python -m pip install -q -c constraints.txt '.[checkpoint]' && \
+		$$venv/bin/python -m pytest -q -p no:cacheprovider $(PYTHONS_TESTS) || exit 1; \
+		rm -rf build $$venv; \
+	done
+
 # Rewrites BENCHMARKS.md (`functional-state bench` without --write only prints).
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --write $(BENCH)
@@ -85,4 +108,4 @@ ab: $(STAMP)
 	$(PY) -m functional_state ab
 
 clean-venv:
-	rm -rf $(VENV) $(NOTORCH) $(LOWEST)
+	rm -rf $(VENV) $(NOTORCH) $(LOWEST) .venv-py3.12 .venv-py3.13

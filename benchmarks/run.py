@@ -62,18 +62,30 @@ def _section(name: str, result: dict) -> str:
         f"Reproduce: `make bench BENCH={name}` (or `python benchmarks/run.py {name}`).",
         "",
     ]
-    header = result["header"]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "---|" * len(header))
-    for row in result["rows"]:
-        lines.append("| " + " | ".join(str(c) for c in row) + " |")
-    lines.append("")
+    lines += [_table(result["header"], result["rows"]), ""]
     for label, value in [result["ratio"], *result.get("extra_ratios", [])]:
         lines.append(f"**{label}: {value:.3g}**  ")
     lines.append("")
     lines.append(result["notes"])
     lines.append("")
     return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    """A Markdown table whose columns line up in the raw text too (what `functional-state bench` prints), the
+    figures right-aligned; cells are kept exactly as the benchmark formatted them."""
+    from tabulate import tabulate  # the [cli] extra, which `functional-state bench` needs anyway
+
+    def cell(c: object) -> str:
+        return str(c).replace("|", "\\|")
+
+    return tabulate(
+        [[cell(c) for c in row] for row in rows],
+        headers=[cell(h) for h in header],
+        tablefmt="pipe",
+        disable_numparse=True,
+        colalign=("left",) + ("right",) * (len(header) - 1),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,13 +7,17 @@ from typing import Any
 import chex
 import jax
 import numpy as np
-import torch
 
 import functional_state as fs
 
+try:  # the core install has no torch (`make test-pythons` runs the tests that need none)
+    import torch
+except ImportError:
+    torch = None  # type: ignore[assignment]
+
 
 def _leaf_fingerprint(leaf: Any) -> tuple:
-    if isinstance(leaf, torch.Tensor):
+    if torch is not None and isinstance(leaf, torch.Tensor):
         flat = leaf.detach().reshape(-1)
         raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return ("torch", str(leaf.dtype), tuple(leaf.shape), leaf.untyped_storage().data_ptr(), raw)

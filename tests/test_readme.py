@@ -65,3 +65,15 @@ def test_the_torch_pipeline_block_is_the_one_the_type_checkers_see():
     fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == "readme_torch_pipeline")
     body = "\n".join(source.splitlines()[fn.body[0].lineno - 1 : fn.end_lineno])
     assert textwrap.dedent(body).strip() == block.strip()
+
+
+def test_the_layout_table_names_every_layer():
+    # A subpackage (a layer of functional_state, a part of torch_bridge) missing from the README's Layout
+    # table is a room a newcomer cannot find.
+    root = README.parent
+    layout = README.read_text().split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = set(re.findall(r"^\| `([\w/]+/)` \|", layout, flags=re.M))
+    packages = [p.parent for top in ("functional_state", "torch_bridge") for p in (root / top).glob("*/__init__.py")]
+    named = {f"{p.name}/" if p.parent.name == "functional_state" else f"torch_bridge/{p.name}/" for p in packages}
+    assert named <= rows, f"README's Layout table has no row for {sorted(named - rows)}"
+    assert {"torch_bridge/", "benchmarks/"} <= rows

@@ -23,6 +23,18 @@ def pointer_of_a_lenient_alias(t: torch.Tensor) -> int:
     return a.unsafe_buffer_pointer() if isinstance(a, jax.Array) else a.data_ptr()
 
 
+def typed_getters(session: fs.SessionState) -> int:
+    # `cls=` types what `get` and `get_or_create` return (checked at run time); without it `get` stays `Any`.
+    buf = session.get("latents", cls=fs.LatentBuffer)
+    assert_type(buf, fs.LatentBuffer)
+    ring_or_none = session.get("frames", None, cls=fs.ArrayRing)
+    assert_type(ring_or_none, fs.ArrayRing | None)
+    session, ring = session.get_or_create("frames", lambda: fs.ArrayRing.create(4, (16,)), fs.ArrayRing)
+    assert_type(ring, fs.ArrayRing)
+    assert_type(session, fs.SessionState)
+    return len(buf) + ring.capacity + (0 if ring_or_none is None else int(ring_or_none.size))
+
+
 def readme_torch_pipeline(manager: fs.SessionStateManager) -> None:
     # README.md's "Inside a torch pipeline" block, verbatim (tests/test_readme.py keeps the two equal): what a
     # user pastes must type-check as it stands.

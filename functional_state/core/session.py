@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 import immutables
 
@@ -17,6 +17,7 @@ from .state_object import PARKED, RESIDENT, StateObject
 __all__ = ["FORK_POLICIES", "ForkPolicy", "SessionState"]
 
 ObjectT = TypeVar("ObjectT", bound=StateObject)
+DefaultT = TypeVar("DefaultT")
 
 ForkPolicy = Literal["share", "copy_container", "clone"]
 FORK_POLICIES: tuple[str, ...] = ("share", "copy_container", "clone")
@@ -132,17 +133,47 @@ class SessionState:
     def __contains__(self, name: object) -> bool:
         return name in self._objects
 
-    def get(self, name: str, default: Any = MISSING) -> Any:
+    # `cls` types the result (`get("latents", cls=LatentBuffer)` is a `LatentBuffer` to mypy and pyright) and
+    # is checked at run time, so the type a checker sees is never a guess.
+    @overload
+    def get(self, name: str, *, cls: type[ObjectT]) -> ObjectT: ...
+    @overload
+    def get(self, name: str, default: DefaultT, *, cls: type[ObjectT]) -> ObjectT | DefaultT: ...
+    @overload
+    def get(self, name: str, default: Any = ..., *, cls: None = None) -> Any: ...
+    def get(self, name: str, default: Any = MISSING, *, cls: type[StateObject] | None = None) -> Any:
         """The object named ``name``; ``default`` if given and absent.
+
+        Args:
+          name: the object's name.
+          default: returned when there is no object ``name`` (without it, that raises).
+          cls: the type the object must have; the result is typed as it. A present object of another type
+            raises, rather than being returned under a type it does not have.
 
         Raises:
           ObjectNotFoundError: absent and no default given.
+          InvalidTypeError: present but not an instance of ``cls``.
+
+        Example:
+          >>> from functional_state import ArrayRing, LatentBuffer, SessionState
+          >>> s = SessionState.empty().put("latents", LatentBuffer.create())
+          >>> type(s.get("latents", cls=LatentBuffer)).__name__
+          'LatentBuffer'
+          >>> s.get("latents", cls=ArrayRing)
+          Traceback (most recent call last):
+            ...
+          functional_state.errors.InvalidTypeError: `SessionState.get('latents', cls=ArrayRing)`: the object is a LatentBuffer, expected ArrayRing.
         """
         obj = self._objects.get(name, MISSING)
         if obj is MISSING:
             if default is not MISSING:
                 return default
             raise ObjectNotFoundError(no_object_message(self, name, "SessionState.get"))
+        if cls is not None and not isinstance(obj, cls):
+            raise InvalidTypeError(
+                f"`SessionState.get({name!r}, cls={cls.__name__})`: the object is a {type(obj).__name__}, "
+                f"expected {cls.__name__}."
+            )
         return obj
 
     def put(self, name: str, obj: StateObject) -> SessionState:
@@ -179,11 +210,24 @@ class SessionState:
             )
         return make_session(self._objects.delete(name), self._attrs, self._policies)
 
+    # With `cls` the object is of that type (reused only if it is one, built and checked otherwise); without
+    # it an object already there is returned whatever its type, so it is typed `Any`, not the factory's type.
+    @overload
     def get_or_create(
-        self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None
-    ) -> tuple[SessionState, ObjectT]:
+        self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT]
+    ) -> tuple[SessionState, ObjectT]: ...
+    @overload
+    def get_or_create(
+        self, name: str, factory: Callable[[], StateObject], cls: None = None
+    ) -> tuple[SessionState, Any]: ...
+    def get_or_create(
+        self, name: str, factory: Callable[[], StateObject], cls: type[StateObject] | None = None
+    ) -> tuple[SessionState, Any]:
         """Return ``(state, obj)``, building ``obj = factory()`` when ``name`` is absent, is not an
         instance of ``cls`` (if given), or is evicted or unallocated.
+
+        Pass ``cls`` to have ``obj`` typed (``cls=LatentBuffer`` makes it a `LatentBuffer` to mypy and pyright):
+        without it, an object already under ``name`` is returned whatever its type.
 
         Raises:
           InvalidTypeError: the factory built something that is not an instance of ``cls``.
