@@ -226,11 +226,11 @@ def trace(
     obj._require_resident("step")
     jitted = _jitted(fn, donate)
     _check_returns_same_type(jitted, obj, args, has_aux)
-    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]  (cached with the trace above)
+    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
     if has_aux:
         out = out[0]
     before, tree = jax.tree_util.tree_flatten(obj)
     after, out_tree = jax.tree_util.tree_flatten(out)
-    return tree == out_tree and all(
+    return bool(tree == out_tree) and all(  # type: ignore[operator]
         getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype for a, b in zip(before, after)
     )
