@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError
 from .pytree import MISSING
@@ -94,6 +94,14 @@ _BY_TYPE: dict[type, tuple[str, ObjectCodec]] = {}
 _BY_NAME: dict[str, tuple[type, ObjectCodec]] = {}
 
 
+# Overloads so a decorated class keeps its own type for type checkers (a bare `-> Any` made every
+# registered StateObject `Any` to pyright and mypy users).
+@overload
+def register_checkpoint_type(cls: T, *, codec: ObjectCodec | None = None, name: str | None = None) -> T: ...
+@overload
+def register_checkpoint_type(
+    cls: None = None, *, codec: ObjectCodec | None = None, name: str | None = None
+) -> Callable[[T], T]: ...
 def register_checkpoint_type(cls: T | None = None, *, codec: ObjectCodec | None = None, name: str | None = None) -> Any:
     """Allow checkpoints to hold instances of ``cls``, a `StateObject` subclass (a `pytree_dataclass`), written
     and read by ``codec`` (default `ObjectCodec`: its fields as they are, which must then hold checkpointable
