@@ -203,3 +203,36 @@ def test_readme_and_api_index_link_the_conventions_page():
     assert "docs/guides/conventions.md" in (ROOT / "README.md").read_text()
     assert "../guides/conventions.md" in (ROOT / "docs" / "api" / "functional_state.md").read_text()
     assert "guides/conventions.md" in (ROOT / "mkdocs.yml").read_text()
+
+
+# --- the architecture page: one row per module file, for the tree as it is -----------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def _documented_modules() -> dict[str, set[str]]:
+    """``{folder: module files}`` as the page's sections list them: a ``### `folder/``` heading, then a table
+    whose rows begin with a module file's name."""
+    found: dict[str, set[str]] = {}
+    for folder, body in re.findall(r"^### `([\w/]+/)`[^\n]*\n(.*?)(?=^### |\Z)", ARCHITECTURE.read_text(), re.M | re.S):
+        found.setdefault(folder, set()).update(re.findall(r"^\| `([\w.]+\.py)` \|", body, flags=re.M))
+    return found
+
+
+def _module_files() -> dict[str, set[str]]:
+    """``{folder: module files}`` on disk: every package folder of functional_state and torch_bridge
+    (its ``__init__.py`` aside: the section is about it)."""
+    found: dict[str, set[str]] = {}
+    for top in ("functional_state", "torch_bridge"):
+        for init in sorted((ROOT / top).rglob("__init__.py")):
+            folder = init.parent.relative_to(ROOT).as_posix() + "/"
+            found[folder] = {p.name for p in init.parent.glob("*.py") if p.name != "__init__.py"}
+    return found
+
+
+def test_architecture_page_lists_every_module_file_and_no_other():
+    page, disk = _documented_modules(), _module_files()
+    missing = {f: sorted(disk[f] - page.get(f, set())) for f in disk if disk[f] - page.get(f, set())}
+    assert not missing, f"docs/architecture.md has no row for these modules: {missing}"
+    stale = {f: sorted(page[f] - disk.get(f, set())) for f in page if page[f] - disk.get(f, set())}
+    assert not stale, f"docs/architecture.md lists modules that do not exist: {stale}"

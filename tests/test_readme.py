@@ -8,6 +8,7 @@ word after ``python`` would skip a block silently, so the fences themselves are 
 import re
 from pathlib import Path
 
+import pytest
 from mktestdocs import check_md_file, grab_code_blocks
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -77,3 +78,18 @@ def test_the_layout_table_names_every_layer():
     named = {f"{p.name}/" if p.parent.name == "functional_state" else f"torch_bridge/{p.name}/" for p in packages}
     assert named <= rows, f"README's Layout table has no row for {sorted(named - rows)}"
     assert {"torch_bridge/", "benchmarks/"} <= rows
+
+
+def test_the_real_and_stand_in_paragraph_matches_the_harness():
+    # Issue 22: the README says which parts of the A/B rollout are real model code and which are stand-ins;
+    # the encoder it calls the default, the `vae_encoder=` values and the stand-ins it names must be the
+    # harness's own, and no line may send a reader to the old rollout path.
+    harness = pytest.importorskip("torch_bridge.harness")
+    text = README.read_text()
+    para = text.split("The A/B rollout (`torch_bridge.harness`", 1)[1].split("\n\n", 1)[0]
+    assert "by default" in para and "`WanEncoder3d`" in para and harness.RolloutConfig().vae_encoder == "wan"
+    values = re.findall(r'vae_encoder="([\w-]+)"', para)
+    assert values and set(values) <= set(harness.VAE_ENCODERS), values
+    named = re.findall(r"\(`([A-Z]\w+)`\)", para)
+    assert named and all(hasattr(harness, n) for n in named), named
+    assert "adapters.dreamzero_rollout" not in text
