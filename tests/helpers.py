@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import chex
@@ -76,3 +77,21 @@ def promised_frees(plan) -> dict[str, int]:
         for pool, n in action.frees.items():
             out[pool] = out.get(pool, 0) + n
     return {p: n for p, n in sorted(out.items()) if n}
+
+
+def finishes(fn: Any, timeout: float = 10.0) -> bool:
+    """Run ``fn`` in a thread; True if it returned within ``timeout`` (a deadlock would not)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # surfaced by the caller
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if errors:
+        raise errors[0]
+    return not t.is_alive()

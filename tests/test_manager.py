@@ -16,25 +16,7 @@ from functional_state import (
     SessionStateLostError,
     SessionStateManager,
 )
-from helpers import assert_unchanged, snapshot
-
-
-def _finishes(fn, timeout=10.0):
-    """Run ``fn`` in a thread; True if it returned within ``timeout`` (a deadlock would not)."""
-    errors = []
-
-    def run():
-        try:
-            fn()
-        except BaseException as e:  # surfaced by the caller
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    if errors:
-        raise errors[0]
-    return not t.is_alive()
+from helpers import assert_unchanged, finishes, snapshot
 
 
 def test_handles_of_one_session_see_each_others_writes():
@@ -174,7 +156,7 @@ def test_a_transaction_may_read_through_handles():
     def body():
         h.transact(lambda s: s.set_attr("n", h.get_attr("n") + m.get_or_create_session("s").get_attr("n")))
 
-    assert _finishes(body), "transact deadlocked"
+    assert finishes(body), "transact deadlocked"
     assert h.get_attr("n") == 2
 
 
@@ -187,7 +169,7 @@ def test_a_factory_may_use_the_manager():
         assert m.stats()["sessions"] == 2
         return LatentBuffer.create()
 
-    assert _finishes(lambda: h.get_or_create("buf", factory, LatentBuffer)), "factory deadlocked"
+    assert finishes(lambda: h.get_or_create("buf", factory, LatentBuffer)), "factory deadlocked"
     assert "buf" in h.state and m.get_session("other").get_attr("made_by") == "factory"
 
 

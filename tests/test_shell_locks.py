@@ -12,24 +12,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import ArrayRing, LatentBuffer, SessionStateManager
-
-
-def _finishes(fn, timeout=10.0):
-    """Run ``fn`` in a thread; True if it returned within ``timeout`` (a deadlock would not)."""
-    errors = []
-
-    def run():
-        try:
-            fn()
-        except BaseException as e:  # surfaced by the caller
-            errors.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    if errors:
-        raise errors[0]
-    return not t.is_alive()
+from helpers import finishes
 
 
 def _on_another_thread(fn):
@@ -87,14 +70,14 @@ def test_an_engine_free_that_waits_on_another_threads_manager_call_does_not_dead
     # manager (a write, a hit) never returned.
     engine, m = _kv_manager()
     engine.on_free = lambda: _on_another_thread(lambda: m.get_or_create_session("b").set_attr("k", 1))
-    assert _finishes(lambda: m.drop_session("a"))
+    assert finishes(lambda: m.drop_session("a"))
     assert engine.allocated == set() and "a" not in m and fs.lookup(m.state, "b").get_attr("k") == 1
 
 
 def test_an_engine_offload_that_waits_on_another_threads_manager_call_does_not_deadlock():
     engine, m = _kv_manager()
     engine.on_offload = lambda: _on_another_thread(lambda: m.get_or_create_session("b"))
-    assert _finishes(lambda: m.park("a", "kv"))
+    assert finishes(lambda: m.park("a", "kv"))
     assert fs.lookup(m.state, "a").get("kv").parked and "b" in m
 
 
@@ -109,7 +92,7 @@ def test_a_step_functions_first_trace_runs_outside_the_lock():
         _on_another_thread(lambda: m.get_or_create_session("b"))
         return ring.commit(x)
 
-    assert _finishes(lambda: m.step("a", "ring", fn, jnp.ones(8), donate=True))
+    assert finishes(lambda: m.step("a", "ring", fn, jnp.ones(8), donate=True))
     assert traced == [True] and fs.lookup(m.state, "a").get("ring").view().shape == (1, 8) and "b" in m
 
 
