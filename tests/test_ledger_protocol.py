@@ -153,3 +153,15 @@ def test_a_user_type_holding_engine_blocks_is_counted_with_no_edit_to_the_ledger
     assert _agree(state)[held] == 4 * pool.block_nbytes  # b still holds a's three
     state, _ = fs.drop_session(state, "b")
     assert held not in _agree(state)
+
+
+def test_the_ring_fast_path_agrees_with_the_walk_when_items_share_storage():
+    base = np.zeros((4, 256), np.float32)
+    items = [base[0], base[1], np.ones(256, np.float32), base[0], base[2], np.ones(8), base[3], base[0]]
+    state, _ = fs.get_or_create(fs.ManagerState.create(byte_budget={"cpu": 2**30}), "a")
+    state = fs.put(state, "a", "ring", fs.LatentBuffer.create(maxlen=3))
+    for i, item in enumerate(items * 2):  # views of one base count it once; it leaves with its last view
+        state = fs.commit(state, "a", "ring", item if i % 5 else items[2])
+        _agree(state)
+    state, _ = fs.drop_session(state, "a")
+    assert _agree(state).get("nbytes:cpu", 0) == 0

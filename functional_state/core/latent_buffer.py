@@ -151,23 +151,37 @@ class LatentBuffer(StateObject):
         if kept < 0 or drop < 0 or not all(map(operator.is_, oi[drop:], ni[:kept])):
             return None
         counts, per_item = cached
-        gone, came = [], []
-        for extents in per_item[:drop]:  # as counted when the item arrived
-            for e in extents:
+        gone: Any
+        if drop == 1:  # a full ring: its oldest item leaves (the steady state, written out for it)
+            gone, whole = per_item[0], True
+            for e in gone:
                 n = counts[e] - 1
                 if n:
                     counts = counts.set(e, n)
+                    whole = False
                 else:
                     counts = counts.delete(e)
-                    gone.append(e)
-        added = _distinct(value_extents(ni[-1]))
+            if not whole:  # some of its storage stays in the ring (another item holds it too)
+                gone = [e for e in gone if e not in counts]
+            left = [jax_arrays(oi[0])]
+        else:
+            for extents in per_item[:drop]:
+                for e in extents:
+                    n = counts[e] - 1
+                    counts = counts.set(e, n) if n else counts.delete(e)
+            gone = {e for extents in per_item[:drop] for e in extents if e not in counts} if drop else ()
+            left = [jax_arrays(item) for item in oi[:drop]]
+        found = value_extents(ni[-1])
+        added = tuple(found) if len(found) < 2 else tuple(set(found))
+        fresh = True  # every extent of the new item is new to the ring
         for e in added:
             n = counts.get(e, 0)
             counts = counts.set(e, n + 1)
-            if not n:
-                came.append(e)
+            if n:
+                fresh = False
+        came = added if fresh else [e for e in added if counts[e] == 1]
         ACCT_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
-        arrived, left = jax_arrays(ni[-1]), [jax_arrays(item) for item in oi[:drop]]
+        arrived = jax_arrays(ni[-1])
         return came, gone, ([arrived], left) if arrived or any(left) else None, None
 
     def __repr__(self) -> str:
