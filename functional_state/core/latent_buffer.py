@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
+
+import immutables
 
 from .._repr import short
 from ..errors import InvalidArgumentError
+from ..memory.holders import jax_arrays
 from .codec import register_checkpoint_type
 from .pytree import pytree_dataclass
-from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, check_source
+from .state_object import (
+    ACCT_SLOT,
+    RESIDENT,
+    UNALLOCATED,
+    Extent,
+    LedgerDelta,
+    StateObject,
+    Status,
+    check_source,
+    value_extents,
+)
 
 __all__ = ["LatentBuffer"]
 
@@ -110,6 +124,66 @@ class LatentBuffer(StateObject):
     def _parked_fields(self) -> dict[str, Any]:
         return {"items": ()}
 
+    # --- ledger protocol: the ring's figures come from its items, kept as a multiset cached per buffer ----
+    def ledger_extents(self) -> frozenset[Extent]:
+        return frozenset(_counted(self)[0].keys())
+
+    def ledger_leaf_extents(self) -> frozenset[Extent]:
+        return _NO_EXTRA  # the items are the leaves: the accounting reaches every one
+
+    def ledger_arrays(self) -> tuple[Any, ...]:
+        return jax_arrays((self.items, self.staged, self.host_copy))
+
+    def ledger_step(self, new: Any) -> LedgerDelta | None:
+        """A commit (items appended, the oldest dropped), priced by the items that changed: ``self``'s
+        cached extent multiset gives ``new``'s by difference, and only an extent whose count in the ring
+        reaches zero (or leaves zero) moves the ledger. The hot path of every step: kept to one pass."""
+        if type(new) is not type(self):
+            return None
+        cached = getattr(self, "_acct_cache", None)
+        if type(cached) is not tuple or getattr(new, "_acct_cache", None) is not None:
+            return None
+        if self.staged is not new.staged or self.host_copy is not None or new.host_copy is not None:
+            return None
+        oi, ni = self.items, new.items
+        kept = len(ni) - 1
+        drop = len(oi) - kept
+        if kept < 0 or drop < 0 or not all(map(operator.is_, oi[drop:], ni[:kept])):
+            return None
+        counts, per_item = cached
+        gone: Any
+        if drop == 1:  # a full ring: its oldest item leaves (the steady state, written out for it)
+            gone, whole = per_item[0], True
+            for e in gone:
+                n = counts[e] - 1
+                if n:
+                    counts = counts.set(e, n)
+                    whole = False
+                else:
+                    counts = counts.delete(e)
+            if not whole:  # some of its storage stays in the ring (another item holds it too)
+                gone = [e for e in gone if e not in counts]
+            left = [jax_arrays(oi[0])]
+        else:
+            for extents in per_item[:drop]:
+                for e in extents:
+                    n = counts[e] - 1
+                    counts = counts.set(e, n) if n else counts.delete(e)
+            gone = {e for extents in per_item[:drop] for e in extents if e not in counts} if drop else ()
+            left = [jax_arrays(item) for item in oi[:drop]]
+        found = value_extents(ni[-1])
+        added = tuple(found) if len(found) < 2 else tuple(set(found))
+        fresh = True  # every extent of the new item is new to the ring
+        for e in added:
+            n = counts.get(e, 0)
+            counts = counts.set(e, n + 1)
+            if n:
+                fresh = False
+        came = added if fresh else [e for e in added if counts[e] == 1]
+        ACCT_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
+        arrived = jax_arrays(ni[-1])
+        return came, gone, ([arrived], left) if arrived or any(left) else None, None
+
     def __repr__(self) -> str:
         parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]
         if self.staged is not None:
@@ -117,3 +191,30 @@ class LatentBuffer(StateObject):
         if self.recompute_source is not None:
             parts.append(f"recompute_source={self.recompute_source!r}")
         return f"LatentBuffer({', '.join(parts)})"
+
+
+_NO_EXTRA: frozenset[Extent] = frozenset()
+
+
+def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
+    return tuple(extents) if len(extents) < 2 else tuple(set(extents))
+
+
+def _counted(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent, ...], ...]]:
+    """A buffer's extents with how many of its values (items, staged, parked copy) hold each, and each item's
+    own extents (so a commit that drops an item need not look at it again), computed once and cached."""
+    cached = getattr(buf, "_acct_cache", None)
+    if type(cached) is tuple:
+        return cached
+    counts: Any = immutables.Map().mutate()
+    per_item = tuple(_distinct(value_extents(value)) for value in buf.items)
+    for extents in per_item:
+        for e in extents:
+            counts[e] = counts.get(e, 0) + 1
+    for value in (buf.staged, buf.host_copy):
+        if value is not None:
+            for e in _distinct(value_extents(value)):
+                counts[e] = counts.get(e, 0) + 1
+    cached = (counts.finish(), per_item)
+    ACCT_SLOT.__set__(buf, cached)
+    return cached

@@ -311,8 +311,85 @@ class StateObject(abc.ABC):
     def _accounting_children(self) -> tuple[Any, ...]:
         return (self._committed_roots(), self.staged, self.host_copy)
 
+    # --- ledger protocol: what the table's byte ledger counts of this object, reported by the object -----
+    # The defaults walk the object once (correct for any type) and cache the result; a type overrides them
+    # for a cheaper answer (a buffer ring) or for what a walk cannot see (engine blocks).
+    def ledger_extents(self) -> frozenset[Extent]:
+        """The extents ``(pool, start, end)`` this object holds (committed, staged, parked); cached on it."""
+        return _walked(self)
+
+    def ledger_leaf_extents(self) -> frozenset[Extent]:
+        """The extents of array leaves the byte accounting leaves out (ring positions: a donation could
+        delete them), beyond `ledger_extents`."""
+        return _walked(self).extra
+
+    def ledger_arrays(self) -> tuple[Any, ...]:
+        """The JAX arrays among this object's leaves (each occurrence), for the deleted-array check."""
+        return _walked(self).arrays
+
+    def ledger_blocks(self) -> tuple[tuple[int, int], ...]:
+        """``(pool uid, block id)`` of the engine blocks this object keeps (none by default)."""
+        return ()
+
+    def ledger_step(self, new: Any) -> LedgerDelta | None:
+        """What changes in the ledger when this object is replaced by ``new``, when the type knows it more
+        cheaply than the difference of the two objects' figures; None: let the ledger take the difference.
+
+        Returns ``(extents added, extents removed, arrays, blocks)``: ``arrays`` is None when no JAX array
+        moves, else ``(added, removed)``, each a list of tuples of arrays (one per holder that arrived or
+        left); ``blocks`` is None when no engine block moves, else ``(added, removed)`` block keys (see
+        `ledger_blocks`). Each extent and block key appears once in its collection. It may memoize
+        ``new``'s figures on ``new``.
+        """
+        return None
+
 
 _RESTORED_SLOT = StateObject.__dict__["_restored"]
+ACCT_SLOT = StateObject.__dict__["_acct_cache"]  # the memo slot, set past the frozen dataclass's __setattr__
+
+Extent = tuple[str, int, int]
+LedgerDelta = tuple[Any, Any, Any, Any]
+
+
+def value_extents(value: Any) -> list[Extent]:
+    """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
+    out: accounting.Extents = []
+    torch = accounting.torch_module()
+    if torch is not None and type(value) is torch.Tensor:
+        accounting.torch_extents(value, out)
+    else:
+        accounting.collect_extents(value, out, {}, accounting.WalkReport())
+    return out
+
+
+class _Walked(frozenset):
+    """An object's extents, with ``extra``: those of its array leaves the byte accounting leaves out."""
+
+    __slots__ = ("arrays", "extra")
+    extra: frozenset[Extent]
+    arrays: tuple[Any, ...]  # its JAX arrays (each leaf), for the deleted-array check
+
+
+_NO_EXTRA: frozenset[Extent] = frozenset()
+
+
+def _walked(obj: StateObject) -> _Walked:
+    cached = getattr(obj, "_acct_cache", None)
+    if cached is None:
+        out: accounting.Extents = []
+        seen: dict[int, Any] = {}
+        report = accounting.WalkReport()
+        accounting.collect_extents(obj, out, seen, report)
+        cached = _Walked(out)
+        extra: accounting.Extents = []
+        leaves = jax.tree_util.tree_leaves(obj)
+        cached.arrays = tuple(x for x in leaves if isinstance(x, jax.Array))
+        for leaf in leaves:
+            if id(leaf) not in seen:
+                accounting.collect_extents(leaf, extra, seen, report)
+        cached.extra = frozenset(e for e in extra if e not in cached) if extra else _NO_EXTRA
+        ACCT_SLOT.__set__(obj, cached)  # a memo, not state (objects are immutable)
+    return cached
 
 
 def _holds_deleted(values: Any) -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..core.codec import refuse, register_checkpoint_type
 from ..core.pytree import pytree_dataclass
-from ..core.state_object import EVICTED, PARKED, RESIDENT, StateObject, Status, check_source
+from ..core.state_object import EVICTED, PARKED, RESIDENT, LedgerDelta, StateObject, Status, check_source
 from ..errors import (
     InvalidArgumentError,
     InvalidTypeError,
@@ -281,6 +281,28 @@ class PagedKVHandle(StateObject):
     def _accounting_children(self) -> tuple[Any, ...]:
         return (self.host_copy,)
 
+    def ledger_blocks(self) -> tuple[tuple[int, int], ...]:
+        uid = self.pool.uid
+        return tuple((uid, b) for b in self.held_blocks())
+
+    def ledger_step(self, new: Any) -> LedgerDelta | None:
+        """A commit of new blocks, priced by those blocks alone (a restore also only adds blocks, but lets
+        go of its host copy: the ledger takes the difference then)."""
+        if (
+            type(new) is not type(self)
+            or new.pool is not self.pool
+            or new.staged != self.staged
+            or new.host_copy is not self.host_copy
+            or new.block_ids[: len(self.block_ids)] != self.block_ids
+            or new.ledger_leaf_extents() != self.ledger_leaf_extents()
+        ):
+            return None
+        tail = new.block_ids[len(self.block_ids) :]
+        uid = new.pool.uid
+        blocks = [(uid, b) for b in tail]
+        arrays = ([new.ledger_arrays()], [self.ledger_arrays()])
+        return frozenset(self.pool.extents(tail)), (), arrays, (blocks, ())
+
     def nbytes_by_device(self) -> dict[str, int]:
         return {self.pool.device: len(self.block_ids) * self.pool.block_nbytes} if self.block_ids else {}
 
@@ -293,8 +315,5 @@ class PagedKVHandle(StateObject):
 
 
 def kv_keys(obj: Any) -> tuple[tuple[int, int], ...]:
-    """``(pool uid, block id)`` of every block a handle keeps from its engine (empty for other objects)."""
-    if type(obj) is PagedKVHandle:
-        uid = obj.pool.uid
-        return tuple((uid, b) for b in obj.held_blocks())
-    return ()
+    """``(pool uid, block id)`` of every engine block a state object keeps (see `StateObject.ledger_blocks`)."""
+    return obj.ledger_blocks() if isinstance(obj, StateObject) else ()

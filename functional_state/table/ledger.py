@@ -21,105 +21,32 @@ from collections.abc import Iterable
 from typing import Any
 
 import immutables
-import jax
 
-from ..core.latent_buffer import LatentBuffer
-from ..core.state_object import StateObject
-from ..engine.kv_handle import PagedKVHandle, kv_keys
+from ..core.state_object import Extent
+from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
-from ..memory import accounting
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_arrays, count_change, jax_arrays
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_arrays, count_change
 
-_CACHE_SLOT = StateObject.__dict__["_acct_cache"]
-
-Extent = tuple[str, int, int]
 _EMPTY: immutables.Map = immutables.Map()
 _ABSENT = object()
 LOG_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
 _LOG_DEPTH = 4096
 
 
-def value_extents(value: Any) -> list[Extent]:
-    """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
-    out: accounting.Extents = []
-    torch = accounting.torch_module()
-    if torch is not None and type(value) is torch.Tensor:
-        accounting.torch_extents(value, out)
-    else:
-        accounting.collect_extents(value, out, {}, accounting.WalkReport())
-    return out
-
-
-def _buffer_cache(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent, ...], ...]]:
-    """A buffer's extents with how many of its values (items, staged, parked copy) hold each, and each item's
-    own extents (so a commit that drops an item need not look at it again), computed once and cached."""
-    cached = getattr(buf, "_acct_cache", None)
-    if type(cached) is tuple:
-        return cached
-    counts: Any = immutables.Map().mutate()
-    per_item = tuple(_distinct(value_extents(value)) for value in buf.items)
-    for extents in per_item:
-        for e in extents:
-            counts[e] = counts.get(e, 0) + 1
-    for value in (buf.staged, buf.host_copy):
-        if value is not None:
-            for e in _distinct(value_extents(value)):
-                counts[e] = counts.get(e, 0) + 1
-    cached = (counts.finish(), per_item)
-    _CACHE_SLOT.__set__(buf, cached)
-    return cached
-
-
-class _Extents(frozenset):
-    """An object's extents, with ``extra``: those of its array leaves the byte accounting leaves out."""
-
-    __slots__ = ("arrays", "extra")
-    extra: frozenset[Extent]
-    arrays: tuple[Any, ...]  # its JAX arrays (each leaf), for the deleted-array check
-
-
-_NO_EXTRA: frozenset[Extent] = frozenset()
-
-
-def _object_cache(obj: Any) -> _Extents:
-    cached = getattr(obj, "_acct_cache", None)
-    if cached is None:
-        out: accounting.Extents = []
-        seen: dict[int, Any] = {}
-        report = accounting.WalkReport()
-        accounting.collect_extents(obj, out, seen, report)
-        cached = _Extents(out)
-        extra: accounting.Extents = []
-        leaves = jax.tree_util.tree_leaves(obj)
-        cached.arrays = tuple(x for x in leaves if isinstance(x, jax.Array))
-        for leaf in leaves:
-            if id(leaf) not in seen:
-                accounting.collect_extents(leaf, extra, seen, report)
-        cached.extra = frozenset(e for e in extra if e not in cached) if extra else _NO_EXTRA
-        _CACHE_SLOT.__set__(obj, cached)  # past the frozen dataclass's __setattr__: a memo, not state
-    return cached
-
-
+# Each state object reports its own figures (the `StateObject.ledger_*` protocol): the ledger names no type.
 def object_extents(obj: Any) -> frozenset[Extent]:
     """The extents a state object holds (committed, staged and parked), computed once and cached on it."""
-    if type(obj) is LatentBuffer:
-        return frozenset(_buffer_cache(obj)[0].keys())
-    return _object_cache(obj)
+    return obj.ledger_extents()
 
 
 def leaf_extents(obj: Any) -> frozenset[Extent]:
-    """The extents of the array leaves of ``obj`` that its byte accounting leaves out (ring positions); a
-    buffer ring's accounting reaches every leaf."""
-    if type(obj) is LatentBuffer:
-        return _NO_EXTRA
-    return _object_cache(obj).extra
+    """The extents of the array leaves of ``obj`` that its byte accounting leaves out (ring positions)."""
+    return obj.ledger_leaf_extents()
 
 
 def object_arrays(obj: Any) -> tuple[Any, ...]:
-    """The JAX arrays among ``obj``'s leaves (cached, but for a buffer ring: read from its items)."""
-    if type(obj) is LatentBuffer:
-        return jax_arrays((obj.items, obj.staged, obj.host_copy))
-    return _object_cache(obj).arrays
+    """The JAX arrays among ``obj``'s leaves."""
+    return obj.ledger_arrays()
 
 
 def _host(obj: Any) -> tuple[Any, ...]:
@@ -132,12 +59,8 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 
 def held_by(obj: Any) -> frozenset[Extent]:
     """Every extent ``obj`` holds as a holder: `object_extents` and `leaf_extents`."""
-    extra = leaf_extents(obj)
-    return object_extents(obj) | extra if extra else object_extents(obj)
-
-
-def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
-    return tuple(extents) if len(extents) < 2 else tuple(set(extents))
+    extra = obj.ledger_leaf_extents()
+    return obj.ledger_extents() | extra if extra else obj.ledger_extents()
 
 
 class Acct:
@@ -189,16 +112,16 @@ class Acct:
         """The counts after objects ``remove`` left and ``add`` arrived (and attr values likewise)."""
         add, remove = list(add), list(remove)
         return self.change(
-            add=[object_extents(o) for o in add],
-            remove=[object_extents(o) for o in remove],
-            kv_add=[kv_keys(o) for o in add],
-            kv_remove=[kv_keys(o) for o in remove],
-            leaves_add=[leaf_extents(o) for o in add],
-            leaves_remove=[leaf_extents(o) for o in remove],
+            add=[o.ledger_extents() for o in add],
+            remove=[o.ledger_extents() for o in remove],
+            kv_add=[o.ledger_blocks() for o in add],
+            kv_remove=[o.ledger_blocks() for o in remove],
+            leaves_add=[o.ledger_leaf_extents() for o in add],
+            leaves_remove=[o.ledger_leaf_extents() for o in remove],
             attrs_add=attrs_add,
             attrs_remove=attrs_remove,
-            arrays_add=[object_arrays(o) for o in add],
-            arrays_remove=[object_arrays(o) for o in remove],
+            arrays_add=[o.ledger_arrays() for o in add],
+            arrays_remove=[o.ledger_arrays() for o in remove],
             parked_add=[_host(o) for o in add],
             parked_remove=[_host(o) for o in remove],
         )
@@ -278,112 +201,62 @@ class Acct:
         return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, arrays, parked)
 
     def swap(self, old: Any, new: Any) -> Acct:
-        """One object replaced by another (a commit, an eviction, a park): only the extents that differ move."""
+        """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
+
+        The object's type may price the change itself (`StateObject.ledger_step`: a ring commit, by the items
+        it moves); without engine blocks that delta is applied here written out, the hot path of every step.
+        """
         if old is new:
             return self
-        if type(old) is LatentBuffer and type(new) is LatentBuffer:
-            swapped = self._ring_swap(old, new)  # the per-step commit: priced by the items it adds and drops
-            if swapped is not None:
-                return swapped
-        if type(old) is PagedKVHandle or type(new) is PagedKVHandle:
-            return self._swap_handle(old, new)
-        a, b = object_extents(old), object_extents(new)
-        la, lb = leaf_extents(old), leaf_extents(new)
-        if a == b and la == lb and _same(object_arrays(old), object_arrays(new)) and old.host_copy is new.host_copy:
-            return self
-        return self.change(
-            add=[b - a],
-            remove=[a - b],
-            leaves_add=[lb - la],
-            leaves_remove=[la - lb],
-            arrays_add=[object_arrays(new)],
-            arrays_remove=[object_arrays(old)],
-            parked_add=[_host(new)],
-            parked_remove=[_host(old)],
-        )
-
-    def _ring_swap(self, old: LatentBuffer, new: LatentBuffer) -> Acct | None:
-        """The counts after ring ``old`` became ``new`` by a commit (items appended, the oldest dropped), in
-        one pass over the items that changed; None when ``new`` is something else.
-
-        ``old``'s cached extent multiset gives the new ring's by difference, and only an extent whose count
-        in the ring reaches zero (or leaves zero) moves the table's counts: the hot path of every step, so
-        written out rather than built on `change`.
-        """
-        cached = getattr(old, "_acct_cache", None)
-        if type(cached) is not tuple or getattr(new, "_acct_cache", None) is not None:
-            return None
-        if old.staged is not new.staged or old.host_copy is not None or new.host_copy is not None:
-            return None
-        oi, ni = old.items, new.items
-        kept = len(ni) - 1
-        drop = len(oi) - kept
-        if kept < 0 or drop < 0 or not all(map(operator.is_, oi[drop:], ni[:kept])):
-            return None
-        counts, per_item = cached
+        delta = old.ledger_step(new)
+        if delta is None:
+            return self._difference(old, new)
+        add, remove, arrays_moved, blocks_moved = delta
+        if blocks_moved is not None:
+            return self.change(
+                add=[add],
+                remove=[remove],
+                kv_add=[blocks_moved[0]],
+                kv_remove=[blocks_moved[1]],
+                arrays_add=arrays_moved[0] if arrays_moved else (),
+                arrays_remove=arrays_moved[1] if arrays_moved else (),
+            )
         refs, totals = self.refs, self.totals
-        for extents in per_item[:drop]:  # as counted when the item arrived
-            for e in extents:
-                n = counts[e] - 1
-                if n:
-                    counts = counts.set(e, n)
-                    continue
-                counts = counts.delete(e)
-                n = refs[e] - 1  # the last of this ring's holders went: one object fewer holds it
-                if n:
-                    refs = refs.set(e, n)
-                else:
-                    refs = refs.delete(e)
-                    totals = totals.set(e[0], totals[e[0]] - (e[2] - e[1]))
-        added = _distinct(value_extents(ni[-1]))
-        for e in added:
-            n = counts.get(e, 0)
-            counts = counts.set(e, n + 1)
+        for e in remove:
+            n = refs[e] - 1
             if n:
-                continue
+                refs = refs.set(e, n)
+            else:
+                refs = refs.delete(e)
+                totals = totals.set(e[0], totals[e[0]] - (e[2] - e[1]))
+        for e in add:
             n = refs.get(e, 0)
             refs = refs.set(e, n + 1)
             if not n:
                 totals = totals.set(e[0], totals.get(e[0], 0) + (e[2] - e[1]))
-        _CACHE_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
-        arrays = self.arrays
-        gone, came = [jax_arrays(item) for item in oi[:drop]], jax_arrays(ni[-1])
-        if came or any(gone):
-            arrays = count_arrays(arrays, [came], gone)
+        arrays = self.arrays if arrays_moved is None else count_arrays(self.arrays, *arrays_moved)
         if refs is self.refs and arrays is self.arrays:
             return self
         return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, arrays, self.parked)
 
-    def _swap_handle(self, old: Any, new: Any) -> Acct:
-        if (
-            type(old) is PagedKVHandle
-            and type(new) is PagedKVHandle
-            and old.pool is new.pool
-            and old.staged == new.staged
-            and old.host_copy is new.host_copy  # (a restore also only adds blocks, but lets go of its host copy)
-            and new.block_ids[: len(old.block_ids)] == old.block_ids
-            and leaf_extents(old) == leaf_extents(new)
-        ):  # a commit of new blocks: priced by those blocks alone
-            tail = new.block_ids[len(old.block_ids) :]
-            uid = new.pool.uid
-            return self.change(
-                add=[frozenset(new.pool.extents(tail))],
-                kv_add=[[(uid, b) for b in tail]],
-                arrays_add=[object_arrays(new)],
-                arrays_remove=[object_arrays(old)],
-            )
-        a, b = object_extents(old), object_extents(new)
-        ka, kb = set(kv_keys(old)), set(kv_keys(new))
-        la, lb = leaf_extents(old), leaf_extents(new)
+    def _difference(self, old: Any, new: Any) -> Acct:
+        """`swap` by the difference of the two objects' figures."""
+        a, b = old.ledger_extents(), new.ledger_extents()
+        la, lb = old.ledger_leaf_extents(), new.ledger_leaf_extents()
+        ka, kb = old.ledger_blocks(), new.ledger_blocks()
+        arrays_old, arrays_new = old.ledger_arrays(), new.ledger_arrays()
+        if a == b and la == lb and ka == kb and _same(arrays_old, arrays_new) and old.host_copy is new.host_copy:
+            return self
+        sa, sb = (set(ka), set(kb)) if ka or kb else (set(), set())
         return self.change(
             add=[b - a],
             remove=[a - b],
-            kv_add=[kb - ka],
-            kv_remove=[ka - kb],
+            kv_add=[sb - sa],
+            kv_remove=[sa - sb],
             leaves_add=[lb - la],
             leaves_remove=[la - lb],
-            arrays_add=[object_arrays(new)],
-            arrays_remove=[object_arrays(old)],
+            arrays_add=[arrays_new],
+            arrays_remove=[arrays_old],
             parked_add=[_host(new)],
             parked_remove=[_host(old)],
         )
