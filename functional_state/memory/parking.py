@@ -285,8 +285,8 @@ def restore_values(parked: ParkedStorage) -> Any:
 
 
 def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
-    """One fresh allocation per storage, filled from its host buffer: one ``split`` per buffer, then for a CPU
-    storage one ``clone`` (allocation and copy in one call), for a GPU one ``non_blocking`` copy."""
+    """One fresh allocation per storage, filled from its host buffer (`park_values` packs a buffer's storages
+    back to back from its start, so one ``split`` cuts them all out); a CPU storage is one ``clone``."""
     torch = _torch()
     result: list[Any] = [None] * len(parked.storages)
     by_buffer: dict[int, list[int]] = {}
@@ -294,21 +294,15 @@ def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
         by_buffer.setdefault(s.buffer, []).append(i)
     synced = set()
     for b, members in by_buffer.items():
-        buf = parked.buffers[b]
-        # `park_values` packs a buffer's storages back to back from its start, so one split cuts them all out.
-        views = buf.split([parked.storages[i].nbytes for i in members])
-        for i, view in zip(members, views):
+        for i, view in zip(members, parked.buffers[b].split([parked.storages[i].nbytes for i in members])):
             device = parked.storages[i].device
-            if device.type == "cpu":
-                if view.numel() >= _NUMPY_MIN:
-                    dev = _host_bytes(view.numel(), pinned=False)
-                    dev.copy_(view)
-                else:
-                    dev = view.clone()  # a fresh storage of exactly these bytes
-            else:
-                dev = torch.empty(view.numel(), dtype=torch.uint8, device=device)
-                if view.numel():
-                    dev.copy_(view, non_blocking=True)
+            if device.type == "cpu" and view.numel() < _NUMPY_MIN:
+                result[i] = view.clone()  # a fresh storage of exactly these bytes: allocation and copy in one call
+                continue
+            dev = _host_bytes(view.numel(), False) if device.type == "cpu" else torch.empty_like(view, device=device)
+            if view.numel():
+                dev.copy_(view, non_blocking=device.type == "cuda")
+                if device.type == "cuda":
                     synced.add(device)
             result[i] = dev
     for device in synced:
