@@ -111,9 +111,10 @@ def _deploy_fns() -> tuple[dict, int, torch.dtype]:
         for t, h in zip(cache, hosts):
             t.copy_(h)
 
-    def clones() -> None:  # 2 copies into fresh allocations, as any park and restore must make
-        for h in [t.clone() for t in cache]:
-            h.clone()
+    def clones() -> None:  # 2 copies into fresh allocations, as any park and restore must make; the host
+        # copies live until all are back, and the copies back until the call ends, as in `parking_only`
+        back = [h.clone() for h in [t.clone() for t in cache]]
+        del back
 
     fns = {"deploy trip": trip, "deploy parking": parking_only, "deploy memcpy": memcpy, "deploy clones": clones}
     return fns, nbytes, dtype
