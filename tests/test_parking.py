@@ -553,3 +553,31 @@ def test_park_and_restore_keep_requires_grad(make):
     if back.requires_grad:  # a leaf of its own graph, as a checkpoint restores it
         back.sum().backward()
         assert back.is_leaf and torch.equal(back.grad, torch.ones_like(back))
+
+
+# --- issue 22: restore cuts a shared host buffer into fresh storages, one per parked storage ------------------
+
+
+def test_restore_gives_each_storage_a_fresh_allocation_of_its_own_bytes(monkeypatch):
+    from functional_state.memory import parking
+
+    monkeypatch.setattr(parking, "_NUMPY_MIN", 600)  # storages of 600 bytes and up come back through numpy
+    tensors = [torch.arange(n, dtype=torch.float32) for n in (100, 0, 300, 7)] + [torch.ones(3, dtype=torch.int8)]
+    tensors.append(tensors[2][1:5])  # a view: parked once with its storage, restored as a view of it again
+    parked = park_values(tensors)
+    assert len(parked.buffers) == 1 and parked.nbytes == 400 + 0 + 1200 + 28 + 3
+    host = parked.buffers[0]
+    host_bits = bytes(host.numpy())
+    lo, hi = host.data_ptr(), host.data_ptr() + host.numel()
+    back = restore_values(parked)
+    assert [_bits(t) for t in back] == [_bits(t) for t in tensors]
+    assert [t.dtype for t in back] == [t.dtype for t in tensors]
+    for t, orig in zip(back, tensors):
+        storage = t.untyped_storage()
+        assert storage.nbytes() == orig.untyped_storage().nbytes()  # exactly its own bytes, no more
+        assert not storage.nbytes() or not lo <= storage.data_ptr() < hi  # not a view of the host buffer
+    assert back[5].untyped_storage().data_ptr() == back[2].untyped_storage().data_ptr()
+    for t in back[:1] + back[2:5]:
+        t.add_(1)  # writing the restored values leaves the parked copy as it was
+    assert bytes(host.numpy()) == host_bits
+    assert [_bits(t) for t in restore_values(parked)] == [_bits(t) for t in tensors]

@@ -285,20 +285,26 @@ def restore_values(parked: ParkedStorage) -> Any:
 
 
 def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
+    """One fresh allocation per storage, filled from its host buffer (`park_values` packs a buffer's storages
+    back to back from its start, so one ``split`` cuts them all out); a CPU storage is one ``clone``."""
     torch = _torch()
-    result = []
+    result: list[Any] = [None] * len(parked.storages)
+    by_buffer: dict[int, list[int]] = {}
+    for i, s in enumerate(parked.storages):
+        by_buffer.setdefault(s.buffer, []).append(i)
     synced = set()
-    for s in parked.storages:
-        if s.device.type == "cpu":
-            dev = _host_bytes(s.nbytes, pinned=False)
-        else:
-            dev = torch.empty(s.nbytes, dtype=torch.uint8, device=s.device)
-        if s.nbytes:
-            pinned = s.device.type == "cuda"
-            dev.copy_(parked.buffers[s.buffer][s.start : s.start + s.nbytes], non_blocking=pinned)
-            if pinned:
-                synced.add(s.device)
-        result.append(dev)
+    for b, members in by_buffer.items():
+        for i, view in zip(members, parked.buffers[b].split([parked.storages[i].nbytes for i in members])):
+            device = parked.storages[i].device
+            if device.type == "cpu" and view.numel() < _NUMPY_MIN:
+                result[i] = view.clone()  # a fresh storage of exactly these bytes: allocation and copy in one call
+                continue
+            dev = _host_bytes(view.numel(), False) if device.type == "cpu" else torch.empty_like(view, device=device)
+            if view.numel():
+                dev.copy_(view, non_blocking=device.type == "cuda")
+                if device.type == "cuda":
+                    synced.add(device)
+            result[i] = dev
     for device in synced:
         torch.cuda.current_stream(device).synchronize()  # the host buffer may be freed after this
     return result
