@@ -18,6 +18,7 @@ from ..table import manager_state as ms
 from ..table.engine_blocks import released_blocks
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
+from ..table.state import in_place
 from .cells import Departure, departures
 
 __all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast"]
@@ -55,12 +56,7 @@ def within_budget_fast(
 def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
     """Whether admission has nothing to do for ``before`` -> ``after``: no session leaves, no budget to
     check, no engine pool whose blocks could be released (the common write: one session changed)."""
-    return (
-        not POOLS
-        and after.issued == before.issued
-        and len(after) == len(before)
-        and (not budget or after.byte_budget is None)
-    )
+    return not POOLS and in_place(before, after, budget)
 
 
 def admit(

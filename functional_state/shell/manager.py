@@ -30,7 +30,7 @@ from .handle import SessionHandle
 from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
-from .session_ops import ReentrantWriteError, SessionOps, restore_parked
+from .session_ops import NOT_INLINE, ReentrantWriteError, SessionOps, restore_parked
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
@@ -83,7 +83,7 @@ class SessionStateManager:
         self._epoch = 0  # changes with every install (and detached write): a write is taken back only if not
         self._debts = Debts()  # installed changes whose engine free failed
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
-        self._ops = SessionOps(self._run, lambda: self._state, self.pin, self.step)
+        self._ops = SessionOps(self._run, self._inline, lambda: self._state, self.pin, self.step)
 
     # --- the immutable value and the one retry loop ------------------------------------------------
     @property
@@ -107,7 +107,6 @@ class SessionStateManager:
         dropped: Callable[[ManagerState], Mapping[str, str]] | None = None,
         then: Callable[[ManagerState, Undo], Any] | None = None,
         local: bool = False,
-        inline: bool = False,
         **admission: Any,
     ) -> Any:
         """The one write loop: ``plan(table) -> (new table, result)`` and its admission (`admit`) computed
@@ -119,19 +118,7 @@ class SessionStateManager:
         ``plan`` removes at a caller's request, with why. ``then(installed table, undo)`` runs under the lock
         after the install (journaling in ``undo``); its result, unless None, replaces ``plan``'s. ``local``:
         ``plan`` changes only ``writer``'s session, so it lands on writes to other sessions made meanwhile
-        (`rebase`) without being computed again (an engine callback, user code run once). ``inline``: ``plan``
-        is a table verb that calls no engine and no user code, so a first attempt runs under the lock and, if
-        admission has nothing to do (`trivial`), is installed at once."""
-        if inline and cell is not None:
-            with self._lock:
-                base = self._state
-                try:  # (a parked object: its restore calls the engine, so not here)
-                    after, out = plan(base) if SessionOps.in_table(base, cell) else (base, None)
-                except ObjectParkedError:
-                    after = base
-                if after is not base and trivial(base, after, admission.get("budget", True)):
-                    self._state, self._epoch = after, self._epoch + 1
-                    return out if then is None or (kept := then(after, [])) is None else kept
+        (`rebase`) without being computed again (an engine callback, user code run once)."""
         while True:
             base, pinned, seen = self._state, self._pins.pinned, cell.session if cell else None
             work = after = base  # ``work``: ``base`` with the restores this attempt made
@@ -175,6 +162,23 @@ class SessionStateManager:
         if decision.released or self._debts.owed:
             self._debts.settle(base, decision.final, decision.released, lambda: self._take_back(base, undo, epoch))
         return out
+
+    def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
+        """A plain table verb (no engine, no user code) on a session in the table, installed at once under the
+        lock when admission has nothing to do (`trivial`); else `NOT_INLINE`: take the retry loop `_run`."""
+        with self._lock:
+            base = self._state
+            if ms.held_session(base, sid, uid) is None:
+                return NOT_INLINE
+            try:
+                out = verb(base, sid, *args, **kw)
+            except ObjectParkedError:  # its restore calls the engine: not under the lock
+                return NOT_INLINE
+            after, result = (out, None) if type(out) is ManagerState else out
+            if after is base or not trivial(base, after):
+                return NOT_INLINE
+            self._state, self._epoch = after, self._epoch + 1
+            return result
 
     def _admit(
         self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any

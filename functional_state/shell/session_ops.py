@@ -75,11 +75,15 @@ def _on_copy(cell: Cell, names: Iterable[str] | None, fn: Callable[[ManagerState
         raise
 
 
+NOT_INLINE = object()  # `SessionStateManager._inline` did not apply the verb: take the retry loop
+
+
 class SessionOps:
     """The manager's side of its handles (made by `SessionStateManager`, one per manager).
 
     Args:
       run: the manager's retry loop (`SessionStateManager._run`).
+      inline: the manager's one-shot install of a plain verb (`SessionStateManager._inline`), or `NOT_INLINE`.
       current: the manager's installed table, read without its lock.
       pin: protects a session from the byte budget while a transaction runs.
       step: the manager's `SessionStateManager.step`.
@@ -88,12 +92,16 @@ class SessionOps:
     def __init__(
         self,
         run: Callable[..., Any],
+        inline: Callable[..., Any],
         current: Callable[[], ManagerState],
         pin: Callable[[str], Any],
         step: Callable[..., None],
     ):
-        self._run, self._current, self._pin, self._step = run, current, pin, step
+        self._run, self._inline, self._current, self._pin, self._step = run, inline, current, pin, step
         self._writing = threading.local()  # uids whose transaction this thread is computing
+        # Transactions being computed, in any thread: while none is, no write can be a reentrant one, and the
+        # common write skips the thread-local lookup (a measurable share of a commit).
+        self._computing, self._computing_lock = 0, threading.Lock()
 
     @staticmethod
     def in_table(state: ManagerState, cell: Cell) -> bool:
@@ -137,7 +145,12 @@ class SessionOps:
         Raises:
           SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
         """
-        sid, uid, copy = cell.session_id, cell.uid, list[SessionState]()
+        sid, uid = cell.session_id, cell.uid
+        if inline and cell.left is None and not cell.closed and (not self._computing or uid not in self.writing()):
+            done = self._inline(sid, uid, verb, args, kw)  # the common write: one lock, no closures
+            if done is not NOT_INLINE:
+                return done
+        copy: list[SessionState] = []
 
         def plan(base: ManagerState) -> tuple[ManagerState, Any]:
             if cell.closed or uid in getattr(self._writing, "uids", ()):  # each attempt: a drop may land meanwhile
@@ -158,7 +171,6 @@ class SessionOps:
             names=names,
             acquires=acquires,
             local=local,
-            inline=inline,
             then=keep,
             attrs_unchanged=attrs_unchanged,
         )
@@ -196,10 +208,14 @@ class SessionOps:
             if not seen or seen[0] is not session:
                 writing = self.writing()
                 writing.add(cell.uid)
+                with self._computing_lock:
+                    self._computing += 1
                 try:
                     new, out = fn(session)
                 finally:
                     writing.discard(cell.uid)
+                    with self._computing_lock:
+                        self._computing -= 1
                 if not isinstance(new, SessionState):
                     raise InvalidTypeError(f"a transaction must return a SessionState, got {type(new).__name__}.")
                 seen[:] = [session, new, out]

@@ -41,6 +41,7 @@ __all__ = [
     "entries",
     "entries_lru",
     "held_session",
+    "in_place",
     "incarnation_of",
     "ledger_of",
     "lru_sessions",
@@ -315,6 +316,17 @@ def with_max_sessions(state: ManagerState, n: int) -> ManagerState:
 def node_session(node: Node) -> SessionState:
     """The session a node (from `locate`) holds."""
     return node[SESSION]
+
+
+def in_place(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
+    """Whether ``after`` changed ``before``'s sessions in place: the same number of sessions, no incarnation
+    issued since, and (with ``budget``) no byte budget to check. O(1); the shell's common-write test."""
+    cold, old = after._meta[COLD], before._meta[COLD]
+    return (
+        (cold is old or cold[ISSUED] == old[ISSUED])
+        and len(after._nodes) == len(before._nodes)
+        and (not budget or cold[CONFIG].byte_budget is None)
+    )
 
 
 def held_session(state: ManagerState, sid: str, uid: int) -> SessionState | None:
