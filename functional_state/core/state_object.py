@@ -331,6 +331,11 @@ class StateObject(abc.ABC):
         """``(pool uid, block id)`` of the engine blocks this object keeps (none by default)."""
         return ()
 
+    @property
+    def parkable(self) -> bool:
+        """Whether `park` can move this object to host memory (an engine pool without offload cannot)."""
+        return True
+
     def ledger_step(self, new: Any) -> LedgerDelta | None:
         """What changes in the ledger when this object is replaced by ``new``, when the type knows it more
         cheaply than the difference of the two objects' figures; None: let the ledger take the difference.

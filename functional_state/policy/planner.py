@@ -232,8 +232,8 @@ def plan_release(
                     continue
                 if holders[0] != (sid, name):
                     continue  # a shared object: considered once, at its least recent holder
-                if type(obj) is PagedKVHandle and not obj.parkable:
-                    skipped.append(f"{sid}/{name}: engine pool {obj.pool.name!r} offers no offload")
+                if not obj.parkable:
+                    skipped.append(f"{sid}/{name}: {type(obj).__name__} cannot be parked (no offload)")
                     continue
                 committed, parked = _park_effect(obj, ledger)
                 if not committed <= ledger.change([extents] * len(holders)).left:  # what `park` refuses

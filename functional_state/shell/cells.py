@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from ..core.session import SessionState
-from ..engine.kv_handle import PagedKVHandle
 from ..errors import SessionStateLostError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
@@ -161,11 +160,11 @@ class Cells:
         """Handles of sessions that left the table keep their copy, minus the engine blocks a write releases:
         a handle holding a block that goes back to the engine is evicted there, so it never reads recycled
         memory."""
-        freed = {pool.uid: set(ids) for pool, ids in released.items()}
+        freed = {(pool.uid, i) for pool, ids in released.items() for i in ids}
         for cell in list(self.detached):
             session = cell.session
             for name, obj in session.objects.items():
-                if isinstance(obj, PagedKVHandle) and freed.get(obj.pool.uid, set()) & set(obj.held_blocks()):
+                if not freed.isdisjoint(obj.ledger_blocks()):
                     session = session.update(name, lambda o: o.evict()[0])
                     _log.debug(
                         "session %r: detached handle's KV %r evicted (its blocks went back)", cell.session_id, name
