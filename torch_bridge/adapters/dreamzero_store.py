@@ -7,25 +7,22 @@ and serving it fresh state would restart the rollout silently, producing normal-
 
 * `begin` admits a new session (or restarts an existing one, clean). At the resident bound it *refuses*
   with `SessionAdmissionError`: a new session never costs a resident one its history (no LRU eviction).
-* `resume` returns the session's state, or raises `SessionStateLostError` saying how to recover; it never
-  creates anything.
-* `close` releases a session; releasing twice, or an unknown id, is a no-op.
+* `resume` returns the session's state, or raises `SessionStateLostError` saying how to recover (it never
+  creates anything); `close` releases a session (twice, or an unknown id: a no-op).
 * a state handed out serves only the session incarnation it was made for: once that leaves the table
   (closed, restarted, dropped by the byte budget) it raises `SessionStateLostError` on every use rather
   than read stale history or write where nobody reads. The store holds its states weakly, so a dropped
   session's buffers are freed as soon as no caller holds them.
 * the export helpers read and clear the accumulated video latents of a live session and never create one.
 
-Both paths implement this, switched by ``OMNI_DIFFUSION_SESSION_STATE_MANAGER`` as everywhere else: the
-bespoke states in an admission-controlled dict, and the manager-backed adapters over a
-`SessionStateManager` built with ``evict_when_full=False``. The A/B check routes its rollouts through this
-store, so it compares the two paths under the same lifecycle.
+Both paths implement this, switched by ``OMNI_DIFFUSION_SESSION_STATE_MANAGER``: bespoke states in an
+admission-controlled dict, manager-backed adapters over a `SessionStateManager(evict_when_full=False)`; the
+A/B check routes its rollouts through this store, so both paths run under the same lifecycle.
 
 The resident bound is sized by bytes: ``DEFAULT_RESIDENT_BYTES`` (8 GiB) divided by the bytes one
 deploy-shape session holds (`estimate_session_nbytes`), not the bespoke cache's 64 slots (64 x 603 MiB =
-38.6 GiB would exhaust a GPU long before the count cap fired). A runner that knows its memory publishes the
-session count it can hold with `set_resident_capacity`.
-"""
+38.6 GiB would exhaust a GPU long before the count cap fired); a runner publishes its own with
+`set_resident_capacity`."""
 
 from __future__ import annotations
 
