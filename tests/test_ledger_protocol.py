@@ -10,17 +10,23 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import functional_state as fs
 from functional_state.engine.paged_kv import PagedKVPool
 
-LEDGER = Path(fs.__file__).resolve().parent / "table" / "ledger.py"
+PKG = Path(fs.__file__).resolve().parent
+LEDGER = PKG / "table" / "ledger.py"
 SHIPPED = {"LatentBuffer", "PagedKVHandle", "ArrayRing", "DenseValue", "PytreeValue"}
+# The modules that decide for every type: they ask the object (its ledger_* methods, parkable, park_extents,
+# its codec), so a new StateObject type needs no edit in any of them.
+DECIDERS = [LEDGER, *sorted((PKG / "policy").glob("*.py")), *sorted((PKG / "shell").glob("*.py"))]
 
 
-def test_the_ledger_names_no_state_object_type():
+@pytest.mark.parametrize("path", DECIDERS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_modules_that_decide_for_every_type_name_no_state_object_type(path):
     named = set()
-    for node in ast.walk(ast.parse(LEDGER.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Name):
             named.add(node.id)
         elif isinstance(node, ast.Attribute):

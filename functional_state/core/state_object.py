@@ -336,6 +336,12 @@ class StateObject(abc.ABC):
         """Whether `park` can move this object to host memory (an engine pool without offload cannot)."""
         return True
 
+    def park_extents(self) -> tuple[list[Any], list[Any], int] | None:
+        """For a type whose `park` hands its storage to someone else (an engine's offload): the extents its
+        committed storage holds, those still held once parked, and the host bytes the parked copy takes.
+        None (the default): the planner follows `park_values` leaf by leaf."""
+        return None
+
     def ledger_step(self, new: Any) -> LedgerDelta | None:
         """What changes in the ledger when this object is replaced by ``new``, when the type knows it more
         cheaply than the difference of the two objects' figures; None: let the ledger take the difference.

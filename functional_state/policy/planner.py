@@ -33,7 +33,6 @@ from typing import Any, Literal
 
 import jax
 
-from ..engine.kv_handle import PagedKVHandle
 from ..errors import InvalidArgumentError
 from ..memory import accounting, parking
 from ..memory.budget import format_bytes, limit_for, parse_bytes
@@ -364,11 +363,11 @@ def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset
     staged payload stays too. `enforce_budget` measures the applied plan, so a drift between the two is
     refused, never installed.
     """
-    if type(obj) is PagedKVHandle:  # the engine's offload token: host memory of the size of the blocks
-        committed = frozenset(obj.pool.extents(obj.block_ids))
-        kept = frozenset(obj.pool.extents(obj.staged or ()))
-        token = [ledger.virtual(HOST, len(obj.block_ids) * obj.pool.block_nbytes)] if obj.block_ids else []
-        return committed, kept | frozenset(token)
+    own = obj.park_extents()
+    if own is not None:  # the type prices its own park (an engine's offload token: host bytes of its blocks)
+        committed, kept, host = own
+        token = [ledger.virtual(HOST, host)] if host else []
+        return frozenset(committed), frozenset(kept) | frozenset(token)
     committed = extents_of(obj._committed_roots())
     kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
     host_bytes: dict[Pool, int] = {}
