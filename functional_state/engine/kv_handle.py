@@ -274,7 +274,7 @@ class PagedKVHandle(StateObject):
     def parkable(self) -> bool:
         return self.pool.offload_fn is not None
 
-    def park_extents(self) -> tuple[list[Any], list[Any], int]:
+    def park_extents(self) -> tuple[list[Any], list[Any], int] | None:
         """The blocks leave for the engine's offload token: host memory of the size of the blocks."""
         host = len(self.block_ids) * self.pool.block_nbytes
         return list(self.pool.extents(self.block_ids)), list(self.pool.extents(self.staged or ())), host
