@@ -170,6 +170,8 @@ def step(
 
 
 _CHECKED: weakref.WeakKeyDictionary[Callable[..., Any], set[Any]] = weakref.WeakKeyDictionary()
+# jitted -> {(input structure, has_aux, leaf shapes and dtypes): whether the output keeps the object's leaves}
+_KEEPS_LAYOUT: weakref.WeakKeyDictionary[Callable[..., Any], dict[Any, bool]] = weakref.WeakKeyDictionary()
 
 
 def _check_returns_same_type(
@@ -226,11 +228,20 @@ def trace(
     obj._require_resident("step")
     jitted = _jitted(fn, donate)
     _check_returns_same_type(jitted, obj, args, has_aux)
-    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
-    if has_aux:
-        out = out[0]
-    before, tree = jax.tree_util.tree_flatten(obj)
-    after, out_tree = jax.tree_util.tree_flatten(out)
-    return bool(tree == out_tree) and all(  # type: ignore[operator]
-        getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype for a, b in zip(before, after)
-    )
+    # Once per input structure and leaf shapes, as JAX traces: an abstract evaluation costs more than a step.
+    leaves, in_tree = jax.tree_util.tree_flatten((obj, args))
+    key = (in_tree, has_aux, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
+    with _JITTED_LOCK:
+        known = _KEEPS_LAYOUT.setdefault(jitted, {}).get(key)
+    if known is None:
+        out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
+        if has_aux:
+            out = out[0]
+        before, tree = jax.tree_util.tree_flatten(obj)
+        after, out_tree = jax.tree_util.tree_flatten(out)
+        known = bool(tree == out_tree) and all(  # type: ignore[operator]
+            getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype for a, b in zip(before, after)
+        )
+        with _JITTED_LOCK:
+            _KEEPS_LAYOUT[jitted][key] = known
+    return known
