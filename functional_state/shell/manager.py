@@ -358,8 +358,8 @@ class SessionStateManager:
         state = self._state
         self._cells.require(state, sid, "step")
         self._ops.refuse_reentrant(state, sid, "step")
-        keeps_bytes = trace_step(state, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
         traced = state
+        keeps_bytes = trace_step(traced, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
         with self._lock:
             state = self._state
             self._cells.require(state, sid, "step")
@@ -367,7 +367,7 @@ class SessionStateManager:
             # budget, donate only a step that keeps the object's bytes (checked on this very table).
             may_refuse = state.byte_budget is not None and not (keeps_bytes and state is traced)
             if state in self._published or may_refuse:
-                # A caller holds this very table: nothing in it may be donated, and it must stay usable.
+                # A caller holds this table, or the budget may refuse the result: donate nothing, keep it usable.
                 after = _pure_step(state, sid, name, fn, *args, donate=False)
             else:
                 # Other snapshots handed out and detached handles may still read this table's buffers. The
