@@ -179,9 +179,10 @@ def run() -> dict:
         "notes": (
             f"A 2-layer decoder (d={D}, {HEADS} heads, cache of {MAX_LEN} positions, vocabulary {VOCAB}), one "
             f"token per call, {CALLS} calls per run, round robin over the sessions; the bare side holds one "
-            "stateful model per session. `step` donates the cache (the default): to donate safely it looks for "
-            "every other holder of the cache's buffers in the table, a walk that grows with the sessions; "
-            "`donate=False` skips it (and copies nothing either: XLA writes a new cache). Medians of 9 "
+            "stateful model per session. `step` donates the cache (the default): to donate safely it asks the "
+            "table's holder index whether anything else holds the cache's buffers (kept counts per buffer, so "
+            "the cost does not grow with the sessions); `donate=False` skips the check (and copies nothing "
+            "either: XLA writes a new cache). Medians of 9 "
             "interleaved runs."
         ),
         "figures": figures,
