@@ -9,7 +9,6 @@ import immutables
 
 from .._repr import short
 from ..errors import InvalidArgumentError
-from ..memory.holders import jax_arrays
 from .codec import register_checkpoint_type
 from .pytree import pytree_dataclass
 from .state_object import (
@@ -131,9 +130,6 @@ class LatentBuffer(StateObject):
     def ledger_leaf_extents(self) -> frozenset[Extent]:
         return _NO_EXTRA  # the items are the leaves: the accounting reaches every one
 
-    def ledger_arrays(self) -> tuple[Any, ...]:
-        return jax_arrays((self.items, self.staged, self.host_copy))
-
     def ledger_step(self, new: Any) -> LedgerDelta | None:
         """A commit (items appended, the oldest dropped), priced by the items that changed: ``self``'s
         cached extent multiset gives ``new``'s by difference, and only an extent whose count in the ring
@@ -163,14 +159,12 @@ class LatentBuffer(StateObject):
                     counts = counts.delete(e)
             if not whole:  # some of its storage stays in the ring (another item holds it too)
                 gone = [e for e in gone if e not in counts]
-            left = [jax_arrays(oi[0])]
         else:
             for extents in per_item[:drop]:
                 for e in extents:
                     n = counts[e] - 1
                     counts = counts.set(e, n) if n else counts.delete(e)
             gone = {e for extents in per_item[:drop] for e in extents if e not in counts} if drop else ()
-            left = [jax_arrays(item) for item in oi[:drop]]
         found = value_extents(ni[-1])
         added = tuple(found) if len(found) < 2 else tuple(set(found))
         fresh = True  # every extent of the new item is new to the ring
@@ -181,8 +175,7 @@ class LatentBuffer(StateObject):
                 fresh = False
         came = added if fresh else [e for e in added if counts[e] == 1]
         ACCT_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
-        arrived = jax_arrays(ni[-1])
-        return came, gone, ([arrived], left) if arrived or any(left) else None, None
+        return came, gone, None
 
     def __repr__(self) -> str:
         parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]
