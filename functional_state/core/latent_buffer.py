@@ -99,7 +99,22 @@ class LatentBuffer(StateObject):
         buffer directly (no generic copy: ~2x faster), everything else takes the base class's path."""
         if payload is MISSING or self.status != RESIDENT or type(self) is not LatentBuffer:
             return StateObject.commit(self, payload)
-        return _with_items(self, _appended(self.items, payload, self.maxlen))
+        # `_with_items(self, _appended(...))` written out: two calls are a fifth of this path.
+        items, maxlen = self.items, self.maxlen
+        items = (
+            items[len(items) + 1 - maxlen :] + (payload,)
+            if maxlen is not None and len(items) >= maxlen
+            else items + (payload,)
+        )
+        new = _new(LatentBuffer)
+        _SET_ITEMS(new, items)
+        _SET_STAGED(new, self.staged)
+        _SET_HOST(new, self.host_copy)
+        _SET_MAXLEN(new, maxlen)
+        _SET_STATUS(new, self.status)
+        _SET_SOURCE(new, self.recompute_source)
+        _SET_COST(new, self.recompute_cost)
+        return new
 
     def _commit_payload(self, payload: Any) -> LatentBuffer:
         items = _appended(self.items, payload, self.maxlen)
