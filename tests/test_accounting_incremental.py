@@ -187,3 +187,53 @@ def test_default_stats_reads_kept_figures_and_walks_no_session(monkeypatch):
     kept = fs.stats(state)
     assert len(calls) <= 3  # the one container (and the parked copy's bytes), never the 40 sessions
     assert {k: v for k, v in kept.items() if "bytes" in k} == {k: v for k, v in exact.items() if "bytes" in k}
+
+
+def test_default_stats_cost_does_not_grow_with_the_sessions(monkeypatch):
+    # Regression (issue 24): the default stats() checked every JAX array the table holds for deletion, O(arrays
+    # held): 263 ms at 100k sessions. It reads kept totals now: the same work at 10 sessions as at 1,000
+    # (counted, not timed: the deletion checks and the walk calls one stats() call makes).
+    import jax
+    import numpy as np
+    from jax._src.array import ArrayImpl
+
+    from functional_state.memory import holders
+
+    def table(n):
+        state = ManagerState.create(max_sessions=n)
+        columns = jax.device_put([np.zeros(4, np.float32) for _ in range(n)])  # one buffer of its own each
+        for i in range(n):
+            state, _ = fs.get_or_create(state, f"s{i}")
+            state = fs.put(state, f"s{i}", "buf", LatentBuffer.create(maxlen=2).commit(columns[i]))
+        state = fs.set_attr(state, "s0", "cond", columns[0])  # one closed attr, one container
+        state = fs.set_attr(state, "s1", "box", [torch.zeros(4)])
+        fs.stats(state)  # the ledger is built once; what follows is the steady cost
+        return state
+
+    calls = {"is_deleted": 0, "walk": 0}
+    real_deleted, real_walk = ArrayImpl.is_deleted, accounting.collect_extents
+
+    def is_deleted(self):
+        calls["is_deleted"] += 1
+        return real_deleted(self)
+
+    def collect_extents(*args):
+        calls["walk"] += 1
+        return real_walk(*args)
+
+    small, large = table(10), table(1_000)
+    monkeypatch.setattr(ArrayImpl, "is_deleted", is_deleted)
+    monkeypatch.setattr(accounting, "collect_extents", collect_extents)
+    monkeypatch.setattr(holders.accounting, "collect_extents", collect_extents)
+    counted = []
+    for state in (small, large):
+        calls.update(is_deleted=0, walk=0)
+        s = fs.stats(state)
+        counted.append(dict(calls))
+        assert s["sessions"] == len(state) and s["total_nbytes"] == len(state) * 16 + 16
+    assert counted[0] == counted[1] and counted[0]["walk"] >= 1, counted  # (the container is walked)
+    with monkeypatch.context() as m:  # the exact walk is the check that reads every array
+        m.setattr(ArrayImpl, "is_deleted", is_deleted)
+        calls.update(is_deleted=0)
+        assert fs.stats(large, exact=True) == fs.stats(large)
+        assert calls["is_deleted"] >= 1_000

@@ -133,9 +133,10 @@ class HolderMachine(RuleBasedStateMachine):
         kept, fresh = ledger_of(self.state), Acct.build(session_map(self.state).values())
         assert dict(kept.refs) == dict(fresh.refs) and dict(kept.leaves) == dict(fresh.leaves)
         assert dict(kept.attrs.refs) == dict(fresh.attrs.refs) and kept.attrs.n_open == fresh.attrs.n_open
-        assert dict(kept.arrays) == dict(fresh.arrays) and dict(kept.parked) == dict(fresh.parked)
-        fast, exact = fs.stats(self.state), fs.stats(self.state, exact=True)
-        assert {k: v for k, v in fast.items() if "bytes" in k} == {k: v for k, v in exact.items() if "bytes" in k}
+        assert dict(kept.attrs.opened) == dict(fresh.attrs.opened) and dict(kept.parked) == dict(fresh.parked)
+        # Every donation here is the table's own: the kept figures (which check no array for deletion) are
+        # the walk's, deleted_arrays included.
+        assert fs.stats(self.state) == fs.stats(self.state, exact=True)
 
 
 TestHolderMachine = HolderMachine.TestCase

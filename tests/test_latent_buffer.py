@@ -168,3 +168,25 @@ def test_private_replace_rejects_misspelt_fields():
     with pytest.raises(TypeError, match="itmes"):
         replace(buf, itmes=(1,))
     assert replace(buf, items=(1,)).view() == (1,)
+
+
+@pytest.mark.parametrize("maxlen", [None, 1, 3])
+def test_the_direct_commit_builds_what_the_generic_copy_builds(maxlen):
+    # `LatentBuffer.commit` builds the new buffer slot by slot (issue 24: the generic `_replace` was a third of
+    # a manager op); it must give exactly what the base class's path gives, and leave its input unchanged.
+    from functional_state.core.state_object import StateObject
+
+    buf = LatentBuffer.create(maxlen=maxlen, recompute_source="src", recompute_cost=2.5).stage(_item("numpy", -1))
+    for i in range(5):
+        snap = snapshot(buf)
+        fast, generic = buf.commit(_item("numpy", i)), StateObject.commit(buf, _item("numpy", i))
+        assert_unchanged(buf, snap)
+        for f in dataclasses.fields(LatentBuffer):
+            a, b = getattr(fast, f.name), getattr(generic, f.name)
+            if f.name == "items":
+                assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+            else:
+                assert a is b or a == b, f.name
+        assert type(fast) is LatentBuffer and fast.view(include_staged=False) == fast.items
+        buf = fast
+    assert len(buf.items) == (5 if maxlen is None else maxlen) and buf.staged is not None

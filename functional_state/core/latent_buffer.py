@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 
@@ -9,9 +10,8 @@ import immutables
 
 from .._repr import short
 from ..errors import InvalidArgumentError
-from ..memory.holders import jax_arrays
 from .codec import register_checkpoint_type
-from .pytree import pytree_dataclass
+from .pytree import MISSING, pytree_dataclass
 from .state_object import (
     ACCT_SLOT,
     RESIDENT,
@@ -94,11 +94,31 @@ class LatentBuffer(StateObject):
         self._require_resident("__len__")
         return len(self.items)
 
+    def commit(self, payload: Any = MISSING) -> LatentBuffer:
+        """`StateObject.commit`; a payload committed into a resident buffer (the per-step path) builds the new
+        buffer directly (no generic copy: ~2x faster), everything else takes the base class's path."""
+        if payload is MISSING or self.status != RESIDENT or type(self) is not LatentBuffer:
+            return StateObject.commit(self, payload)
+        # `_with_items(self, _appended(...))` written out: two calls are a fifth of this path.
+        items, maxlen = self.items, self.maxlen
+        items = (
+            items[len(items) + 1 - maxlen :] + (payload,)
+            if maxlen is not None and len(items) >= maxlen
+            else items + (payload,)
+        )
+        new = _new(LatentBuffer)
+        _SET_ITEMS(new, items)
+        _SET_STAGED(new, self.staged)
+        _SET_HOST(new, self.host_copy)
+        _SET_MAXLEN(new, maxlen)
+        _SET_STATUS(new, self.status)
+        _SET_SOURCE(new, self.recompute_source)
+        _SET_COST(new, self.recompute_cost)
+        return new
+
     def _commit_payload(self, payload: Any) -> LatentBuffer:
-        items = self.items + (payload,)
-        if self.maxlen is not None and len(items) > self.maxlen:
-            items = items[len(items) - self.maxlen :]
-        return self._replace(items=items)
+        items = _appended(self.items, payload, self.maxlen)
+        return _with_items(self, items) if type(self) is LatentBuffer else self._replace(items=items)
 
     def _committed_view(self) -> tuple[Any, ...]:
         return self.items
@@ -131,9 +151,6 @@ class LatentBuffer(StateObject):
     def ledger_leaf_extents(self) -> frozenset[Extent]:
         return _NO_EXTRA  # the items are the leaves: the accounting reaches every one
 
-    def ledger_arrays(self) -> tuple[Any, ...]:
-        return jax_arrays((self.items, self.staged, self.host_copy))
-
     def ledger_step(self, new: Any) -> LedgerDelta | None:
         """A commit (items appended, the oldest dropped), priced by the items that changed: ``self``'s
         cached extent multiset gives ``new``'s by difference, and only an extent whose count in the ring
@@ -163,14 +180,12 @@ class LatentBuffer(StateObject):
                     counts = counts.delete(e)
             if not whole:  # some of its storage stays in the ring (another item holds it too)
                 gone = [e for e in gone if e not in counts]
-            left = [jax_arrays(oi[0])]
         else:
             for extents in per_item[:drop]:
                 for e in extents:
                     n = counts[e] - 1
                     counts = counts.set(e, n) if n else counts.delete(e)
             gone = {e for extents in per_item[:drop] for e in extents if e not in counts} if drop else ()
-            left = [jax_arrays(item) for item in oi[:drop]]
         found = value_extents(ni[-1])
         added = tuple(found) if len(found) < 2 else tuple(set(found))
         fresh = True  # every extent of the new item is new to the ring
@@ -181,8 +196,7 @@ class LatentBuffer(StateObject):
                 fresh = False
         came = added if fresh else [e for e in added if counts[e] == 1]
         ACCT_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
-        arrived = jax_arrays(ni[-1])
-        return came, gone, ([arrived], left) if arrived or any(left) else None, None
+        return came, gone, None
 
     def __repr__(self) -> str:
         parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]
@@ -194,6 +208,33 @@ class LatentBuffer(StateObject):
 
 
 _NO_EXTRA: frozenset[Extent] = frozenset()
+_new = object.__new__
+_SET = {name: LatentBuffer.__dict__[name].__set__ for name in ("items", "staged", "host_copy", "maxlen", "status")}
+_SET_ITEMS, _SET_STAGED, _SET_HOST, _SET_MAXLEN, _SET_STATUS = _SET.values()
+_SET_SOURCE = LatentBuffer.__dict__["recompute_source"].__set__
+_SET_COST = LatentBuffer.__dict__["recompute_cost"].__set__
+if [f.name for f in dataclasses.fields(LatentBuffer)] != [*_SET, "recompute_source", "recompute_cost"]:
+    raise TypeError("LatentBuffer's fields changed: `_with_items` must set every one of them")
+
+
+def _appended(items: tuple[Any, ...], payload: Any, maxlen: int | None) -> tuple[Any, ...]:
+    """``items`` with ``payload`` committed: the oldest dropped once ``maxlen`` are held."""
+    if maxlen is not None and len(items) >= maxlen:
+        return items[len(items) + 1 - maxlen :] + (payload,)
+    return items + (payload,)
+
+
+def _with_items(buf: LatentBuffer, items: tuple[Any, ...]) -> LatentBuffer:
+    """``buf._replace(items=items)`` written out for the per-step path: every field set by its slot."""
+    new = _new(type(buf))
+    _SET_ITEMS(new, items)
+    _SET_STAGED(new, buf.staged)
+    _SET_HOST(new, buf.host_copy)
+    _SET_MAXLEN(new, buf.maxlen)
+    _SET_STATUS(new, buf.status)
+    _SET_SOURCE(new, buf.recompute_source)
+    _SET_COST(new, buf.recompute_cost)
+    return new
 
 
 def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:

@@ -31,6 +31,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import jax
+import numpy as np
 
 from .._repr import repr_html, treescope_repr
 from ..errors import (
@@ -323,10 +324,6 @@ class StateObject(abc.ABC):
         delete them), beyond `ledger_extents`."""
         return _walked(self).extra
 
-    def ledger_arrays(self) -> tuple[Any, ...]:
-        """The JAX arrays among this object's leaves (each occurrence), for the deleted-array check."""
-        return _walked(self).arrays
-
     def ledger_blocks(self) -> tuple[tuple[int, int], ...]:
         """``(pool uid, block id)`` of the engine blocks this object keeps (none by default)."""
         return ()
@@ -346,11 +343,9 @@ class StateObject(abc.ABC):
         """What changes in the ledger when this object is replaced by ``new``, when the type knows it more
         cheaply than the difference of the two objects' figures; None: let the ledger take the difference.
 
-        Returns ``(extents added, extents removed, arrays, blocks)``: ``arrays`` is None when no JAX array
-        moves, else ``(added, removed)``, each a list of tuples of arrays (one per holder that arrived or
-        left); ``blocks`` is None when no engine block moves, else ``(added, removed)`` block keys (see
-        `ledger_blocks`). Each extent and block key appears once in its collection. It may memoize
-        ``new``'s figures on ``new``.
+        Returns ``(extents added, extents removed, blocks)``: ``blocks`` is None when no engine block moves,
+        else ``(added, removed)`` block keys (see `ledger_blocks`). Each extent and block key appears once in
+        its collection. It may memoize ``new``'s figures on ``new``.
         """
         return None
 
@@ -359,14 +354,16 @@ _RESTORED_SLOT = StateObject.__dict__["_restored"]
 ACCT_SLOT = StateObject.__dict__["_acct_cache"]  # the memo slot, set past the frozen dataclass's __setattr__
 
 Extent = tuple[str, int, int]
-LedgerDelta = tuple[Any, Any, Any, Any]
+LedgerDelta = tuple[Any, Any, Any]
 
 
 def value_extents(value: Any) -> list[Extent]:
     """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
     out: accounting.Extents = []
     torch = accounting.torch_module()
-    if torch is not None and type(value) is torch.Tensor:
+    if type(value) is np.ndarray:  # what the walk would do for it, without the walk's set-up
+        accounting.numpy_extents(value, out)
+    elif torch is not None and type(value) is torch.Tensor:
         accounting.torch_extents(value, out)
     else:
         accounting.collect_extents(value, out, {}, accounting.WalkReport())
@@ -376,9 +373,8 @@ def value_extents(value: Any) -> list[Extent]:
 class _Walked(frozenset):
     """An object's extents, with ``extra``: those of its array leaves the byte accounting leaves out."""
 
-    __slots__ = ("arrays", "extra")
+    __slots__ = ("extra",)
     extra: frozenset[Extent]
-    arrays: tuple[Any, ...]  # its JAX arrays (each leaf), for the deleted-array check
 
 
 _NO_EXTRA: frozenset[Extent] = frozenset()
@@ -393,9 +389,7 @@ def _walked(obj: StateObject) -> _Walked:
         accounting.collect_extents(obj, out, seen, report)
         cached = _Walked(out)
         extra: accounting.Extents = []
-        leaves = jax.tree_util.tree_leaves(obj)
-        cached.arrays = tuple(x for x in leaves if isinstance(x, jax.Array))
-        for leaf in leaves:
+        for leaf in jax.tree_util.tree_leaves(obj):
             if id(leaf) not in seen:
                 accounting.collect_extents(leaf, extra, seen, report)
         cached.extra = frozenset(e for e in extra if e not in cached) if extra else _NO_EXTRA

@@ -305,8 +305,7 @@ class PagedKVHandle(StateObject):
         tail = new.block_ids[len(self.block_ids) :]
         uid = new.pool.uid
         blocks = [(uid, b) for b in tail]
-        arrays = ([new.ledger_arrays()], [self.ledger_arrays()])
-        return frozenset(self.pool.extents(tail)), (), arrays, (blocks, ())
+        return frozenset(self.pool.extents(tail)), (), (blocks, ())
 
     def nbytes_by_device(self) -> dict[str, int]:
         return {self.pool.device: len(self.block_ids) * self.pool.block_nbytes} if self.block_ids else {}

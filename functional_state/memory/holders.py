@@ -80,47 +80,25 @@ def count_change(
     return m.finish()
 
 
-_NO_JAX: set[type] = {np.ndarray}  # exact types known to hold no JAX array (torch.Tensor joins on first sight)
-
-
-def jax_arrays(value: Any) -> tuple[Any, ...]:
-    """The JAX arrays among ``value``'s pytree leaves (each occurrence)."""
-    t = type(value)
-    if t in _NO_JAX:  # the common ring items: one set lookup on the per-step path
-        return ()
-    if isinstance(value, jax.Array):
-        return (value,)
-    torch = accounting.torch_module()
-    if isinstance(value, _SCALARS) or (torch is not None and t is torch.Tensor):
-        _NO_JAX.add(t)
-        return ()
-    return tuple(x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array))
-
-
-def count_arrays(registry: immutables.Map, add: Iterable[Any], remove: Iterable[Any]) -> immutables.Map:
-    """``registry`` (id(array) -> (array, holders)) after holders of arrays ``remove`` left and of ``add``
-    arrived: the JAX arrays a table holds, for a deleted-array check without a walk."""
+def count_values(registry: immutables.Map, add: Iterable[Any], remove: Iterable[Any]) -> immutables.Map:
+    """``registry`` (id(value) -> (value, holders)) after holders of the values ``remove`` left and of ``add``
+    arrived (each an iterable of values): the parked host copies a table holds, for `parked_nbytes`."""
     add, remove = [a for a in add if a], [r for r in remove if r]
     if not add and not remove:
         return registry
     m = registry.mutate()
-    for arrays in remove:
-        for a in arrays:
-            _, n = m[id(a)]
+    for values in remove:
+        for v in values:
+            _, n = m[id(v)]
             if n > 1:
-                m[id(a)] = (a, n - 1)
+                m[id(v)] = (v, n - 1)
             else:
-                del m[id(a)]
-    for arrays in add:
-        for a in arrays:
-            entry = m.get(id(a))
-            m[id(a)] = (a, 1 if entry is None else entry[1] + 1)
+                del m[id(v)]
+    for values in add:
+        for v in values:
+            entry = m.get(id(v))
+            m[id(v)] = (v, 1 if entry is None else entry[1] + 1)
     return m.finish()
-
-
-def deleted_in(registry: immutables.Map) -> int:
-    """How many arrays of ``registry`` were deleted (donated, e.g. by a user's own ``donate_argnums``)."""
-    return sum(1 for a, _ in registry.values() if a.is_deleted())
 
 
 _SCALARS = (str, bytes, int, float, complex, bool, type(None), range, slice)
@@ -152,7 +130,6 @@ class AttrEntry(NamedTuple):
     value: Any
     holders: int
     extents: frozenset[Extent] | None  # None: a container, re-read on every question
-    arrays: tuple[Any, ...]  # its JAX arrays (closed values): what a deleted-array check looks at
 
 
 class AttrIndex:
@@ -164,16 +141,21 @@ class AttrIndex:
     Scalars hold nothing and are not kept. Immutable: every change returns a new index.
     """
 
-    __slots__ = ("memo", "n_open", "refs")
+    __slots__ = ("memo", "opened", "refs")
 
-    def __init__(self, memo: immutables.Map, refs: immutables.Map, n_open: int):
+    def __init__(self, memo: immutables.Map, refs: immutables.Map, opened: immutables.Map):
         self.memo = memo  # id(value) -> AttrEntry
         self.refs = refs  # extent -> closed attr values holding it (each value once per session holding it)
-        self.n_open = n_open  # containers held (distinct values)
+        self.opened = opened  # id(value) -> value, the containers held: what a walk of them reads, no more
+
+    @property
+    def n_open(self) -> int:
+        """Containers held (distinct values)."""
+        return len(self.opened)
 
     def change(self, add: Iterable[Any] = (), remove: Iterable[Any] = ()) -> AttrIndex:
         """The index after attr values ``remove`` left one session and ``add`` arrived in one."""
-        memo, refs, n_open = self.memo.mutate(), self.refs.mutate(), self.n_open
+        memo, refs, opened = self.memo.mutate(), self.refs.mutate(), self.opened.mutate()
         for value in remove:
             if isinstance(value, _SCALARS):
                 continue
@@ -183,7 +165,7 @@ class AttrIndex:
                 continue
             del memo[id(value)]
             if entry.extents is None:
-                n_open -= 1
+                del opened[id(value)]
             for e in entry.extents or ():
                 n = refs[e] - 1
                 if n:
@@ -199,20 +181,17 @@ class AttrIndex:
                 continue
             if closed(value):
                 extents = frozenset(holder_extents(value))
-                arrays = tuple(x for x in jax.tree_util.tree_leaves(value) if isinstance(x, jax.Array))
                 for e in extents:
                     refs[e] = refs.get(e, 0) + 1
-                memo[id(value)] = AttrEntry(value, 1, extents, arrays)
+                memo[id(value)] = AttrEntry(value, 1, extents)
             else:
-                memo[id(value)] = AttrEntry(value, 1, None, ())
-                n_open += 1
-        return AttrIndex(memo.finish(), refs.finish(), n_open)
+                memo[id(value)] = AttrEntry(value, 1, None)
+                opened[id(value)] = value
+        return AttrIndex(memo.finish(), refs.finish(), opened.finish())
 
     def open_values(self) -> list[Any]:
-        """The containers held (each once): what a holder question re-reads."""
-        if not self.n_open:
-            return []
-        return [entry.value for entry in self.memo.values() if entry.extents is None]
+        """The containers held (each once): what a holder question re-reads. O(containers)."""
+        return list(self.opened.values()) if self.opened else []
 
     def open_extents(self) -> set[Extent]:
         """What the containers hold now (a walk of them alone)."""
@@ -222,19 +201,8 @@ class AttrIndex:
     def closed_extents(self) -> Iterable[Extent]:
         return self.refs.keys()
 
-    def deleted(self) -> tuple[int, set[Extent]]:
-        """The JAX arrays among the closed values that were deleted (donated) since they arrived, and the
-        extents they held then (which hold no bytes now). O(closed values), no walk of containers."""
-        count, stale = 0, set()
-        for entry in self.memo.values():
-            dead = sum(1 for a in entry.arrays if a.is_deleted())
-            if dead:
-                count += dead
-                stale |= entry.extents - holder_extents(entry.value)
-        return count, stale
 
-
-EMPTY_ATTRS = AttrIndex(immutables.Map(), immutables.Map(), 0)
+EMPTY_ATTRS = AttrIndex(immutables.Map(), immutables.Map(), immutables.Map())
 
 
 class HolderCounts(Protocol):
@@ -244,7 +212,6 @@ class HolderCounts(Protocol):
     leaves: immutables.Map  # extent -> objects holding it as a leaf the byte accounting leaves out
     totals: immutables.Map  # pool -> bytes of the extents objects hold
     attrs: AttrIndex
-    arrays: immutables.Map  # id(JAX array) -> (array, objects holding it)
     parked: immutables.Map  # id(host copy) -> (host copy, objects holding it)
 
 
@@ -257,16 +224,10 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
     """
     refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
     out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
-    if acct.attrs.n_open:
+    if acct.attrs.opened:
         opened = acct.attrs.open_extents()
         out.update(e for e in extents if e in opened)
     return out
-
-
-def deleted_count(acct: HolderCounts) -> int:
-    """JAX arrays the table holds (objects and closed attr values) that were deleted since they arrived,
-    e.g. donated by a user's own ``jax.jit(donate_argnums=...)``: O(JAX arrays held), no walk."""
-    return deleted_in(acct.arrays) + acct.attrs.deleted()[0]
 
 
 def parked_nbytes(acct: HolderCounts) -> int:
@@ -281,22 +242,24 @@ def pool_totals(acct: HolderCounts) -> dict[str, int]:
     return totals_with_attrs(acct)[0]
 
 
-def totals_with_attrs(acct: HolderCounts, sessions: Any = None) -> tuple[dict[str, int], accounting.WalkReport]:
+def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.WalkReport]:
     """Bytes per pool of everything the table holds: the tracked objects, plus the attrs' extents that no
     object holds (an attr that is a view of an object's buffer adds nothing).
 
-    Closed attr values are read from the attr index; only containers are walked (``sessions`` is not read:
-    the index holds every attr value of the table). The report counts what the container walk could not
-    read; `deleted_count` counts the deleted arrays of the rest.
+    Kept totals: O(pools + closed attr extents + what the attr containers hold), never O(sessions) for
+    sessions without attrs. Objects and closed attr values are read from the counts kept as they arrived;
+    only containers are walked (a model may change them in place). The report is that walk's: what it
+    could not read, and the deleted JAX arrays it met. No JAX array is checked for deletion otherwise (that
+    is O(arrays held)): an array deleted behind the table's back (a user's own ``donate_argnums``) keeps
+    the bytes it was counted with until `functional_state.stats` with ``exact=True`` walks the table.
     """
     out: accounting.Extents = []
     report = accounting.WalkReport()
     seen: dict[int, Any] = {}
     for value in acct.attrs.open_values():
         accounting.collect_extents(value, out, seen, report)
-    _, stale = acct.attrs.deleted()
     refs = acct.refs
-    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs and e not in stale]
+    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs]
     totals = dict(acct.totals)
     for pool, bytes_ in accounting.union_by_device(loose).items():
         totals[pool] = totals.get(pool, 0) + bytes_

@@ -10,13 +10,13 @@ Extents are identical or disjoint: torch tensors count their whole storage, nump
 arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it).
 The counts also answer the holder questions of `memory.holders` in O(size of the object): ``leaves``
 counts the array leaves the byte accounting leaves out (ring positions: a donation could delete them),
-``attrs`` indexes the attr values (recorded on write), ``arrays`` and ``parked`` keep the JAX arrays and
-host copies held, for `stats` without a walk.
+``attrs`` indexes the attr values (recorded on write), ``parked`` keeps the host copies held, for `stats`
+without a walk. No JAX array is registered for a deletion check: the table's own donations never delete
+what it still holds, and a check of every array would make `stats` O(arrays held) (``exact=True`` walks).
 """
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,7 +25,7 @@ import immutables
 from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_arrays, count_change
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values
 
 _EMPTY: immutables.Map = immutables.Map()
 _ABSENT = object()
@@ -44,17 +44,8 @@ def leaf_extents(obj: Any) -> frozenset[Extent]:
     return obj.ledger_leaf_extents()
 
 
-def object_arrays(obj: Any) -> tuple[Any, ...]:
-    """The JAX arrays among ``obj``'s leaves."""
-    return obj.ledger_arrays()
-
-
 def _host(obj: Any) -> tuple[Any, ...]:
     return () if obj.host_copy is None else (obj.host_copy,)
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def held_by(obj: Any) -> frozenset[Extent]:
@@ -66,7 +57,7 @@ def held_by(obj: Any) -> frozenset[Extent]:
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("arrays", "attrs", "kv", "leaves", "log", "parked", "refs", "root", "totals")
+    __slots__ = ("attrs", "kv", "leaves", "log", "parked", "refs", "root", "totals")
 
     def __init__(
         self,
@@ -77,7 +68,6 @@ class Acct:
         root: Any = None,
         leaves: immutables.Map = _EMPTY,
         attrs: AttrIndex = EMPTY_ATTRS,
-        arrays: immutables.Map = _EMPTY,
         parked: immutables.Map = _EMPTY,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
@@ -90,7 +80,6 @@ class Acct:
         self.root = root if root is not None else object()
         self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
         self.attrs = attrs  # the attr values' holder index
-        self.arrays = arrays  # id(JAX array) -> (array, objects holding it): what `deleted_count` checks
         self.parked = parked  # id(host copy) -> (host copy, objects holding it): what `parked_nbytes` reads
 
     @classmethod
@@ -120,8 +109,6 @@ class Acct:
             leaves_remove=[o.ledger_leaf_extents() for o in remove],
             attrs_add=attrs_add,
             attrs_remove=attrs_remove,
-            arrays_add=[o.ledger_arrays() for o in add],
-            arrays_remove=[o.ledger_arrays() for o in remove],
             parked_add=[_host(o) for o in add],
             parked_remove=[_host(o) for o in remove],
         )
@@ -136,8 +123,6 @@ class Acct:
         leaves_remove: Iterable[frozenset[Extent]] = (),
         attrs_add: Iterable[Any] = (),
         attrs_remove: Iterable[Any] = (),
-        arrays_add: Iterable[tuple[Any, ...]] = (),
-        arrays_remove: Iterable[tuple[Any, ...]] = (),
         parked_add: Iterable[tuple[Any, ...]] = (),
         parked_remove: Iterable[tuple[Any, ...]] = (),
     ) -> Acct:
@@ -161,8 +146,7 @@ class Acct:
                 if not n:
                     totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
-        arrays = count_arrays(self.arrays, arrays_add, arrays_remove)
-        parked = count_arrays(self.parked, parked_add, parked_remove)
+        parked = count_values(self.parked, parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
         attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
         kv, log = self.kv, self.log
@@ -198,7 +182,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is LOG_CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, arrays, parked)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, parked)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
@@ -211,16 +195,9 @@ class Acct:
         delta = old.ledger_step(new)
         if delta is None:
             return self._difference(old, new)
-        add, remove, arrays_moved, blocks_moved = delta
+        add, remove, blocks_moved = delta
         if blocks_moved is not None:
-            return self.change(
-                add=[add],
-                remove=[remove],
-                kv_add=[blocks_moved[0]],
-                kv_remove=[blocks_moved[1]],
-                arrays_add=arrays_moved[0] if arrays_moved else (),
-                arrays_remove=arrays_moved[1] if arrays_moved else (),
-            )
+            return self.change(add=[add], remove=[remove], kv_add=[blocks_moved[0]], kv_remove=[blocks_moved[1]])
         refs, totals = self.refs, self.totals
         for e in remove:
             n = refs[e] - 1
@@ -234,18 +211,16 @@ class Acct:
             refs = refs.set(e, n + 1)
             if not n:
                 totals = totals.set(e[0], totals.get(e[0], 0) + (e[2] - e[1]))
-        arrays = self.arrays if arrays_moved is None else count_arrays(self.arrays, *arrays_moved)
-        if refs is self.refs and arrays is self.arrays:
+        if refs is self.refs:
             return self
-        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, arrays, self.parked)
+        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, self.parked)
 
     def _difference(self, old: Any, new: Any) -> Acct:
         """`swap` by the difference of the two objects' figures."""
         a, b = old.ledger_extents(), new.ledger_extents()
         la, lb = old.ledger_leaf_extents(), new.ledger_leaf_extents()
         ka, kb = old.ledger_blocks(), new.ledger_blocks()
-        arrays_old, arrays_new = old.ledger_arrays(), new.ledger_arrays()
-        if a == b and la == lb and ka == kb and _same(arrays_old, arrays_new) and old.host_copy is new.host_copy:
+        if a == b and la == lb and ka == kb and old.host_copy is new.host_copy:
             return self
         sa, sb = (set(ka), set(kb)) if ka or kb else (set(), set())
         return self.change(
@@ -255,8 +230,6 @@ class Acct:
             kv_remove=[sa - sb],
             leaves_add=[lb - la],
             leaves_remove=[la - lb],
-            arrays_add=[arrays_new],
-            arrays_remove=[arrays_old],
             parked_add=[_host(new)],
             parked_remove=[_host(old)],
         )

@@ -7,8 +7,8 @@ from typing import Any
 
 from ..engine.paged_kv import pool_by_uid
 from ..memory import accounting
-from ..memory.holders import deleted_count, pool_totals, totals_with_attrs
 from ..memory.holders import parked_nbytes as kept_parked_nbytes
+from ..memory.holders import pool_totals, totals_with_attrs
 from ..memory.pools import Pool
 from ..memory.usage import KVPoolUsage, Usage, pools_by_name
 from .manager_state import ManagerState, check_state, ledger_of, session_map
@@ -24,7 +24,7 @@ def pool_bytes(state: ManagerState) -> dict[Pool, int]:
 def usage(state: ManagerState, *, exact: bool = False) -> Usage:
     """What the table holds, typed: bytes per `Pool`, engine KV pools, counters (see `stats` for each figure).
 
-    ``exact=True`` walks every object too, as a check (see `stats`).
+    ``exact=True`` walks every object too, as a check; the default reads kept totals (see `stats`).
 
     Example:
       >>> import numpy as np, functional_state as fs
@@ -47,10 +47,9 @@ def _usage(state: ManagerState, exact: bool, what: str) -> Usage:
         # it was, an engine's offload token is the engine's), so host-pool totals undercount it.
         parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
         parked_nbytes = accounting.total_nbytes(*parked)
-    else:  # kept by the ledger: O(pools + JAX arrays held + parked copies + attr containers), no walk
+    else:  # kept by the ledger: O(pools + parked copies + attrs), whatever the number of sessions
         acct = ledger_of(state)
-        per_device, report = totals_with_attrs(acct)
-        report.deleted_arrays += deleted_count(acct)  # arrays a user donated behind the table's back
+        per_device, report = totals_with_attrs(acct)  # (the report is that of the walk of attr containers)
         parked_nbytes = kept_parked_nbytes(acct)
     kv_pools = []
     for uid, blocks in ledger_of(state).kv_held().items():
@@ -80,8 +79,8 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     Keys: ``sessions``, ``max_sessions``, ``byte_budget``, ``total_nbytes``, ``hits``, ``misses``,
     ``evictions``, ``parks``, ``restores``, ``parked_nbytes`` (bytes of parked host copies: what objects
     hold in the host pools), ``deleted_arrays`` (JAX arrays found deleted, e.g. donated elsewhere: they
-    hold no bytes, and a non-zero count means some state reads freed memory), ``unaccounted_objects``
-    (objects the walk could not read), then one ``nbytes:<pool>`` key per pool, sorted: devices
+    hold no bytes, and a non-zero count means some state reads freed memory; see below for what finds
+    them), ``unaccounted_objects`` (objects the walk could not read), then one ``nbytes:<pool>`` key per pool, sorted: devices
     (``nbytes:cpu``, ``nbytes:cuda:0``) and the host memory kinds parked storage lives in
     (``nbytes:cpu/pinned_host``, ``nbytes:cpu/unpinned_host``). Each allocation is counted once across
     all sessions. For each engine KV pool that handles hold blocks of: ``kv_pool:<name>:held_nbytes`` (the
@@ -89,9 +88,14 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     when the engine exposes its free count, ``kv_pool:<name>:free_nbytes``.
 
     State objects are immutable, so their bytes are kept incrementally as the table changes (built by one
-    walk the first time); only attrs, which a model may change in place, are walked on each call, and
-    ``deleted_arrays`` and ``unaccounted_objects`` describe that walk. ``exact=True`` walks everything
-    instead (objects too), as a check: the figures are the same unless an object's buffer was deleted or
-    resized behind the manager's back.
+    walk the first time): the default costs O(pools + attrs + parked copies), not O(sessions). Only attr
+    containers (lists, dicts, objects a model may change in place) are walked on each call, and
+    ``deleted_arrays`` and ``unaccounted_objects`` describe that walk: the deletions the table sees.
+    No other JAX array is checked for deletion (that alone would cost O(arrays held)): the table's own
+    donations never delete what it still holds, so only an array deleted behind its back (a user's own
+    ``jax.jit(donate_argnums=...)`` on an array the table holds) is missed, and keeps the bytes it was
+    counted with. ``exact=True`` walks everything instead (objects too), as a check: it finds those
+    deleted arrays, and the figures are the same unless a buffer was deleted or resized behind the
+    manager's back.
     """
     return _usage(state, exact, "stats").as_stats()
