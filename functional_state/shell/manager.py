@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
+from ..engine.paged_kv import POOLS
 from ..errors import InvalidArgumentError, ObjectParkedError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
@@ -21,21 +22,22 @@ from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
-from ..table.step import step as _pure_step
+from ..table.state import in_place
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, rebase, trivial
+from .admission import Decision, admit, rebase
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
-from .session_ops import NOT_INLINE, ReentrantWriteError, SessionOps, restore_parked
+from .session_ops import NOT_INLINE, ReentrantWriteError, SessionOps, locked_step, restore_parked
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
 _Result = TypeVar("_Result")
 Plan = Callable[[ManagerState], tuple[ManagerState, _Result]]
+_MISS = {"budget": False}  # a miss inserts an empty session: no bytes for the budget to check
 
 
 class SessionStateManager:
@@ -165,17 +167,17 @@ class SessionStateManager:
 
     def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         """A plain table verb (no engine, no user code) on a session in the table, installed at once under the
-        lock when admission has nothing to do (`trivial`); else `NOT_INLINE`: take the retry loop `_run`."""
+        lock when admission has nothing to do (`trivial`, written out); else `NOT_INLINE`: take `_run`."""
         with self._lock:
             base = self._state
             if ms.held_session(base, sid, uid) is None:
                 return NOT_INLINE
             try:
-                out = verb(base, sid, *args, **kw)
+                out = verb(base, sid, *args, **kw) if kw else verb(base, sid, *args)
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
             after, result = (out, None) if type(out) is ManagerState else out
-            if after is base or not trivial(base, after):
+            if after is base or POOLS or not in_place(base, after):
                 return NOT_INLINE
             self._state, self._epoch = after, self._epoch + 1
             return result
@@ -221,7 +223,11 @@ class SessionStateManager:
 
     def _handle(self, sid: str) -> Callable[[ManagerState, Undo], SessionHandle]:
         """A ``then`` for `_run`: a handle on ``sid`` in the installed table (its cell journaled with the write)."""
-        return lambda state, undo: SessionHandle(self._ops, self._cells.cell(state, sid, undo))
+        return lambda state, undo: self._new_handle(state, sid, undo)
+
+    def _new_handle(self, state: ManagerState, sid: str, undo: Undo | None) -> SessionHandle:
+        cell = self._cells.cell(state, sid, undo)  # (the handle a hit returns from now on)
+        return self._cells.handles.setdefault(cell.uid, SessionHandle(self._ops, cell))
 
     def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on session ``session_id`` (None means ``"default"``), created on a miss.
@@ -229,15 +235,18 @@ class SessionStateManager:
         Raises:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
-        sid = ms.resolve_session_id(session_id)
+        sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
         with self._lock:
             state = self._state
             uid = ms.incarnation_of(state, sid)
             if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
                 self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
-                cell = self._cells.live.get(uid) or self._cells.cell(state, sid)
-                return SessionHandle(self._ops, cell)
-        # a miss adds an empty session (no bytes), evicting the least recent one at the cap
+                return self._cells.handles.get(uid) or self._new_handle(state, sid, None)
+            if not POOLS and not self._debts.owed:
+                # A miss (no bytes added) whose evicted session holds no engine blocks: installed at once.
+                after = ms.get_or_create(state, sid)[0]
+                undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, _MISS))
+                return self._new_handle(after, sid, undo)
         return self._run(lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=self._handle(sid))
 
     def get_session(self, session_id: str | None = None) -> SessionHandle:
@@ -363,17 +372,8 @@ class SessionStateManager:
         with self._lock:
             state = self._state
             self._cells.require(state, sid, "step")
-            # A refused result must leave the table as it was, which a donation would have consumed: under a
-            # budget, donate only a step that keeps the object's bytes (checked on this very table).
-            may_refuse = state.byte_budget is not None and not (keeps_bytes and state is traced)
-            if state in self._published or may_refuse:
-                # A caller holds this table, or the budget may refuse the result: donate nothing, keep it usable.
-                after = _pure_step(state, sid, name, fn, *args, donate=False)
-            else:
-                # Other snapshots handed out and detached handles may still read this table's buffers. The
-                # donating step consumes `state`, which only this shell held.
-                protected = [*self._published, *(c.session for c in list(self._cells.detached)), *kept]
-                after = _pure_step(state, sid, name, fn, *args, donate=donate, retained=protected)
+            others = lambda: [*(c.session for c in list(self._cells.detached)), *kept]
+            after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
             # (a step changes no attrs, and releases no blocks)
             self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))
 
