@@ -140,7 +140,7 @@ class Cells:
                 f"Start a new session with `get_or_create_session`."
             )
 
-    def detach(self, left: list[Departure], undo: Undo) -> None:
+    def detach(self, left: list[Departure], undo: Undo | None) -> None:
         """Once a write that took sessions out of the table is installed: the live handles of each keep its
         last state as their own copy (only on leaving does the copy matter, so writes never pay for it)."""
         for d in left:
@@ -155,7 +155,8 @@ class Cells:
             cell = self.live.pop(d.uid, None)
             self.handles.pop(d.uid, None)
             if cell is not None:
-                undo.append(_restorer(self, cell, True))
+                if undo is not None:  # (None: nothing can take this write back)
+                    undo.append(_restorer(self, cell, True))
                 cell.session = d.session  # first: a lock-free reader that sees `left` must find the copy
                 cell.closed = d.closed
                 cell.left = d.reason

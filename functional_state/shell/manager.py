@@ -177,7 +177,7 @@ class SessionStateManager:
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
             after, result = (out, None) if type(out) is ManagerState else out
-            if after is base or POOLS or not in_place(base, after):
+            if after is base or POOLS.data or not in_place(base, after):
                 return NOT_INLINE
             self._state, self._epoch = after, self._epoch + 1
             return result
@@ -194,8 +194,8 @@ class SessionStateManager:
         undo: Undo = []
         self._state, self._surplus = decision.final, decision.surplus
         self._epoch += 1
-        if decision.left:
-            self._cells.detach(decision.left, undo)
+        if decision.left:  # journaled only for a write a failed engine ``free`` may take back
+            self._cells.detach(decision.left, undo if decision.released else None)
         if decision.released:
             self._cells.evict_freed(decision.released, undo)
         return undo
@@ -242,7 +242,7 @@ class SessionStateManager:
             if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
                 self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
                 return self._cells.handles.get(uid) or self._new_handle(state, sid, None)
-            if not POOLS and not self._debts.owed:
+            if not POOLS.data and not self._debts.owed:
                 # A miss (no bytes added) whose evicted session holds no engine blocks: installed at once.
                 after = ms.get_or_create(state, sid)[0]
                 undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, _MISS))
