@@ -12,6 +12,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any, TypeVar
 
 from ..engine.paged_kv import POOLS
@@ -25,7 +26,7 @@ from ..table.parked import restore as restore_object
 from ..table.state import in_place
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, rebase
+from .admission import Decision, admit, rebase, within_budget_fast
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
@@ -37,7 +38,7 @@ __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
 _Result = TypeVar("_Result")
 Plan = Callable[[ManagerState], tuple[ManagerState, _Result]]
-_MISS = {"budget": False}  # a miss inserts an empty session: no bytes for the budget to check
+_LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthiness without its __len__)
 
 
 class SessionStateManager:
@@ -165,9 +166,9 @@ class SessionStateManager:
             self._debts.settle(base, decision.final, decision.released, lambda: self._take_back(base, undo, epoch))
         return out
 
-    def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        """A plain table verb (no engine, no user code) on a session in the table, installed at once under the
-        lock when admission has nothing to do (`trivial`, written out); else `NOT_INLINE`: take `_run`."""
+    def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
+        """A plain table verb (no engine, no user code) on a session in the table, installed at once under the lock
+        when `admit` would only install it (no pools; within budget; ``same``: it never changes attrs)."""
         with self._lock:
             base = self._state
             if ms.held_session(base, sid, uid) is None:
@@ -177,14 +178,15 @@ class SessionStateManager:
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
             after, result = (out, None) if type(out) is ManagerState else out
-            if after is base or POOLS.data or not in_place(base, after):
+            if after is base or _LIVE_POOLS or not in_place(base, after, False):
                 return NOT_INLINE
-            self._state, self._epoch = after, self._epoch + 1
+            bound = self._surplus  # under a budget: within it by the kept totals (`admit`'s first check)
+            if after.byte_budget is not None and (bound := within_budget_fast(base, after, sid, same, bound)) is None:
+                return NOT_INLINE
+            self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
             return result
 
-    def _admit(
-        self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any
-    ) -> Decision:
+    def _admit(self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any) -> Any:
         return admit(
             before, after, writer, pinned=pinned, levers=self._levers, surplus=self._surplus, dropped=gone, **kw
         )
@@ -192,8 +194,7 @@ class SessionStateManager:
     def _install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
         undo: Undo = []
-        self._state, self._surplus = decision.final, decision.surplus
-        self._epoch += 1
+        self._state, self._surplus, self._epoch = decision.final, decision.surplus, self._epoch + 1
         if decision.left:  # journaled only for a write a failed engine ``free`` may take back
             self._cells.detach(decision.left, undo if decision.released else None)
         if decision.released:
@@ -221,11 +222,8 @@ class SessionStateManager:
         """
         return self._pins.pin(ms.resolve_session_id(session_id))
 
-    def _handle(self, sid: str) -> Callable[[ManagerState, Undo], SessionHandle]:
-        """A ``then`` for `_run`: a handle on ``sid`` in the installed table (its cell journaled with the write)."""
-        return lambda state, undo: self._new_handle(state, sid, undo)
-
-    def _new_handle(self, state: ManagerState, sid: str, undo: Undo | None) -> SessionHandle:
+    def _new_handle(self, sid: str, state: ManagerState, undo: Undo | None) -> SessionHandle:
+        """A handle on ``sid`` in the installed ``state`` (with ``partial``, a ``then`` for `_run`)."""
         cell = self._cells.cell(state, sid, undo)  # (the handle a hit returns from now on)
         return self._cells.handles.setdefault(cell.uid, SessionHandle(self._ops, cell))
 
@@ -241,13 +239,15 @@ class SessionStateManager:
             uid = ms.incarnation_of(state, sid)
             if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
                 self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
-                return self._cells.handles.get(uid) or self._new_handle(state, sid, None)
-            if not POOLS.data and not self._debts.owed:
+                return self._cells.handles.get(uid) or self._new_handle(sid, state, None)
+            if not _LIVE_POOLS and not self._debts.owed:
                 # A miss (no bytes added) whose evicted session holds no engine blocks: installed at once.
                 after = ms.get_or_create(state, sid)[0]
-                undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, _MISS))
-                return self._new_handle(after, sid, undo)
-        return self._run(lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=self._handle(sid))
+                undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, {"budget": False}))
+                return self._new_handle(sid, after, undo)
+        return self._run(
+            lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
+        )
 
     def get_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on an existing session, for continuations.
@@ -262,7 +262,7 @@ class SessionStateManager:
             self._cells.require(state, sid, "get_session")
             return ms.get_session(state, sid)[0], None
 
-        return self._run(plan, then=self._handle(sid))
+        return self._run(plan, then=partial(self._new_handle, sid))
 
     def fork_session(self, source_id: str | None, new_id: str | None) -> SessionHandle:
         """Fork a session (see `functional_state.fork_session`); returns a handle on the fork.
@@ -278,7 +278,7 @@ class SessionStateManager:
                 self._cells.require(state, ms.resolve_session_id(source_id), "fork_session")
             return ms.fork_session(state, source_id, nid), None
 
-        return self._run(plan, nid, then=self._handle(nid))
+        return self._run(plan, nid, then=partial(self._new_handle, nid))
 
     def save_session(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
         """Write session ``session_id`` as it is now (a snapshot: the write never blocks other sessions); see
@@ -310,7 +310,7 @@ class SessionStateManager:
             self._state, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
         )
         try:
-            return self._run(plan, target, dropped=dropped, then=self._handle(target))
+            return self._run(plan, target, dropped=dropped, then=partial(self._new_handle, target))
         except BaseException as e:  # not installed (the id was taken meanwhile, or it exceeds the budget)
             _ckpt.release_sessions([session], e)
             raise
@@ -374,7 +374,6 @@ class SessionStateManager:
             self._cells.require(state, sid, "step")
             others = lambda: [*(c.session for c in list(self._cells.detached)), *kept]
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
-            # (a step changes no attrs, and releases no blocks)
             self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:

@@ -77,7 +77,12 @@ def _on_copy(cell: Cell, names: Iterable[str] | None, fn: Callable[[ManagerState
 
 
 def locked_step(
-    state: ManagerState, traced: ManagerState, keeps_bytes: bool, published: list[Any], others: list[Any], call: Any
+    state: ManagerState,
+    traced: ManagerState,
+    keeps_bytes: bool,
+    published: Any,
+    others: Callable[[], list[Any]],
+    call: Any,
 ) -> ManagerState:
     """Under the shell's lock: the table after the pure `step` ``call = (sid, name, fn, args, donate)`` on
     ``state`` (the installed table; ``traced``: the one its first trace ran on, finding ``keeps_bytes``).
@@ -156,11 +161,12 @@ class SessionOps:
                 return held
         return cell.session
 
-    def inline(self, cell: Cell, verb: Verb, args: tuple[Any, ...], kw: dict[str, Any] = _NO_KW) -> Any:
+    def inline(self, cell: Cell, verb: Verb, args: tuple[Any, ...], kw: Any = _NO_KW, same: bool = False) -> Any:
         """The common write (`SessionStateManager._inline`): one lock, no closures; `NOT_INLINE` when it does
-        not apply (the session left, a transaction on it is being computed, a budget or engine to consult)."""
+        not apply (the session left, a transaction on it is being computed, a budget or engine to consult).
+        ``same``: the verb never changes the session's attrs (a commit)."""
         if cell.left is None and not cell.closed and (not self._computing or cell.uid not in self.writing()):
-            return self._inline(cell.session_id, cell.uid, verb, args, kw)
+            return self._inline(cell.session_id, cell.uid, verb, args, kw, same)
         return NOT_INLINE
 
     def apply(
@@ -186,7 +192,7 @@ class SessionOps:
         """
         sid, uid = cell.session_id, cell.uid
         if inline and cell.left is None and not cell.closed and (not self._computing or uid not in self.writing()):
-            done = self._inline(sid, uid, verb, args, kw)  # the common write: one lock, no closures
+            done = self._inline(sid, uid, verb, args, kw, attrs_unchanged)  # the common write: one lock, no closures
             if done is not NOT_INLINE:
                 return done
         copy: list[SessionState] = []
@@ -269,7 +275,10 @@ class SessionOps:
                 new, out = run_fn(session)
             except ObjectParkedError:
                 new = None  # the retry loop restores what ``fn`` met, and runs it again
-            if new is not None and self._inline(sid, cell.uid, _replace, (session, new), _NO_KW) is not NOT_INLINE:
+            if (
+                new is not None
+                and self._inline(sid, cell.uid, _replace, (session, new), _NO_KW, False) is not NOT_INLINE
+            ):
                 return out
             return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
         with self._pin(sid):
@@ -287,7 +296,7 @@ class SessionOps:
                     f"`SessionState.get_or_create({name!r})`: factory built {type(built).__name__}, expected "
                     f"{cls.__name__}."
                 )
-            if self._inline(cell.session_id, cell.uid, _put_absent, (name, built, cls), _NO_KW) is not NOT_INLINE:
+            if self._inline(cell.session_id, cell.uid, _put_absent, (name, built, cls), _NO_KW, True) is not NOT_INLINE:
                 return built
             factory = lambda: built  # (built once: the transaction reuses it)
         return self.transact(cell, lambda s: s.get_or_create(name, factory, cls))
