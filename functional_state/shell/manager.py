@@ -26,7 +26,7 @@ from ..table.parked import restore as restore_object
 from ..table.state import in_place
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, rebase, within_budget_fast
+from .admission import Decision, admit, rebase, within_budget_in_place
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
@@ -178,10 +178,10 @@ class SessionStateManager:
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
             after, result = (out, None) if type(out) is ManagerState else out
-            if after is base or _LIVE_POOLS or not in_place(base, after, False):
+            if after is base or _LIVE_POOLS:
                 return NOT_INLINE
             bound = self._surplus  # under a budget: within it by the kept totals (`admit`'s first check)
-            if after.byte_budget is not None and (bound := within_budget_fast(base, after, sid, same, bound)) is None:
+            if not in_place(base, after) and (bound := within_budget_in_place(base, after, sid, bound, same)) is None:
                 return NOT_INLINE
             self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
             return result
