@@ -23,7 +23,6 @@ from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
-from ..table.state import in_place
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
 from .admission import Decision, admit, rebase, within_budget_in_place
@@ -80,6 +79,7 @@ class SessionStateManager:
         if bad:
             raise InvalidArgumentError(f"`SessionStateManager`: unknown release lever(s) {bad}; choose from {LEVERS}.")
         self._surplus: dict[str, int] | None = None  # attr bytes beyond the objects', at the last full check
+        self._budgeted = self._state.byte_budget is not None  # (changes only with an installed `load`)
         self._lock = lock_factory()
         self._pins = Pins(self._lock)  # sessions the budget must not touch (requests in flight)
         self._cells = Cells()
@@ -167,8 +167,8 @@ class SessionStateManager:
         return out
 
     def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
-        """A plain table verb (no engine, no user code) on a session in the table, installed at once under the lock
-        when `admit` would only install it (no pools; within budget; ``same``: it never changes attrs)."""
+        """A session-local table verb (replacing one session; no engine, no user code) installed at once under the
+        lock when `admit` would only install it (no pools; within budget; ``same``: it never changes attrs)."""
         with self._lock:
             base = self._state
             if ms.held_session(base, sid, uid) is None:
@@ -181,7 +181,7 @@ class SessionStateManager:
             if after is base or _LIVE_POOLS:
                 return NOT_INLINE
             bound = self._surplus  # under a budget: within it by the kept totals (`admit`'s first check)
-            if not in_place(base, after) and (bound := within_budget_in_place(base, after, sid, bound, same)) is None:
+            if self._budgeted and (bound := within_budget_in_place(base, after, sid, bound, same)) is None:
                 return NOT_INLINE
             self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
             return result
@@ -195,6 +195,7 @@ class SessionStateManager:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
         undo: Undo = []
         self._state, self._surplus, self._epoch = decision.final, decision.surplus, self._epoch + 1
+        self._budgeted = decision.final.byte_budget is not None
         if decision.left:  # journaled only for a write a failed engine ``free`` may take back
             self._cells.detach(decision.left, undo if decision.released else None)
         if decision.released:
@@ -207,6 +208,7 @@ class SessionStateManager:
             if self._epoch != epoch:
                 return False
             self._state, self._surplus = base, None  # (None: the next write checks the budget in full)
+            self._budgeted = base.byte_budget is not None
             self._epoch += 1
             Cells.take_back(undo)
             return True
@@ -240,8 +242,7 @@ class SessionStateManager:
             if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
                 self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
                 return self._cells.handles.get(uid) or self._new_handle(sid, state, None)
-            if not _LIVE_POOLS and not self._debts.owed:
-                # A miss (no bytes added) whose evicted session holds no engine blocks: installed at once.
+            if not _LIVE_POOLS and not self._debts.owed:  # a miss: no bytes added, no engine blocks to free
                 after = ms.get_or_create(state, sid)[0]
                 undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, {"budget": False}))
                 return self._new_handle(sid, after, undo)
@@ -329,8 +330,7 @@ class SessionStateManager:
         """Remove a session from the table; True if it was there. Live handles keep their last state to
         read, and refuse writes (which could reach no session): `SessionStateLostError`."""
         sid = ms.resolve_session_id(session_id)
-        dropped = {sid: "dropped (`drop_session`)"}
-        return bool(self._run(lambda state: ms.drop_session(state, sid), dropped=lambda state: dropped))
+        return bool(self._run(lambda s: ms.drop_session(s, sid), dropped=lambda s: {sid: "dropped (`drop_session`)"}))
 
     def raise_max_sessions(self, n: int) -> None:
         """Raise the count cap (see `functional_state.raise_max_sessions`)."""
