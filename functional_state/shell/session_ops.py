@@ -105,9 +105,11 @@ _NO_KW: dict[str, Any] = {}  # (never written)
 
 
 def _put_absent(state: ManagerState, sid: str, name: str, obj: Any, cls: type[Any] | None) -> ManagerState:
-    """``state`` with ``obj`` put under ``name`` in session ``sid`` unless it holds a usable one already
-    (then ``state`` itself)."""
-    return state if ms.lookup(state, sid)._reusable(name, cls) is not None else ms.put(state, sid, name, obj)
+    """``state`` with ``obj`` put under ``name`` in session ``sid`` by `SessionState.get_or_create` (which
+    checks ``cls``), unless the session holds a usable object already (then ``state`` itself)."""
+    session = ms.lookup(state, sid)
+    new, _ = session.get_or_create(name, lambda: obj, cls)
+    return state if new is session else update_session(state, sid, lambda _: new)
 
 
 def _replace(state: ManagerState, sid: str, old: SessionState, new: SessionState) -> ManagerState:
@@ -291,11 +293,6 @@ class SessionOps:
         if cell.left is None and self._current().byte_budget is None:
             self.check_writable(cell, "transact")
             built = self._computed(cell, factory)
-            if cls is not None and not isinstance(built, cls):
-                raise InvalidTypeError(
-                    f"`SessionState.get_or_create({name!r})`: factory built {type(built).__name__}, expected "
-                    f"{cls.__name__}."
-                )
             if self._inline(cell.session_id, cell.uid, _put_absent, (name, built, cls), _NO_KW, True) is not NOT_INLINE:
                 return built
             factory = lambda: built  # (built once: the transaction reuses it)
