@@ -42,11 +42,7 @@ import functional_state as fs
 from _timing import fmt_time, interleaved_medians
 
 SIZES = (64, 1_000, 100_000)
-OPS = {64: 20_000, 1_000: 20_000, 100_000: 2_000}  # ops per sample; see _SHELL_MISS_NOTE for 100k
-_SHELL_MISS_NOTE = (
-    "2,000 at 100k: a shell miss walks every session (`SessionStateManager._departures`, ~25 ms per miss at "
-    "100k), so 20,000 ops would take ~50 s per shell sample"
-)
+OPS = {64: 20_000, 1_000: 20_000, 100_000: 20_000}  # ops per sample
 MISS_EVERY = 10  # exactly one op in 10 is a miss
 ITEM = np.zeros(16, np.float32)
 ROUNDS_ON, ROUNDS_OFF = 5, 3
@@ -315,7 +311,7 @@ def run() -> dict:
         "notes": (
             f"One op = get_or_create (a hit on a session live in the table, or, for exactly one op in "
             f"{MISS_EVERY}, an id never used before, which evicts the LRU session) + a commit into a 4-item ring; "
-            f"{OPS[64]:,} ops per sample ({_SHELL_MISS_NOTE}), a fresh id sequence for every sample and the same sequences for every "
+            f"{OPS[64]:,} ops per sample, a fresh id sequence for every sample and the same sequences for every "
             f"implementation; medians of {ROUNDS_ON} interleaved samples with the garbage collector on "
             f"({ROUNDS_OFF} with it off for the GC-off column). The baselines take no counters; the one-lock "
             f"baseline acquires its lock once per op. The miss-rate column is read back from each table's own "

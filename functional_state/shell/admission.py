@@ -21,7 +21,7 @@ from ..table.session_edits import update_session
 from ..table.state import in_place
 from .cells import Departure, departures
 
-__all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast"]
+__all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast", "within_budget_in_place"]
 
 Surplus = dict[str, int]  # attr bytes beyond the objects', per pool (an upper bound; exact after a full check)
 
@@ -51,6 +51,17 @@ def within_budget_fast(
             if extra:
                 bound = {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
     return None if over_budget_objects(after, bound) else bound
+
+
+def within_budget_in_place(
+    before: ManagerState, after: ManagerState, writer: str, surplus: Surplus | None, attrs_unchanged: bool
+) -> Surplus | None:
+    """For a write under a budget: the attr bound after it if it changed sessions in place (none added or
+    removed) and stays within the budget by the kept totals (`within_budget_fast`, O(pools), as `admit` would
+    decide with nothing to release); else None (take `admit`)."""
+    return (
+        within_budget_fast(before, after, writer, attrs_unchanged, surplus) if in_place(before, after, False) else None
+    )
 
 
 def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:

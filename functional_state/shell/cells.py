@@ -110,22 +110,26 @@ class Cells:
         # Kept while the session is in the table, so handles made per call share one cell. A cell leaves this
         # dict when its session leaves the table; handles still holding it then work on its own copy.
         self.live: dict[int, Cell] = {}
+        # The shell's handle on each live cell, made once: a hit returns it instead of building one. Kept
+        # here, not on the cell, so a detached cell is freed with its last handle (no cycle for the GC).
+        self.handles: dict[int, Any] = {}
         self.detached: weakref.WeakSet[Cell] = weakref.WeakSet()
         self.departed: OrderedDict[str, str] = OrderedDict()  # id -> why it last left (for errors)
 
     def cell(self, state: ManagerState, sid: str, undo: Undo | None = None) -> Cell:
         """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use."""
-        uid = ms.incarnation(state, sid)
+        uid = ms.incarnation_of(state, sid)  # (``sid`` resolved by the caller, and in ``state``)
         assert uid is not None
         cell = self.live.get(uid)
         if cell is None:
-            cell = self.live[uid] = Cell(uid, sid, ms.lookup(state, sid))
+            cell = self.live[uid] = Cell(uid, sid, ms.held_session(state, sid, uid))  # type: ignore[arg-type]
             if undo is not None:  # a cell of an insertion taken back would name an incarnation reused next
                 undo.append(lambda: self._forget(uid))
         return cell
 
     def _forget(self, uid: int) -> None:
         self.live.pop(uid, None)
+        self.handles.pop(uid, None)
 
     def require(self, state: ManagerState, sid: str, what: str) -> None:
         """Refuse an absent session that this shell saw leave, saying how it left (the pure functions can
@@ -136,7 +140,7 @@ class Cells:
                 f"Start a new session with `get_or_create_session`."
             )
 
-    def detach(self, left: list[Departure], undo: Undo) -> None:
+    def detach(self, left: list[Departure], undo: Undo | None) -> None:
         """Once a write that took sessions out of the table is installed: the live handles of each keep its
         last state as their own copy (only on leaving does the copy matter, so writes never pay for it)."""
         for d in left:
@@ -149,8 +153,10 @@ class Cells:
             else:
                 _log.debug("session %r %s", d.sid, d.reason)
             cell = self.live.pop(d.uid, None)
+            self.handles.pop(d.uid, None)
             if cell is not None:
-                undo.append(_restorer(self, cell, True))
+                if undo is not None:  # (None: nothing can take this write back)
+                    undo.append(_restorer(self, cell, True))
                 cell.session = d.session  # first: a lock-free reader that sees `left` must find the copy
                 cell.closed = d.closed
                 cell.left = d.reason

@@ -23,7 +23,7 @@ from ..errors import InvalidTypeError, ObjectParkedError
 from ..table import manager_state as ms
 from ..table import parked, session_edits
 from .cells import Cell
-from .session_ops import SessionOps
+from .session_ops import NOT_INLINE, SessionOps
 
 __all__ = ["SessionHandle"]
 
@@ -117,23 +117,21 @@ class SessionHandle:
         object wins and both get it. A parked object is restored, never rebuilt.
         """
         try:
-            obj = self.state._reusable(name, cls)
+            obj = self._ops.read(self._cell)._reusable(name, cls)
         except ObjectParkedError:  # restored and read under one lock: no other thread parks it in between
             obj = self._ops.restored(self._cell, [name])._reusable(name, cls)
         if obj is not None:
             return obj
-        return self._ops.transact(self._cell, lambda s: s.get_or_create(name, factory, cls))
+        return self._ops.create(self._cell, name, factory, cls)
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
         return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
-        return (
-            self._ops.apply(
-                self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True, inline=True
-            )
-            or self
-        )
+        done = self._ops.inline(self._cell, ms.commit, (name, payload), same=True)  # the per-step write, kept short
+        if done is NOT_INLINE:
+            done = self._ops.apply(self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
+        return done or self
 
     def append(self, name: str, payload: Any) -> SessionHandle:
         return self.commit(name, payload)

@@ -12,8 +12,10 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any, TypeVar
 
+from ..engine.paged_kv import POOLS
 from ..errors import InvalidArgumentError, ObjectParkedError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
@@ -21,21 +23,21 @@ from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
-from ..table.step import step as _pure_step
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, rebase, trivial
+from .admission import Decision, admit, rebase, within_budget_in_place
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
-from .session_ops import NOT_INLINE, ReentrantWriteError, SessionOps, restore_parked
+from .session_ops import NOT_INLINE, ReentrantWriteError, SessionOps, locked_step, restore_parked
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
 _Result = TypeVar("_Result")
 Plan = Callable[[ManagerState], tuple[ManagerState, _Result]]
+_LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthiness without its __len__)
 
 
 class SessionStateManager:
@@ -77,6 +79,7 @@ class SessionStateManager:
         if bad:
             raise InvalidArgumentError(f"`SessionStateManager`: unknown release lever(s) {bad}; choose from {LEVERS}.")
         self._surplus: dict[str, int] | None = None  # attr bytes beyond the objects', at the last full check
+        self._budgeted = self._state.byte_budget is not None  # (changes only with an installed `load`)
         self._lock = lock_factory()
         self._pins = Pins(self._lock)  # sessions the budget must not touch (requests in flight)
         self._cells = Cells()
@@ -163,26 +166,27 @@ class SessionStateManager:
             self._debts.settle(base, decision.final, decision.released, lambda: self._take_back(base, undo, epoch))
         return out
 
-    def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: dict[str, Any]) -> Any:
-        """A plain table verb (no engine, no user code) on a session in the table, installed at once under the
-        lock when admission has nothing to do (`trivial`); else `NOT_INLINE`: take the retry loop `_run`."""
+    def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
+        """A session-local table verb (replacing one session; no engine, no user code) installed at once under the
+        lock when `admit` would only install it (no pools; within budget; ``same``: it never changes attrs)."""
         with self._lock:
             base = self._state
             if ms.held_session(base, sid, uid) is None:
                 return NOT_INLINE
             try:
-                out = verb(base, sid, *args, **kw)
+                out = verb(base, sid, *args, **kw) if kw else verb(base, sid, *args)
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
             after, result = (out, None) if type(out) is ManagerState else out
-            if after is base or not trivial(base, after):
+            if after is base or _LIVE_POOLS:
                 return NOT_INLINE
-            self._state, self._epoch = after, self._epoch + 1
+            bound = self._surplus  # under a budget: within it by the kept totals (`admit`'s first check)
+            if self._budgeted and (bound := within_budget_in_place(base, after, sid, bound, same)) is None:
+                return NOT_INLINE
+            self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
             return result
 
-    def _admit(
-        self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any
-    ) -> Decision:
+    def _admit(self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any) -> Any:
         return admit(
             before, after, writer, pinned=pinned, levers=self._levers, surplus=self._surplus, dropped=gone, **kw
         )
@@ -190,10 +194,10 @@ class SessionStateManager:
     def _install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
         undo: Undo = []
-        self._state, self._surplus = decision.final, decision.surplus
-        self._epoch += 1
-        if decision.left:
-            self._cells.detach(decision.left, undo)
+        self._state, self._surplus, self._epoch = decision.final, decision.surplus, self._epoch + 1
+        self._budgeted = decision.final.byte_budget is not None
+        if decision.left:  # journaled only for a write a failed engine ``free`` may take back
+            self._cells.detach(decision.left, undo if decision.released else None)
         if decision.released:
             self._cells.evict_freed(decision.released, undo)
         return undo
@@ -204,6 +208,7 @@ class SessionStateManager:
             if self._epoch != epoch:
                 return False
             self._state, self._surplus = base, None  # (None: the next write checks the budget in full)
+            self._budgeted = base.byte_budget is not None
             self._epoch += 1
             Cells.take_back(undo)
             return True
@@ -219,9 +224,10 @@ class SessionStateManager:
         """
         return self._pins.pin(ms.resolve_session_id(session_id))
 
-    def _handle(self, sid: str) -> Callable[[ManagerState, Undo], SessionHandle]:
-        """A ``then`` for `_run`: a handle on ``sid`` in the installed table (its cell journaled with the write)."""
-        return lambda state, undo: SessionHandle(self._ops, self._cells.cell(state, sid, undo))
+    def _new_handle(self, sid: str, state: ManagerState, undo: Undo | None) -> SessionHandle:
+        """A handle on ``sid`` in the installed ``state`` (with ``partial``, a ``then`` for `_run`)."""
+        cell = self._cells.cell(state, sid, undo)  # (the handle a hit returns from now on)
+        return self._cells.handles.setdefault(cell.uid, SessionHandle(self._ops, cell))
 
     def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on session ``session_id`` (None means ``"default"``), created on a miss.
@@ -229,16 +235,20 @@ class SessionStateManager:
         Raises:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
-        sid = ms.resolve_session_id(session_id)
+        sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
         with self._lock:
             state = self._state
             uid = ms.incarnation_of(state, sid)
             if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
                 self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
-                cell = self._cells.live.get(uid) or self._cells.cell(state, sid)
-                return SessionHandle(self._ops, cell)
-        # a miss adds an empty session (no bytes), evicting the least recent one at the cap
-        return self._run(lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=self._handle(sid))
+                return self._cells.handles.get(uid) or self._new_handle(sid, state, None)
+            if not _LIVE_POOLS and not self._debts.owed:  # a miss: no bytes added, no engine blocks to free
+                after = ms.get_or_create(state, sid)[0]
+                undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, {"budget": False}))
+                return self._new_handle(sid, after, undo)
+        return self._run(
+            lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
+        )
 
     def get_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on an existing session, for continuations.
@@ -253,7 +263,7 @@ class SessionStateManager:
             self._cells.require(state, sid, "get_session")
             return ms.get_session(state, sid)[0], None
 
-        return self._run(plan, then=self._handle(sid))
+        return self._run(plan, then=partial(self._new_handle, sid))
 
     def fork_session(self, source_id: str | None, new_id: str | None) -> SessionHandle:
         """Fork a session (see `functional_state.fork_session`); returns a handle on the fork.
@@ -269,7 +279,7 @@ class SessionStateManager:
                 self._cells.require(state, ms.resolve_session_id(source_id), "fork_session")
             return ms.fork_session(state, source_id, nid), None
 
-        return self._run(plan, nid, then=self._handle(nid))
+        return self._run(plan, nid, then=partial(self._new_handle, nid))
 
     def save_session(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
         """Write session ``session_id`` as it is now (a snapshot: the write never blocks other sessions); see
@@ -301,7 +311,7 @@ class SessionStateManager:
             self._state, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
         )
         try:
-            return self._run(plan, target, dropped=dropped, then=self._handle(target))
+            return self._run(plan, target, dropped=dropped, then=partial(self._new_handle, target))
         except BaseException as e:  # not installed (the id was taken meanwhile, or it exceeds the budget)
             _ckpt.release_sessions([session], e)
             raise
@@ -320,8 +330,7 @@ class SessionStateManager:
         """Remove a session from the table; True if it was there. Live handles keep their last state to
         read, and refuse writes (which could reach no session): `SessionStateLostError`."""
         sid = ms.resolve_session_id(session_id)
-        dropped = {sid: "dropped (`drop_session`)"}
-        return bool(self._run(lambda state: ms.drop_session(state, sid), dropped=lambda state: dropped))
+        return bool(self._run(lambda s: ms.drop_session(s, sid), dropped=lambda s: {sid: "dropped (`drop_session`)"}))
 
     def raise_max_sessions(self, n: int) -> None:
         """Raise the count cap (see `functional_state.raise_max_sessions`)."""
@@ -363,18 +372,8 @@ class SessionStateManager:
         with self._lock:
             state = self._state
             self._cells.require(state, sid, "step")
-            # A refused result must leave the table as it was, which a donation would have consumed: under a
-            # budget, donate only a step that keeps the object's bytes (checked on this very table).
-            may_refuse = state.byte_budget is not None and not (keeps_bytes and state is traced)
-            if state in self._published or may_refuse:
-                # A caller holds this table, or the budget may refuse the result: donate nothing, keep it usable.
-                after = _pure_step(state, sid, name, fn, *args, donate=False)
-            else:
-                # Other snapshots handed out and detached handles may still read this table's buffers. The
-                # donating step consumes `state`, which only this shell held.
-                protected = [*self._published, *(c.session for c in list(self._cells.detached)), *kept]
-                after = _pure_step(state, sid, name, fn, *args, donate=donate, retained=protected)
-            # (a step changes no attrs, and releases no blocks)
+            others = lambda: [*(c.session for c in list(self._cells.detached)), *kept]
+            after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
             self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:

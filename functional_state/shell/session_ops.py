@@ -19,9 +19,10 @@ from ..table.engine_blocks import free_acquired
 from ..table.manager_state import ManagerState
 from ..table.parked import restore as restore_object
 from ..table.session_edits import update_session
+from ..table.step import step as pure_step
 from .cells import Cell, Undo
 
-__all__ = ["ReentrantWriteError", "SessionOps", "restore_parked"]
+__all__ = ["ReentrantWriteError", "SessionOps", "locked_step", "restore_parked"]
 
 Verb = Callable[..., Any]  # a table verb: (table, session id, *args) -> table or (table, result)
 
@@ -75,7 +76,45 @@ def _on_copy(cell: Cell, names: Iterable[str] | None, fn: Callable[[ManagerState
         raise
 
 
+def locked_step(
+    state: ManagerState,
+    traced: ManagerState,
+    keeps_bytes: bool,
+    published: Any,
+    others: Callable[[], list[Any]],
+    call: Any,
+) -> ManagerState:
+    """Under the shell's lock: the table after the pure `step` ``call = (sid, name, fn, args, donate)`` on
+    ``state`` (the installed table; ``traced``: the one its first trace ran on, finding ``keeps_bytes``).
+    Donates only when nothing but the shell holds ``state``; ``published`` snapshots and ``others`` (detached
+    handles' sessions, what the caller retained; built only to donate) keep every buffer they may still read."""
+    sid, name, fn, args, donate = call
+    # A refused result must leave the table as it was, which a donation would have consumed: under a
+    # budget, donate only a step that keeps the object's bytes (checked on this very table).
+    may_refuse = state.byte_budget is not None and not (keeps_bytes and state is traced)
+    if state in published or may_refuse:
+        # A caller holds this table, or the budget may refuse the result: donate nothing, keep it usable.
+        return pure_step(state, sid, name, fn, *args, donate=False)
+    # Other snapshots handed out and detached handles may still read this table's buffers. The donating
+    # step consumes `state`, which only this shell held.
+    return pure_step(state, sid, name, fn, *args, donate=donate, retained=[*published, *others()])
+
+
 NOT_INLINE = object()  # `SessionStateManager._inline` did not apply the verb: take the retry loop
+_NO_KW: dict[str, Any] = {}  # (never written)
+
+
+def _put_absent(state: ManagerState, sid: str, name: str, obj: Any, cls: type[Any] | None) -> ManagerState:
+    """``state`` with ``obj`` put under ``name`` in session ``sid`` by `SessionState.get_or_create` (which
+    checks ``cls``), unless the session holds a usable object already (then ``state`` itself)."""
+    session = ms.lookup(state, sid)
+    new, _ = session.get_or_create(name, lambda: obj, cls)
+    return state if new is session else update_session(state, sid, lambda _: new)
+
+
+def _replace(state: ManagerState, sid: str, old: SessionState, new: SessionState) -> ManagerState:
+    """``state`` with session ``sid`` replaced by ``new`` if it still is ``old``, else ``state`` itself."""
+    return update_session(state, sid, lambda _: new) if ms.lookup(state, sid) is old else state
 
 
 class SessionOps:
@@ -124,6 +163,14 @@ class SessionOps:
                 return held
         return cell.session
 
+    def inline(self, cell: Cell, verb: Verb, args: tuple[Any, ...], kw: Any = _NO_KW, same: bool = False) -> Any:
+        """The common write (`SessionStateManager._inline`): one lock, no closures; `NOT_INLINE` when it does
+        not apply (the session left, a transaction on it is being computed, a budget or engine to consult).
+        ``same``: the verb never changes the session's attrs (a commit)."""
+        if cell.left is None and not cell.closed and (not self._computing or cell.uid not in self.writing()):
+            return self._inline(cell.session_id, cell.uid, verb, args, kw, same)
+        return NOT_INLINE
+
     def apply(
         self,
         cell: Cell,
@@ -147,7 +194,7 @@ class SessionOps:
         """
         sid, uid = cell.session_id, cell.uid
         if inline and cell.left is None and not cell.closed and (not self._computing or uid not in self.writing()):
-            done = self._inline(sid, uid, verb, args, kw)  # the common write: one lock, no closures
+            done = self._inline(sid, uid, verb, args, kw, attrs_unchanged)  # the common write: one lock, no closures
             if done is not NOT_INLINE:
                 return done
         copy: list[SessionState] = []
@@ -206,16 +253,7 @@ class SessionOps:
 
         def run_fn(session: SessionState) -> tuple[SessionState, Any]:
             if not seen or seen[0] is not session:
-                writing = self.writing()
-                writing.add(cell.uid)
-                with self._computing_lock:
-                    self._computing += 1
-                try:
-                    new, out = fn(session)
-                finally:
-                    writing.discard(cell.uid)
-                    with self._computing_lock:
-                        self._computing -= 1
+                new, out = self._computed(cell, fn, session)
                 if not isinstance(new, SessionState):
                     raise InvalidTypeError(f"a transaction must return a SessionState, got {type(new).__name__}.")
                 seen[:] = [session, new, out]
@@ -231,8 +269,48 @@ class SessionOps:
             copy[:] = [out[0]]
             return base, out[1]
 
+        if cell.left is None and self._current().byte_budget is None:
+            # No budget: nothing to pin against. The common transaction runs ``fn`` on the session read
+            # without the lock and installs the result under it if the session did not change meanwhile.
+            session = self.read(cell)
+            try:
+                new, out = run_fn(session)
+            except ObjectParkedError:
+                new = None  # the retry loop restores what ``fn`` met, and runs it again
+            if (
+                new is not None
+                and self._inline(sid, cell.uid, _replace, (session, new), _NO_KW, False) is not NOT_INLINE
+            ):
+                return out
+            return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
         with self._pin(sid):
             return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
+
+    def create(self, cell: Cell, name: str, factory: Callable[[], Any], cls: type[Any] | None) -> Any:
+        """`SessionHandle.get_or_create` once the object was found absent: ``factory`` runs outside the lock
+        and its object is put under it if the session still lacks one; else (another thread's object won,
+        a budget to consult, a detached handle) the transaction puts it, or returns the winner."""
+        if cell.left is None and self._current().byte_budget is None:
+            self.check_writable(cell, "transact")
+            built = self._computed(cell, factory)
+            if self._inline(cell.session_id, cell.uid, _put_absent, (name, built, cls), _NO_KW, True) is not NOT_INLINE:
+                return built
+            factory = lambda: built  # (built once: the transaction reuses it)
+        return self.transact(cell, lambda s: s.get_or_create(name, factory, cls))
+
+    def _computed(self, cell: Cell, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``: user code computing a new state for the cell's session (a write to that session
+        from inside it is refused, `check_not_reentrant`)."""
+        writing = self.writing()
+        writing.add(cell.uid)
+        with self._computing_lock:
+            self._computing += 1
+        try:
+            return fn(*args)
+        finally:
+            writing.discard(cell.uid)
+            with self._computing_lock:
+                self._computing -= 1
 
     def _keep(self, cell: Cell, copy: list[SessionState]) -> Callable[[ManagerState, Undo], Any]:
         """A ``then``: under the lock, the new copy of a detached handle replaces the old (journaled)."""
