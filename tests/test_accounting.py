@@ -18,7 +18,7 @@ from functional_state import (
     nbytes_by_device,
     register_alias,
 )
-from functional_state.memory import accounting
+from functional_state.memory import accounting, aliases
 from functional_state.memory.accounting import _jax_device_key, _torch_device_key, walk
 from torch_bridge import to_jax, wrap
 
@@ -171,8 +171,8 @@ def test_deleted_jax_array_counts_zero_and_is_reported():
 def test_alias_registry_lock_is_reentrant():
     # The weakref callback that forgets an alias takes the registry lock; a collection triggered while the
     # lock is held (inside register_alias) runs that callback on the same thread.
-    assert isinstance(accounting._ALIASES_LOCK, type(threading.RLock()))
-    with accounting._ALIASES_LOCK:
+    assert isinstance(aliases._ALIASES_LOCK, type(threading.RLock()))
+    with aliases._ALIASES_LOCK:
         a = jnp.ones(4)
         register_alias(a, np.zeros(4))
         del a
@@ -271,3 +271,19 @@ def test_a_user_donation_outside_the_library_shows_in_exact_stats():
     fast, exact = fs.stats(state), fs.stats(state, exact=True)
     assert exact["deleted_arrays"] == 2 and exact["total_nbytes"] == before - 4 * 4 - ring_bytes
     assert fast["deleted_arrays"] == 0 and fast["total_nbytes"] == before  # what the table saw
+
+
+def test_a_numpy_items_address_is_read_the_same_way_for_every_layout():
+    # The fast address read (a ctypes view over the buffer) must agree with the array interface, and the
+    # arrays it cannot export (read-only, Fortran order) must still be counted by their allocation.
+    plain = np.zeros(64, np.float32)
+    readonly = np.zeros(64, np.float32)
+    readonly.flags.writeable = False
+    fortran = np.zeros((8, 8), np.float32, order="F")
+    for a in (plain, readonly, fortran):
+        out: list = []
+        accounting.numpy_extents(a, out)
+        start = a.__array_interface__["data"][0]
+        assert out == [("cpu", start, start + a.nbytes)]
+    shared = fs.LatentBuffer.create(maxlen=4).commit(readonly).commit(readonly[2:])
+    assert fs.SessionState.empty().put("buf", shared).nbytes_by_device() == {"cpu": 256}
