@@ -186,7 +186,7 @@ def plan_release(
     snap = Snapshot(acct, state, lru)  # the one read of the table's usage this plan prices against
     unreleasable = by_pool(snap.attr_extents).get(target, 0)
     budget = state.byte_budget or {}
-    held = dict(snap.held)  # bytes per pool as the plan leaves them: to keep a park's host pool within budget
+    moved: dict[Pool, int] = {}  # bytes per pool the actions so far take out (negative: put in, as a park does)
     ledger = Ledger(acct.refs, snap.attr_holders)
     now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
     actions: list[ReleaseAction] = []
@@ -201,7 +201,7 @@ def plan_release(
         nonlocal freed
         ledger.take(change)
         for p, n in change.frees.items():
-            held[p] = held.get(p, 0) - n
+            moved[p] = moved.get(p, 0) + n
         action = ReleaseAction(kind, sessions, name, {str(p): n for p, n in change.frees.items()}, why, **kw)
         actions.append(action)
         freed += change.frees.get(target, 0)
@@ -244,7 +244,9 @@ def plan_release(
                 full = [
                     p
                     for p, n in change.frees.items()
-                    if n < 0 and (limit := limit_for(budget, p)) is not None and held.get(p, 0) - n > limit
+                    if n < 0
+                    and (limit := limit_for(budget, p)) is not None
+                    and snap.held.get(p, 0) - moved.get(p, 0) - n > limit  # (read only for a budgeted host pool)
                 ]
                 if full:
                     skipped.append(f"{sid}/{name}: host pool {str(full[0])!r} has no room under its budget")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 from ..memory import accounting
+from ..memory.pools import Pool
 from ..table.ledger import Acct, Extent
 from ..table.manager_state import ManagerState, entries_lru, session_map
 from ..table.usage import pool_bytes
@@ -64,7 +66,6 @@ class Snapshot:
         self.refs = acct.refs
         self.lru = lru
         self._state = state
-        self.held = pool_bytes(state)  # what stats() reports: the same answer enforce_budget measures with
         index = acct.attrs
         self.attr_extents: list[Extent] = []  # every extent an attr holds (objects may hold it too)
         self.attr_holders: Any = _NO_HOLDERS
@@ -76,6 +77,11 @@ class Snapshot:
             self.attr_holders = AttrHolders(index.refs, Counter(out), stale)
             self.attr_extents = [e for e in {*out, *index.closed_extents()} if e not in stale]
         self._slots: dict[int, list[tuple[str, str]]] | None = None
+
+    @functools.cached_property
+    def held(self) -> dict[Pool, int]:
+        """Bytes per pool, attrs included: what stats() reports, the answer enforce_budget measures with."""
+        return pool_bytes(self._state)
 
     def exact_attrs(self) -> tuple[dict[str, frozenset[Extent]], Counter[Extent]]:
         """Each session's attr extents, and how many sessions' attrs hold each extent: a walk of the attrs."""
