@@ -88,3 +88,24 @@ def test_set_cache_limit_refuses_what_is_not_a_byte_count(bad):
     with pytest.raises(InvalidArgumentError, match="set_cache_limit"):
         host_buffers.set_cache_limit(bad)
     assert host_buffers.cache_limit() == limit
+
+
+def test_parks_from_many_threads_each_get_their_own_bytes():
+    import threading
+
+    errors: list[str] = []
+
+    def worker(k: int) -> None:
+        for i in range(10):
+            fill = (k * 10 + i) % 251
+            parked = park_values({"x": _tensor(4 << 20, fill)})
+            if not torch.equal(restore_values(parked)["x"], _tensor(4 << 20, fill)):
+                errors.append(f"thread {k}, round {i}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert host_buffers.cached_nbytes() <= host_buffers.cache_limit()

@@ -29,7 +29,7 @@ __all__ = ["MIN_NBYTES", "cache_limit", "cached_nbytes", "clear_cache", "host_bu
 
 MIN_NBYTES = 2 << 20  # from a huge page up: smaller buffers come from torch's allocator, which recycles them
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # (a collection inside the lock may free a buffer, whose callback takes it again)
 _free: dict[int, list[np.ndarray]] = {}  # nbytes -> free buffers of exactly that size
 _state = {"free": 0, "limit": 1 << 30}
 
