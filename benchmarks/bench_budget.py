@@ -384,8 +384,9 @@ def run() -> dict:
             f"Enforcement: the shell decides a write within budget from the kept object totals (the commit's "
             f"accounting inspects only the item it adds; the extents of the one it drops are remembered from its "
             f"arrival), re-reading attrs only when a write changes "
-            f"them or a pool nears its budget. Planner: one park pass in recency order plus the O(n) scans of "
-            f"attrs and object holders. Pressure: {steps} steps x 8 sessions at deploy shapes through the "
+            f"them or a pool nears its budget. Planner: a park pass reads the sessions from the recency log as it "
+            f"needs them (here the 10 oldest) and asks the ledger's attr index whether attrs hold a buffer. "
+            f"Pressure: {steps} steps x 8 sessions at deploy shapes through the "
             f"serving store, {found['rounds']} interleaved rounds after a warm-up ({pressure_s:.0f} s in all); the "
             f"budget holds 3 sessions ({budget / 2**30:.2f} GiB; the peak is sampled after each round). The floor "
             f"is the count-cap run (all the work that is not data movement) plus the bytes this run parked and "
@@ -393,7 +394,9 @@ def run() -> dict:
             f"ledger) copied in the same round, in 64 MiB pieces, into fresh np.empty buffers (new pages from the "
             f"kernel, first-touch faults included) or, for the stricter floor, into one touched buffer. The "
             f"feat map is read every 4th step, so the 8 sessions cycle through 3 resident slots on those steps: "
-            f"LRU misses every one of them (the minimum for LRU on a cycle longer than the cache); the plot is "
+            f"LRU misses every one of them (the minimum for LRU on a cycle longer than the cache: ~30 feat-map "
+            f"parks and 24 restores carry all but ~0.1 GB of the bytes; the other parks are a session's small "
+            f"objects, taken in name order, restored on its next step); the plot is "
             f"`benchmarks/{PLOT.name}`."
         ),
         "figures": {
