@@ -395,7 +395,7 @@ def run() -> dict:
             f"kernel, first-touch faults included) or, for the stricter floor, into one touched buffer. The "
             f"feat map is read every 4th step, so the 8 sessions cycle through 3 resident slots on those steps: "
             f"LRU misses every one of them (the minimum for LRU on a cycle longer than the cache: ~30 feat-map "
-            f"parks and 24 restores carry all but ~0.1 GB of the bytes; the other parks are a session's small "
+            f"parks and 24 restores carry all but ~0.16 GB of the 34.3 GB; the other parks are a session's small "
             f"objects, taken in name order, restored on its next step); the plot is "
             f"`benchmarks/{PLOT.name}`."
         ),
