@@ -7,7 +7,8 @@ interleaved with the others, the garbage collector on and torch on one thread (a
 
 * ``step(donate=True)`` on a session's ring (a chain: each step consumes the state the last one returned);
 * ``step(donate=False)``, ``park``, ``restore`` (of a parked ring), ``fork_session``, ``get_or_create`` +
-  ``commit`` (a hit), ``stats``, ``plan_release`` (one ring's bytes from ``cpu``) and ``enforce_budget``
+  ``commit`` (a hit), ``stats``, ``plan_release`` (one ring's bytes from ``cpu``; again on the table with
+  a 32-byte tensor attr in every session, whose holders a plan must price against) and ``enforce_budget``
   (a budgeted table one ring over its budget), each on the same input state (they are pure).
 
 Goals (issue 24): <= 1.5x cost(1) at 100k for every per-session operation and for ``stats`` (kept totals,
@@ -38,7 +39,7 @@ ROUNDS = 5
 TARGET_S = 0.02  # a sample lasts at least this long (number of calls per sample chosen per op and size)
 SLOW_S = 0.05  # an op slower than this runs once per sample
 PER_SESSION = {"step(donate=True)", "step(donate=False)", "park", "restore", "fork_session", "get_or_create+commit"}
-WALKS = ("plan_release", "enforce_budget")
+WALKS = ("plan_release", "plan_release (attrs)", "enforce_budget")
 OPS = (*PER_SESSION, "stats", *WALKS)
 ORDER = (
     "step(donate=True)",
@@ -49,6 +50,7 @@ ORDER = (
     "get_or_create+commit",
     "stats",
     "plan_release",
+    "plan_release (attrs)",
     "enforce_budget",
 )
 RING_BYTES = 2 * 4 * 4
@@ -83,12 +85,16 @@ def _tables(n: int) -> dict:
     donating = fs.put(table, "s0", "ring", rings[n])
     # What restore restores: s0's ring parked (put already parked: one more park walk would cost ~10 s at 100k).
     parked = fs.put(table, "s0", "ring", rings[0].park())
-    return {"table": table, "budgeted": budgeted, "donating": donating, "parked": parked}
+    # The same table with a buffer attr in every session (a prompt embedding): what a plan prices parks against.
+    attrs = table
+    for i in range(n):
+        attrs = fs.set_attr(attrs, f"s{i}", "prompt", torch.zeros(8))
+    return {"table": table, "budgeted": budgeted, "donating": donating, "parked": parked, "attrs": attrs}
 
 
 def _ops(n: int) -> dict[str, Callable[[], object]]:
     t = _tables(n)
-    table, budgeted, parked = t["table"], t["budgeted"], t["parked"]
+    table, budgeted, parked, attrs = t["table"], t["budgeted"], t["parked"], t["attrs"]
     chain = {"state": t.pop("donating")}
     frame = jnp.ones(4, jnp.float32)
     item = np.ones(4, np.float32)
@@ -111,6 +117,7 @@ def _ops(n: int) -> dict[str, Callable[[], object]]:
         "get_or_create+commit": get_or_create_commit,
         "stats": lambda: fs.stats(table),
         "plan_release": lambda: fs.plan_release(table, "cpu", RING_BYTES),
+        "plan_release (attrs)": lambda: fs.plan_release(attrs, "cpu", RING_BYTES),
         "enforce_budget": lambda: fs.enforce_budget(budgeted),
     }
 

@@ -11,8 +11,8 @@ into a `ParkedStorage`; `restore_values` gives them back.
   pinned buffer filled with ``non_blocking`` copies and one stream sync), and restored into a fresh
   allocation on its device; every tensor is rebuilt as a view of it with its own offset, shape, strides
   and conjugate/negative bits. Tensors that were views of one storage are views of one storage again;
-  separate storages stay separate. Host buffers for CPU memory are allocated through numpy, which asks the
-  kernel for huge pages: first-touch page faults otherwise double the cost of a large copy.
+  separate storages stay separate. Large CPU buffers come from `host_buffers` (recycled once nothing holds
+  them, else fresh from numpy's huge pages): first-touch page faults otherwise double the cost of a copy.
 * **JAX arrays that alias a torch storage** through the bridge park that whole storage (the memory they
   keep alive) and come back as JAX arrays over the restored storage.
 * Anything else (numpy arrays, which already live in host memory, Python values) is kept as it is.
@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from ..errors import DeletedArrayError
-from . import accounting
+from . import accounting, host_buffers
 
 __all__ = ["HOST_KINDS", "ParkedStorage", "park_values", "restore_values"]
 
@@ -46,7 +46,7 @@ HOST_KINDS = ("pinned_host", "unpinned_host")
 # and the allocator serves each from memory it holds; a 27.7 MiB Wan feat cache in one buffer took ~1,900
 # page faults per park (fresh pages after a heap trim), in runs of 256 KiB about 1.
 _CHUNK = 256 << 10
-_NUMPY_MIN = 2 << 20  # a buffer of a huge page or more comes from numpy, which asks for huge pages
+_NUMPY_MIN = host_buffers.MIN_NBYTES  # a buffer of a huge page or more comes from the recycling cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,14 +125,14 @@ def _bytes_view(t: Any) -> Any:
 
 
 def _host_bytes(n: int, pinned: bool) -> Any:
-    """An uninitialised uint8 host tensor of ``n`` bytes: pinned for GPU transfers; else, when large,
-    numpy-backed (page aligned, and numpy asks for huge pages, which halves first-touch cost), and when small
-    from torch's allocator (64-byte aligned, which DLPack aliasing on the CPU needs)."""
+    """An uninitialised uint8 host tensor of ``n`` bytes: pinned for GPU transfers (torch caches those);
+    else, when large, a recycled or fresh page-aligned buffer (`host_buffers`), and when small from torch's
+    allocator (64-byte aligned, which DLPack aliasing on the CPU needs)."""
     torch = _torch()
     if pinned:
         return torch.empty(n, dtype=torch.uint8, pin_memory=True)
     if n >= _NUMPY_MIN:
-        return torch.from_numpy(np.empty(n, np.uint8))
+        return host_buffers.host_buffer(n)
     return torch.empty(n, dtype=torch.uint8)
 
 

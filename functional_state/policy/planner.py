@@ -18,7 +18,8 @@ it to one ledger of holders (`Ledger.change`), given the actions before it: what
 what a park puts into its host pools (as `park` really moves it: numpy stays, torch and JAX go to their
 host memory kinds), so an object a protected fork shares frees nothing and the planner moves on to a
 candidate that frees something. `enforce_budget` measures the result before it returns it. Each lever is
-one pass in recency (or cost) order: a plan over n sessions costs O(n log n).
+one pass in recency (or cost) order: a plan over n sessions costs O(n log n) at most, and a park pass that
+frees the need from the oldest sessions reads only those (the recency log is read lazily).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import dataclasses
 import itertools
 import logging
 import weakref
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -37,15 +37,14 @@ from ..errors import InvalidArgumentError
 from ..memory import accounting, parking
 from ..memory.budget import format_bytes, limit_for, parse_bytes
 from ..memory.pools import HOST, PINNED_HOST, POOL_FORMS, UNPINNED_HOST, Pool
-from ..memory.usage import pools_by_name
-from ..table.ledger import Acct, Extent, object_extents
+from ..table.ledger import Extent, object_extents
 from ..table.manager_state import (
     ManagerState,
     check_state,
     ledger_of,
-    lru_sessions,
 )
 from .pricing import Change, Ledger, by_pool
+from .snapshot import Recency, Snapshot
 
 _log = logging.getLogger("functional_state")
 
@@ -183,11 +182,11 @@ def plan_release(
     target, protected, levers = _check_plan_args(state, pool, protect, levers)
     need = parse_bytes(need_bytes, "plan_release: need_bytes")
     acct = ledger_of(state)
-    sids, objs = lru_sessions(state)
-    snap = _Snapshot(acct, sids, objs)  # the one read of the table's usage this plan prices against
-    unreleasable = by_pool(e for extents in snap.attr_sets.values() for e in extents).get(target, 0)
+    lru = Recency(state)  # read lazily: a park pass that meets the need early reads only the oldest sessions
+    snap = Snapshot(acct, state, lru)  # the one read of the table's usage this plan prices against
+    unreleasable = by_pool(snap.attr_extents).get(target, 0)
     budget = state.byte_budget or {}
-    held = dict(snap.held)  # bytes per pool as the plan leaves them: to keep a park's host pool within budget
+    moved: dict[Pool, int] = {}  # bytes per pool the actions so far take out (negative: put in, as a park does)
     ledger = Ledger(acct.refs, snap.attr_holders)
     now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
     actions: list[ReleaseAction] = []
@@ -202,14 +201,14 @@ def plan_release(
         nonlocal freed
         ledger.take(change)
         for p, n in change.frees.items():
-            held[p] = held.get(p, 0) - n
+            moved[p] = moved.get(p, 0) + n
         action = ReleaseAction(kind, sessions, name, {str(p): n for p, n in change.frees.items()}, why, **kw)
         actions.append(action)
         freed += change.frees.get(target, 0)
 
     skipped.extend(f"{sid}: protected" for sid in sorted(protected))
     if "park" in levers and not done():
-        for sid, session in zip(sids, objs):
+        for sid, session in lru:
             if done():
                 break
             if sid in protected:
@@ -245,7 +244,9 @@ def plan_release(
                 full = [
                     p
                     for p, n in change.frees.items()
-                    if n < 0 and (limit := limit_for(budget, p)) is not None and held.get(p, 0) - n > limit
+                    if n < 0
+                    and (limit := limit_for(budget, p)) is not None
+                    and snap.held.get(p, 0) - moved.get(p, 0) - n > limit  # (read only for a budgeted host pool)
                 ]
                 if full:
                     skipped.append(f"{sid}/{name}: host pool {str(full[0])!r} has no room under its budget")
@@ -260,7 +261,7 @@ def plan_release(
                 released.update(holders)
     if "evict" in levers and not done():
         candidates = []
-        for rank, (sid, session) in enumerate(zip(sids, objs)):
+        for rank, (sid, session) in enumerate(lru):
             if sid in protected:
                 continue
             for name, obj in session._objects.items():
@@ -286,12 +287,15 @@ def plan_release(
         # Two passes: a session whose storage a later session shares frees nothing at first, and its bytes
         # once that one is dropped too (forks). Each pass is linear in the sessions.
         dropped: set[str] = set()
-        for sid, session in itertools.chain(zip(sids, objs), zip(sids, objs)):
-            if sid in protected or sid in dropped or done():
+        attr_sets, ledger.attr_holders = snap.exact_attrs()  # a drop lets go of one session's attrs: count them
+        for sid, session in itertools.chain(lru, lru):
+            if done():
+                break
+            if sid in protected or sid in dropped:
                 continue
             # What each object holds once this plan's earlier parks and evictions ran: all of it leaves now.
             objects = [now[(sid, n)] if (sid, n) in now else object_extents(o) for n, o in session._objects.items()]
-            change = ledger.change(objects, (), snap.attr_sets.get(sid, _NO_EXTENTS))
+            change = ledger.change(objects, (), attr_sets.get(sid, _NO_EXTENTS))
             if change.frees.get(target, 0) <= 0:
                 note = f"{sid}: dropping it frees nothing in {pool!r} (its storage is held elsewhere)"
                 if note not in skipped:
@@ -308,49 +312,6 @@ def plan_release(
 
 
 _NO_EXTENTS: frozenset[Extent] = frozenset()
-
-
-class _Snapshot:
-    """What the table holds, read once per plan: each session's attr extents, how many sessions' attrs hold
-    each extent, bytes per pool (attrs included), and who holds an object the ledger says is shared."""
-
-    def __init__(self, acct: Acct, sids: list[str], objs: list[Any]):
-        self.refs = acct.refs
-        self.sids, self.objs = sids, objs
-        self.attr_sets: dict[str, frozenset[Extent]] = {}
-        self.attr_holders: Counter[Extent] = Counter()
-        for sid, session in zip(sids, objs):
-            if not session._attrs:
-                continue
-            out: accounting.Extents = []
-            for value in session._attrs.values():
-                accounting.collect_extents(value, out, {}, accounting.WalkReport())
-            if out:  # (one container per session would trigger full garbage collections at 100k sessions)
-                self.attr_sets[sid] = extents = frozenset(out)
-                for e in extents:  # (not Counter.update: its Mapping check costs more than the loop)
-                    self.attr_holders[e] += 1
-        held = dict(acct.totals)
-        for p, n in by_pool(e for e in self.attr_holders if e not in acct.refs).items():  # attr bytes no object holds
-            held[str(p)] = held.get(str(p), 0) + n
-        self.held = pools_by_name(held)
-        self._slots: dict[int, list[tuple[str, str]]] | None = None
-
-    def holders(self, obj: Any, sid: str, name: str, extents: frozenset[Extent]) -> list[tuple[str, str]]:
-        """Every (session, name) holding this very object (forks, or one cache put under two names), as
-        `park(with_sharers=True)` parks them, least recent first.
-
-        The ledger answers the common case: when no extent of the object has a second holder, ``(sid,
-        name)`` is the only slot. Otherwise one pass over the table names the slots (built once per plan).
-        """
-        refs = self.refs
-        if all(refs.get(e, 0) <= 1 for e in extents):
-            return [(sid, name)]
-        if self._slots is None:
-            self._slots = {}
-            for s, session in zip(self.sids, self.objs):
-                for n, o in sorted(session._objects.items()):
-                    self._slots.setdefault(id(o), []).append((s, n))
-        return self._slots[id(obj)]
 
 
 def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:

@@ -22,9 +22,9 @@ class Ledger:
     evictions and drops all go through `change`, so "what does this free" has one answer in the planner.
     """
 
-    def __init__(self, refs: Any, attr_holders: Counter[Extent]):
+    def __init__(self, refs: Any, attr_holders: Any):
         self.refs = refs  # extent -> objects holding it (the table's accounting)
-        self.attr_holders = attr_holders  # extent -> sessions whose attrs hold it
+        self.attr_holders = attr_holders  # extent -> attr holders of it (a Counter, or the index's `AttrHolders`)
         self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
         self.attrs: Counter[Extent] = Counter()
         self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has

@@ -1,0 +1,105 @@
+"""Host buffers for parking: large CPU buffers recycled once nothing holds them, within a bounded cache.
+
+A park copies each storage into a host buffer and a restore copies it back into a fresh allocation; under a
+byte budget the same shapes go back and forth every few steps (DreamZero's 603 MiB feat map, 30 storages of
+21 MB each). A fresh large buffer costs its first-touch page faults: the kernel zeroes every page before the
+copy writes it, which made a deploy-shape park run at a third of memcpy speed (issue 24). So a buffer of
+`MIN_NBYTES` or more is served from buffers of exactly its size that an earlier park or restore used and
+nothing holds any more, and comes fresh from numpy (which asks the kernel for huge pages) otherwise.
+
+How a buffer comes back: the tensor handed out wraps a numpy view of the buffer; torch keeps that view alive
+as long as any tensor, view, DLPack export or numpy alias of the storage lives, and a `weakref.finalize` on
+it returns the buffer to the cache when the last one dies. Nothing that still reads the bytes can be given
+them again. The cache keeps at most `cache_limit` free bytes (1 GiB by default, as torch's own caching host
+allocator keeps pinned buffers); `clear_cache` hands them back to the system. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidArgumentError
+
+__all__ = ["MIN_NBYTES", "cache_limit", "cached_nbytes", "clear_cache", "host_buffer", "set_cache_limit"]
+
+MIN_NBYTES = 2 << 20  # from a huge page up: smaller buffers come from torch's allocator, which recycles them
+
+_lock = threading.RLock()  # (a collection inside the lock may free a buffer, whose callback takes it again)
+_free: dict[int, list[np.ndarray]] = {}  # nbytes -> free buffers of exactly that size
+_state = {"free": 0, "limit": 1 << 30}
+
+
+def host_buffer(nbytes: int) -> Any:
+    """An uninitialised 1-D uint8 CPU tensor of ``nbytes`` (at least `MIN_NBYTES`), spanning its own storage:
+    a free cached buffer of that size if there is one, else a fresh page-aligned one from numpy.
+
+    Example:
+      >>> import torch  # (the caller's: this module never imports torch itself)
+      >>> a = host_buffer(MIN_NBYTES)
+      >>> ptr = a.data_ptr()
+      >>> del a  # nothing holds it: it goes back to the cache
+      >>> host_buffer(MIN_NBYTES).data_ptr() == ptr
+      True
+    """
+    with _lock:
+        stack = _free.get(nbytes)
+        base = stack.pop() if stack else None
+        if base is not None:
+            _state["free"] -= nbytes
+    if base is None:
+        base = np.empty(nbytes, np.uint8)
+    view = base[:]  # the object torch keeps alive for as long as anything holds the storage
+    done = weakref.finalize(view, _give_back, base)
+    done.atexit = False
+    return sys.modules["torch"].from_numpy(view)
+
+
+def _give_back(base: np.ndarray) -> None:
+    n = base.nbytes
+    with _lock:
+        if _state["free"] + n <= _state["limit"]:
+            _free.setdefault(n, []).append(base)
+            _state["free"] += n
+
+
+def cached_nbytes() -> int:
+    """Bytes of free buffers the cache holds (host memory no state holds, kept for the next park)."""
+    return _state["free"]
+
+
+def cache_limit() -> int:
+    """The most free bytes the cache keeps."""
+    return _state["limit"]
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Keep at most ``nbytes`` of free buffers (0: none, every buffer is freed when its last holder dies)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise InvalidArgumentError(f"`set_cache_limit`: nbytes must be an int >= 0, got {nbytes!r}.")
+    with _lock:
+        _state["limit"] = nbytes
+    _trim(nbytes)
+
+
+def clear_cache() -> int:
+    """Free every cached buffer; returns the bytes released."""
+    return _trim(0)
+
+
+def _trim(keep: int) -> int:
+    released = 0
+    with _lock:
+        for n in sorted(_free, reverse=True):
+            stack = _free[n]
+            while stack and _state["free"] > keep:
+                stack.pop()
+                _state["free"] -= n
+                released += n
+            if not stack:
+                del _free[n]
+    return released
