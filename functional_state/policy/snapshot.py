@@ -43,14 +43,14 @@ class Recency:
 
 class AttrHolders:
     """How many attr values hold each extent, from the ledger's attr index (recorded on write: no walk of the
-    sessions): the closed values' counts, the containers' extents read now, nothing for a deleted array."""
+    sessions): the closed values' counts and the containers' extents read now. Like `stats`, it does not
+    look for arrays deleted behind the table's back (``stats(exact=True)`` does): it prices what the table
+    holds by its own operations, the figure `enforce_budget` measures with."""
 
-    def __init__(self, closed: Any, open_extents: Counter[Extent], stale: set[Extent]):
-        self.closed, self.open, self.stale = closed, open_extents, stale
+    def __init__(self, closed: Any, open_extents: Counter[Extent]):
+        self.closed, self.open = closed, open_extents
 
     def __getitem__(self, e: Extent) -> int:
-        if e in self.stale:
-            return 0
         return self.closed.get(e, 0) + self.open.get(e, 0)
 
 
@@ -73,9 +73,8 @@ class Snapshot:
             out: accounting.Extents = []
             for value in index.open_values():
                 accounting.collect_extents(value, out, {}, accounting.WalkReport())
-            _, stale = index.deleted()
-            self.attr_holders = AttrHolders(index.refs, Counter(out), stale)
-            self.attr_extents = [e for e in {*out, *index.closed_extents()} if e not in stale]
+            self.attr_holders = AttrHolders(index.refs, Counter(out))
+            self.attr_extents = list({*out, *index.closed_extents()})
         self._slots: dict[int, list[tuple[str, str]]] | None = None
 
     @functools.cached_property
