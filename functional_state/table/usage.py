@@ -96,6 +96,7 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     ``jax.jit(donate_argnums=...)`` on an array the table holds) is missed, and keeps the bytes it was
     counted with. ``exact=True`` walks everything instead (objects too), as a check: it finds those
     deleted arrays, and the figures are the same unless a buffer was deleted or resized behind the
-    manager's back.
+    manager's back. Free host buffers parking keeps for reuse are not state and not counted here
+    (`functional_state.memory.host_buffers.cached_nbytes`).
     """
     return _usage(state, exact, "stats").as_stats()
