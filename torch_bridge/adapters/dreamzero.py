@@ -331,6 +331,10 @@ class DreamZeroStateAdapter(ResetRules):
     def observation_latents(self, num_frames: int) -> torch.Tensor | None:
         """The last ``num_frames`` latent frames (fewer if fewer were encoded), or None.
 
+        Two or more frames come back as a fresh tensor (one ``torch.cat``), which no later append and no write
+        into it can change; one frame is the ring's tensor itself (the bespoke path returns a view of its
+        history), so write into a copy.
+
         Raises:
           ValueError: ``num_frames`` exceeds the window: the ring never returns a silently shorter window.
         """
