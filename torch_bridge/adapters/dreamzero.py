@@ -301,17 +301,17 @@ class DreamZeroStateAdapter(ResetRules):
 
     def append_vae_encoder_chunk(self, chunk: torch.Tensor) -> None:
         """Append an encoded chunk (B, C, T, H, W); frames beyond the window are dropped, oldest first."""
-        check_encoder_chunk(chunk, "append_vae_encoder_chunk")
-        frames = self._encoder_frames(chunk)
-        if len(frames) == 1:
-            # The steady state: one commit into the ring (one manager operation). A ring the session lost
-            # (a reset, an eviction) is rebuilt and committed to in one transaction instead.
+        # The steady state (one latent frame per chunk, the model's every step) in one commit into the ring:
+        # one manager operation, the tensor kept by reference. A ring the session lost (a reset, an eviction)
+        # is rebuilt and committed to in one transaction instead, as is a multi-frame chunk.
+        if type(chunk) is torch.Tensor and chunk.ndim == 5 and chunk.shape[2] == 1:
             try:
-                self._session.commit(_ENCODER, frames[0])
+                self._session.commit(_ENCODER, chunk)
                 return
             except (ObjectNotFoundError, NotAllocatedError):
                 pass
-        self._commit_all(_ENCODER, frames)
+        check_encoder_chunk(chunk, "append_vae_encoder_chunk")
+        self._commit_all(_ENCODER, self._encoder_frames(chunk))
 
     @property
     def vae_encoder_out(self) -> torch.Tensor | None:
@@ -331,18 +331,34 @@ class DreamZeroStateAdapter(ResetRules):
     def observation_latents(self, num_frames: int) -> torch.Tensor | None:
         """The last ``num_frames`` latent frames (fewer if fewer were encoded), or None.
 
+        Two or more frames come back as a fresh tensor (one ``torch.cat``), which no later append and no write
+        into it can change; one frame is the ring's tensor itself (the bespoke path returns a view of its
+        history), so write into a copy.
+
         Raises:
           ValueError: ``num_frames`` exceeds the window: the ring never returns a silently shorter window.
         """
+        if type(num_frames) is not int or not 0 < num_frames <= self._window:
+            self._check_window_read(num_frames)
+        # A plain read of the table on the per-step path; a parked or lost ring is restored or rebuilt.
+        ring = self._session.state.get(_ENCODER, None)
+        if ring is None or not ring.resident:
+            ring = self._buffer(_ENCODER)
+        items = ring.view()[-num_frames:]
+        if len(items) > 1:
+            try:
+                return torch.cat(items, 2)  # a fresh tensor: a later append never changes it
+            except TypeError:
+                pass  # not all torch tensors (JAX aliases put by another writer): converted below
+        return _cat_time(items)
+
+    def _check_window_read(self, num_frames: Any) -> None:
         check_num_frames(num_frames)
         if num_frames > self._window:
             raise InvalidArgumentError(
                 f"`observation_latents`: asked for {num_frames} latent frames but the encoder ring retains "
                 f"{self._window} (vae_encoder_window). Build the adapter with vae_encoder_window >= {num_frames}."
             )
-        ring = self._session.get(_ENCODER, None)  # a plain read on the per-step path; rebuilt only if lost
-        items = (ring if ring is not None and ring.resident else self._buffer(_ENCODER)).view()
-        return _cat_time(items[-num_frames:])
 
     def reset_vae_encoder_stream(self) -> None:
         for name in ("vae_stream_initialized", "vae_pending_body_frames"):
