@@ -154,8 +154,8 @@ def limit_for(budget: Mapping[str, int] | None, pool: Pool) -> int | None:
     """
     if not budget:
         return None
-    limit = budget.get(str(pool))
-    if limit is None and pool.is_device:
+    limit = budget.get(pool.name)
+    if limit is None and pool.memory_kind is None:  # a device pool
         limit = budget.get(ANY_DEVICE)
     return limit
 

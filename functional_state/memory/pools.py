@@ -39,6 +39,11 @@ class Pool:
     memory_kind: str | None = None
 
     def __str__(self) -> str:
+        return self.name
+
+    @functools.cached_property
+    def name(self) -> str:
+        """The pool as `stats()` writes it (``"cpu"``, ``"cpu/pinned_host"``); kept, as budgets read it per write."""
         return self.device if self.memory_kind is None else f"{self.device}/{self.memory_kind}"
 
     @property

@@ -86,10 +86,15 @@ def over_budget_objects(state: ManagerState, surplus: dict[str, int]) -> bool:
     if not budget:
         return False
     totals = ledger_of(state).totals
-    for name in totals.keys() | surplus.keys():  # (a pool only attrs hold is still a pool the budget covers)
+    for name, held in totals.items():  # (per write: no union of the key sets built)
         limit = limit_for(budget, Pool.of(name))
-        if limit is not None and totals.get(name, 0) + surplus.get(name, 0) > limit:
+        if limit is not None and held + surplus.get(name, 0) > limit:
             return True
+    for name, extra in surplus.items():  # a pool only attrs hold is still a pool the budget covers
+        if name not in totals:
+            limit = limit_for(budget, Pool.of(name))
+            if limit is not None and extra > limit:
+                return True
     return False
 
 
