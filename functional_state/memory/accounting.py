@@ -166,7 +166,7 @@ def _address(owner: np.ndarray) -> int:
     # 4x faster than ``__array_interface__`` (a dict: ~1 us, a third of pricing an item); the export fails
     # for read-only and non-C-contiguous arrays, which take the interface.
     try:
-        return ctypes.addressof(_NO_BYTES.from_buffer(owner))
+        return ctypes.addressof(_NO_BYTES.from_buffer(owner))  # type: ignore[arg-type]  # (ndarray is a buffer)
     except (TypeError, ValueError, BufferError):
         return owner.__array_interface__["data"][0]
 
