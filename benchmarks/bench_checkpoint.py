@@ -46,9 +46,17 @@ def _deploy_session(steps: int = 16) -> tuple[DreamZeroSessions, dz.SelfAttnKV]:
     return store, kv
 
 
+_RAW: dict[int, np.ndarray] = {}
+
+
 def _raw_write(path: Path, nbytes: int) -> float:
-    """Seconds to write ``nbytes`` to a file and fsync it."""
-    data = np.ones(nbytes, np.uint8)
+    """Seconds to write ``nbytes`` to a file and fsync it. The bytes are random, as the session's are (its feat
+    map is filled with random values): a buffer of ones, as this used to write, is what storage that
+    compresses or deduplicates under the filesystem favours (8 interleaved rounds here: ones 398 ms median,
+    293 best; random 477 and 329)."""
+    data = _RAW.get(nbytes)
+    if data is None:
+        data = _RAW[nbytes] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     t0 = time.perf_counter()
     with open(path, "wb") as f:
         f.write(memoryview(data))
@@ -184,12 +192,19 @@ def _cold_raw_read(path: Path, nbytes: int) -> float:
 
 def _paired(i: int, raw: Any, ours: Any) -> tuple[float, float]:
     """``(raw(), ours())``, run in the order that alternates with the round ``i``: this disk's speed drifts
-    within a round, and a fixed order hands that drift to one side every time."""
+    within a round, and a fixed order hands that drift to one side every time. Before each, ``os.sync()``
+    (untimed) leaves no dirty data and no pending journal work (the discards of files deleted just before, on
+    this filesystem mounted with ``discard``) for whichever op fsyncs first to pay for."""
+
+    def run(op: Any) -> float:
+        os.sync()
+        return float(op())
+
     if i % 2:
-        b = ours()
-        return raw(), b
-    a = raw()
-    return a, ours()
+        b = run(ours)
+        return run(raw), b
+    a = run(raw)
+    return a, run(ours)
 
 
 def _step_helpers(root: Path) -> dict[str, float]:
@@ -348,11 +363,11 @@ def run() -> dict:
             "that compression cannot shrink it, frames, latents, the encoder ring, and its self-attention KV "
             "exported from the paged engine), saved with save_session (orbax CheckpointManager, OCDBT, arrays "
             "uncompressed) and read back with read_session (checksums verified). The raw baseline writes the same "
-            "number of bytes to a file in the same temporary directory and fsyncs it (the save fsyncs too: "
+            "number of random bytes to a file in the same temporary directory and fsyncs it (the save fsyncs too: "
             "tensorstore syncs each file it writes), and reads it back with numpy into new memory, as a load "
             f"does. Each of {ROUNDS} rounds pairs the save with a raw write and the load with a raw read, in an "
             "order that alternates from round to round (this disk's speed drifts within a round, and a fixed order "
-            "gave that drift to one side), and a ratio is the median of the rounds' own ratios. Before each timed "
+            "gave that drift to one side; os.sync() before each op, untimed), and a ratio is the median of the rounds' own ratios. Before each timed "
             f"read, ours, the raw one and safetensors', the files' page cache is dropped: {cache} (fdatasync and "
             "posix_fadvise DONTNEED per file, checked with mincore). Step latency: a small-shape DreamZero step "
             "on another session of the same store, 30 steps without a save against every step taken while an "
