@@ -123,10 +123,13 @@ def orbax_manager(ocp: Any, root: Path, options: Any) -> Any:
     Orbax compresses arrays with zstd by default. Latents, feature maps and KV are near-random bytes that do
     not shrink, and on 600 MiB the compression took 3.1 s of CPU where the uncompressed write took 0.3 s.
     During an asynchronous save that CPU is taken from the model step. Checkpoints written compressed by an
-    earlier version still read, because tensorstore takes the codec from each array's metadata.
+    earlier version still read, because tensorstore takes the codec from each array's metadata. Byte leaves go
+    through `handlers.registry` (no copy of orbax's own on save, read into the load's buffers).
     """
+    from .handlers import registry as type_handlers
+
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    arrays = ocp.handlers.PyTreeCheckpointHandler(use_compression=False)
+    arrays = ocp.handlers.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=type_handlers())
     registry.add("arrays", ocp.args.PyTreeSave, arrays)
     registry.add("arrays", ocp.args.PyTreeRestore, arrays)
     manifest = ocp.handlers.JsonCheckpointHandler()

@@ -20,6 +20,7 @@ from ..memory.parking import JaxLeaf, TorchLeaf, host_storage, rebuild_leaf
 from .manifest import (
     CHECKSUM,
     checksum,
+    copy_checksum,
     import_torch,
     in_parallel,
 )
@@ -48,7 +49,8 @@ class Writer:
         self.hooks = dict(hooks or {})
         self.copy_host = copy_host  # an asynchronous save copies host buffers a model might change in place
         self.keep: list[Any] = []  # objects whose memory the saved arrays view, kept alive until written
-        self._to_hash: list[tuple[str, Any]] = []  # (leaf key, its data): checksummed together in `checksums`
+        # (leaf key, its data, whether to copy it first): copied and checksummed together in `checksums`
+        self._to_hash: list[tuple[str, Any, bool]] = []
         # Parked leaves are encoded from views of their host copies: where each really belongs.
         self._device_of: dict[int, Any] = {}
         self._sharding_of: dict[int, Any] = {}
@@ -112,12 +114,11 @@ class Writer:
             key = self.storages[skey] = self._key()
             raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).detach()
             host = raw.cpu().numpy() if raw.device.type != "cpu" else raw.numpy()
-            if self.copy_host and raw.device.type == "cpu":
-                host = host.copy()
             self.keep.append(raw)
             self.arrays[key] = host
             self.leaves[key] = {"kind": "torch_storage", "nbytes": int(host.nbytes)}
-            self._to_hash.append((key, host))
+            # A device storage's host copy is the save's own already.
+            self._to_hash.append((key, host, self.copy_host and raw.device.type == "cpu"))
         return {
             "t": "torch",
             "storage": key,
@@ -139,7 +140,7 @@ class Writer:
         sharding = sharding if sharding is not None else a.sharding
         if getattr(a.sharding, "memory_kind", None) in ("pinned_host", "unpinned_host"):
             a = jax.device_put(a, a.sharding.with_memory_kind("device"))  # orbax writes device arrays
-        self.arrays[key] = a
+        self.arrays[key] = a  # immutable: never copied
         info: dict[str, Any] = {
             "kind": "jax",
             "dtype": a.dtype.name,
@@ -148,7 +149,7 @@ class Writer:
         }
         self.leaves[key] = info
         if a.is_fully_addressable:
-            self._to_hash.append((key, a))
+            self._to_hash.append((key, a, False))
         return {"t": "jax", "key": key}
 
     def _numpy(self, a: np.ndarray, where: str) -> dict[str, Any]:
@@ -156,17 +157,30 @@ class Writer:
             raise CheckpointError(f"{where}: a numpy array of Python objects cannot be checkpointed.")
         key = self._key()
         raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        self.arrays[key] = raw.copy() if self.copy_host and raw.base is not None else raw
+        self.arrays[key] = raw
         self.leaves[key] = {"kind": "numpy", "nbytes": int(raw.nbytes)}
-        self._to_hash.append((key, raw))
+        self._to_hash.append((key, raw, self.copy_host and raw.base is not None))
         return {"t": "numpy", "key": key, "dtype": a.dtype.name, "shape": list(a.shape)}
 
     def checksums(self) -> None:
-        """Give every leaf its checksum, largest first across the cores."""
+        """Give every leaf its checksum, largest first across the cores; a buffer the save must own (the
+        model may change it during an asynchronous write) is copied in the same pass, each chunk hashed from
+        cache right after it is copied, and the copy is what is written."""
+
+        def run(job: tuple[str, Any, bool]) -> tuple[str, Any]:
+            _, data, copy = job
+            if not copy:
+                return checksum(np.asarray(data)), data
+            src = np.asarray(data).reshape(-1).view(np.uint8)
+            out = np.empty_like(src)
+            return copy_checksum(src, out), out
+
         jobs = sorted(self._to_hash, key=lambda job: -job[1].nbytes)
-        digests = in_parallel(lambda job: checksum(np.asarray(job[1])), jobs, sum(job[1].nbytes for job in jobs))
-        for (key, _), digest in zip(jobs, digests):
+        results = in_parallel(run, jobs, sum(job[1].nbytes for job in jobs))
+        for (key, _, copy), (digest, data) in zip(jobs, results):
             self.leaves[key][CHECKSUM] = digest
+            if copy:
+                self.arrays[key] = data
         self._to_hash = []
 
     def object(self, obj: Any, where: str) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """Reading a checkpoint: the newest step's manifest checked, its arrays restored by orbax where the caller
-places them, host-bound torch storages copied into aligned memory, and every leaf's checksum verified."""
+places them (host-bound torch storages straight into aligned memory), and every leaf's checksum verified."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import CheckpointError
 from .decode import decode_sharding
 from .directory import import_orbax, list_steps, orbax_manager
+from .handlers import read_into
 from .manifest import (
     CHECKSUM,
     aligned_empty,
@@ -56,10 +57,9 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
         )
     check_manifest(manifest, root)
     on_cpu = _storages_on_cpu(manifest, torch_device)
-    # While orbax waits on the disk, fault in the aligned memory the host-bound storages are copied into.
-    prepared: dict[str, np.ndarray] = {}
-    prefault = threading.Thread(target=_prepare, args=(manifest["leaves"], on_cpu, prepared), daemon=True)
-    prefault.start()
+    # Host-bound storages are read straight into aligned memory JAX can alias (one copy, from tensorstore's read
+    # buffer; the pages are faulted in by tensorstore's copy threads as they fill them).
+    prepared = _prepare(manifest["leaves"], on_cpu)
     manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
     try:
         abstract: dict[str, Any] = {}
@@ -70,9 +70,9 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
             else:
                 abstract[key] = np.empty(info["nbytes"], np.uint8)
         try:
-            restore = ocp.args.PyTreeRestore(
-                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
-            )
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+            restore_args.update({key: read_into(out) for key, out in prepared.items()})
+            restore = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
             arrays = manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"]
         except Exception as e:
             raise CheckpointError(
@@ -81,7 +81,6 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
             ) from e
     finally:
         manager.close()
-    prefault.join()
     leaves = manifest["leaves"]
     missing = [key for key in leaves if arrays.get(key) is None]
     if missing:
@@ -90,10 +89,12 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
     def verify(key: str) -> tuple[Any, bool]:
         got, info = arrays[key], leaves[key]
         algorithm = next((a for a in (CHECKSUM, "sha256") if a in info), None)
+        out = prepared.get(key)
+        if out is not None and got is out:  # read into its aligned buffer: what gets checked is what is used
+            return out, algorithm is None or checksum(out, algorithm) == info[algorithm]
         if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
             src = np.asarray(got, dtype=np.uint8)
-            out = prepared.get(key)
-            out = out if out is not None and out.nbytes == src.nbytes else aligned_empty(src.nbytes)
+            out = aligned_empty(src.nbytes)
             if algorithm is None:
                 np.copyto(out, src)
                 return out, True
@@ -115,13 +116,14 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
     return manifest, arrays
 
 
-def _prepare(leaves: dict[str, Any], keys: set[str], out: dict[str, np.ndarray]) -> None:
-    """Aligned, faulted-in memory for each of ``keys`` (leaves sized by the manifest), into ``out``."""
-    try:
-        for key in sorted(keys, key=lambda k: -leaf_nbytes(leaves[k])):
-            out[key] = aligned_empty(leaf_nbytes(leaves[key]), touch=True)
-    except (MemoryError, ValueError, TypeError, KeyError):  # a damaged manifest's sizes: the read refuses it
-        out.clear()
+def _prepare(leaves: dict[str, Any], keys: set[str]) -> dict[str, np.ndarray]:
+    """Aligned memory for each of ``keys`` (leaves sized by the manifest); none for a size a damaged manifest
+    garbles (that leaf is read into new memory, and refused)."""
+    out = {}
+    for key in keys:
+        with contextlib.suppress(MemoryError, ValueError, TypeError, KeyError):
+            out[key] = aligned_empty(leaf_nbytes(leaves[key]))
+    return out
 
 
 def _storages_on_cpu(manifest: dict[str, Any], torch_device: Any) -> set[str]:
