@@ -81,3 +81,46 @@ def test_a_commit_that_cannot_fit_is_refused_and_changes_nothing() -> None:
     with m.pin("a"), pytest.raises(fs.BudgetExceededError):
         b.commit("buf", kib())
     assert m.state is before and len(b.view("buf")) == 3
+
+
+def _aliased_then_replaced(case: str) -> tuple[SessionStateManager, int]:
+    """A table within its budget where an attr aliases a buffer an object holds, and a commit then drops the
+    object's hold on it (the attr keeps it alive) while adding a new buffer."""
+    import torch
+
+    n = 1 << 16  # 256 KiB per tensor
+    budget = 4 * n * 3 // 2  # room for 1.5 tensors
+    m = SessionStateManager(byte_budget={"cpu": budget})
+    t = torch.ones(n)
+    if case == "dense":
+        h = m.get_or_create_session("a")
+        h.put("v", fs.DenseValue.create(t))
+        h.set_attr("alias", t)
+    elif case == "ring":
+        h = m.get_or_create_session("a")
+        h.put("r", LatentBuffer.create(maxlen=1))
+        h.commit("r", t)
+        h.set_attr("alias", t)
+    else:  # another session's attr holds the buffer the writer lets go of
+        h = m.get_or_create_session("a")
+        h.put("v", fs.DenseValue.create(t))
+        m.get_or_create_session("b").set_attr("x", t)
+    assert m.stats(exact=True)["nbytes:cpu"] <= budget
+    return m, budget
+
+
+@pytest.mark.parametrize("case", ["dense", "ring", "other_session"])
+def test_a_commit_that_leaves_an_attr_aliased_buffer_to_the_attr_never_exceeds_the_budget(case: str) -> None:
+    import torch
+
+    m, budget = _aliased_then_replaced(case)
+    handle = m.get_session("a")
+    before = m.stats(exact=True)
+    name = "r" if case == "ring" else "v"
+    try:
+        handle.commit(name, torch.zeros(1 << 16))
+    except fs.BudgetExceededError:
+        assert m.stats(exact=True) == before  # refused: nothing changed
+    after = m.stats(exact=True)
+    assert after["nbytes:cpu"] <= budget, (after["nbytes:cpu"], budget)
+    assert m.stats() == after

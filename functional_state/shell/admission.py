@@ -23,7 +23,7 @@ from .cells import Departure, departures
 
 __all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast", "within_budget_in_place"]
 
-Surplus = dict[str, int]  # attr bytes beyond the objects', per pool (an upper bound; exact after a full check)
+Surplus = dict[str, int]  # attr bytes per pool, aliases of objects included: a bound whatever the objects do next
 
 
 class Decision(NamedTuple):

@@ -78,7 +78,7 @@ class SessionStateManager:
         bad = [lever for lever in self._levers if lever not in LEVERS]
         if bad:
             raise InvalidArgumentError(f"`SessionStateManager`: unknown release lever(s) {bad}; choose from {LEVERS}.")
-        self._surplus: dict[str, int] | None = None  # attr bytes beyond the objects', at the last full check
+        self._surplus: dict[str, int] | None = None  # attr bytes (aliases of objects too), at the last full check
         self._budgeted = self._state.byte_budget is not None  # (changes only with an installed `load`)
         self._lock = lock_factory()
         self._pins = Pins(self._lock)  # sessions the budget must not touch (requests in flight)
