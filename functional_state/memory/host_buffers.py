@@ -10,7 +10,8 @@ nothing holds any more, and comes fresh from numpy (which asks the kernel for hu
 How a buffer comes back: the tensor handed out wraps a numpy view of the buffer; torch keeps that view alive
 as long as any tensor, view, DLPack export or numpy alias of the storage lives, and a `weakref.finalize` on
 it returns the buffer to the cache when the last one dies. Nothing that still reads the bytes can be given
-them again. The cache keeps at most `cache_limit` free bytes (1 GiB by default, as torch's own caching host
+them again. (A tensor whose storage is swapped away with ``Tensor.set_`` while a JAX array still aliases
+the old one breaks that, as it breaks torch's own allocator: the bridge documents that rule.) The cache keeps at most `cache_limit` free bytes (1 GiB by default, as torch's own caching host
 allocator keeps pinned buffers); `clear_cache` hands them back to the system. Thread-safe.
 """
 
