@@ -11,8 +11,9 @@ How a buffer comes back: the tensor handed out wraps a numpy view of the buffer;
 as long as any tensor, view, DLPack export or numpy alias of the storage lives, and a `weakref.finalize` on
 it returns the buffer to the cache when the last one dies. Nothing that still reads the bytes can be given
 them again. (A tensor whose storage is swapped away with ``Tensor.set_`` while a JAX array still aliases
-the old one breaks that, as it breaks torch's own allocator: the bridge documents that rule.) The cache keeps at most `cache_limit` free bytes (1 GiB by default, as torch's own caching host
-allocator keeps pinned buffers); `clear_cache` hands them back to the system. Thread-safe.
+the old one breaks that, as it breaks torch's own allocator: the bridge documents that rule.) The cache
+keeps at most `cache_limit` free bytes (1 GiB by default, as torch's own caching host allocator keeps
+pinned buffers); `clear_cache` hands them back to the system. Thread-safe.
 """
 
 from __future__ import annotations
