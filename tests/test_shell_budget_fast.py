@@ -56,13 +56,19 @@ def test_a_commit_within_budget_is_computed_once_with_no_full_check(monkeypatch:
     assert len(h.view("buf")) == 4
 
 
-def test_a_commit_that_crosses_the_budget_makes_room_by_dropping_another_session() -> None:
+def _full_a_and_three_quarters_b() -> tuple[SessionStateManager, Any, Any]:
+    """A 7 KiB budget holding session a's full 4-item ring and 3 items of b's (7 KiB)."""
     m = _manager(7 * 1024, release_levers=("drop",))
     a, b = m.get_or_create_session("a"), m.get_or_create_session("b")
     for _ in range(4):
         a.commit("buf", kib())
     for _ in range(3):
         b.commit("buf", kib())
+    return m, a, b
+
+
+def test_a_commit_that_crosses_the_budget_makes_room_by_dropping_another_session() -> None:
+    m, a, b = _full_a_and_three_quarters_b()
     a.commit("buf", kib())  # a full ring drops one item for the new one: within budget, nothing released
     assert "a" in m and "b" in m
     b.commit("buf", kib())  # 8 KiB > 7 KiB: the other session is released to make room
@@ -71,12 +77,7 @@ def test_a_commit_that_crosses_the_budget_makes_room_by_dropping_another_session
 
 
 def test_a_commit_that_cannot_fit_is_refused_and_changes_nothing() -> None:
-    m = _manager(7 * 1024, release_levers=("drop",))
-    a, b = m.get_or_create_session("a"), m.get_or_create_session("b")
-    for _ in range(4):
-        a.commit("buf", kib())
-    for _ in range(3):
-        b.commit("buf", kib())
+    m, _, b = _full_a_and_three_quarters_b()
     before = m.state
     with m.pin("a"), pytest.raises(fs.BudgetExceededError):
         b.commit("buf", kib())
