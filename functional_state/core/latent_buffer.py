@@ -172,6 +172,7 @@ class LatentBuffer(StateObject):
             return None
         counts, per_item = cached
         found = value_extents(ni[-1])
+        gone: Any
         if drop == 1 and len(found) == 1 and type(counts) is dict and len(per_item[0]) == 1 and len(counts) < _SMALL:
             # The steady state: a full ring, one extent leaves and one arrives (written out for it).
             gone, came = per_item[0], (found[0],)
@@ -200,9 +201,9 @@ class LatentBuffer(StateObject):
         added = _distinct(found)
         for e in added:
             m[e] = m.get(e, 0) + 1
-        came = [e for e in added if m[e] == 1]
+        fresh = [e for e in added if m[e] == 1]
         _SET_ACCT(new, (_finished(m), (*per_item[drop:], added)))
-        return came, gone, None
+        return fresh, gone, None
 
     def __repr__(self) -> str:
         parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]

@@ -172,7 +172,7 @@ def _address_exported(owner: np.ndarray) -> int:
         return owner.__array_interface__["data"][0]
 
 
-def _address_field(owner: np.ndarray) -> int:
+def _address_field(owner: Any) -> int:
     # The ``data`` field of numpy's PyArrayObject, the first after the object header (numpy's ABI since 1.0):
     # a third of the buffer export's cost. `_data_field_works` checks the layout once, at import.
     if type(owner) is not np.ndarray and not isinstance(owner, np.ndarray):  # (never read a foreign object)
@@ -183,7 +183,14 @@ def _address_field(owner: np.ndarray) -> int:
 def _data_field_works() -> bool:
     """Whether `_address_field` reads what ``__array_interface__`` says, for every kind of array it meets."""
     base = np.arange(24, dtype=np.float64)
-    probes = [base, base[3:], base.reshape(4, 6).T, np.zeros(0), np.frombuffer(b"0123", np.uint8), base[::-2]]
+    probes: list[np.ndarray] = [
+        base,
+        base[3:],
+        base.reshape(4, 6).T,
+        np.zeros(0),
+        np.frombuffer(b"0123", np.uint8),
+        base[::-2],
+    ]
     try:
         return all(_address_field(p) == p.__array_interface__["data"][0] for p in probes)
     except Exception:  # pragma: no cover - an interpreter whose objects are laid out otherwise
