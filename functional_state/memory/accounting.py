@@ -182,17 +182,10 @@ def _address_field(owner: Any) -> int:
 
 def _data_field_works() -> bool:
     """Whether `_address_field` reads what ``__array_interface__`` says, for every kind of array it meets."""
-    base = np.arange(24, dtype=np.float64)
-    probes: list[np.ndarray] = [
-        base,
-        base[3:],
-        base.reshape(4, 6).T,
-        np.zeros(0),
-        np.frombuffer(b"0123", np.uint8),
-        base[::-2],
-    ]
+    base = np.arange(24.0)
+    views = (base[3:], base.reshape(4, 6).T, base[::-2], np.zeros(0), np.frombuffer(b"0123", np.uint8))
     try:
-        return all(_address_field(p) == p.__array_interface__["data"][0] for p in probes)
+        return all(_address_field(p) == np.asarray(p).__array_interface__["data"][0] for p in (base, *views))
     except Exception:  # pragma: no cover - an interpreter whose objects are laid out otherwise
         return False
 
