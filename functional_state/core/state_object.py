@@ -361,10 +361,11 @@ LedgerDelta = tuple[Any, Any, Any]
 def value_extents(value: Any) -> list[Extent]:
     """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
     out: accounting.Extents = []
-    torch = accounting.torch_module()
     if type(value) is np.ndarray:  # what the walk would do for it, without the walk's set-up
         accounting.numpy_extents(value, out)
-    elif torch is not None and type(value) is torch.Tensor:
+        return out
+    torch = accounting.torch_module()
+    if torch is not None and type(value) is torch.Tensor:
         accounting.torch_extents(value, out)
     else:
         accounting.collect_extents(value, out, {}, accounting.WalkReport())

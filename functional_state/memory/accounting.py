@@ -159,13 +159,11 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
         out.append((key, start, start + size))
 
 
-_NO_BYTES = ctypes.c_char * 0
-_POINTER = ctypes.c_void_p.from_address
+_NO_BYTES, _POINTER = ctypes.c_char * 0, ctypes.c_void_p.from_address
 
 
 def _address_exported(owner: np.ndarray) -> int:
-    # 4x faster than ``__array_interface__`` (a dict: ~1 us); the export fails for read-only and
-    # non-C-contiguous arrays, which take the interface.
+    # 4x faster than ``__array_interface__`` (a dict: ~1 us); read-only, non-contiguous arrays take the latter.
     try:
         return ctypes.addressof(_NO_BYTES.from_buffer(owner))  # type: ignore[arg-type]  # (ndarray is a buffer)
     except (TypeError, ValueError, BufferError):
@@ -173,9 +171,9 @@ def _address_exported(owner: np.ndarray) -> int:
 
 
 def _address_field(owner: Any) -> int:
-    # The ``data`` field of numpy's PyArrayObject, the first after the object header (numpy's ABI since 1.0):
-    # a third of the buffer export's cost. `_data_field_works` checks the layout once, at import.
-    if type(owner) is not np.ndarray and not isinstance(owner, np.ndarray):  # (never read a foreign object)
+    # The ``data`` field of numpy's PyArrayObject, first after the object header (numpy's ABI since 1.0): a
+    # third of the export's cost. `_data_field_works` checks the layout at import; foreign objects never read.
+    if type(owner) is not np.ndarray and not isinstance(owner, np.ndarray):
         return _address_exported(owner)
     return _POINTER(id(owner) + _HEADER).value or 0
 
@@ -195,15 +193,19 @@ _address = _address_field if _data_field_works() else _address_exported
 
 
 def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
+    if a.base is None and not POOL_STORAGES:  # an array that owns its memory, no engine pool: the common case
+        if a.size:
+            start = _address(a)
+            out.append(("cpu", start, start + a.nbytes))
+        return
     owner = a
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
     base = owner.base
-    if base is not None:  # (isinstance against torch.Tensor is slow: asked only of a foreign base)
-        torch = torch_module()
-        if torch is not None and isinstance(base, torch.Tensor):
-            torch_extents(base, out, raw)
-            return
+    # (isinstance against torch.Tensor is slow: asked only of a foreign base)
+    if base is not None and (torch := torch_module()) is not None and isinstance(base, torch.Tensor):
+        torch_extents(base, out, raw)
+        return
     if owner.size == 0:
         return
     start = _address(owner)
