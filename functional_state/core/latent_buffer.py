@@ -146,7 +146,8 @@ class LatentBuffer(StateObject):
 
     # --- ledger protocol: the ring's figures come from its items, kept as a multiset cached per buffer ----
     def ledger_extents(self) -> frozenset[Extent]:
-        return frozenset(_counted(self)[0].keys())
+        counts, per_item = _counted(self)
+        return frozenset(counts.keys()) if counts is not None else frozenset(e for (e,) in per_item)
 
     def ledger_leaf_extents(self) -> frozenset[Extent]:
         return _NO_EXTRA  # the items are the leaves: the accounting reaches every one
@@ -173,8 +174,20 @@ class LatentBuffer(StateObject):
         counts, per_item = cached
         found = value_extents(ni[-1])
         gone: Any
-        if drop == 1 and len(found) == 1 and type(counts) is dict and len(per_item[0]) == 1 and len(counts) < _SMALL:
-            # The steady state: a full ring, one extent leaves and one arrives (written out for it).
+        if counts is None:  # every item holds one extent of its own: the multiset is ``per_item``
+            if drop <= 1 and len(found) == 1:  # (the steady state, and a ring still filling)
+                e, kept_items = found[0], per_item[drop:]
+                for (k,) in kept_items:
+                    if k == e:
+                        break  # the new item shares an item's storage: counted below
+                else:
+                    came = (e,)
+                    items_now = (*kept_items, came)
+                    _SET_ACCT(new, (None if len(items_now) <= _PLAIN else _plain_counts(items_now), items_now))
+                    return came, (per_item[0] if drop else ()), None
+            counts = _plain_counts(per_item)
+        elif drop == 1 and len(found) == 1 and type(counts) is dict and len(per_item[0]) == 1 and len(counts) < _SMALL:
+            # A full ring whose items share storage, one extent out and one in (written out for it).
             gone, came = per_item[0], (found[0],)
             counts = counts.copy()
             e = gone[0]
@@ -224,6 +237,9 @@ _SET_ACCT = ACCT_SLOT.__set__
 # A ring's extent multiset: a plain dict (copied per commit: cheaper than a persistent map's updates) up to
 # this many extents, an immutables.Map (O(log n) per update) beyond.
 _SMALL = 64
+# Up to this many items, a ring whose items each hold one extent of their own keeps no multiset (None):
+# ``per_item`` is one, and a commit compares the new extent with the few kept (no dict copied, no hashing).
+_PLAIN = 8
 if [f.name for f in dataclasses.fields(LatentBuffer)] != [*_SET, "recompute_source", "recompute_cost"]:
     raise TypeError("LatentBuffer's fields changed: `_with_items` must set every one of them")
 
@@ -271,6 +287,10 @@ def _finished(m: Any) -> Any:
     return m.finish()
 
 
+def _plain_counts(per_item: tuple[tuple[Extent, ...], ...]) -> dict[Extent, int]:
+    return {e: 1 for (e,) in per_item}
+
+
 def _counted(buf: LatentBuffer) -> tuple[Any, tuple[tuple[Extent, ...], ...]]:
     """A buffer's extents with how many of its values (items, staged, parked copy) hold each, and each item's
     own extents (so a commit that drops an item need not look at it again), computed once and cached."""
@@ -286,6 +306,7 @@ def _counted(buf: LatentBuffer) -> tuple[Any, tuple[tuple[Extent, ...], ...]]:
         if value is not None:
             for e in _distinct(value_extents(value)):
                 counts[e] = counts.get(e, 0) + 1
-    cached = (_finished(counts), per_item)
+    plain = len(per_item) <= _PLAIN and all(len(p) == 1 for p in per_item) and len(counts) == len(per_item)
+    cached = (None if plain and buf.staged is None and buf.host_copy is None else _finished(counts), per_item)
     _SET_ACCT(buf, cached)
     return cached
