@@ -143,7 +143,7 @@ def _span(shape: Any, strides: Any, itemsize: int) -> tuple[int, int]:
 def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
     if t.layout is not torch_module().strided:
         return  # Sparse layouts have no single storage; counted as unknown (zero).
-    key = _torch_device_key(t.device)
+    key = "cpu" if t.is_cpu else _torch_device_key(t.device)  # (is_cpu: a third of the device lookup)
     if key is None:
         return
     storage = t.untyped_storage()
