@@ -130,3 +130,21 @@ def test_the_steady_step_counts_a_dropped_item_whose_storage_another_item_still_
 def test_the_address_read_is_the_array_interface_one(make):
     a = make()
     assert accounting._address(a) == a.__array_interface__["data"][0]
+
+
+def test_a_step_moving_bytes_in_two_pools_moves_both_totals():
+    # An item in pinned host memory replaces one in the default CPU pool (and tuples hold both): a step's
+    # bytes move in two pools, each total its own.
+    import jax
+    import jax.numpy as jnp
+
+    device = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    state, _ = fs.get_or_create(ManagerState.create(byte_budget={"cpu": 1 << 30}), "a")
+    state = fs.put(state, "a", "ring", LatentBuffer.create(maxlen=2))
+    for k in range(8):
+        host = jax.device_put(jnp.full(4 + k, float(k)), pinned)
+        item = [np.full(8, k, np.float32), host, (np.ones(k + 1), host)][k % 3]
+        state = fs.commit(state, "a", "ring", item)
+        assert _pools(fs.stats(state)) == _pools(fs.stats(state, exact=True))
+        assert len(_pools(fs.stats(state))) == (1 if k == 0 else 2)

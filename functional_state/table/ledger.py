@@ -227,9 +227,10 @@ class Acct:
         totals = self.totals
         if moved:  # (an item of the size of the one it replaces moves no total)
             totals = totals.set(pool, totals.get(pool, 0) + moved)
-        for p, d in (other or {}).items():
-            if d:
-                totals = totals.set(p, totals.get(p, 0) + d)
+        if other:
+            for p, d in other.items():
+                if d:
+                    totals = totals.set(p, totals.get(p, 0) + d)
         return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, self.parked)
 
     def _difference(self, old: Any, new: Any) -> Acct:
