@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import immutables
@@ -114,6 +113,7 @@ class LatentBuffer(StateObject):
         _SET_STATUS(new, self.status)
         _SET_SOURCE(new, self.recompute_source)
         _SET_COST(new, self.recompute_cost)
+        _SET_ACCT(new, None)  # read by `ledger_step` without the exception of an unset slot
         return new
 
     def _commit_payload(self, payload: Any) -> LatentBuffer:
@@ -146,7 +146,8 @@ class LatentBuffer(StateObject):
 
     # --- ledger protocol: the ring's figures come from its items, kept as a multiset cached per buffer ----
     def ledger_extents(self) -> frozenset[Extent]:
-        return frozenset(_counted(self)[0].keys())
+        counts, per_item = _counted(self)
+        return frozenset(counts.keys()) if counts is not None else frozenset(e for (e,) in per_item)
 
     def ledger_leaf_extents(self) -> frozenset[Extent]:
         return _NO_EXTRA  # the items are the leaves: the accounting reaches every one
@@ -157,46 +158,65 @@ class LatentBuffer(StateObject):
         reaches zero (or leaves zero) moves the ledger. The hot path of every step: kept to one pass."""
         if type(new) is not type(self):
             return None
-        cached = getattr(self, "_acct_cache", None)
-        if type(cached) is not tuple or getattr(new, "_acct_cache", None) is not None:
+        try:  # (a slot never set raises: a commit sets ``new``'s to None, a step sets ``self``'s)
+            cached = self._acct_cache
+            if new._acct_cache is not None:
+                return None
+        except AttributeError:
             return None
-        if self.staged is not new.staged or self.host_copy is not None or new.host_copy is not None:
+        if type(cached) is not tuple or self.staged is not new.staged or self.host_copy is not None:
             return None
         oi, ni = self.items, new.items
         kept = len(ni) - 1
         drop = len(oi) - kept
-        if kept < 0 or drop < 0 or not all(map(operator.is_, oi[drop:], ni[:kept])):
+        if kept < 0 or drop < 0 or new.host_copy is not None or not _same(oi, drop, ni, kept):
             return None
         counts, per_item = cached
-        gone: Any
-        if drop == 1:  # a full ring: its oldest item leaves (the steady state, written out for it)
-            gone, whole = per_item[0], True
-            for e in gone:
-                n = counts[e] - 1
-                if n:
-                    counts = counts.set(e, n)
-                    whole = False
-                else:
-                    counts = counts.delete(e)
-            if not whole:  # some of its storage stays in the ring (another item holds it too)
-                gone = [e for e in gone if e not in counts]
-        else:
-            for extents in per_item[:drop]:
-                for e in extents:
-                    n = counts[e] - 1
-                    counts = counts.set(e, n) if n else counts.delete(e)
-            gone = {e for extents in per_item[:drop] for e in extents if e not in counts} if drop else ()
         found = value_extents(ni[-1])
-        added = tuple(found) if len(found) < 2 else tuple(set(found))
-        fresh = True  # every extent of the new item is new to the ring
-        for e in added:
+        gone: Any
+        if counts is None:  # every item holds one extent of its own: the multiset is ``per_item``
+            if drop <= 1 and len(found) == 1:  # (the steady state, and a ring still filling)
+                e, kept_items = found[0], per_item[drop:]
+                for (k,) in kept_items:
+                    if k == e:
+                        break  # the new item shares an item's storage: counted below
+                else:
+                    came = (e,)
+                    items_now = (*kept_items, came)
+                    _SET_ACCT(new, (None if len(items_now) <= _PLAIN else _plain_counts(items_now), items_now))
+                    return came, (per_item[0] if drop else ()), None
+            counts = _plain_counts(per_item)
+        elif drop == 1 and len(found) == 1 and type(counts) is dict and len(per_item[0]) == 1 and len(counts) < _SMALL:
+            # A full ring whose items share storage, one extent out and one in (written out for it).
+            gone, came = per_item[0], (found[0],)
+            counts = counts.copy()
+            e = gone[0]
+            n = counts[e] - 1
+            if n:  # another item holds the storage too
+                counts[e] = n
+                gone = ()
+            else:
+                del counts[e]
+            e = came[0]
             n = counts.get(e, 0)
-            counts = counts.set(e, n + 1)
-            if n:
-                fresh = False
-        came = added if fresh else [e for e in added if counts[e] == 1]
-        ACCT_SLOT.__set__(new, (counts, (*per_item[drop:], added)))
-        return came, gone, None
+            counts[e] = n + 1
+            _SET_ACCT(new, (counts, (*per_item[1:], came)))
+            return (() if n else came), gone, None
+        m = counts.copy() if type(counts) is dict else counts.mutate()
+        for extents in per_item[:drop]:
+            for e in extents:
+                n = m[e] - 1
+                if n:
+                    m[e] = n
+                else:
+                    del m[e]
+        gone = {e for extents in per_item[:drop] for e in extents if e not in m} if drop else ()
+        added = _distinct(found)
+        for e in added:
+            m[e] = m.get(e, 0) + 1
+        fresh = [e for e in added if m[e] == 1]
+        _SET_ACCT(new, (_finished(m), (*per_item[drop:], added)))
+        return fresh, gone, None
 
     def __repr__(self) -> str:
         parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]
@@ -213,6 +233,13 @@ _SET = {name: LatentBuffer.__dict__[name].__set__ for name in ("items", "staged"
 _SET_ITEMS, _SET_STAGED, _SET_HOST, _SET_MAXLEN, _SET_STATUS = _SET.values()
 _SET_SOURCE = LatentBuffer.__dict__["recompute_source"].__set__
 _SET_COST = LatentBuffer.__dict__["recompute_cost"].__set__
+_SET_ACCT = ACCT_SLOT.__set__
+# A ring's extent multiset: a plain dict (copied per commit: cheaper than a persistent map's updates) up to
+# this many extents, an immutables.Map (O(log n) per update) beyond.
+_SMALL = 64
+# Up to this many items, a ring whose items each hold one extent of their own keeps no multiset (None):
+# ``per_item`` is one, and a commit compares the new extent with the few kept (no dict copied, no hashing).
+_PLAIN = 8
 if [f.name for f in dataclasses.fields(LatentBuffer)] != [*_SET, "recompute_source", "recompute_cost"]:
     raise TypeError("LatentBuffer's fields changed: `_with_items` must set every one of them")
 
@@ -234,6 +261,7 @@ def _with_items(buf: LatentBuffer, items: tuple[Any, ...]) -> LatentBuffer:
     _SET_STATUS(new, buf.status)
     _SET_SOURCE(new, buf.recompute_source)
     _SET_COST(new, buf.recompute_cost)
+    _SET_ACCT(new, None)
     return new
 
 
@@ -241,13 +269,35 @@ def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
     return tuple(extents) if len(extents) < 2 else tuple(set(extents))
 
 
-def _counted(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent, ...], ...]]:
+def _same(old: tuple[Any, ...], drop: int, new: tuple[Any, ...], kept: int) -> bool:
+    """Whether ``new[:kept]`` are ``old[drop:]``, item by item (identity: items are arrays). (A loop over one
+    slice: a third cheaper than ``all(map(operator.is_, ...))`` over two, on a small ring.)"""
+    i = drop
+    for x in new[:kept]:
+        if old[i] is not x:
+            return False
+        i += 1
+    return True
+
+
+def _finished(m: Any) -> Any:
+    """A multiset being updated, as kept: a dict while small, else a Map (and a Map that shrank stays one)."""
+    if type(m) is dict:
+        return m if len(m) <= _SMALL else immutables.Map(m)
+    return m.finish()
+
+
+def _plain_counts(per_item: tuple[tuple[Extent, ...], ...]) -> dict[Extent, int]:
+    return {e: 1 for (e,) in per_item}
+
+
+def _counted(buf: LatentBuffer) -> tuple[Any, tuple[tuple[Extent, ...], ...]]:
     """A buffer's extents with how many of its values (items, staged, parked copy) hold each, and each item's
     own extents (so a commit that drops an item need not look at it again), computed once and cached."""
     cached = getattr(buf, "_acct_cache", None)
     if type(cached) is tuple:
         return cached
-    counts: Any = immutables.Map().mutate()
+    counts: dict[Extent, int] = {}
     per_item = tuple(_distinct(value_extents(value)) for value in buf.items)
     for extents in per_item:
         for e in extents:
@@ -256,6 +306,7 @@ def _counted(buf: LatentBuffer) -> tuple[immutables.Map, tuple[tuple[Extent, ...
         if value is not None:
             for e in _distinct(value_extents(value)):
                 counts[e] = counts.get(e, 0) + 1
-    cached = (counts.finish(), per_item)
-    ACCT_SLOT.__set__(buf, cached)
+    plain = len(per_item) <= _PLAIN and all(len(p) == 1 for p in per_item) and len(counts) == len(per_item)
+    cached = (None if plain and buf.staged is None and buf.host_copy is None else _finished(counts), per_item)
+    _SET_ACCT(buf, cached)
     return cached

@@ -198,21 +198,39 @@ class Acct:
         add, remove, blocks_moved = delta
         if blocks_moved is not None:
             return self.change(add=[add], remove=[remove], kv_add=[blocks_moved[0]], kv_remove=[blocks_moved[1]])
-        refs, totals = self.refs, self.totals
+        if not add and not remove:
+            return self
+        refs = self.refs
+        pool, moved = None, 0  # bytes that came or left, per pool: one pool in a step, kept in two locals
+        other: dict[str, int] | None = None
         for e in remove:
             n = refs[e] - 1
             if n:
                 refs = refs.set(e, n)
+                continue
+            refs = refs.delete(e)
+            if pool is None or e[0] == pool:
+                pool, moved = e[0], moved - (e[2] - e[1])
             else:
-                refs = refs.delete(e)
-                totals = totals.set(e[0], totals[e[0]] - (e[2] - e[1]))
+                other = other or {}
+                other[e[0]] = other.get(e[0], 0) - (e[2] - e[1])
         for e in add:
             n = refs.get(e, 0)
             refs = refs.set(e, n + 1)
-            if not n:
-                totals = totals.set(e[0], totals.get(e[0], 0) + (e[2] - e[1]))
-        if refs is self.refs:
-            return self
+            if n:
+                continue
+            if pool is None or e[0] == pool:
+                pool, moved = e[0], moved + (e[2] - e[1])
+            else:
+                other = other or {}
+                other[e[0]] = other.get(e[0], 0) + (e[2] - e[1])
+        totals = self.totals
+        if moved:  # (an item of the size of the one it replaces moves no total)
+            totals = totals.set(pool, totals.get(pool, 0) + moved)
+        if other:
+            for p, d in other.items():
+                if d:
+                    totals = totals.set(p, totals.get(p, 0) + d)
         return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, self.parked)
 
     def _difference(self, old: Any, new: Any) -> Acct:
