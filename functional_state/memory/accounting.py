@@ -188,8 +188,8 @@ def _data_field_works() -> bool:
         return False
 
 
-_HEADER = object.__basicsize__  # bytes of a CPython object header (larger in a free-threaded build)
-_address = _address_field if _data_field_works() else _address_exported
+_HEADER = object.__basicsize__  # a CPython object header's bytes; only CPython's id() is an address to read
+_address = _address_field if sys.implementation.name == "cpython" and _data_field_works() else _address_exported
 
 
 def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
