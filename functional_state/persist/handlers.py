@@ -194,34 +194,60 @@ def _entries(root: str) -> dict[bytes, Any] | None:
         return None
 
 
+# Files read at once (orbax writes the arrays into a few data files). One stream per file, each one ``preadv``
+# per run of chunks that lie end to end, reads closest to a plain sequential read on this disk; tensorstore's
+# ~10 concurrent chunk reads and more streams over 32 MiB pieces measured slower (interleaved cold rounds of
+# 607 MiB over a raw read: tensorstore 1.57x; pieces on 1, 2, 4 threads 1.22x, 1.54x, 1.60x; runs on 1 thread
+# 1.16x, one thread per file 0.88x, both 1.2x fastest over fastest).
+READ_THREADS = 2
+
+
 def read_direct(reads: list[tuple[Any, Path, int, int, bytes | None]]) -> None:
-    """Fill each ``out`` from its data file: one thread per file, each reading its chunks in file order (the
-    disk's readahead then streams it, as it does a plain sequential read)."""
-    by_file: dict[Path, list[tuple[Any, int, int]]] = {}
+    """Fill each ``out`` from its data file, file by file in file order: each run of chunks that lie end to end
+    is one ``preadv`` into their buffers (the kernel's readahead then streams the file as it does a plain
+    sequential read)."""
+    by_file: dict[Path, list[tuple[int, memoryview]]] = {}
     for out, path, offset, length, inline in reads:
         if inline is not None:
             out[:] = np.frombuffer(inline, np.uint8)
         else:
-            by_file.setdefault(path, []).append((out, offset, length))
+            by_file.setdefault(path, []).append((offset, memoryview(out).cast("B")[:length]))
 
     def one_file(path: Path) -> None:
+        chunks = sorted(by_file[path], key=lambda chunk: chunk[0])
         fd = os.open(path, os.O_RDONLY)
         try:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            for out, offset, length in sorted(by_file[path], key=lambda r: r[1]):
-                view, done = memoryview(out).cast("B"), 0
-                while done < length:
-                    got = os.preadv(fd, [view[done:]], offset + done)
-                    if got <= 0:
-                        raise OSError(f"{path} ends before the {length} bytes at {offset} (truncated)")
-                    done += got
+            i = 0
+            while i < len(chunks):
+                start, run, end = chunks[i][0], [chunks[i][1]], chunks[i][0] + len(chunks[i][1])
+                i += 1
+                while i < len(chunks) and chunks[i][0] == end and len(run) < 512:
+                    run.append(chunks[i][1])
+                    end += len(chunks[i][1])
+                    i += 1
+                _read_run(fd, path, start, run)
         finally:
             os.close(fd)
 
-    if len(by_file) <= 1:
-        for path in by_file:
+    if len(by_file) <= 1 or READ_THREADS <= 1:
+        for path in sorted(by_file):
             one_file(path)
         return
-    with ThreadPoolExecutor(min(len(by_file), os.cpu_count() or 1)) as pool:
-        list(pool.map(one_file, by_file))
+    with ThreadPoolExecutor(min(len(by_file), READ_THREADS)) as pool:
+        list(pool.map(one_file, sorted(by_file)))
+
+
+def _read_run(fd: int, path: Path, offset: int, views: list[memoryview]) -> None:
+    """Read the bytes at ``offset`` into ``views``, end to end, however short the reads the kernel returns."""
+    while views:
+        got = os.preadv(fd, views, offset)
+        if got <= 0:
+            raise OSError(f"{path} ends before the {sum(map(len, views))} bytes at {offset} (truncated)")
+        offset += got
+        while views and got >= len(views[0]):
+            got -= len(views[0])
+            views = views[1:]
+        if views and got:
+            views[0] = views[0][got:]
