@@ -115,6 +115,8 @@ def plan_direct(specs: list[dict[str, Any]], outs: list[Any]) -> dict[int, tuple
     """``{index: (out, data file, offset, length, inline bytes)}`` for the leaves this can read straight into
     their ``outs``; the others are left out (tensorstore reads them)."""
     found: dict[int, tuple[Any, Path, int, int, bytes | None]] = {}
+    if not hasattr(os, "preadv"):  # a platform without it (Windows): tensorstore reads every leaf
+        return found
     databases: dict[str, dict[bytes, Any] | None] = {}
     for i, (spec, out) in enumerate(zip(specs, outs)):
         store = spec.get("kvstore", {})
