@@ -100,3 +100,71 @@ def test_a_buffer_of_the_wrong_size_is_never_read_into(tmp_path):
     path.write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=key):
         fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
+
+
+def _opened_zarr_leaves(monkeypatch) -> list[str]:
+    """The leaves tensorstore is asked to open for a read (the byte leaves it reads itself)."""
+    import tensorstore as ts
+
+    opened: list[str] = []
+    original = ts.open
+
+    def spy(spec, *args, **kwargs):
+        as_json = spec.to_json() if isinstance(spec, ts.Spec) else spec
+        opened.append(str(as_json.get("kvstore", {}).get("path")))
+        return original(spec, *args, **kwargs)
+
+    monkeypatch.setattr(ts, "open", spy)
+    return opened
+
+
+def test_a_load_reads_one_chunk_byte_leaves_from_the_data_file_itself(tmp_path, monkeypatch):
+    """tensorstore read each chunk into a buffer of its own and copied it into the load's (a second pass over
+    607 MiB of fresh memory); a byte leaf stored as one raw chunk is now read straight into its buffer, and
+    tensorstore opens none of them (issue 24)."""
+    t, u = torch.randn(1 << 16), torch.arange(7, dtype=torch.int16)  # one leaf stored inline in the tree
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    fs.save_session(fs.put(s, "a", "v", fs.DenseValue.create([t, u])), "a", tmp_path / "ck2")
+    opened = _opened_zarr_leaves(monkeypatch)
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck2"), "a", "v")
+    assert torch.equal(loaded[0], t) and torch.equal(loaded[1], u) and loaded[0].data_ptr() % 64 == 0
+    assert opened == []
+
+
+def test_a_leaf_tensorstore_must_decode_is_read_by_tensorstore(tmp_path, monkeypatch):
+    """A byte leaf written compressed (as earlier versions did) is not raw bytes on disk: tensorstore reads it."""
+    from functional_state.persist import directory
+
+    original = directory.orbax_manager
+
+    def compressed(ocp, root, options):
+        manager = original(ocp, root, options)
+        handler = manager._checkpointer._handler._handler_registry.get("arrays", ocp.args.PyTreeSave)
+        handler._use_compression = True
+        return manager
+
+    t = torch.randn(1 << 14)
+    monkeypatch.setattr(directory, "orbax_manager", compressed)
+    monkeypatch.setattr("functional_state.persist.store.orbax_manager", compressed)
+    fs.save_session(_state(t, np.arange(3)), "a", tmp_path / "ck")
+    monkeypatch.undo()
+    opened = _opened_zarr_leaves(monkeypatch)
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
+    assert torch.equal(loaded[0], t)
+    assert opened  # read by tensorstore, which decompresses it
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damage_to_the_data_file_a_load_reads_itself_is_refused(tmp_path, damage):
+    t = torch.randn(1 << 16)
+    fs.save_session(_state(t, np.arange(3)), "a", tmp_path / "ck")
+    files = [p for p in (tmp_path / "ck").glob("[0-9]*/arrays/ocdbt.process_*/d/*") if p.is_file()]
+    target = max(files, key=lambda p: p.stat().st_size)
+    data = bytearray(target.read_bytes())
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="truncated|checksum|corrupted"):
+        fs.load_session(ManagerState.create(), "a", tmp_path / "ck")

@@ -57,8 +57,9 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
         )
     check_manifest(manifest, root)
     on_cpu = _storages_on_cpu(manifest, torch_device)
-    # Host-bound storages are read straight into aligned memory JAX can alias (one copy, from tensorstore's read
-    # buffer; the pages are faulted in by tensorstore's copy threads as they fill them).
+    # Host-bound storages are read straight into aligned memory JAX can alias: from the data file itself where a
+    # storage is one raw chunk (`handlers.plan_direct`: no copy at all, the kernel's copy is the only one), else
+    # through tensorstore's read buffer (one copy).
     prepared = _prepare(manifest["leaves"], on_cpu)
     manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
     try:
