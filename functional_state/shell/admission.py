@@ -19,9 +19,9 @@ from ..table.engine_blocks import released_blocks
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
 from ..table.state import in_place
-from .cells import Departure, departures
+from .cells import Departure, departures, evicted_reason
 
-__all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast", "within_budget_in_place"]
+__all__ = ["Decision", "admit", "admit_insertion", "rebase", "trivial", "within_budget_fast", "within_budget_in_place"]
 
 Surplus = dict[str, int]  # attr bytes per pool, aliases of objects included: a bound whatever the objects do next
 
@@ -122,6 +122,13 @@ def admit(
     # arrays, never which handles the table holds.)
     released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
+
+
+def admit_insertion(before: ManagerState, after: ManagerState, evicted: list, surplus: Surplus | None) -> Decision:
+    """What `admit` decides for an insertion of an empty session (``budget=False``) while no engine pool is
+    live, without comparing the tables: ``evicted`` is what the insertion said it evicted (`get_or_insert`)."""
+    why = evicted_reason(before.max_sessions) if evicted else ""
+    return Decision(after, surplus, [Departure(*e, why, False) for e in evicted], {})
 
 
 def rebase(base: ManagerState, after: ManagerState, current: ManagerState, sid: str) -> ManagerState | None:

@@ -19,7 +19,7 @@ from ..errors import SessionStateLostError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 
-__all__ = ["Cell", "Cells", "Departure", "departures"]
+__all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]
 
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
@@ -52,6 +52,11 @@ class Departure(NamedTuple):
     closed: bool  # a caller removed it: its handles refuse writes
 
 
+def evicted_reason(max_sessions: int) -> str:
+    """Why a session an insertion evicted left (the reason its `Departure` carries)."""
+    return f"evicted (LRU: the table holds at most max_sessions={max_sessions})"
+
+
 def _holds(state: ManagerState, sid: str, uid: int) -> bool:
     return ms.held_session(state, sid, uid) is not None
 
@@ -77,7 +82,7 @@ def departures(
             missing -= not _holds(after, sid, uid)
     if missing:
         exhaustive = missing < 0  # `after` was not derived from `before` (a load): look at every session
-        evicted = f"evicted (LRU: the table holds at most max_sessions={before.max_sessions})"
+        evicted = evicted_reason(before.max_sessions)
         for sid, uid, session in ms.entries_lru(before):
             if sid not in dropped and not _holds(after, sid, uid):
                 out.append(Departure(sid, uid, session, evicted, False))

@@ -20,12 +20,13 @@ from ..errors import InvalidArgumentError, ObjectParkedError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
+from ..table.lru import get_or_insert
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, rebase, within_budget_in_place
+from .admission import Decision, admit, admit_insertion, rebase, within_budget_in_place
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
@@ -83,6 +84,7 @@ class SessionStateManager:
         self._lock = lock_factory()
         self._pins = Pins(self._lock)  # sessions the budget must not touch (requests in flight)
         self._cells = Cells()
+        self._handles = self._cells.handles  # (read by every hit)
         self._epoch = 0  # changes with every install (and detached write): a write is taken back only if not
         self._debts = Debts()  # installed changes whose engine free failed
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
@@ -238,14 +240,13 @@ class SessionStateManager:
         sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
         with self._lock:
             state = self._state
-            uid = ms.incarnation_of(state, sid)
-            if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
-                self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
-                return self._cells.handles.get(uid) or self._new_handle(sid, state, None)
+            after, uid, evicted = get_or_insert(state, sid)
+            if evicted is None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
+                self._state, self._epoch = after, self._epoch + 1
+                return self._handles.get(uid) or self._new_handle(sid, after, None)
             if not _LIVE_POOLS and not self._debts.owed:  # a miss: no bytes added, no engine blocks to free
-                after = ms.get_or_create(state, sid)[0]
-                undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, {"budget": False}))
-                return self._new_handle(sid, after, undo)
+                self._install(admit_insertion(state, after, evicted, self._surplus))
+                return self._new_handle(sid, after, None)  # (no undo: nothing released, nothing to take back)
         return self._run(
             lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
         )
