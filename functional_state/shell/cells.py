@@ -132,6 +132,12 @@ class Cells:
                 undo.append(lambda: self._forget(uid))
         return cell
 
+    def handle(self, state: ManagerState, sid: str, undo: Undo | None, make: Callable[[Cell], Any]) -> Any:
+        """The shell's handle on the cell of ``sid`` in ``state`` (installed): the one a hit returns from now
+        on, built by ``make(cell)`` on first use."""
+        cell = self.cell(state, sid, undo)
+        return self.handles.setdefault(cell.uid, make(cell))
+
     def _forget(self, uid: int) -> None:
         self.live.pop(uid, None)
         self.handles.pop(uid, None)
