@@ -8,6 +8,7 @@ raised, with nothing installed on top of it) leaves the cells exactly as they we
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections import OrderedDict
@@ -52,6 +53,7 @@ class Departure(NamedTuple):
     closed: bool  # a caller removed it: its handles refuse writes
 
 
+@functools.cache  # (one string per cap, not one per miss)
 def evicted_reason(max_sessions: int) -> str:
     """Why a session an insertion evicted left (the reason its `Departure` carries)."""
     return f"evicted (LRU: the table holds at most max_sessions={max_sessions})"
