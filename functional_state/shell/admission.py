@@ -10,7 +10,7 @@ shell computes it outside its lock and installs it only if the table did not cha
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
@@ -135,11 +135,13 @@ def admit(
     return Decision(final, bound, left, released)
 
 
-def admit_insertion(before: ManagerState, after: ManagerState, evicted: list, surplus: Surplus | None) -> Decision:
+def admit_insertion(
+    before: ManagerState, after: ManagerState, evicted: list[tuple[str, int, Any]], surplus: Surplus | None
+) -> Decision:
     """What `admit` decides for an insertion of an empty session (``budget=False``) while no engine pool is
     live, without comparing the tables: ``evicted`` is what the insertion said it evicted (`get_or_insert`)."""
     why = evicted_reason(before.max_sessions) if evicted else ""
-    return Decision(after, surplus, [Departure(*e, why, False) for e in evicted], {})
+    return Decision(after, surplus, [Departure(sid, uid, session, why, False) for sid, uid, session in evicted], {})
 
 
 def checked_levers(levers: Iterable[str]) -> tuple[str, ...]:
