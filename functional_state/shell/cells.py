@@ -156,11 +156,13 @@ class Cells:
     def detach(self, left: list[Departure], undo: Undo | None) -> None:
         """Once a write that took sessions out of the table is installed: the live handles of each keep its
         last state as their own copy (only on leaving does the copy matter, so writes never pay for it)."""
+        departed = self.departed
         for d in left:
-            self.departed[d.sid] = d.reason
-            self.departed.move_to_end(d.sid)
-            if len(self.departed) > _DEPARTED_KEPT:
-                self.departed.popitem(last=False)
+            if d.sid in departed:  # (a new id, the common case, goes to the end as it is set)
+                departed.move_to_end(d.sid)
+            departed[d.sid] = d.reason
+            if len(departed) > _DEPARTED_KEPT:
+                departed.popitem(last=False)
             if d.closed or d.reason.startswith("dropped"):
                 _log.info("session %r %s", d.sid, d.reason)
             else:
