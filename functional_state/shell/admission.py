@@ -9,19 +9,30 @@ shell computes it outside its lock and installs it only if the table did not cha
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
-from typing import NamedTuple
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
+from ..errors import InvalidArgumentError
 from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
+from ..policy.planner import LEVERS
 from ..table import manager_state as ms
 from ..table.engine_blocks import released_blocks
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
 from ..table.state import in_place
-from .cells import Departure, departures
+from .cells import Departure, departures, evicted_reason
 
-__all__ = ["Decision", "admit", "rebase", "trivial", "within_budget_fast", "within_budget_in_place"]
+__all__ = [
+    "Decision",
+    "admit",
+    "admit_insertion",
+    "checked_levers",
+    "rebase",
+    "trivial",
+    "within_budget_fast",
+    "within_budget_in_place",
+]
 
 Surplus = dict[str, int]  # attr bytes per pool, aliases of objects included: a bound whatever the objects do next
 
@@ -122,6 +133,24 @@ def admit(
     # arrays, never which handles the table holds.)
     released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
+
+
+def admit_insertion(
+    before: ManagerState, after: ManagerState, evicted: list[tuple[str, int, Any]], surplus: Surplus | None
+) -> Decision:
+    """What `admit` decides for an insertion of an empty session (``budget=False``) while no engine pool is
+    live, without comparing the tables: ``evicted`` is what the insertion said it evicted (`get_or_insert`)."""
+    why = evicted_reason(before.max_sessions) if evicted else ""
+    return Decision(after, surplus, [Departure(sid, uid, session, why, False) for sid, uid, session in evicted], {})
+
+
+def checked_levers(levers: Iterable[str]) -> tuple[str, ...]:
+    """``levers`` as a tuple, each one of `LEVERS`, or an `InvalidArgumentError` naming those that are not."""
+    out = tuple(levers)
+    bad = [lever for lever in out if lever not in LEVERS]
+    if bad:
+        raise InvalidArgumentError(f"`SessionStateManager`: unknown release lever(s) {bad}; choose from {LEVERS}.")
+    return out
 
 
 def rebase(base: ManagerState, after: ManagerState, current: ManagerState, sid: str) -> ManagerState | None:

@@ -8,6 +8,7 @@ raised, with nothing installed on top of it) leaves the cells exactly as they we
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections import OrderedDict
@@ -19,7 +20,7 @@ from ..errors import SessionStateLostError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 
-__all__ = ["Cell", "Cells", "Departure", "departures"]
+__all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]
 
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
@@ -52,6 +53,12 @@ class Departure(NamedTuple):
     closed: bool  # a caller removed it: its handles refuse writes
 
 
+@functools.cache  # (one string per cap, not one per miss)
+def evicted_reason(max_sessions: int) -> str:
+    """Why a session an insertion evicted left (the reason its `Departure` carries)."""
+    return f"evicted (LRU: the table holds at most max_sessions={max_sessions})"
+
+
 def _holds(state: ManagerState, sid: str, uid: int) -> bool:
     return ms.held_session(state, sid, uid) is not None
 
@@ -77,7 +84,7 @@ def departures(
             missing -= not _holds(after, sid, uid)
     if missing:
         exhaustive = missing < 0  # `after` was not derived from `before` (a load): look at every session
-        evicted = f"evicted (LRU: the table holds at most max_sessions={before.max_sessions})"
+        evicted = evicted_reason(before.max_sessions)
         for sid, uid, session in ms.entries_lru(before):
             if sid not in dropped and not _holds(after, sid, uid):
                 out.append(Departure(sid, uid, session, evicted, False))
@@ -127,6 +134,12 @@ class Cells:
                 undo.append(lambda: self._forget(uid))
         return cell
 
+    def handle(self, state: ManagerState, sid: str, undo: Undo | None, make: Callable[[Cell], Any]) -> Any:
+        """The shell's handle on the cell of ``sid`` in ``state`` (installed): the one a hit returns from now
+        on, built by ``make(cell)`` on first use."""
+        cell = self.cell(state, sid, undo)
+        return self.handles.setdefault(cell.uid, make(cell))
+
     def _forget(self, uid: int) -> None:
         self.live.pop(uid, None)
         self.handles.pop(uid, None)
@@ -143,11 +156,13 @@ class Cells:
     def detach(self, left: list[Departure], undo: Undo | None) -> None:
         """Once a write that took sessions out of the table is installed: the live handles of each keep its
         last state as their own copy (only on leaving does the copy matter, so writes never pay for it)."""
+        departed = self.departed
         for d in left:
-            self.departed[d.sid] = d.reason
-            self.departed.move_to_end(d.sid)
-            if len(self.departed) > _DEPARTED_KEPT:
-                self.departed.popitem(last=False)
+            if d.sid in departed:  # (a new id, the common case, goes to the end as it is set)
+                departed.move_to_end(d.sid)
+            departed[d.sid] = d.reason
+            if len(departed) > _DEPARTED_KEPT:
+                departed.popitem(last=False)
             if d.closed or d.reason.startswith("dropped"):
                 _log.info("session %r %s", d.sid, d.reason)
             else:

@@ -128,7 +128,7 @@ class SessionHandle:
         return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
-        done = self._ops.inline(self._cell, ms.commit, (name, payload), same=True)  # the per-step write, kept short
+        done = self._ops.commit(self._cell, name, payload)  # the per-step write, kept short
         if done is NOT_INLINE:
             done = self._ops.apply(self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
         return done or self

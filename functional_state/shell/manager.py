@@ -16,16 +16,17 @@ from functools import partial
 from typing import Any, TypeVar
 
 from ..engine.paged_kv import POOLS
-from ..errors import InvalidArgumentError, ObjectParkedError
+from ..errors import ObjectParkedError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
-from ..table.manager_state import ManagerState
+from ..table.lru import get_or_insert
+from ..table.manager_state import ManagerState, held_session
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, rebase, within_budget_in_place
+from .admission import Decision, admit, admit_insertion, checked_levers, rebase, within_budget_in_place
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .loading import session_load, table_load
@@ -74,10 +75,7 @@ class SessionStateManager:
           release_levers: the levers the budget may use, of ``("park", "evict", "drop")``.
         """
         self._state = ManagerState.create(max_sessions, byte_budget, evict_when_full)
-        self._levers = tuple(release_levers)
-        bad = [lever for lever in self._levers if lever not in LEVERS]
-        if bad:
-            raise InvalidArgumentError(f"`SessionStateManager`: unknown release lever(s) {bad}; choose from {LEVERS}.")
+        self._levers = checked_levers(release_levers)
         self._surplus: dict[str, int] | None = None  # attr bytes (aliases of objects too), at the last full check
         self._budgeted = self._state.byte_budget is not None  # (changes only with an installed `load`)
         self._lock = lock_factory()
@@ -86,7 +84,7 @@ class SessionStateManager:
         self._epoch = 0  # changes with every install (and detached write): a write is taken back only if not
         self._debts = Debts()  # installed changes whose engine free failed
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
-        self._ops = SessionOps(self._run, self._inline, lambda: self._state, self.pin, self.step)
+        self._ops = SessionOps(self._run, (self._inline, self._commit), lambda: self._state, self.pin, self.step)
 
     # --- the immutable value and the one retry loop ------------------------------------------------
     @property
@@ -171,7 +169,7 @@ class SessionStateManager:
         lock when `admit` would only install it (no pools; within budget; ``same``: it never changes attrs)."""
         with self._lock:
             base = self._state
-            if ms.held_session(base, sid, uid) is None:
+            if held_session(base, sid, uid) is None:
                 return NOT_INLINE
             try:
                 out = verb(base, sid, *args, **kw) if kw else verb(base, sid, *args)
@@ -186,10 +184,25 @@ class SessionStateManager:
             self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
             return result
 
+    def _commit(self, sid: str, uid: int, name: str, payload: Any) -> Any:
+        """`_inline` of `commit`, the per-step write, written out: no argument tuple, no result pair."""
+        with self._lock:
+            base = self._state
+            if _LIVE_POOLS or held_session(base, sid, uid) is None:  # (a commit never makes an engine pool)
+                return NOT_INLINE
+            try:
+                after = ms.commit(base, sid, name, payload)
+            except ObjectParkedError:
+                return NOT_INLINE
+            bound = self._surplus  # (as in `_inline`)
+            if self._budgeted and (bound := within_budget_in_place(base, after, sid, bound, True)) is None:
+                return NOT_INLINE
+            self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
+            return None
+
     def _admit(self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any) -> Any:
-        return admit(
-            before, after, writer, pinned=pinned, levers=self._levers, surplus=self._surplus, dropped=gone, **kw
-        )
+        surplus, levers = self._surplus, self._levers
+        return admit(before, after, writer, pinned=pinned, levers=levers, surplus=surplus, dropped=gone, **kw)
 
     def _install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
@@ -226,8 +239,7 @@ class SessionStateManager:
 
     def _new_handle(self, sid: str, state: ManagerState, undo: Undo | None) -> SessionHandle:
         """A handle on ``sid`` in the installed ``state`` (with ``partial``, a ``then`` for `_run`)."""
-        cell = self._cells.cell(state, sid, undo)  # (the handle a hit returns from now on)
-        return self._cells.handles.setdefault(cell.uid, SessionHandle(self._ops, cell))
+        return self._cells.handle(state, sid, undo, lambda cell: SessionHandle(self._ops, cell))
 
     def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on session ``session_id`` (None means ``"default"``), created on a miss.
@@ -238,14 +250,13 @@ class SessionStateManager:
         sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
         with self._lock:
             state = self._state
-            uid = ms.incarnation_of(state, sid)
-            if uid is not None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
-                self._state, self._epoch = (state := ms.get_or_create(state, sid)[0]), self._epoch + 1
-                return self._cells.handles.get(uid) or self._new_handle(sid, state, None)
+            after, uid, evicted = get_or_insert(state, sid)
+            if evicted is None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
+                self._state, self._epoch = after, self._epoch + 1
+                return self._cells.handles.get(uid) or self._new_handle(sid, after, None)
             if not _LIVE_POOLS and not self._debts.owed:  # a miss: no bytes added, no engine blocks to free
-                after = ms.get_or_create(state, sid)[0]
-                undo = self._install(self._admit(state, after, sid, self._pins.pinned, None, {"budget": False}))
-                return self._new_handle(sid, after, undo)
+                self._install(admit_insertion(state, after, evicted, self._surplus))
+                return self._new_handle(sid, after, None)  # (no undo: nothing released, nothing to take back)
         return self._run(
             lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
         )
@@ -364,10 +375,9 @@ class SessionStateManager:
         """
         sid = ms.resolve_session_id(session_id)
         kept = list(retained)
-        state = self._state
+        traced = state = self._state
         self._cells.require(state, sid, "step")
         self._ops.refuse_reentrant(state, sid, "step")
-        traced = state
         keeps_bytes = trace_step(traced, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
         with self._lock:
             state = self._state
@@ -386,7 +396,8 @@ class SessionStateManager:
         Raises:
           BudgetExceededError: the host copy does not fit even so; nothing changed.
         """
-        return self._by_id("park", park_object, session_id, name, with_sharers=with_sharers, local=not with_sharers)
+        require, local = self._cells.require, not with_sharers
+        return self._ops.by_id(require, "park", park_object, session_id, name, with_sharers=with_sharers, local=local)
 
     def restore(self, session_id: str | None, name: str) -> dict[str, int]:
         """Restore a parked object (see `functional_state.restore`); returns the bytes moved per pool.
@@ -395,19 +406,9 @@ class SessionStateManager:
           BudgetExceededError: the restored object does not fit the budget; nothing changed (engine blocks a
             KV ``reload`` took go back, and the object stays parked, restorable later).
         """
-        return self._by_id("restore", restore_object, session_id, name, acquires=True, local=True)
-
-    def _by_id(self, what: str, verb: Callable[..., Any], session_id: str | None, *args: Any, **kw: Any) -> Any:
-        """Table verb ``verb(table, sid, *args)`` on a session named by id, through the retry loop."""
-        sid = ms.resolve_session_id(session_id)
-        acquires, local = kw.pop("acquires", False), kw.pop("local", False)
-
-        def plan(state: ManagerState) -> tuple[ManagerState, Any]:
-            self._cells.require(state, sid, what)
-            self._ops.refuse_reentrant(state, sid, what)
-            return verb(state, sid, *args, **kw)
-
-        return self._run(plan, sid, acquires=acquires, local=local)
+        return self._ops.by_id(
+            self._cells.require, "restore", restore_object, session_id, name, acquires=True, local=True
+        )
 
     def __len__(self) -> int:
         return len(self._state)

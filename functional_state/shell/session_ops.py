@@ -107,9 +107,10 @@ _NO_KW: dict[str, Any] = {}  # (never written)
 def _put_absent(state: ManagerState, sid: str, name: str, obj: Any, cls: type[Any] | None) -> ManagerState:
     """``state`` with ``obj`` put under ``name`` in session ``sid`` by `SessionState.get_or_create` (which
     checks ``cls``), unless the session holds a usable object already (then ``state`` itself)."""
-    session = ms.lookup(state, sid)
+    sid, node = ms.locate(state, sid, "get_or_create")
+    session = ms.node_session(node)
     new, _ = session.get_or_create(name, lambda: obj, cls)
-    return state if new is session else update_session(state, sid, lambda _: new)
+    return state if new is session else ms.replace_session(state, sid, node, new)
 
 
 def _replace(state: ManagerState, sid: str, old: SessionState, new: SessionState) -> ManagerState:
@@ -122,7 +123,8 @@ class SessionOps:
 
     Args:
       run: the manager's retry loop (`SessionStateManager._run`).
-      inline: the manager's one-shot install of a plain verb (`SessionStateManager._inline`), or `NOT_INLINE`.
+      inline: the manager's one-shot install of a plain verb and of a commit (`SessionStateManager._inline`,
+        `SessionStateManager._commit`), each returning `NOT_INLINE` where it does not apply.
       current: the manager's installed table, read without its lock.
       pin: protects a session from the byte budget while a transaction runs.
       step: the manager's `SessionStateManager.step`.
@@ -131,16 +133,18 @@ class SessionOps:
     def __init__(
         self,
         run: Callable[..., Any],
-        inline: Callable[..., Any],
+        inline: tuple[Callable[..., Any], Callable[..., Any]],
         current: Callable[[], ManagerState],
         pin: Callable[[str], Any],
         step: Callable[..., None],
     ):
-        self._run, self._inline, self._current, self._pin, self._step = run, inline, current, pin, step
+        self._run, self._current, self._pin, self._step = run, current, pin, step
+        self._inline, self._commit = inline
         self._writing = threading.local()  # uids whose transaction this thread is computing
-        # Transactions being computed, in any thread: while none is, no write can be a reentrant one, and the
-        # common write skips the thread-local lookup (a measurable share of a commit).
-        self._computing, self._computing_lock = 0, threading.Lock()
+        # Transactions being computed, in any thread (one entry each): while none is, no write can be a
+        # reentrant one, and the common write skips the thread-local lookup (a measurable share of a commit).
+        # A list, not a locked counter: its append and pop are atomic, and cost a third of two lock round trips.
+        self._computing: list[int] = []
 
     @staticmethod
     def in_table(state: ManagerState, cell: Cell) -> bool:
@@ -163,12 +167,11 @@ class SessionOps:
                 return held
         return cell.session
 
-    def inline(self, cell: Cell, verb: Verb, args: tuple[Any, ...], kw: Any = _NO_KW, same: bool = False) -> Any:
-        """The common write (`SessionStateManager._inline`): one lock, no closures; `NOT_INLINE` when it does
-        not apply (the session left, a transaction on it is being computed, a budget or engine to consult).
-        ``same``: the verb never changes the session's attrs (a commit)."""
+    def commit(self, cell: Cell, name: str, payload: Any) -> Any:
+        """The per-step write (`SessionStateManager._commit`): one lock, no closures; `NOT_INLINE` when it does
+        not apply (the session left, a transaction on it is being computed, a budget or engine to consult)."""
         if cell.left is None and not cell.closed and (not self._computing or cell.uid not in self.writing()):
-            return self._inline(cell.session_id, cell.uid, verb, args, kw, same)
+            return self._commit(cell.session_id, cell.uid, name, payload)
         return NOT_INLINE
 
     def apply(
@@ -221,6 +224,19 @@ class SessionOps:
             then=keep,
             attrs_unchanged=attrs_unchanged,
         )
+
+    def by_id(self, require: Callable[..., None], what: str, verb: Verb, session_id: Any, *args: Any, **kw: Any) -> Any:
+        """Table verb ``verb(table, sid, *args)`` on a session named by id, through the retry loop;
+        ``require(table, sid, what)`` refuses a session the manager saw leave."""
+        sid = ms.resolve_session_id(session_id)
+        acquires, local = kw.pop("acquires", False), kw.pop("local", False)
+
+        def plan(state: ManagerState) -> tuple[ManagerState, Any]:
+            require(state, sid, what)
+            self.refuse_reentrant(state, sid, what)
+            return verb(state, sid, *args, **kw)
+
+        return self._run(plan, sid, acquires=acquires, local=local)
 
     def restored(self, cell: Cell, names: Iterable[str] | None) -> SessionState:
         """The cell's session with its parked objects (``names``, or all) restored and installed; read under
@@ -291,7 +307,8 @@ class SessionOps:
         and its object is put under it if the session still lacks one; else (another thread's object won,
         a budget to consult, a detached handle) the transaction puts it, or returns the winner."""
         if cell.left is None and self._current().byte_budget is None:
-            self.check_writable(cell, "transact")
+            if cell.closed or (self._computing and cell.uid in self.writing()):
+                self.check_writable(cell, "transact")
             built = self._computed(cell, factory)
             if self._inline(cell.session_id, cell.uid, _put_absent, (name, built, cls), _NO_KW, True) is not NOT_INLINE:
                 return built
@@ -303,14 +320,12 @@ class SessionOps:
         from inside it is refused, `check_not_reentrant`)."""
         writing = self.writing()
         writing.add(cell.uid)
-        with self._computing_lock:
-            self._computing += 1
+        self._computing.append(cell.uid)
         try:
             return fn(*args)
         finally:
             writing.discard(cell.uid)
-            with self._computing_lock:
-                self._computing -= 1
+            self._computing.pop()
 
     def _keep(self, cell: Cell, copy: list[SessionState]) -> Callable[[ManagerState, Undo], Any]:
         """A ``then``: under the lock, the new copy of a detached handle replaces the old (journaled)."""

@@ -22,9 +22,21 @@ import immutables
 from ..core.session import SessionState
 from ..errors import SessionAdmissionError
 from .recency_log import MAX_DEPTH, Log, append, at, entries
-from .state import COMPACT_AT, PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, Node, make_state
+from .state import (
+    COLD,
+    COMPACT_AT,
+    ISSUED,
+    PENDING,
+    PENDING_TICK,
+    SESSION,
+    UID,
+    USED,
+    ManagerState,
+    Node,
+    make_state,
+)
 
-__all__ = ["insert", "remove", "replace_session", "replace_sessions", "touch"]
+__all__ = ["get_or_insert", "insert", "remove", "replace_session", "replace_sessions", "touch"]
 
 _new = object.__new__
 _log = logging.getLogger("functional_state")
@@ -84,8 +96,12 @@ def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
     return new
 
 
-def insert(state: ManagerState, sid: str, session: SessionState, what: str, misses: int) -> ManagerState:
+def insert(
+    state: ManagerState, sid: str, session: SessionState, what: str, misses: int, evicted: list[Any] | None = None
+) -> ManagerState:
     """Add a new session as the most recent, dropping the least recent one when the table is full.
+
+    ``evicted``: if given, the dropped session is appended to it as ``(session id, incarnation, session)``.
 
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
@@ -117,6 +133,8 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", victim_id, size, sid)
         nodes = nodes.delete(victim_id)
+        if evicted is not None:
+            evicted.append((victim_id, victim[UID], victim[SESSION]))
         if victim_id == pending:
             pending = None
         if acct is not None:
@@ -132,6 +150,22 @@ def insert(state: ManagerState, sid: str, session: SessionState, what: str, miss
         acct = acct.add_session(session)
     cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
     return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold), acct)
+
+
+def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, list[Any] | None]:
+    """`get_or_create` for a caller that resolved ``sid`` and holds a `ManagerState`: the new table, the
+    incarnation of ``sid`` in it, and None for a hit, or for an insertion the sessions it evicted (see
+    `insert`), so the caller learns what left without looking for it.
+
+    Raises:
+      SessionAdmissionError: the table is full and ``evict_when_full`` is off.
+    """
+    node = state._nodes.get(sid)
+    if node is not None:
+        return touch(state, sid, node, 1), node[UID], None
+    evicted: list[Any] = []
+    after = insert(state, sid, SessionState.empty(), "get_or_create", 1, evicted)
+    return after, state._meta[COLD][ISSUED], evicted
 
 
 def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
