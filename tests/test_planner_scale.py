@@ -2,6 +2,7 @@
 sessions reads those alone from the recency log, and a table whose attrs hold no buffer costs no attr walk;
 with attrs, parks are priced from the ledger's attr index and the promise still equals what the plan frees."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -82,3 +83,40 @@ def test_unreleasable_counts_attr_bytes_an_object_also_holds():
     s = fs.set_attr(s, "s1", "view", fs.lookup(s, "s1").objects["cache"].view()[0])
     plan = fs.plan_release(s, "cpu", 256, levers=["park"])
     assert plan.unreleasable == 256
+
+
+def test_the_bytes_attrs_hold_come_from_the_kept_totals_and_equal_a_walk_of_every_attr():
+    # What no park or eviction frees (the plan's `unreleasable`): the attr index keeps it per pool for closed
+    # values, and only containers are read per plan. Aliases of objects, values shared by forks, containers
+    # holding a closed value's tensor again, drops and attr removals must all leave it equal to the walk.
+    from functional_state.memory import accounting
+    from functional_state.memory.pools import Pool
+    from functional_state.policy.snapshot import Recency, Snapshot
+    from functional_state.table.manager_state import ledger_of, session_map
+
+    def walked(state) -> int:
+        out: list = []
+        for session in session_map(state).values():
+            for value in session._attrs.values():
+                accounting.collect_extents(value, out, {}, accounting.WalkReport())
+        return accounting.union_by_device(out).get("cpu", 0)
+
+    def kept(state) -> int:
+        return Snapshot(ledger_of(state), state, Recency(state)).attr_nbytes(Pool("cpu"))
+
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    fs.stats(s)  # the table is tracked from here: every change below updates the kept totals
+    shared, obj_t = torch.zeros(1000), torch.zeros(300)
+    s = fs.put(s, "a", "v", fs.DenseValue.create(obj_t))
+    s = fs.set_attr(s, "a", "alias", obj_t[10:])  # an attr aliasing the object's storage
+    s = fs.set_attr(s, "a", "shared", shared)
+    s = fs.set_attr(s, "a", "np", np.zeros(64, np.float32))
+    s = fs.fork_session(s, "a", "b")  # every closed value now held by two sessions
+    s = fs.set_attr(s, "b", "box", [shared[:5], torch.zeros(7)])  # a container: the closed tensor again
+    checks = [s]
+    s = fs.del_attr(s, "a", "shared")
+    checks.append(s)
+    s, _ = fs.drop_session(s, "b")  # the container and the holds of b leave
+    checks.append(s)
+    for state in checks:
+        assert kept(state) == walked(state) > 0

@@ -132,21 +132,28 @@ class AttrEntry(NamedTuple):
     extents: frozenset[Extent] | None  # None: a container, re-read on every question
 
 
+_NO_MAP: immutables.Map = immutables.Map()
+
+
 class AttrIndex:
     """Holder counts of a table's attr values, kept on write (``set_attr``, forks, resets, drops).
 
     A closed value (an array, a tensor, a tuple of them) has its extents recorded once, when it arrives, and
-    counted per extent (``refs``); a container is kept by identity and walked whenever a holder question is
-    asked (``open_extents``), because a model may change it in place. Either way the answer is exact.
-    Scalars hold nothing and are not kept. Immutable: every change returns a new index.
+    counted per extent (``refs``, with the bytes per pool of the extents held, ``totals``); a container is
+    kept by identity and walked whenever a holder question is asked (``open_extents``), because a model may
+    change it in place. Either way the answer is exact. Scalars hold nothing and are not kept. Immutable:
+    every change returns a new index.
     """
 
-    __slots__ = ("memo", "opened", "refs")
+    __slots__ = ("memo", "opened", "refs", "totals")
 
-    def __init__(self, memo: immutables.Map, refs: immutables.Map, opened: immutables.Map):
+    def __init__(
+        self, memo: immutables.Map, refs: immutables.Map, opened: immutables.Map, totals: immutables.Map = _NO_MAP
+    ):
         self.memo = memo  # id(value) -> AttrEntry
         self.refs = refs  # extent -> closed attr values holding it (each value once per session holding it)
         self.opened = opened  # id(value) -> value, the containers held: what a walk of them reads, no more
+        self.totals = totals  # pool -> bytes of the extents closed values hold (extents are equal or disjoint)
 
     @property
     def n_open(self) -> int:
@@ -155,7 +162,7 @@ class AttrIndex:
 
     def change(self, add: Iterable[Any] = (), remove: Iterable[Any] = ()) -> AttrIndex:
         """The index after attr values ``remove`` left one session and ``add`` arrived in one."""
-        memo, refs, opened = self.memo.mutate(), self.refs.mutate(), self.opened.mutate()
+        memo, refs, opened, totals = self.memo.mutate(), self.refs.mutate(), self.opened.mutate(), self.totals.mutate()
         for value in remove:
             if isinstance(value, _SCALARS):
                 continue
@@ -172,6 +179,7 @@ class AttrIndex:
                     refs[e] = n
                 else:
                     del refs[e]
+                    totals[e[0]] = totals[e[0]] - (e[2] - e[1])
         for value in add:
             if isinstance(value, _SCALARS):
                 continue
@@ -182,12 +190,15 @@ class AttrIndex:
             if closed(value):
                 extents = frozenset(holder_extents(value))
                 for e in extents:
-                    refs[e] = refs.get(e, 0) + 1
+                    n = refs.get(e, 0)
+                    refs[e] = n + 1
+                    if not n:
+                        totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
                 memo[id(value)] = AttrEntry(value, 1, extents)
             else:
                 memo[id(value)] = AttrEntry(value, 1, None)
                 opened[id(value)] = value
-        return AttrIndex(memo.finish(), refs.finish(), opened.finish())
+        return AttrIndex(memo.finish(), refs.finish(), opened.finish(), totals.finish())
 
     def open_values(self) -> list[Any]:
         """The containers held (each once): what a holder question re-reads. O(containers)."""
@@ -202,7 +213,7 @@ class AttrIndex:
         return self.refs.keys()
 
 
-EMPTY_ATTRS = AttrIndex(immutables.Map(), immutables.Map(), immutables.Map())
+EMPTY_ATTRS = AttrIndex(_NO_MAP, _NO_MAP, _NO_MAP, _NO_MAP)
 
 
 class HolderCounts(Protocol):

@@ -43,7 +43,7 @@ from ..table.manager_state import (
     check_state,
     ledger_of,
 )
-from .pricing import Change, Ledger, by_pool
+from .pricing import Change, Ledger
 from .snapshot import Recency, Snapshot
 
 _log = logging.getLogger("functional_state")
@@ -184,7 +184,7 @@ def plan_release(
     acct = ledger_of(state)
     lru = Recency(state)  # read lazily: a park pass that meets the need early reads only the oldest sessions
     snap = Snapshot(acct, state, lru)  # the one read of the table's usage this plan prices against
-    unreleasable = by_pool(snap.attr_extents).get(target, 0)
+    unreleasable = snap.attr_nbytes(target)
     budget = state.byte_budget or {}
     moved: dict[Pool, int] = {}  # bytes per pool the actions so far take out (negative: put in, as a park does)
     ledger = Ledger(acct.refs, snap.attr_holders)

@@ -66,16 +66,25 @@ class Snapshot:
         self.refs = acct.refs
         self.lru = lru
         self._state = state
-        index = acct.attrs
-        self.attr_extents: list[Extent] = []  # every extent an attr holds (objects may hold it too)
+        index = self._attrs = acct.attrs
+        self._open: list[Extent] = []  # what the attr containers hold now (closed values: the index's counts)
         self.attr_holders: Any = _NO_HOLDERS
         if len(index.memo):  # some attr holds a buffer
             out: accounting.Extents = []
             for value in index.open_values():
                 accounting.collect_extents(value, out, {}, accounting.WalkReport())
             self.attr_holders = AttrHolders(index.refs, Counter(out))
-            self.attr_extents = list({*out, *index.closed_extents()})
+            self._open = out
         self._slots: dict[int, list[tuple[str, str]]] | None = None
+
+    def attr_nbytes(self, pool: Pool) -> int:
+        """Bytes the attrs hold in ``pool``, each allocation once, whether or not objects hold it too (what
+        no park or eviction frees): the index's kept total of closed values plus what containers hold beyond
+        them. O(container extents), not O(attr values)."""
+        name = str(pool)
+        refs = self._attrs.refs
+        extra = [e for e in self._open if e[0] == name and e not in refs]
+        return self._attrs.totals.get(name, 0) + (accounting.union_by_device(extra).get(name, 0) if extra else 0)
 
     @functools.cached_property
     def held(self) -> dict[Pool, int]:
