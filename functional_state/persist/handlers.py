@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +25,26 @@ from typing import Any
 import numpy as np
 
 from .directory import import_orbax
+
+
+@functools.cache
+def supported() -> bool:
+    """Whether this orbax offers what `ByteLeaves` builds on: a `NumpyHandler` that saves without a copy
+    (``deepcopy_host_arrays``) and the read-side `ParamInfo` of 0.12. With an older orbax (0.11) byte leaves
+    go through orbax's own handler instead: one copy more each way, the same format on disk."""
+    ocp = import_orbax()
+    info = ocp.type_handlers.ParamInfo
+    names = {*dir(info), *inspect.signature(info).parameters}  # (fields and methods, whatever defines them)
+    return (
+        "deepcopy_host_arrays" in inspect.signature(ocp.type_handlers.NumpyHandler.__init__).parameters
+        and {
+            "await_path_creation",
+            "is_ocdbt_checkpoint",
+            "raise_array_data_missing_error",
+            "ts_context",
+        }
+        <= names
+    )
 
 
 @functools.cache
@@ -87,7 +108,10 @@ def _types() -> tuple[type, type]:
 
 
 def read_into(out: np.ndarray) -> Any:
-    """The restore args that read a byte leaf into ``out``."""
+    """The restore args that read a byte leaf into ``out`` (plain restore args where orbax is too old:
+    the load then copies what orbax read into ``out``'s place)."""
+    if not supported():
+        return import_orbax().RestoreArgs(restore_type=np.ndarray)
     return _types()[1](restore_type=np.ndarray, out=out)
 
 
@@ -97,8 +121,9 @@ def registry() -> Any:
     ocp = import_orbax()
     import jax
 
+    leaves = _types()[0]() if supported() else ocp.type_handlers.NumpyHandler()
     return ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, _types()[0]()), (jax.Array, ocp.type_handlers.get_type_handler(jax.Array))
+        (np.ndarray, leaves), (jax.Array, ocp.type_handlers.get_type_handler(jax.Array))
     )
 
 
