@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,19 @@ def _machine() -> str:
     )
 
 
+_GOAL = re.compile(r"goal (<=|>=) ([0-9.]+)")
+
+
+def verdict(label: str, value: float) -> str:
+    """`` met`` or `` MISSED`` for a headline whose label states its goal (``goal <= 1.5``), else nothing."""
+    m = _GOAL.search(label)
+    if m is None:
+        return ""
+    bound = float(m.group(2))
+    met = value <= bound if m.group(1) == "<=" else value >= bound
+    return " (met)" if met else " (**MISSED**)"
+
+
 def _section(name: str, result: dict) -> str:
     lines = [
         _MARKER.format(name),
@@ -64,7 +78,7 @@ def _section(name: str, result: dict) -> str:
     ]
     lines += [_table(result["header"], result["rows"]), ""]
     for label, value in [result["ratio"], *result.get("extra_ratios", [])]:
-        lines.append(f"**{label}: {value:.3g}**  ")
+        lines.append(f"**{label}: {value:.3g}**{verdict(label, value)}  ")
     lines.append("")
     lines.append(result["notes"])
     lines.append("")
