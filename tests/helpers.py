@@ -95,3 +95,13 @@ def finishes(fn: Any, timeout: float = 10.0) -> bool:
     if errors:
         raise errors[0]
     return not t.is_alive()
+
+
+def damage(path: Any, how: str) -> None:
+    """Cut the file at ``path`` to half its length (``"truncate"``) or flip one byte in its middle (``"flip"``)."""
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))

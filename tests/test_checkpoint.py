@@ -21,6 +21,7 @@ import torch
 import functional_state as fs
 from functional_state import CheckpointError, ManagerState, SessionExistsError, SessionStateManager
 from helpers import assert_unchanged, snapshot
+from helpers import damage as damage_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -216,12 +217,7 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_changes(tmp_path, damage, t
         monkeypatch.setattr(fs.persist.manifest, "_PARALLEL_MIN", 0)
     _, path = _saved(tmp_path)
     target = _largest_data_file(path)
-    data = bytearray(target.read_bytes())
-    if damage == "truncate":
-        target.write_bytes(data[: len(data) // 2])
-    else:
-        data[len(data) // 2] ^= 0xFF
-        target.write_bytes(bytes(data))
+    damage_file(target, damage)
     state = ManagerState.create()
     snap = snapshot(state)
     with pytest.raises(CheckpointError, match="damaged|checksum|corrupted"):

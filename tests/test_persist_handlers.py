@@ -16,6 +16,7 @@ from functional_state import CheckpointError, ManagerState
 from functional_state.persist import handlers as handlers_module
 from functional_state.persist import manifest as manifest_module
 from functional_state.persist import read as read_module
+from helpers import damage as damage_file
 
 
 def _state(t: torch.Tensor, a: np.ndarray) -> ManagerState:
@@ -171,11 +172,6 @@ def test_damage_to_the_data_file_a_load_reads_itself_is_refused(tmp_path, damage
     fs.save_session(_state(t, np.arange(3)), "a", tmp_path / "ck")
     files = [p for p in (tmp_path / "ck").glob("[0-9]*/arrays/ocdbt.process_*/d/*") if p.is_file()]
     target = max(files, key=lambda p: p.stat().st_size)
-    data = bytearray(target.read_bytes())
-    if damage == "truncate":
-        target.write_bytes(data[: len(data) // 2])
-    else:
-        data[len(data) // 2] ^= 0xFF
-        target.write_bytes(bytes(data))
+    damage_file(target, damage)
     with pytest.raises(CheckpointError, match="truncated|checksum|corrupted"):
         fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
