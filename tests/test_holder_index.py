@@ -134,6 +134,8 @@ class HolderMachine(RuleBasedStateMachine):
         assert dict(kept.refs) == dict(fresh.refs) and dict(kept.leaves) == dict(fresh.leaves)
         assert dict(kept.attrs.refs) == dict(fresh.attrs.refs) and kept.attrs.n_open == fresh.attrs.n_open
         assert dict(kept.attrs.opened) == dict(fresh.attrs.opened) and dict(kept.parked) == dict(fresh.parked)
+        # The attr bytes per pool the planner reads (a pool whose last closed value left keeps a 0 entry).
+        assert {p: n for p, n in kept.attrs.totals.items() if n} == dict(fresh.attrs.totals)
         # Every donation here is the table's own: the kept figures (which check no array for deletion) are
         # the walk's, deleted_arrays included.
         assert fs.stats(self.state) == fs.stats(self.state, exact=True)
