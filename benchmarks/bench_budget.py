@@ -382,9 +382,10 @@ def run() -> dict:
         ],
         "notes": (
             f"Enforcement: the shell decides a write within budget from the kept object totals (the commit's "
-            f"accounting inspects only the item it adds; the extents of the one it drops are remembered from its "
-            f"arrival), re-reading attrs only when a write changes "
-            f"them or a pool nears its budget. Planner: a park pass reads the sessions from the recency log as it "
+            f"accounting reads only the storage of the item it adds; the extents of the one it drops are "
+            f"remembered from its arrival; two holder counts move), re-reading attrs only when a write changes "
+            f"them or a pool nears its budget; a step that keeps the totals (a same-size ring step) is answered "
+            f"from the last object check that passed. Planner: a park pass reads the sessions from the recency log as it "
             f"needs them (here the 10 oldest) and asks the ledger's attr index whether attrs hold a buffer. "
             f"Pressure: {steps} steps x 8 sessions at deploy shapes through the "
             f"serving store, {found['rounds']} interleaved rounds after a warm-up ({pressure_s:.0f} s in all); the "

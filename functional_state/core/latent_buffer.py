@@ -147,7 +147,7 @@ class LatentBuffer(StateObject):
     # --- ledger protocol: the ring's figures come from its items, kept as a multiset cached per buffer ----
     def ledger_extents(self) -> frozenset[Extent]:
         counts, per_item = _counted(self)
-        return frozenset(counts.keys()) if counts is not None else frozenset(e for (e,) in per_item)
+        return frozenset(counts.keys()) if counts is not None else frozenset(per_item)
 
     def ledger_leaf_extents(self) -> frozenset[Extent]:
         return _NO_EXTRA  # the items are the leaves: the accounting reaches every one
@@ -169,23 +169,25 @@ class LatentBuffer(StateObject):
         oi, ni = self.items, new.items
         kept = len(ni) - 1
         drop = len(oi) - kept
-        if kept < 0 or drop < 0 or new.host_copy is not None or not _same(oi, drop, ni, kept):
+        if kept < 0 or drop < 0 or new.host_copy is not None:
             return None
+        i = drop  # ``ni[:kept]`` must be ``oi[drop:]`` item by item (identity: items are arrays), written out
+        for x in ni[:kept]:
+            if oi[i] is not x:
+                return None
+            i += 1
         counts, per_item = cached
         found = value_extents(ni[-1])
         gone: Any
-        if counts is None:  # every item holds one extent of its own: the multiset is ``per_item``
+        if counts is None:  # every item holds one extent of its own: ``per_item`` is the multiset, flat
             if drop <= 1 and len(found) == 1:  # (the steady state, and a ring still filling)
-                e, kept_items = found[0], per_item[drop:]
-                for (k,) in kept_items:
-                    if k == e:
-                        break  # the new item shares an item's storage: counted below
-                else:
-                    came = (e,)
-                    items_now = (*kept_items, came)
-                    _SET_ACCT(new, (None if len(items_now) <= _PLAIN else _plain_counts(items_now), items_now))
-                    return came, (per_item[0] if drop else ()), None
-            counts = _plain_counts(per_item)
+                e = found[0]
+                kept_items = per_item[1:] if drop else per_item
+                if e not in kept_items:  # (else the new item shares an item's storage: counted below)
+                    now = kept_items + (e,)
+                    _SET_ACCT(new, (None, now) if len(now) <= _PLAIN else (_plain_counts(now), _nested(now)))
+                    return found, ((per_item[0],) if drop else ()), None
+            counts, per_item = _plain_counts(per_item), _nested(per_item)
         elif drop == 1 and len(found) == 1 and type(counts) is dict and len(per_item[0]) == 1 and len(counts) < _SMALL:
             # A full ring whose items share storage, one extent out and one in (written out for it).
             gone, came = per_item[0], (found[0],)
@@ -238,7 +240,8 @@ _SET_ACCT = ACCT_SLOT.__set__
 # this many extents, an immutables.Map (O(log n) per update) beyond.
 _SMALL = 64
 # Up to this many items, a ring whose items each hold one extent of their own keeps no multiset (None):
-# ``per_item`` is one, and a commit compares the new extent with the few kept (no dict copied, no hashing).
+# ``per_item`` is one, flat (one extent per item), and a commit compares the new extent with the few kept
+# (no dict copied, no hashing).
 _PLAIN = 8
 if [f.name for f in dataclasses.fields(LatentBuffer)] != [*_SET, "recompute_source", "recompute_cost"]:
     raise TypeError("LatentBuffer's fields changed: `_with_items` must set every one of them")
@@ -269,17 +272,6 @@ def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
     return tuple(extents) if len(extents) < 2 else tuple(set(extents))
 
 
-def _same(old: tuple[Any, ...], drop: int, new: tuple[Any, ...], kept: int) -> bool:
-    """Whether ``new[:kept]`` are ``old[drop:]``, item by item (identity: items are arrays). (A loop over one
-    slice: a third cheaper than ``all(map(operator.is_, ...))`` over two, on a small ring.)"""
-    i = drop
-    for x in new[:kept]:
-        if old[i] is not x:
-            return False
-        i += 1
-    return True
-
-
 def _finished(m: Any) -> Any:
     """A multiset being updated, as kept: a dict while small, else a Map (and a Map that shrank stays one)."""
     if type(m) is dict:
@@ -287,13 +279,19 @@ def _finished(m: Any) -> Any:
     return m.finish()
 
 
-def _plain_counts(per_item: tuple[tuple[Extent, ...], ...]) -> dict[Extent, int]:
-    return {e: 1 for (e,) in per_item}
+def _plain_counts(flat: tuple[Extent, ...]) -> dict[Extent, int]:
+    return dict.fromkeys(flat, 1)
 
 
-def _counted(buf: LatentBuffer) -> tuple[Any, tuple[tuple[Extent, ...], ...]]:
+def _nested(flat: tuple[Extent, ...]) -> tuple[tuple[Extent, ...], ...]:
+    """A plain ring's flat extents as the per-item tuples a counted ring keeps."""
+    return tuple((e,) for e in flat)
+
+
+def _counted(buf: LatentBuffer) -> tuple[Any, tuple[Any, ...]]:
     """A buffer's extents with how many of its values (items, staged, parked copy) hold each, and each item's
-    own extents (so a commit that drops an item need not look at it again), computed once and cached."""
+    own extents (so a commit that drops an item need not look at it again), computed once and cached; a
+    plain ring (see `_PLAIN`) keeps no counts (None) and one extent per item."""
     cached = getattr(buf, "_acct_cache", None)
     if type(cached) is tuple:
         return cached
@@ -307,6 +305,9 @@ def _counted(buf: LatentBuffer) -> tuple[Any, tuple[tuple[Extent, ...], ...]]:
             for e in _distinct(value_extents(value)):
                 counts[e] = counts.get(e, 0) + 1
     plain = len(per_item) <= _PLAIN and all(len(p) == 1 for p in per_item) and len(counts) == len(per_item)
-    cached = (None if plain and buf.staged is None and buf.host_copy is None else _finished(counts), per_item)
+    if plain and buf.staged is None and buf.host_copy is None:
+        cached = (None, tuple(e for (e,) in per_item))
+    else:
+        cached = (_finished(counts), per_item)
     _SET_ACCT(buf, cached)
     return cached

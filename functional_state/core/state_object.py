@@ -356,16 +356,20 @@ ACCT_SLOT = StateObject.__dict__["_acct_cache"]  # the memo slot, set past the f
 
 Extent = tuple[str, int, int]
 LedgerDelta = tuple[Any, Any, Any]
+_TENSOR: Any = None  # torch.Tensor, once `value_extents` met one (the accounting never imports torch)
 
 
 def value_extents(value: Any) -> list[Extent]:
     """The extents one value holds: a direct read for a tensor or an array, a walk for anything else."""
+    global _TENSOR
     out: accounting.Extents = []
-    if type(value) is np.ndarray:  # what the walk would do for it, without the walk's set-up
+    kind = type(value)
+    if kind is _TENSOR:  # (torch.Tensor once seen: a lookup of torch per value is a fifth of this read)
+        accounting.torch_extents(value, out)
+    elif kind is np.ndarray:  # what the walk would do for it, without the walk's set-up
         accounting.numpy_extents(value, out)
-        return out
-    torch = accounting.torch_module()
-    if torch is not None and type(value) is torch.Tensor:
+    elif (torch := accounting.torch_module()) is not None and kind is torch.Tensor:
+        _TENSOR = kind
         accounting.torch_extents(value, out)
     else:
         accounting.collect_extents(value, out, {}, accounting.WalkReport())

@@ -46,13 +46,9 @@ def _torch_device_key(device: Any) -> str | None:
         key = None
     elif device.type == "cuda":
         index = device.index
-        if index is None:
-            index = torch_module().cuda.current_device()
-        key = f"cuda:{index}"
-    elif device.type == "cpu":
-        key = "cpu"
+        key = f"cuda:{torch_module().cuda.current_device() if index is None else index}"
     else:
-        key = str(device)
+        key = str(device)  # ("cpu" for the host)
     if device.index is not None or device.type != "cuda":  # "cuda" alone depends on the current device
         _TORCH_KEYS[device] = key
     return key
@@ -141,8 +137,11 @@ def _span(shape: Any, strides: Any, itemsize: int) -> tuple[int, int]:
 
 
 def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
-    if t.layout is not torch_module().strided:
-        return  # Sparse layouts have no single storage; counted as unknown (zero).
+    global _STRIDED
+    if (layout := t.layout) is not _STRIDED:  # (torch.strided, kept once seen: a lookup of torch per tensor)
+        if _STRIDED is not None or layout is not torch_module().strided:
+            return  # Sparse layouts have no single storage; counted as unknown (zero).
+        _STRIDED = layout
     key = "cpu" if t.is_cpu else _torch_device_key(t.device)  # (is_cpu: a third of the device lookup)
     if key is None:
         return
@@ -159,7 +158,7 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
         out.append((key, start, start + size))
 
 
-_NO_BYTES, _POINTER = ctypes.c_char * 0, ctypes.c_void_p.from_address
+_STRIDED, _NO_BYTES, _POINTER = None, ctypes.c_char * 0, ctypes.c_void_p.from_address
 
 
 def _address_exported(owner: np.ndarray) -> int:

@@ -28,6 +28,7 @@ from ..engine.paged_kv import POOLS
 from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values
 
 _EMPTY: immutables.Map = immutables.Map()
+_new = object.__new__
 _ABSENT = object()
 LOG_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
 _LOG_DEPTH = 4096
@@ -231,7 +232,11 @@ class Acct:
             for p, d in other.items():
                 if d:
                     totals = totals.set(p, totals.get(p, 0) + d)
-        return Acct(refs, totals, self.kv, self.log, self.root, self.leaves, self.attrs, self.parked)
+        # A copy with the two counts changed, built by its slots: a call of ``Acct(...)`` is a third of this.
+        acct = _new(Acct)
+        acct.refs, acct.totals, acct.kv, acct.log = refs, totals, self.kv, self.log
+        acct.root, acct.leaves, acct.attrs, acct.parked = self.root, self.leaves, self.attrs, self.parked
+        return acct
 
     def _difference(self, old: Any, new: Any) -> Acct:
         """`swap` by the difference of the two objects' figures."""

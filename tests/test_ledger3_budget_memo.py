@@ -1,0 +1,95 @@
+"""The budgeted commit's O(1) object check (issue 24): `admission.within_budget_in_place` answers a commit from
+the last (object totals, attr bound, budget) the object check passed. That memo must answer exactly what the
+check answers, for every commit, and never for a question it was not asked (another bound, another budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import functional_state as fs
+from functional_state import LatentBuffer, ManagerState
+from functional_state.policy.enforce import over_budget_objects
+from functional_state.shell import admission
+from functional_state.table.state import COLD, CONFIG, ledger_of, make_state
+
+KIB = 1024
+
+
+def _ring_state(budget: int, n: int = 4) -> ManagerState:
+    state, _ = fs.get_or_create(ManagerState.create(byte_budget={"cpu": budget}), "a")
+    state = fs.put(state, "a", "ring", LatentBuffer.create(maxlen=4))
+    for _ in range(n):
+        state = fs.commit(state, "a", "ring", np.zeros(KIB // 4, np.float32))
+    return state
+
+
+def _with_budget(state: ManagerState, budget: int) -> ManagerState:
+    """``state`` (its very accounting) under another budget."""
+    meta = state._meta
+    cold = list(meta[COLD])
+    cold[CONFIG] = dataclasses.replace(cold[CONFIG], byte_budget={"cpu": budget})
+    return make_state(state._nodes, (*meta[:COLD], tuple(cold)), state._acct)
+
+
+def test_a_same_size_ring_step_keeps_the_totals_map_and_another_size_replaces_it() -> None:
+    # What the memo relies on to answer a steady ring in O(1): the step moves no total, so the map is the same.
+    state = _ring_state(64 * KIB)
+    same = fs.commit(state, "a", "ring", np.zeros(KIB // 4, np.float32))
+    assert ledger_of(same).totals is ledger_of(state).totals
+    bigger = fs.commit(same, "a", "ring", np.zeros(KIB // 2, np.float32))
+    assert ledger_of(bigger).totals is not ledger_of(same).totals
+    assert dict(ledger_of(bigger).totals) == {"cpu": 5 * KIB}
+
+
+def test_a_passed_check_is_never_reused_for_another_bound_or_budget() -> None:
+    state = _ring_state(8 * KIB)  # 4 KiB held
+    after = fs.commit(state, "a", "ring", np.zeros(KIB // 4, np.float32))
+    assert ledger_of(after).totals is ledger_of(state).totals
+    bound = {"cpu": 0}
+    assert admission.within_budget_in_place(state, after, "a", bound, True) is bound  # (the memo now holds it)
+    assert admission.within_budget_in_place(state, after, "a", bound, True) is bound  # (answered by the memo)
+    # The same totals with a bound that crosses the budget (4 + 5 > 8 KiB), or under a smaller budget.
+    assert admission.within_budget_in_place(state, after, "a", {"cpu": 5 * KIB}, True) is None
+    tight_before, tight_after = _with_budget(state, 3 * KIB), _with_budget(after, 3 * KIB)
+    assert ledger_of(tight_after).totals is ledger_of(after).totals
+    assert admission.within_budget_in_place(tight_before, tight_after, "a", bound, True) is None
+    # ... and the first answer still stands (the memo is replaced only by a check that passed).
+    assert admission.within_budget_in_place(state, after, "a", bound, True) is bound
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    budget_kib=st.integers(2, 10),
+    slack=st.sampled_from([0, KIB, 3 * KIB]),
+    sizes=st.lists(st.sampled_from([1, 1, 1, 2, 4]), min_size=1, max_size=30),
+)
+def test_the_fast_check_answers_what_the_object_check_answers(budget_kib: int, slack: int, sizes: list[int]) -> None:
+    # Rings of same-size steps (the memo's case) mixed with size changes that cross the budget both ways.
+    state, _ = fs.get_or_create(ManagerState.create(byte_budget={"cpu": budget_kib * KIB}), "a")
+    state = fs.put(state, "a", "ring", LatentBuffer.create(maxlen=4))
+    bound = {"cpu": slack}
+    for k in sizes:
+        after = fs.commit(state, "a", "ring", np.zeros(k * KIB // 4, np.float32))
+        expected = None if over_budget_objects(after, bound) else bound
+        assert admission.within_budget_in_place(state, after, "a", bound, True) is expected
+        state = after
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 30])
+def test_a_budgeted_commit_reports_what_a_walk_reports(budget: int | None) -> None:
+    m = fs.SessionStateManager(byte_budget=budget)
+    h = m.get_or_create_session("a")
+    h.put("ring", LatentBuffer.create(maxlen=4))
+    base = np.zeros(1024, np.float32)
+    for i in range(12):  # own storage, views of one base, a repeat: the plain ring's flat cache and its exits
+        h.commit("ring", np.zeros(256, np.float32) if i % 3 else base[i * 16 : i * 16 + 16])
+        kept, walked = m.stats(), m.stats(exact=True)
+        assert {k: v for k, v in kept.items() if k.startswith("nbytes:")} == {
+            k: v for k, v in walked.items() if k.startswith("nbytes:")
+        }
