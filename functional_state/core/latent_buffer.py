@@ -289,7 +289,7 @@ class _Draft(StateObject):
     buffer. Nothing else ever sees a draft: the commit path builds one and hands out only the result.
     """
 
-    __slots__ = ("items", "staged", "host_copy", "maxlen", "status", "recompute_source", "recompute_cost")
+    __slots__ = LatentBuffer.__slots__  # type: ignore[attr-defined]  # (the dataclass made them)
 
 
 _Draft.__abstractmethods__ = frozenset()  # built only by `object.__new__`, finished before anyone sees it
@@ -297,8 +297,6 @@ _Draft.__abstractmethods__ = frozenset()  # built only by `object.__new__`, fini
 
 def _draft_works() -> bool:
     """Whether this interpreter lets a `_Draft` become a `LatentBuffer` (checked once, at import)."""
-    if _Draft.__slots__ != LatentBuffer.__slots__:  # type: ignore[attr-defined]
-        return False
     try:
         probe = _new(_Draft)
         probe.items, probe.staged, probe.host_copy, probe.maxlen = (1,), None, None, 2
