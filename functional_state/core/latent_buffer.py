@@ -106,7 +106,7 @@ class LatentBuffer(StateObject):
         )
         # `_with_items` written out (a call is a tenth of this path); see `_Draft` for the construction.
         if _FAST:
-            new = _new(_Draft)
+            new = _new(_DRAFT)
             new.items = items
             new.staged = self.staged
             new.host_copy = self.host_copy
@@ -115,8 +115,8 @@ class LatentBuffer(StateObject):
             new.recompute_source = self.recompute_source
             new.recompute_cost = self.recompute_cost
             new._acct_cache = None  # read by `ledger_step` without the exception of an unset slot
-            new.__class__ = LatentBuffer  # type: ignore[assignment]
-            return new  # type: ignore[return-value]
+            new.__class__ = LatentBuffer
+            return new
         return _with_items(self, items)
 
     def _commit_payload(self, payload: Any) -> LatentBuffer:
@@ -257,7 +257,7 @@ def _appended(items: tuple[Any, ...], payload: Any, maxlen: int | None) -> tuple
 def _with_items(buf: LatentBuffer, items: tuple[Any, ...]) -> LatentBuffer:
     """``buf._replace(items=items)`` written out for the per-step path: every field set by its slot."""
     if _FAST and type(buf) is LatentBuffer:
-        draft = _new(_Draft)
+        draft = _new(_DRAFT)
         draft.items = items
         draft.staged = buf.staged
         draft.host_copy = buf.host_copy
@@ -266,8 +266,8 @@ def _with_items(buf: LatentBuffer, items: tuple[Any, ...]) -> LatentBuffer:
         draft.recompute_source = buf.recompute_source
         draft.recompute_cost = buf.recompute_cost
         draft._acct_cache = None
-        draft.__class__ = LatentBuffer  # type: ignore[assignment]
-        return draft  # type: ignore[return-value]
+        draft.__class__ = LatentBuffer
+        return draft
     new = _new(type(buf))
     _SET_ITEMS(new, items)
     _SET_STAGED(new, buf.staged)
@@ -289,19 +289,20 @@ class _Draft(StateObject):
     buffer. Nothing else ever sees a draft: the commit path builds one and hands out only the result.
     """
 
-    __slots__ = LatentBuffer.__slots__  # type: ignore[attr-defined]  # (the dataclass made them)
+    __slots__ = LatentBuffer.__slots__  # (the dataclass made them)
 
 
 _Draft.__abstractmethods__ = frozenset()  # built only by `object.__new__`, finished before anyone sees it
+_DRAFT: Any = _Draft  # (typed Any: a draft is filled field by field, then becomes a LatentBuffer)
 
 
 def _draft_works() -> bool:
     """Whether this interpreter lets a `_Draft` become a `LatentBuffer` (checked once, at import)."""
     try:
-        probe = _new(_Draft)
+        probe = _new(_DRAFT)
         probe.items, probe.staged, probe.host_copy, probe.maxlen = (1,), None, None, 2
         probe.status, probe.recompute_source, probe.recompute_cost, probe._acct_cache = RESIDENT, None, 1.0, None
-        probe.__class__ = LatentBuffer  # type: ignore[assignment]
+        probe.__class__ = LatentBuffer
     except TypeError:  # (a layout this CPython refuses to reassign)
         return False
     fields = [getattr(probe, f.name) for f in dataclasses.fields(LatentBuffer)]

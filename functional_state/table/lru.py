@@ -57,7 +57,7 @@ def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
     """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter.
 
     (`get_or_create` holds a copy of this body, written out for its hit path: change both.)"""
-    clock, log, start, end, pending, pending_tick, n_hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, n_hits, cold, limit = state._meta
     nodes = state._nodes
     if (pending_tick if sid == pending else node[USED]) != clock - 1:  # (else: already the most recent)
         if pending is not None:  # settle the previous hit's node unless its commit already did
@@ -75,15 +75,16 @@ def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
         else:
             log = append(log, end, sid, clock)
         end += 1
-        if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
+        if end >= limit or log.depth > MAX_DEPTH:
             log = compacted(nodes, log, start, end, sid, clock)
             start, end = 0, len(log.sids)
+            limit = COMPACT_AT * len(nodes)
         pending, pending_tick, clock = sid, clock, clock + 1
     elif not hits:
         return state
     new = _new(ManagerState)
     new._nodes = nodes
-    new._meta = (clock, log, start, end, pending, pending_tick, n_hits + hits, cold)
+    new._meta = (clock, log, start, end, pending, pending_tick, n_hits + hits, cold, limit)
     new._acct = state._acct
     return new
 
@@ -98,7 +99,7 @@ def insert(
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, hits, cold, _ = state._meta
     uid, config, n_misses, evictions, parks, restores = cold
     acct = state._acct
     size = len(state._nodes)
@@ -144,13 +145,15 @@ def insert(
     nodes = nodes.set(sid, (session, clock, uid))
     log = append(log, end, sid, clock)
     end += 1
-    if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
+    limit = start + COMPACT_AT * len(nodes)
+    if end >= limit or log.depth > MAX_DEPTH:
         log = compacted(nodes, log, start, end, pending, pending_tick)
         start, end = 0, len(log.sids)
+        limit = COMPACT_AT * len(nodes)
     if acct is not None:
         acct = acct.add_session(session)
     cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
-    return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold), acct)
+    return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold, limit), acct)
 
 
 def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, list[Any] | None]:
@@ -171,7 +174,7 @@ def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, lis
 
 def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
-    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, hits, cold, _ = state._meta
     nodes = state._nodes.delete(sid)
     if sid == pending:
         pending = None
@@ -179,7 +182,8 @@ def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
         log = compacted(nodes, log, start, end, pending, pending_tick)
         start, end = 0, len(log.sids)
     acct = None if state._acct is None else state._acct.remove_session(node[SESSION])
-    return make_state(nodes, (clock, log, start, end, pending, pending_tick, hits, cold), acct)
+    limit = start + COMPACT_AT * len(nodes)
+    return make_state(nodes, (clock, log, start, end, pending, pending_tick, hits, cold, limit), acct)
 
 
 def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:

@@ -80,7 +80,7 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
         return insert(state, sid, session, "get_or_create", 1), session
     # A hit: `lru.touch` written out (a call and its argument passing are a tenth of a hit); the
     # recency tests compare the two against a model.
-    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, hits, cold, limit = state._meta
     if (pending_tick if sid == pending else node[USED]) != clock - 1:  # (else: already the most recent)
         if pending is not None:  # settle the previous hit's node unless its commit already did
             p = nodes[pending]
@@ -97,13 +97,14 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
         else:
             log = append(log, end, sid, clock)
         end += 1
-        if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
+        if end >= limit or log.depth > MAX_DEPTH:
             log = compacted(nodes, log, start, end, sid, clock)
             start, end = 0, len(log.sids)
+            limit = COMPACT_AT * len(nodes)
         pending, pending_tick, clock = sid, clock, clock + 1
     new = _new(ManagerState)
     new._nodes = nodes
-    new._meta = (clock, log, start, end, pending, pending_tick, hits + 1, cold)
+    new._meta = (clock, log, start, end, pending, pending_tick, hits + 1, cold, limit)
     new._acct = state._acct
     return new, node[SESSION]
 
