@@ -36,13 +36,13 @@ from .state import (
     make_state,
 )
 
-__all__ = ["get_or_insert", "insert", "remove", "replace_session", "replace_sessions", "touch"]
+__all__ = ["compacted", "get_or_insert", "insert", "remove", "replace_session", "replace_sessions", "touch"]
 
 _new = object.__new__
 _log = logging.getLogger("functional_state")
 
 
-def _compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, tick: int) -> Log:
+def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, tick: int) -> Log:
     """The current entries of a window (``pending``'s tick is ``tick``), in order, in one new segment."""
     sids, ticks = [], []
     for sid, t in entries(log, start, end):
@@ -54,44 +54,37 @@ def _compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, 
 
 
 def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
-    """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
-    # The hit path, written out: no star-unpacking, no helper calls where the common case needs none.
-    meta = state._meta
-    clock = meta[0]
-    pending = meta[4]
-    pending_tick = meta[5]
+    """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter.
+
+    (`get_or_create` holds a copy of this body, written out for its hit path: change both.)"""
+    clock, log, start, end, pending, pending_tick, n_hits, cold, limit = state._meta
     nodes = state._nodes
-    if (pending_tick if sid == pending else node[USED]) == clock - 1:  # already the most recent
-        if not hits:
-            return state
-        new = _new(ManagerState)
-        new._nodes = nodes
-        new._meta = (clock, meta[1], meta[2], meta[3], pending, pending_tick, meta[6] + hits, meta[7])
-        new._acct = state._acct
-        return new
-    if pending is not None:  # settle the previous hit's node unless its commit already did
-        p = nodes[pending]
-        if p[USED] != pending_tick:
-            nodes = nodes.set(pending, (p[SESSION], pending_tick, p[UID]))
-    start = meta[2]
-    end = meta[3]
-    log = meta[1]
-    sids = log.sids
-    if log.base + len(sids) == end:  # `recency_log.append`, written out for its common case
-        sids.append(sid)
-        if sids[end - log.base] is sid:
-            log.ticks.append(clock)
-        else:  # another table appended first: branch
+    if (pending_tick if sid == pending else node[USED]) != clock - 1:  # (else: already the most recent)
+        if pending is not None:  # settle the previous hit's node unless its commit already did
+            p = nodes[pending]
+            if p[USED] != pending_tick:
+                nodes = nodes.set(pending, (p[SESSION], pending_tick, p[UID]))
+        sids = log.sids
+        base = log.base
+        if base + len(sids) == end:  # `recency_log.append`, written out for its common case
+            sids.append(sid)
+            if sids[end - base] is sid:
+                log.ticks.append(clock)
+            else:  # another table appended first: branch
+                log = append(log, end, sid, clock)
+        else:
             log = append(log, end, sid, clock)
-    else:
-        log = append(log, end, sid, clock)
-    end += 1
-    if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
-        log = _compacted(nodes, log, start, end, sid, clock)
-        start, end = 0, len(log.sids)
+        end += 1
+        if end >= limit or log.depth > MAX_DEPTH:
+            log = compacted(nodes, log, start, end, sid, clock)
+            start, end = 0, len(log.sids)
+            limit = COMPACT_AT * len(nodes)
+        pending, pending_tick, clock = sid, clock, clock + 1
+    elif not hits:
+        return state
     new = _new(ManagerState)
     new._nodes = nodes
-    new._meta = (clock + 1, log, start, end, sid, clock, meta[6] + hits, meta[7])
+    new._meta = (clock, log, start, end, pending, pending_tick, n_hits + hits, cold, limit)
     new._acct = state._acct
     return new
 
@@ -106,7 +99,7 @@ def insert(
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, hits, cold, _ = state._meta
     uid, config, n_misses, evictions, parks, restores = cold
     acct = state._acct
     size = len(state._nodes)
@@ -120,16 +113,25 @@ def insert(
     # costs more than the writes. A pending node stays pending (its tick is older than the new one's).
     nodes = state._nodes
     if size >= config.max_sessions:
+        # The oldest current entry; those before it were superseded. The scan reads one entry per use
+        # appended since the last eviction (about ten per miss here), so its loop is kept bare.
         sids, ticks, base = log.sids, log.ticks, log.base
-        while True:  # the oldest current entry; those before it were superseded
-            if start >= base:
-                victim_id, tick = sids[start - base], ticks[start - base]
-            else:
-                victim_id, tick = at(log, start)
+        while start < base:  # entries in the segments this one branched from (a table derived from an old one)
+            victim_id, tick = at(log, start)
             start += 1
             victim = nodes.get(victim_id)
             if victim is not None and (pending_tick if victim_id == pending else victim[USED]) == tick:
                 break
+        else:
+            get = nodes.get
+            i = start - base
+            while True:
+                victim_id = sids[i]
+                victim = get(victim_id)
+                if victim is not None and (pending_tick if victim_id == pending else victim[USED]) == ticks[i]:
+                    break
+                i += 1
+            start = base + i + 1
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", victim_id, size, sid)
         nodes = nodes.delete(victim_id)
@@ -143,13 +145,15 @@ def insert(
     nodes = nodes.set(sid, (session, clock, uid))
     log = append(log, end, sid, clock)
     end += 1
-    if end - start >= COMPACT_AT * len(nodes) or log.depth > MAX_DEPTH:
-        log = _compacted(nodes, log, start, end, pending, pending_tick)
+    limit = start + COMPACT_AT * len(nodes)
+    if end >= limit or log.depth > MAX_DEPTH:
+        log = compacted(nodes, log, start, end, pending, pending_tick)
         start, end = 0, len(log.sids)
+        limit = COMPACT_AT * len(nodes)
     if acct is not None:
         acct = acct.add_session(session)
     cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
-    return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold), acct)
+    return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold, limit), acct)
 
 
 def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, list[Any] | None]:
@@ -170,15 +174,16 @@ def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, lis
 
 def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
-    clock, log, start, end, pending, pending_tick, hits, cold = state._meta
+    clock, log, start, end, pending, pending_tick, hits, cold, _ = state._meta
     nodes = state._nodes.delete(sid)
     if sid == pending:
         pending = None
     if end - start >= COMPACT_AT * len(nodes) + COMPACT_AT:  # after many drops: keep the window short
-        log = _compacted(nodes, log, start, end, pending, pending_tick)
+        log = compacted(nodes, log, start, end, pending, pending_tick)
         start, end = 0, len(log.sids)
     acct = None if state._acct is None else state._acct.remove_session(node[SESSION])
-    return make_state(nodes, (clock, log, start, end, pending, pending_tick, hits, cold), acct)
+    limit = start + COMPACT_AT * len(nodes)
+    return make_state(nodes, (clock, log, start, end, pending, pending_tick, hits, cold, limit), acct)
 
 
 def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:

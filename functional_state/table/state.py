@@ -67,8 +67,9 @@ Node = tuple[SessionState, int, int]
 # The table's other fields, one tuple so that a write to a session copies two references: (clock: the next
 # tick, log, start and end of this table's window of the log, pending: the session whose node does not hold
 # its tick yet (see `lru.touch`) and that tick, hits, then the fields that only a miss or a rare verb
-# changes, one tuple so that a hit copies eight references, not thirteen: (next incarnation, config, misses,
-# evictions, parks, restores)).
+# changes, one tuple so that a hit copies nine references, not fourteen: (next incarnation, config, misses,
+# evictions, parks, restores), and the end at which the window is compacted (start + COMPACT_AT x the
+# table's size, kept so that a hit compares one int instead of computing it).
 CLOCK: Final = 0
 LOG: Final = 1
 START: Final = 2
@@ -77,6 +78,7 @@ PENDING: Final = 4
 PENDING_TICK: Final = 5
 HITS: Final = 6
 COLD: Final = 7
+LIMIT: Final = 8
 ISSUED: Final = 0
 CONFIG: Final = 1
 MISSES: Final = 2
@@ -150,7 +152,7 @@ class ManagerState:
         check_positive(max_sessions, "`ManagerState.create`: max_sessions")
         budget = normalize_budget(byte_budget, "ManagerState.create: byte_budget")
         config = Config(max_sessions, budget, bool(evict_when_full))
-        meta = (0, Log([], []), 0, 0, None, 0, 0, (0, config, 0, 0, 0, 0))
+        meta = (0, Log([], []), 0, 0, None, 0, 0, (0, config, 0, 0, 0, 0), 0)
         return make_state(EMPTY_NODES, meta, None if budget is None else Acct.build([]))
 
     # --- reads -------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ def with_counters(state: ManagerState, counters: Counters | tuple[int, ...] | li
     hits, *rest = counters
     meta = state._meta
     cold = (*meta[COLD][:MISSES], *rest)
-    return make_state(state._nodes, (*meta[:HITS], hits, cold), state._acct)
+    return make_state(state._nodes, (*meta[:HITS], hits, cold, *meta[COLD + 1 :]), state._acct)
 
 
 def count_evictions(state: ManagerState, n: int = 1) -> ManagerState:
@@ -310,7 +312,7 @@ def with_max_sessions(state: ManagerState, n: int) -> ManagerState:
     meta = state._meta
     cold = list(meta[COLD])
     cold[CONFIG] = dataclasses.replace(cold[CONFIG], max_sessions=n)
-    return make_state(state._nodes, (*meta[:COLD], tuple(cold)), state._acct)
+    return make_state(state._nodes, (*meta[:COLD], tuple(cold), *meta[COLD + 1 :]), state._acct)
 
 
 def node_session(node: Node) -> SessionState:
