@@ -31,8 +31,10 @@ has without CUDA), apart from the device pools (``cpu``, ``cuda:0``), so a CPU r
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
+import itertools
 from typing import Any
 
 import jax
@@ -41,6 +43,7 @@ from ..errors import DeletedArrayError
 from . import accounting, host_buffers, torch_host
 from .torch_host import TorchLeaf as TorchLeaf
 from .torch_host import as_torch as as_torch
+from .torch_host import host_storage as host_storage
 from .torch_host import jax_alias as jax_alias
 from .torch_host import rebuild_leaf as rebuild_leaf
 
@@ -249,6 +252,14 @@ def _runs(members: list[int], g: torch_host.Gathered) -> list[tuple[int, list[An
     storages (``dtype`` None: one ``torch.cat`` of their bytes)."""
     sizes, dtypes, shapes, chunk = g.sizes, g.dtypes, g.shapes, _CHUNK
     runs: list[tuple[int, list[Any]]] = []
+    if g.uniform:  # one segment per run: the same greedy runs, cut by bisecting the running byte count
+        ends = list(itertools.accumulate(sizes[k] for k in members))
+        j = base = 0
+        while j < len(members):
+            e = max(bisect.bisect_right(ends, base + chunk, j), j + 1)
+            runs.append((ends[e - 1] - base, [(0, ends[e - 1] - base, members[j:e], dtypes[members[j]], ())]))
+            j, base = e, ends[e - 1]
+        return runs
     segments: list[Any] = []
     pos = start = lo = 0
     seg_dtype: Any = None
@@ -343,20 +354,6 @@ def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
     for device in synced:
         torch.cuda.current_stream(device).synchronize()  # the host buffer may be freed after this
     return result
-
-
-def host_storage(parked: ParkedStorage, index: int) -> Any:
-    """Storage ``index`` of ``parked`` as it sits in its host buffer: a 1-D uint8 CPU tensor over exactly its
-    bytes, with a storage of its own (no copy), which `rebuild_leaf` can rebuild the storage's leaves over.
-
-    Storages share host buffers back to back, so a plain slice of the buffer would still report the whole
-    buffer as its storage; through numpy, the view gets a storage that starts where this one starts.
-    """
-    torch = torch_host.torch_module()
-    s = parked.storages[index]
-    if not s.nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_numpy(parked.buffers[s.buffer].numpy()[s.start : s.start + s.nbytes])
 
 
 # --- ParkedStorage as a pytree: its JAX host arrays are the leaves, the rest static ----------------------

@@ -22,7 +22,17 @@ import jax
 
 from . import accounting
 
-__all__ = ["Gathered", "TorchLeaf", "as_torch", "bytes_view", "gather", "jax_alias", "rebuild", "rebuild_leaf"]
+__all__ = [
+    "Gathered",
+    "TorchLeaf",
+    "as_torch",
+    "bytes_view",
+    "gather",
+    "host_storage",
+    "jax_alias",
+    "rebuild",
+    "rebuild_leaf",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,7 @@ class Gathered:
     plain, copied as raw bytes); per torch leaf its index among the leaves, its storage and its recipe, the
     recipe ``None`` when the leaf is its plain storage's own tensor (restored as that tensor)."""
 
-    __slots__ = ("devices", "dtypes", "leaf", "others", "recipe", "shapes", "sizes", "sources", "storage")
+    __slots__ = ("devices", "dtypes", "leaf", "others", "recipe", "shapes", "sizes", "sources", "storage", "uniform")
 
     def __init__(self) -> None:
         self.sources: list[Any] = []
@@ -83,6 +93,7 @@ class Gathered:
         self.storage: list[int] = []
         self.recipe: list[TorchLeaf | None] = []
         self.others: list[int] = []  # indices of the leaves that are not torch tensors
+        self.uniform = False  # every storage plain, 1-D, of one dtype, on the CPU (runs need no segments)
 
 
 def gather(leaves: list[Any], plain_max: int) -> Gathered:
@@ -183,7 +194,7 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
         return False
     n = len(leaves)
     if max(dims) == 1:  # 1-D: no shape objects (a park must not allocate one tracked object per tensor)
-        g.shapes = [ONE_D] * n
+        g.shapes, g.uniform = [ONE_D] * n, len(kinds) == 1
         if len(kinds) == 1:  # (a 1-element tensor may carry any stride: it gets a recipe)
             unit = dtypes[0].itemsize in sizes
         else:
@@ -246,6 +257,21 @@ def as_torch(leaf: Any) -> tuple[Any, Any]:
         if isinstance(tensor, torch.Tensor):
             return tensor, owner
     return None, None
+
+
+def host_storage(parked: Any, index: int) -> Any:
+    """Storage ``index`` of ``parked`` (a `ParkedStorage`) as it sits in its host buffer: a 1-D uint8 CPU
+    tensor over exactly its bytes, with a storage of its own (no copy), which `rebuild_leaf` can rebuild the
+    storage's leaves over.
+
+    Storages share host buffers back to back, so a plain slice of the buffer would still report the whole
+    buffer as its storage; through numpy, the view gets a storage that starts where this one starts.
+    """
+    torch = torch_module()
+    s = parked.storages[index]
+    if not s.nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_numpy(parked.buffers[s.buffer].numpy()[s.start : s.start + s.nbytes])
 
 
 def rebuild_leaf(leaf: TorchLeaf, storage: Any) -> Any:
