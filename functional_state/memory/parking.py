@@ -78,10 +78,10 @@ class _Layout:
     restore cuts out, each ``(buffer, start, end, storages, dtype, trail)``: ``dtype`` None for raw bytes, else
     plain storages of that dtype and trailing shape back to back (each storage's shape ``(n, *trail)``)."""
 
-    __slots__ = ("devices", "leaf", "nbytes", "recipe", "segments", "storage")
+    __slots__ = ("devices", "direct", "leaf", "nbytes", "recipe", "segments", "storage")
 
     def __init__(self, g: torch_host.Gathered):
-        self.devices, self.nbytes = g.devices, g.sizes
+        self.devices, self.nbytes, self.direct = g.devices, g.sizes, g.direct
         self.leaf, self.storage, self.recipe = g.leaf, g.storage, g.recipe
         self.segments: list[tuple[int, int, int, list[int], Any, tuple[int, ...]]] = []
 
@@ -186,6 +186,9 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
     """
     leaves, treedef = jax.tree_util.tree_flatten(values)
     gathered = torch_host.gather(leaves, _NUMPY_MIN)
+    if gathered.direct:  # every leaf a tensor spanning its own storage: nothing else to look at
+        layout, buffers = _copy_storages_to_host(gathered)
+        return ParkedStorage(treedef, (_TORCH,) * len(leaves), layout, tuple(buffers))
     slots: list[Any] = list(leaves)
     for i in gathered.leaf:
         slots[i] = _TORCH
@@ -204,7 +207,9 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
             recipe = JaxLeaf(host, a.sharding)
             for i in same:  # one host array per distinct array, so its restore is one array again
                 slots[i] = recipe
-    layout, buffers = _copy_storages_to_host(gathered) if gathered.sources else (None, [])
+    if not gathered.sources:
+        return ParkedStorage(treedef, tuple(slots), None, ())
+    layout, buffers = _copy_storages_to_host(gathered)
     return ParkedStorage(treedef, tuple(slots), layout, tuple(buffers))
 
 
@@ -304,6 +309,8 @@ def _fill(host: Any, a: int, end: int, srcs: list[Any], dtype: Any, trail: tuple
 
 def restore_values(parked: ParkedStorage) -> Any:
     """The values `park_values` was given, back on their devices (fresh device buffers), bit for bit."""
+    if parked.layout is not None and parked.layout.direct:  # the leaves are the restored storages, in order
+        return jax.tree_util.tree_unflatten(parked.treedef, _copy_storages_to_device(parked))
     out: list[Any] = list(parked.slots)
     recipes: dict[int, JaxLeaf] = {id(x): x for x in out if isinstance(x, JaxLeaf)}  # each once
     if recipes:

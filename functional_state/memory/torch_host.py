@@ -81,7 +81,10 @@ class Gathered:
     plain, copied as raw bytes); per torch leaf its index among the leaves, its storage and its recipe, the
     recipe ``None`` when the leaf is its plain storage's own tensor (restored as that tensor)."""
 
-    __slots__ = ("devices", "dtypes", "leaf", "others", "recipe", "shapes", "sizes", "sources", "storage", "uniform")
+    __slots__ = (
+        *("devices", "direct", "dtypes", "leaf", "others", "recipe", "shapes", "sizes", "sources", "storage"),
+        "uniform",
+    )
 
     def __init__(self) -> None:
         self.sources: list[Any] = []
@@ -94,6 +97,7 @@ class Gathered:
         self.recipe: list[TorchLeaf | None] = []
         self.others: list[int] = []  # indices of the leaves that are not torch tensors
         self.uniform = False  # every storage plain, 1-D, of one dtype, on the CPU (runs need no segments)
+        self.direct = False  # leaf i is storage i's own tensor, for every leaf (restored as the storages)
 
 
 def gather(leaves: list[Any], plain_max: int) -> Gathered:
@@ -206,6 +210,7 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
     if unit or any(map(_GET["requires_grad"], leaves)):
         g.recipe = [_recipe(t, k, None) if 1 in t.shape or t.requires_grad else None for k, t in enumerate(leaves)]
+    g.direct = g.recipe.count(None) == n
     return True
 
 
