@@ -169,26 +169,28 @@ def gather(leaves: list[Any], plain_max: int) -> Gathered:
     return g
 
 
-_GET = {a: operator.attrgetter(a) for a in ("dtype", "shape", "nbytes", "is_cpu", "requires_grad")}
+_GET = {a: operator.attrgetter(a) for a in ("dtype", "shape", "nbytes")}
+_PROPS = operator.attrgetter("is_cpu", "dtype", "ndim", "requires_grad")
 
 
 def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: int, g: Gathered) -> bool:
     """The common case, checked a column at a time (one C-level ``map`` per property, no bytecode per
     tensor): every leaf a CPU tensor spanning a storage of its own. Fills ``g`` and says so, else leaves it."""
     tensor = torch.Tensor
-    if not leaves or set(map(type, leaves)) != {tensor} or not all(map(_GET["is_cpu"], leaves)):
+    if not leaves or set(map(type, leaves)) != {tensor}:
+        return False
+    # One pass for the attributes (a set: equal tuples collapse, so a uniform list makes one), one per method.
+    props = set(map(_PROPS, leaves))  # (is_cpu, dtype, ndim, requires_grad)
+    kinds = {p[1] for p in props}
+    dims = {p[2] for p in props}
+    if not all(p[0] for p in props) or not kinds <= plain or min(dims) < 1:  # (0-d tensors do not concatenate)
         return False
     sizes = list(map(_GET["nbytes"], leaves))
     if min(sizes) <= 0 or max(sizes) >= plain_max:
         return False
     ptrs = list(map(tensor.data_ptr, leaves))
-    dtypes = list(map(_GET["dtype"], leaves))
-    dims = list(map(tensor.dim, leaves))
-    kinds = set(dtypes)
     if (
         len(set(ptrs)) != len(ptrs)  # views of one storage, or one tensor twice: the general path
-        or not kinds <= plain
-        or min(dims) < 1  # (a 0-d tensor cannot be concatenated)
         or any(map(tensor.storage_offset, leaves))
         or not all(map(tensor.is_contiguous, leaves))
         or sizes != list(map(torch.UntypedStorage.nbytes, map(tensor.untyped_storage, leaves)))
@@ -197,7 +199,8 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     ):
         return False
     n = len(leaves)
-    if max(dims) == 1:  # 1-D: no shape objects (a park must not allocate one tracked object per tensor)
+    dtypes = [next(iter(kinds))] * n if len(kinds) == 1 else list(map(_GET["dtype"], leaves))
+    if dims == {1}:  # 1-D: no shape objects (a park must not allocate one tracked object per tensor)
         g.shapes, g.uniform = [ONE_D] * n, len(kinds) == 1
         if len(kinds) == 1:  # (a 1-element tensor may carry any stride: it gets a recipe)
             unit = dtypes[0].itemsize in sizes
@@ -208,7 +211,7 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
         unit = any(map(operator.contains, g.shapes, itertools.repeat(1)))
     g.sources, g.devices, g.sizes, g.dtypes = list(leaves), [torch.device("cpu")] * n, sizes, dtypes
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
-    if unit or any(map(_GET["requires_grad"], leaves)):
+    if unit or any(p[3] for p in props):
         g.recipe = [_recipe(t, k, None) if 1 in t.shape or t.requires_grad else None for k, t in enumerate(leaves)]
     g.direct = g.recipe.count(None) == n
     return True
