@@ -35,6 +35,7 @@ import bisect
 import dataclasses
 import functools
 import itertools
+import math
 from typing import Any
 
 import jax
@@ -87,11 +88,7 @@ class _Layout:
 
     def split_sizes(self, members: list[int], dtype: Any, trail: tuple[int, ...]) -> list[int]:
         """The first-dim sizes of a plain segment's storages (their bytes for raw ones)."""
-        if dtype is None:
-            return [self.nbytes[k] for k in members]
-        per = dtype.itemsize
-        for n in trail:
-            per *= n
+        per = 1 if dtype is None else math.prod(trail, start=dtype.itemsize)
         return [self.nbytes[k] // per for k in members]
 
 
@@ -344,8 +341,13 @@ def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
             if a % dtype.itemsize:
                 seg = seg.clone()  # (off its dtype's alignment in the host buffer: realigned by one copy)
             typed = seg.view(dtype).view(-1, *trail) if trail else seg.view(dtype)
-            for k, t in zip(members, torch.split_with_sizes_copy(typed, sizes)):
-                result[k] = t
+            pieces = torch.split_with_sizes_copy(typed, sizes)
+            lo, hi = members[0], members[-1] + 1
+            if hi - lo == len(members):  # (increasing storage indices: consecutive ones are one slice)
+                result[lo:hi] = pieces
+            else:
+                for k, t in zip(members, pieces):
+                    result[k] = t
             continue
         for k, view in zip(members, seg.split(sizes)):
             device = lay.devices[k]
