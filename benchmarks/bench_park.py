@@ -22,7 +22,7 @@ from functional_state import DenseValue
 MIB = 2**20
 FEAT_MAP_BYTES = 603 * MIB
 ENTRIES = 30
-SMALL = (4096, 4096)  # 4,096 tensors of 16 KiB: many small transfers
+SMALL = (4096, 4096)  # 4,096 float32 tensors of 4 KiB each (16 MiB): many small transfers
 
 
 def _feat_map() -> list[torch.Tensor]:

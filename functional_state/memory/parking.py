@@ -6,13 +6,15 @@ into a `ParkedStorage`; `restore_values` gives them back.
 * **JAX arrays** move with ``jax.device_put`` to the ``pinned_host`` memory kind of their own sharding
   (per shard, for a sharded array) and back to the sharding they had: same devices, same memory kind,
   same dtype and shape. One ``device_put`` call moves all of an object's arrays.
-* **torch tensors** are grouped by storage: each storage is copied once, whole, into one contiguous host
-  buffer per device (coalesced: one allocation, and for CPU sources one ``torch.cat`` call; for a GPU, a
+* **torch tensors** are grouped by storage (`torch_host`): each storage is copied once, whole, into host
+  buffers of at most `_CHUNK` bytes per device, back to back (for CPU sources one ``torch.cat`` per run of
+  tensors that span their storages exactly, of one dtype, and one of raw bytes for the rest; for a GPU, a
   pinned buffer filled with ``non_blocking`` copies and one stream sync), and restored into a fresh
-  allocation on its device; every tensor is rebuilt as a view of it with its own offset, shape, strides
-  and conjugate/negative bits. Tensors that were views of one storage are views of one storage again;
-  separate storages stay separate. Large CPU buffers come from `host_buffers` (recycled once nothing holds
-  them, else fresh from numpy's huge pages): first-touch page faults otherwise double the cost of a copy.
+  allocation per storage on its device (one ``split_with_sizes_copy`` per such run); every other tensor is
+  rebuilt as a view with its own offset, shape, strides and conjugate/negative bits. Tensors that were
+  views of one storage are views of one storage again; separate storages stay separate. Large CPU buffers
+  come from `host_buffers` (recycled once nothing holds them, else fresh from numpy's huge pages):
+  first-touch page faults otherwise double the cost of a copy.
 * **JAX arrays that alias a torch storage** through the bridge park that whole storage (the memory they
   keep alive) and come back as JAX arrays over the restored storage.
 * Anything else (numpy arrays, which already live in host memory, Python values) is kept as it is.
@@ -29,15 +31,22 @@ has without CUDA), apart from the device pools (``cpu``, ``cuda:0``), so a CPU r
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import sys
+import functools
+import itertools
+import math
 from typing import Any
 
 import jax
-import numpy as np
 
 from ..errors import DeletedArrayError
-from . import accounting, host_buffers
+from . import accounting, host_buffers, torch_host
+from .torch_host import TorchLeaf as TorchLeaf
+from .torch_host import as_torch as as_torch
+from .torch_host import host_storage as host_storage
+from .torch_host import jax_alias as jax_alias
+from .torch_host import rebuild_leaf as rebuild_leaf
 
 __all__ = ["HOST_KINDS", "ParkedStorage", "park_values", "restore_values"]
 
@@ -47,25 +56,13 @@ HOST_KINDS = ("pinned_host", "unpinned_host")
 # page faults per park (fresh pages after a heap trim), in runs of 256 KiB about 1.
 _CHUNK = 256 << 10
 _NUMPY_MIN = host_buffers.MIN_NBYTES  # a buffer of a huge page or more comes from the recycling cache
+_TORCH = object()  # in `ParkedStorage.slots`: a torch leaf, restored from the storages
 
 
 @dataclasses.dataclass(frozen=True)
 class JaxLeaf:
     host: jax.Array  # the array in a host memory kind
     sharding: Any  # where it came from (devices and memory kind)
-
-
-@dataclasses.dataclass(frozen=True)
-class TorchLeaf:
-    storage: int  # index into ParkedStorage.storages
-    dtype: Any
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int  # storage offset, in elements
-    conj: bool
-    neg: bool
-    jax_owner_type: type | None  # not None: the leaf was a bridge alias of this storage, owned by this type
-    requires_grad: bool = False  # a torch leaf's autograd flag, kept across the round trip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +73,60 @@ class _Storage:
     nbytes: int
 
 
+class _Layout:
+    """Where the parked torch storages sit, in columns (no object per storage or leaf): per storage its device
+    and bytes; per torch leaf its index, storage and recipe (`torch_host.Gathered`); and the segments a
+    restore cuts out, each ``(buffer, start, end, storages, dtype, trail)``: ``dtype`` None for raw bytes, else
+    plain storages of that dtype and trailing shape back to back (each storage's shape ``(n, *trail)``)."""
+
+    __slots__ = ("devices", "direct", "leaf", "nbytes", "recipe", "segments", "storage")
+
+    def __init__(self, g: torch_host.Gathered):
+        self.devices, self.nbytes, self.direct = g.devices, g.sizes, g.direct
+        self.leaf, self.storage, self.recipe = g.leaf, g.storage, g.recipe
+        self.segments: list[tuple[int, int, int, list[int], Any, tuple[int, ...]]] = []
+
+    def split_sizes(self, members: list[int], dtype: Any, trail: tuple[int, ...]) -> list[int]:
+        """The first-dim sizes of a plain segment's storages (their bytes for raw ones)."""
+        per = 1 if dtype is None else math.prod(trail, start=dtype.itemsize)
+        return [self.nbytes[k] // per for k in members]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParkedStorage:
     """The host copy of an object's committed storage, and what restoring it needs. Immutable."""
 
     treedef: Any  # structure of the parked values
-    leaves: tuple[Any, ...]  # per leaf: JaxLeaf, TorchLeaf, or the value kept as is
-    storages: tuple[_Storage, ...]
-    buffers: tuple[Any, ...]  # one contiguous uint8 torch tensor per source device
+    slots: tuple[Any, ...]  # per leaf: JaxLeaf, the value kept as is, or _TORCH (a torch leaf, in `layout`)
+    layout: _Layout | None  # the torch storages in `buffers`, and the torch leaves over them
+    buffers: tuple[Any, ...]  # contiguous uint8 torch tensors, in runs of storages per source device
+
+    @functools.cached_property
+    def leaves(self) -> tuple[Any, ...]:
+        """Per leaf: JaxLeaf, TorchLeaf, or the value kept as is (the recipes written out on first use)."""
+        out, lay = list(self.slots), self.layout
+        if lay is not None:
+            shapes: dict[int, tuple[Any, tuple[int, ...]]] = {}
+            for _b, _a, _e, members, dtype, trail in lay.segments:
+                if dtype is not None:
+                    sizes = lay.split_sizes(members, dtype, trail)
+                    shapes.update((k, (dtype, (n, *trail))) for k, n in zip(members, sizes))
+            for i, k, recipe in zip(lay.leaf, lay.storage, lay.recipe):
+                out[i] = recipe if recipe is not None else torch_host.plain_leaf(k, *shapes[k])
+        return tuple(out)
+
+    @functools.cached_property
+    def storages(self) -> tuple[_Storage, ...]:
+        """Per torch storage: its device, host buffer, start and bytes."""
+        lay = self.layout
+        if lay is None:
+            return ()
+        out: list[Any] = [None] * len(lay.nbytes)
+        for b, a, _end, members, _dtype, _trail in lay.segments:
+            for k in members:
+                out[k] = _Storage(lay.devices[k], b, a, lay.nbytes[k])
+                a += lay.nbytes[k]
+        return tuple(out)
 
     @property
     def nbytes(self) -> int:
@@ -92,9 +135,7 @@ class ParkedStorage:
 
     def _accounting_children(self) -> list[Any]:
         # JAX host arrays report their memory kind themselves; torch buffers are filed by _accounting_extents.
-        return [
-            leaf.host if isinstance(leaf, JaxLeaf) else leaf for leaf in self.leaves if not isinstance(leaf, TorchLeaf)
-        ]
+        return [leaf.host if isinstance(leaf, JaxLeaf) else leaf for leaf in self.slots if leaf is not _TORCH]
 
     def _accounting_extents(self) -> accounting.Extents:
         out: accounting.Extents = []
@@ -106,49 +147,20 @@ class ParkedStorage:
         return out
 
     def __repr__(self) -> str:
-        return f"ParkedStorage(leaves={len(self.leaves)}, torch_storages={len(self.storages)})"
-
-
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
-def _bytes_view(t: Any) -> Any:
-    """A 1-D uint8 tensor over the whole storage of ``t`` (same device, no copy)."""
-    torch = _torch()
-    t = t.detach()  # the bytes, not the autograd graph (an out= copy refuses tensors that require grad)
-    if t.storage_offset() == 0 and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        flat = t.reshape(-1).view(torch.uint8)  # the cheap path: the tensor spans its storage from the start
-        if flat.numel() == t.untyped_storage().nbytes():
-            return flat
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+        n = len(self.layout.nbytes) if self.layout is not None else 0
+        return f"ParkedStorage(leaves={len(self.slots)}, torch_storages={n})"
 
 
 def _host_bytes(n: int, pinned: bool) -> Any:
     """An uninitialised uint8 host tensor of ``n`` bytes: pinned for GPU transfers (torch caches those);
     else, when large, a recycled or fresh page-aligned buffer (`host_buffers`), and when small from torch's
     allocator (64-byte aligned, which DLPack aliasing on the CPU needs)."""
-    torch = _torch()
+    torch = torch_host.torch_module()
     if pinned:
         return torch.empty(n, dtype=torch.uint8, pin_memory=True)
     if n >= _NUMPY_MIN:
         return host_buffers.host_buffer(n)
     return torch.empty(n, dtype=torch.uint8)
-
-
-def as_torch(leaf: Any) -> tuple[Any, Any]:
-    """``(tensor, jax_owner)`` when ``leaf`` is a torch tensor or a bridge alias of one, else ``(None, None)``."""
-    torch = _torch()
-    if torch is None:
-        return None, None
-    if isinstance(leaf, torch.Tensor):
-        return leaf, None
-    if isinstance(leaf, jax.Array):
-        owner = accounting.alias_owner(leaf)
-        tensor = getattr(owner, "tensor", owner)
-        if isinstance(tensor, torch.Tensor):
-            return tensor, owner
-    return None, None
 
 
 def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
@@ -170,35 +182,20 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
       [0.0, 1.0, 2.0, 3.0]
     """
     leaves, treedef = jax.tree_util.tree_flatten(values)
-    recipes: list[Any] = [None] * len(leaves)
+    gathered = torch_host.gather(leaves, _NUMPY_MIN)
+    if gathered.direct:  # every leaf a tensor spanning its own storage: nothing else to look at
+        layout, buffers = _copy_storages_to_host(gathered)
+        return ParkedStorage(treedef, (_TORCH,) * len(leaves), layout, tuple(buffers))
+    slots: list[Any] = list(leaves)
+    for i in gathered.leaf:
+        slots[i] = _TORCH
     jax_index: dict[int, list[int]] = {}  # id(array) -> the leaves that are that array
-    storage_ids: dict[tuple[Any, int], int] = {}
-    sources: list[Any] = []  # one tensor per distinct storage
-    for i, leaf in enumerate(leaves):
-        tensor, owner = as_torch(leaf)
-        if tensor is not None:
-            storage = tensor.untyped_storage()
-            key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
-            if key not in storage_ids:
-                storage_ids[key] = len(sources)
-                sources.append(tensor)
-            recipes[i] = TorchLeaf(
-                storage_ids[key],
-                tensor.dtype,
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-                tensor.storage_offset(),
-                bool(tensor.is_conj()),
-                bool(tensor.is_neg()),
-                None if owner is None else type(owner),
-                owner is None and bool(tensor.requires_grad),
-            )
-        elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+    for i in gathered.others:
+        leaf = leaves[i]
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
             if leaf.is_deleted():
                 _raise_deleted(values, i, leaf, what)
             jax_index.setdefault(id(leaf), []).append(i)
-        else:
-            recipes[i] = leaf
     if jax_index:
         arrays = [leaves[same[0]] for same in jax_index.values()]
         targets = [a.sharding.with_memory_kind("pinned_host") for a in arrays]
@@ -206,9 +203,11 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
         for same, a, host in zip(jax_index.values(), arrays, hosts):
             recipe = JaxLeaf(host, a.sharding)
             for i in same:  # one host array per distinct array, so its restore is one array again
-                recipes[i] = recipe
-    storages, buffers = _copy_storages_to_host(sources)
-    return ParkedStorage(treedef, tuple(recipes), tuple(storages), tuple(buffers))
+                slots[i] = recipe
+    if not gathered.sources:
+        return ParkedStorage(treedef, tuple(slots), None, ())
+    layout, buffers = _copy_storages_to_host(gathered)
+    return ParkedStorage(treedef, tuple(slots), layout, tuple(buffers))
 
 
 def _raise_deleted(values: Any, index: int, leaf: Any, what: str) -> None:
@@ -221,148 +220,149 @@ def _raise_deleted(values: Any, index: int, leaf: Any, what: str) -> None:
     )
 
 
-def _chunks(members: list[int], sizes: dict[int, int]) -> list[list[int]]:
-    """Group storages, in order, into runs of at most `_CHUNK` bytes (a larger storage is a run of its own)."""
-    runs: list[list[int]] = []
-    run_bytes = 0
-    for i in members:
-        if not runs or run_bytes + sizes[i] > _CHUNK:
-            runs.append([])
-            run_bytes = 0
-        runs[-1].append(i)
-        run_bytes += sizes[i]
+def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
+    """Copy each gathered storage, whole, into contiguous host buffers: in order, runs of at most `_CHUNK`
+    bytes per source device (a larger storage is a run of its own), packed back to back with no padding (the
+    host pool rises by exactly the bytes the device pool loses)."""
+    torch = torch_host.torch_module()
+    layout = _Layout(g)
+    devices = g.devices
+    if devices.count(devices[0]) == len(devices):
+        groups = {devices[0]: list(range(len(devices)))}
+    else:
+        groups = {}
+        for k, device in enumerate(devices):
+            groups.setdefault(device, []).append(k)
+    buffers: list[Any] = []
+    with torch.no_grad():  # bytes, not graphs (an out= copy refuses inputs that require grad)
+        for device, members in groups.items():
+            pinned = device.type == "cuda"
+            for total, segments in _runs(members, g):
+                host = _host_bytes(total, pinned)
+                for a, end, seg, dtype, trail in segments:
+                    layout.segments.append((len(buffers), a, end, seg, dtype, trail))
+                    _fill(host, a, end, [g.sources[k] for k in seg], dtype, trail, pinned)
+                buffers.append(host)
+            if pinned:
+                torch.cuda.current_stream(device).synchronize()  # the device storages may be freed after this
+    return layout, buffers
+
+
+def _runs(members: list[int], g: torch_host.Gathered) -> list[tuple[int, list[Any]]]:
+    """``(bytes, segments)`` per host buffer; a segment ``(start, end, storages, dtype, trail)`` is a stretch
+    of plain storages of one dtype and trailing shape (one ``torch.cat`` of the tensors themselves), or of raw
+    storages (``dtype`` None: one ``torch.cat`` of their bytes)."""
+    sizes, dtypes, shapes, chunk = g.sizes, g.dtypes, g.shapes, _CHUNK
+    runs: list[tuple[int, list[Any]]] = []
+    if g.uniform:  # one segment per run: the same greedy runs, cut by bisecting the running byte count
+        ends = list(itertools.accumulate(sizes[k] for k in members))
+        j = base = 0
+        while j < len(members):
+            e = max(bisect.bisect_right(ends, base + chunk, j), j + 1)
+            runs.append((ends[e - 1] - base, [(0, ends[e - 1] - base, members[j:e], dtypes[members[j]], ())]))
+            j, base = e, ends[e - 1]
+        return runs
+    segments: list[Any] = []
+    pos = start = lo = 0
+    seg_dtype: Any = None
+    seg_shape: Any = None
+    for j, k in enumerate(members):
+        n, dtype, shape = sizes[k], dtypes[k], shapes[k]
+        if j and pos + n > chunk:  # a new run (a storage larger than a run is a run of its own)
+            segments.append(_segment(start, pos, members[lo:j], seg_dtype, seg_shape))
+            runs.append((pos, segments))
+            segments, pos, start, lo, seg_dtype, seg_shape = [], 0, 0, j, dtype, shape
+        elif (
+            not j or dtype is not seg_dtype or (dtype is not None and shape != seg_shape and shape[1:] != seg_shape[1:])
+        ):
+            if j:
+                segments.append(_segment(start, pos, members[lo:j], seg_dtype, seg_shape))
+            start, lo, seg_dtype, seg_shape = pos, j, dtype, shape
+        pos += n
+    segments.append(_segment(start, pos, members[lo:], seg_dtype, seg_shape))
+    runs.append((pos, segments))
     return runs
 
 
-def _copy_storages_to_host(sources: list[Any]) -> tuple[list[_Storage], list[Any]]:
-    """Copy each source tensor's whole storage into contiguous host buffers, several storages per buffer."""
-    if not sources:
-        return [], []
-    torch = _torch()
-    by_device: dict[Any, list[int]] = {}
-    for i, t in enumerate(sources):
-        by_device.setdefault(t.device, []).append(i)
-    sizes = {i: t.untyped_storage().nbytes() for i, t in enumerate(sources)}
-    storages: list[_Storage | None] = [None] * len(sources)
-    buffers: list[Any] = []
-    for device, members in by_device.items():
-        pinned = device.type == "cuda"
-        for run in _chunks(members, sizes):
-            # Packed back to back, no padding: the host pool then rises by exactly the bytes the device pool
-            # loses (restores copy out into fresh, allocator-aligned buffers).
-            offsets = list(np.cumsum([0] + [sizes[i] for i in run[:-1]]))
-            host = _host_bytes(sum(sizes[i] for i in run), pinned)
-            if device.type == "cpu":
-                torch.cat([_bytes_view(sources[i]) for i in run], out=host)  # one copy call per run
-            else:
-                for i, start in zip(run, offsets):
-                    if sizes[i]:
-                        host[start : start + sizes[i]].copy_(_bytes_view(sources[i]), non_blocking=pinned)
-            for i, start in zip(run, offsets):
-                storages[i] = _Storage(device, len(buffers), int(start), sizes[i])
-            buffers.append(host)
-        if pinned:
-            torch.cuda.current_stream(device).synchronize()  # the device storages may be freed after this
-    return storages, buffers  # type: ignore[return-value]
+def _segment(start: int, end: int, members: list[int], dtype: Any, shape: Any) -> tuple[Any, ...]:
+    return (start, end, members, dtype, tuple(shape[1:]) if dtype is not None else ())
+
+
+def _fill(host: Any, a: int, end: int, srcs: list[Any], dtype: Any, trail: tuple[int, ...], pinned: bool) -> None:
+    """Copy one segment's storages into ``host[a:end]``."""
+    torch = torch_host.torch_module()
+    if pinned:  # (a GPU run: one transfer per storage, each a DMA into pinned memory)
+        for src in srcs:
+            view = torch_host.bytes_view(src)
+            if view.numel():
+                host[a : a + view.numel()].copy_(view, non_blocking=True)
+                a += view.numel()
+    elif dtype is not None and not a % dtype.itemsize:
+        out = host[a:end].view(dtype)
+        torch.cat(srcs, out=out.view(-1, *trail) if trail else out)
+    elif a < end:  # raw bytes (or plain storages off their dtype's alignment in a mixed run)
+        torch.cat([torch_host.bytes_view(s) for s in srcs], out=host[a:end])
 
 
 def restore_values(parked: ParkedStorage) -> Any:
     """The values `park_values` was given, back on their devices (fresh device buffers), bit for bit."""
-    recipes: dict[int, JaxLeaf] = {id(x): x for x in parked.leaves if isinstance(x, JaxLeaf)}  # each once
-    out: list[Any] = list(parked.leaves)
+    if parked.layout is not None and parked.layout.direct:  # the leaves are the restored storages, in order
+        return jax.tree_util.tree_unflatten(parked.treedef, _copy_storages_to_device(parked))
+    out: list[Any] = list(parked.slots)
+    recipes: dict[int, JaxLeaf] = {id(x): x for x in out if isinstance(x, JaxLeaf)}  # each once
     if recipes:
         restored = jax.device_put([r.host for r in recipes.values()], [r.sharding for r in recipes.values()])
         by_recipe = dict(zip(recipes, restored))
-        for i, leaf in enumerate(parked.leaves):
+        for i, leaf in enumerate(parked.slots):
             if isinstance(leaf, JaxLeaf):
                 out[i] = by_recipe[id(leaf)]
-    if parked.storages:
-        device_storages = _copy_storages_to_device(parked)
-        for i, leaf in enumerate(parked.leaves):
-            if isinstance(leaf, TorchLeaf):
-                out[i] = rebuild_leaf(leaf, device_storages[leaf.storage])
+    lay = parked.layout
+    if lay is not None:
+        storages = _copy_storages_to_device(parked)
+        rebuild = torch_host.rebuild
+        for i, k, recipe in zip(lay.leaf, lay.storage, lay.recipe):
+            s = storages[k]
+            out[i] = s if recipe is None else rebuild(recipe, s.untyped_storage(), s.device)
     return jax.tree_util.tree_unflatten(parked.treedef, out)
 
 
 def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
-    """One fresh allocation per storage, filled from its host buffer (`park_values` packs a buffer's storages
-    back to back from its start, so one ``split`` cuts them all out); a CPU storage is one ``clone``."""
-    torch = _torch()
-    result: list[Any] = [None] * len(parked.storages)
-    by_buffer: dict[int, list[int]] = {}
-    for i, s in enumerate(parked.storages):
-        by_buffer.setdefault(s.buffer, []).append(i)
+    """One fresh allocation per storage, filled from its host buffer: a segment of plain storages is one
+    ``split_with_sizes_copy`` (each piece a fresh tensor of its own shape), a small raw CPU storage one
+    ``clone``, a large one a recycled host buffer (`host_buffers`), a GPU storage a ``non_blocking`` copy."""
+    torch = torch_host.torch_module()
+    lay = parked.layout
+    assert lay is not None
+    result: list[Any] = [None] * len(lay.nbytes)
     synced = set()
-    for b, members in by_buffer.items():
-        for i, view in zip(members, parked.buffers[b].split([parked.storages[i].nbytes for i in members])):
-            device = parked.storages[i].device
+    for b, a, end, members, dtype, trail in lay.segments:
+        seg, sizes = parked.buffers[b][a:end], lay.split_sizes(members, dtype, trail)
+        if dtype is not None:
+            if a % dtype.itemsize:
+                seg = seg.clone()  # (off its dtype's alignment in the host buffer: realigned by one copy)
+            typed = seg.view(dtype).view(-1, *trail) if trail else seg.view(dtype)
+            pieces = torch.split_with_sizes_copy(typed, sizes)
+            lo, hi = members[0], members[-1] + 1
+            if hi - lo == len(members):  # (increasing storage indices: consecutive ones are one slice)
+                result[lo:hi] = pieces
+            else:
+                for k, t in zip(members, pieces):
+                    result[k] = t
+            continue
+        for k, view in zip(members, seg.split(sizes)):
+            device = lay.devices[k]
             if device.type == "cpu" and view.numel() < _NUMPY_MIN:
-                result[i] = view.clone()  # a fresh storage of exactly these bytes: allocation and copy in one call
+                result[k] = view.clone()  # a fresh storage of exactly these bytes: allocation and copy in one call
                 continue
             dev = _host_bytes(view.numel(), False) if device.type == "cpu" else torch.empty_like(view, device=device)
             if view.numel():
                 dev.copy_(view, non_blocking=device.type == "cuda")
                 if device.type == "cuda":
                     synced.add(device)
-            result[i] = dev
+            result[k] = dev
     for device in synced:
         torch.cuda.current_stream(device).synchronize()  # the host buffer may be freed after this
     return result
-
-
-def host_storage(parked: ParkedStorage, index: int) -> Any:
-    """Storage ``index`` of ``parked`` as it sits in its host buffer: a 1-D uint8 CPU tensor over exactly its
-    bytes, with a storage of its own (no copy), which `rebuild_leaf` can rebuild the storage's leaves over.
-
-    Storages share host buffers back to back, so a plain slice of the buffer would still report the whole
-    buffer as its storage; through numpy, the view gets a storage that starts where this one starts.
-    """
-    torch = _torch()
-    s = parked.storages[index]
-    if not s.nbytes:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.from_numpy(parked.buffers[s.buffer].numpy()[s.start : s.start + s.nbytes])
-
-
-def rebuild_leaf(leaf: TorchLeaf, storage: Any) -> Any:
-    """``leaf`` as a view of ``storage``, a uint8 tensor that spans a whole storage (its offsets index that)."""
-    torch = _torch()
-    if storage.storage_offset() or storage.numel() != storage.untyped_storage().nbytes():
-        # A slice of a larger buffer: every offset would land in someone else's bytes.
-        raise AssertionError("rebuild_leaf needs a tensor that spans its whole storage, not a slice of one")
-    t = torch.empty(0, dtype=leaf.dtype, device=storage.device).set_(
-        storage.untyped_storage(), leaf.offset, leaf.shape, leaf.stride
-    )
-    if leaf.conj:
-        t = t.conj()
-    if leaf.neg:
-        t = torch._neg_view(t)
-    if leaf.requires_grad:
-        t.requires_grad_(True)
-    if leaf.jax_owner_type is None:
-        return t
-    return jax_alias(t, leaf.jax_owner_type)
-
-
-def jax_alias(t: Any, owner_type: type | None) -> Any:
-    """A JAX array over tensor ``t``'s memory, registered as an alias owned by ``owner_type(t)`` (the bridge's
-    record type, when it takes a tensor) or by ``t`` itself, so the accounting counts the memory once."""
-    exported = t.detach()
-    if exported.device.type == "cuda":
-        with _torch().cuda.device(exported.device):  # torch exports only tensors of the current device
-            array = jax.dlpack.from_dlpack(exported)
-    else:
-        array = jax.dlpack.from_dlpack(exported)
-    if exported.numel() and array.unsafe_buffer_pointer() != exported.data_ptr():
-        return array  # JAX copied (an alignment it needs): the values are exact, and nothing aliases
-    owner: Any = exported
-    if owner_type is not None:
-        try:
-            owner = owner_type(exported)
-        except Exception:
-            owner = exported
-    accounting.register_alias(array, owner)
-    return array
 
 
 # --- ParkedStorage as a pytree: its JAX host arrays are the leaves, the rest static ----------------------
@@ -379,7 +379,7 @@ class _ParkedAux:
     def __init__(self, parked: ParkedStorage):
         self.parked = parked
         self._key = tuple(
-            ("jax", leaf.sharding) if isinstance(leaf, JaxLeaf) else ("id", id(leaf)) for leaf in parked.leaves
+            ("jax", leaf.sharding) if isinstance(leaf, JaxLeaf) else ("id", id(leaf)) for leaf in parked.slots
         )
 
     def __eq__(self, other: object) -> bool:
@@ -389,9 +389,9 @@ class _ParkedAux:
         return (
             a.treedef == b.treedef
             and self._key == other._key
-            and all(x is y for x, y in zip(a.storages + a.buffers, b.storages + b.buffers))
-            and len(a.storages) == len(b.storages)
+            and a.layout is b.layout
             and len(a.buffers) == len(b.buffers)
+            and all(x is y for x, y in zip(a.buffers, b.buffers))
         )
 
     def __hash__(self) -> int:
@@ -400,7 +400,7 @@ class _ParkedAux:
 
 def _jax_recipes(parked: ParkedStorage) -> list[JaxLeaf]:
     seen: dict[int, JaxLeaf] = {}
-    for leaf in parked.leaves:
+    for leaf in parked.slots:
         if isinstance(leaf, JaxLeaf):
             seen.setdefault(id(leaf), leaf)
     return list(seen.values())
@@ -413,8 +413,8 @@ def _flatten_parked(parked: ParkedStorage) -> tuple[list[Any], _ParkedAux]:
 def _unflatten_parked(aux: _ParkedAux, children: Any) -> ParkedStorage:
     parked = aux.parked
     new = {id(r): JaxLeaf(host, r.sharding) for r, host in zip(_jax_recipes(parked), children)}
-    leaves = tuple(new.get(id(leaf), leaf) if isinstance(leaf, JaxLeaf) else leaf for leaf in parked.leaves)
-    return ParkedStorage(parked.treedef, leaves, parked.storages, parked.buffers)
+    slots = tuple(new.get(id(leaf), leaf) if isinstance(leaf, JaxLeaf) else leaf for leaf in parked.slots)
+    return ParkedStorage(parked.treedef, slots, parked.layout, parked.buffers)
 
 
 jax.tree_util.register_pytree_node(ParkedStorage, _flatten_parked, _unflatten_parked)

@@ -90,10 +90,8 @@ def _as_torch(x: Any) -> Any:
 
 
 def _cat_time(items: tuple[Any, ...]) -> torch.Tensor | None:
-    if not items:
-        return None
-    if len(items) == 1:
-        return _as_torch(items[0])
+    if len(items) < 2:
+        return _as_torch(items[0]) if items else None
     return torch.cat([_as_torch(x) for x in items], dim=2)
 
 
@@ -196,22 +194,24 @@ class DreamZeroStateAdapter(ResetRules):
 
     @property
     def _session(self) -> SessionHandle:
-        """The handle every read and write goes through (`SessionAttr` too). A strict adapter refuses to be
-        used once its incarnation left the table: its writes would reach only a detached copy, never the table,
-        and its reads would serve history the table no longer has."""
+        """The handle every read and write goes through (`SessionAttr` too). A strict adapter refuses use once its
+        incarnation left the table: its writes would reach only a detached copy, its reads stale history."""
         handle = self._handle
         if self._strict and not handle.in_table:
-            raise SessionStateLostError(
-                f"DreamZero session {handle.session_id!r}: this state object refers to a session that is no longer "
-                f"in the manager (closed, restarted, or dropped by the byte budget); it neither reads nor writes "
-                f"any more, so nothing is served stale or written nowhere. Get the session's state from the store "
-                f"again (`resume`), or begin it anew (reset=True) if it is gone."
-            )
+            raise self._lost()
         return handle
 
     @_session.setter
     def _session(self, handle: SessionHandle) -> None:
         self._handle = handle
+
+    def _lost(self) -> SessionStateLostError:
+        return SessionStateLostError(
+            f"DreamZero session {self._handle.session_id!r}: this state object refers to a session that is no longer "
+            f"in the manager (closed, restarted, or dropped by the byte budget); it neither reads nor writes any more, "
+            f"so nothing is served stale or written nowhere. Get the session's state from the store again (`resume`), "
+            f"or begin it anew (reset=True) if it is gone."
+        )
 
     @property
     def in_table(self) -> bool:
@@ -304,9 +304,12 @@ class DreamZeroStateAdapter(ResetRules):
         # The steady state (one latent frame per chunk, the model's every step) in one commit into the ring:
         # one manager operation, the tensor kept by reference. A ring the session lost (a reset, an eviction)
         # is rebuilt and committed to in one transaction instead, as is a multi-frame chunk.
-        if type(chunk) is torch.Tensor and chunk.ndim == 5 and chunk.shape[2] == 1:
+        if type(chunk) is torch.Tensor and chunk.dim() == 5 and chunk.size(2) == 1:
+            handle = self._handle  # (`_session` written out: this is the per-step path)
+            if self._strict and not handle.in_table:
+                raise self._lost()
             try:
-                self._session.commit(_ENCODER, chunk)
+                handle.commit(_ENCODER, chunk)
                 return
             except (ObjectNotFoundError, NotAllocatedError):
                 pass
@@ -341,7 +344,10 @@ class DreamZeroStateAdapter(ResetRules):
         if type(num_frames) is not int or not 0 < num_frames <= self._window:
             self._check_window_read(num_frames)
         # A plain read of the table on the per-step path; a parked or lost ring is restored or rebuilt.
-        ring = self._session.state.get(_ENCODER, None)
+        handle = self._handle  # (`_session` written out, as in `append_vae_encoder_chunk`)
+        if self._strict and not handle.in_table:
+            raise self._lost()
+        ring = handle.state.get(_ENCODER, None)
         if ring is None or not ring.resident:
             ring = self._buffer(_ENCODER)
         items = ring.view()[-num_frames:]
