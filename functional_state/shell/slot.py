@@ -1,0 +1,134 @@
+"""`Slot`: the shell's one mutable place, the installed `ManagerState`, and the writes installed in one step.
+
+The manager and every handle share one `Slot`: a handle reads the table as ``slot.table`` (one attribute,
+no call) and its common writes (a commit, a session-local verb, putting a factory's object) are installed
+here under the lock in one acquisition, straight from the handle: no retry loop, no closures, no layers
+between the handle and the pure verb. Each returns `NOT_INLINE` where it does not apply (the session left
+the table, a transaction on it is being computed, an engine pool or the byte budget to consult); the
+caller then takes the manager's retry loop, which decides everything these skip.
+"""
+
+from __future__ import annotations
+
+from _thread import get_ident
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from ..engine.paged_kv import POOLS
+from ..errors import ObjectParkedError
+from ..table import manager_state as ms
+from ..table.manager_state import ManagerState, held_session
+from .admission import Surplus, within_budget_in_place
+from .cells import Cell
+
+__all__ = ["LIVE_POOLS", "NOT_INLINE", "Slot"]
+
+NOT_INLINE = object()  # a `Slot` write did not apply: take the manager's retry loop
+# Every live engine pool (weakly): while one lives, a write may release blocks, which only the retry loop frees.
+LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthiness without its __len__)
+
+
+class Slot:
+    """The installed table (``table``) and what changes with it, under ``lock``.
+
+    ``epoch`` changes with every install (a write is taken back only if none landed since); ``surplus`` is
+    the attr bound the budget's fast check starts from (`admit`); ``budgeted``: the table has a byte
+    budget. ``computing``: ``(thread, incarnation)`` for each transaction (or factory) being computed, in
+    any thread; while it is empty no write can be a reentrant one, and the common write tests only that. A
+    list, not a locked set: its append, remove and membership test are atomic, and it holds one entry per
+    transaction in flight.
+    """
+
+    __slots__ = ("budgeted", "computing", "epoch", "lock", "surplus", "table")
+
+    def __init__(self, table: ManagerState, lock: AbstractContextManager[Any]):
+        self.table = table
+        self.lock = lock
+        self.epoch = 0
+        self.surplus: Surplus | None = None  # attr bytes (aliases of objects too), at the last full check
+        self.budgeted = table.byte_budget is not None  # (changes only with an installed `load`)
+        self.computing: list[tuple[int, int]] = []
+
+    def writing(self, uid: int) -> bool:
+        """Whether this thread is computing a transaction (or a factory's object) for incarnation ``uid``."""
+        return bool(self.computing) and (get_ident(), uid) in self.computing
+
+    def computed(self, uid: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, user code computing a new state for incarnation ``uid``: meanwhile `writing` is
+        True for it in this thread (a write to it from inside is reentrant)."""
+        entry = (get_ident(), uid)
+        self.computing.append(entry)
+        try:
+            return fn(*args)
+        finally:
+            self.computing.remove(entry)  # (an equal entry: any of them)
+
+    def plain(self, cell: Cell) -> bool:
+        """Whether a write through ``cell`` may be installed here: its session is (as far as the cell knows)
+        in the table, the cell is not closed, and no transaction on it is being computed by this thread."""
+        return cell.left is None and not cell.closed and (not self.computing or not self.writing(cell.uid))
+
+    def commit(self, cell: Cell, name: str, payload: Any) -> Any:
+        """`commit` of ``payload`` into object ``name`` of the cell's session, installed at once; None, or
+        `NOT_INLINE`. The per-step write: one lock, one pure verb."""
+        if cell.left is not None or cell.closed or (self.computing and self.writing(cell.uid)):
+            return NOT_INLINE
+        sid = cell.session_id
+        with self.lock:
+            base = self.table
+            if LIVE_POOLS or held_session(base, sid, cell.uid) is None:  # (a commit never makes an engine pool)
+                return NOT_INLINE
+            try:
+                after = ms.commit(base, sid, name, payload)
+            except ObjectParkedError:  # its restore calls the engine: not under the lock
+                return NOT_INLINE
+            if self.budgeted:  # within the budget by the kept totals (`admit`'s first check), else `admit`
+                bound = within_budget_in_place(base, after, sid, self.surplus, True)
+                if bound is None:
+                    return NOT_INLINE
+                self.surplus = bound
+            self.table = after
+            self.epoch += 1
+            return None
+
+    def inline(self, cell: Cell, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
+        """A session-local table verb ``verb(table, sid, *args, **kw)`` (replacing one session; no engine, no
+        user code), installed at once where `admit` would only install it (no pools; within budget;
+        ``same``: it never changes attrs). Its result, or `NOT_INLINE`."""
+        if not self.plain(cell):
+            return NOT_INLINE
+        sid = cell.session_id
+        with self.lock:
+            base = self.table
+            if held_session(base, sid, cell.uid) is None:
+                return NOT_INLINE
+            try:
+                out = verb(base, sid, *args, **kw) if kw else verb(base, sid, *args)
+            except ObjectParkedError:
+                return NOT_INLINE
+            after, result = (out, None) if type(out) is ManagerState else out
+            if after is base or LIVE_POOLS:
+                return NOT_INLINE
+            if self.budgeted:
+                bound = within_budget_in_place(base, after, sid, self.surplus, same)
+                if bound is None:
+                    return NOT_INLINE
+                self.surplus = bound
+            self.table = after
+            self.epoch += 1
+            return result
+
+    def put_absent(self, cell: Cell, name: str, obj: Any) -> Any:
+        """``obj`` put under ``name`` (`put`) if the cell's session still holds no usable object there, with
+        no budget to consult: None once installed, else `NOT_INLINE` (another thread's object won meanwhile,
+        or a parked one is there: the caller's transaction decides)."""
+        sid = cell.session_id
+        with self.lock:
+            base = self.table
+            session = held_session(base, sid, cell.uid)
+            if session is None or LIVE_POOLS or self.budgeted or name in session.objects:
+                return NOT_INLINE
+            self.table = ms.put(base, sid, name, obj)
+            self.epoch += 1
+            return None
