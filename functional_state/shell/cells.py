@@ -145,9 +145,10 @@ class Cells:
         cell = self.cell(state, sid, undo)
         return self.handles.setdefault(cell.uid, make(cell))
 
-    def inserted(self, uid: int, sid: str, session: SessionState, make: Callable[[Cell], Any]) -> Any:
-        """The handle on a new incarnation an insertion just made (nothing to take back: no cell held it)."""
-        cell = self.live[uid] = Cell(uid, sid, session)
+    def inserted(self, state: ManagerState, sid: str, uid: int, make: Callable[[Cell], Any]) -> Any:
+        """The handle on incarnation ``uid`` of ``sid``, which an insertion just made in ``state`` (nothing to
+        take back: no cell held it)."""
+        cell = self.live[uid] = Cell(uid, sid, ms.held_session(state, sid, uid))  # type: ignore[arg-type]
         handle = self.handles[uid] = make(cell)
         return handle
 

@@ -20,11 +20,12 @@ from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
 from ..table.lru import get_or_insert
-from ..table.manager_state import ManagerState, held_session
+from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
+from . import slot as slots
 from .admission import Decision, admit, checked_levers, rebase
 from .cells import Cell, Cells, Undo, evicted_reason
 from .handle import SessionHandle
@@ -32,7 +33,6 @@ from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
 from .session_ops import ReentrantWriteError, SessionOps, locked_step, restore_parked
-from . import slot as slots
 from .slot import Slot
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
@@ -159,7 +159,9 @@ class SessionStateManager:
                 break
             hand_back(*grabbed)  # its session changed meanwhile: compute it again
         if decision.released or self._debts.owed:
-            self._debts.settle(base, decision.final, decision.released, lambda: self._take_back(base, undo, epoch))
+            self._debts.settle(
+                base, decision.final, decision.released, lambda: self._take_back(base, decision.final, undo, epoch)
+            )
         return out
 
     def _admit(self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any) -> Any:
@@ -178,11 +180,12 @@ class SessionStateManager:
             self._cells.evict_freed(decision.released, undo)
         return undo
 
-    def _take_back(self, base: ManagerState, undo: Undo, epoch: int) -> bool:
-        """After a failed ``free``: reinstall ``base`` and the handles, unless a write landed since ``epoch``."""
+    def _take_back(self, base: ManagerState, final: ManagerState, undo: Undo, epoch: int) -> bool:
+        """After a failed ``free``: reinstall ``base`` and the handles, unless a write landed on ``final``
+        since (the retry loop's installs change ``epoch``; every install puts a new table in place)."""
         slot = self._slot
         with slot.lock:
-            if slot.epoch != epoch:
+            if slot.epoch != epoch or slot.table is not final:
                 return False
             slot.table, slot.surplus = base, None  # (None: the next write checks the budget in full)
             slot.budgeted = base.byte_budget is not None
@@ -218,7 +221,6 @@ class SessionStateManager:
             after, uid, evicted = get_or_insert(state, sid)
             if evicted is None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
                 slot.table = after
-                slot.epoch += 1
                 handle = self._live.get(uid)
                 return self._new_handle(sid, after, None) if handle is None else handle
             if not slots.LIVE_POOLS and not self._debts.owed:
@@ -227,8 +229,7 @@ class SessionStateManager:
                 if evicted:
                     self._cells.evicted(evicted, evicted_reason(state.max_sessions))  # (before the install)
                 slot.table = after
-                slot.epoch += 1
-                return self._cells.inserted(uid, sid, held_session(after, sid, uid), self._make_handle)
+                return self._cells.inserted(after, sid, uid, self._make_handle)
         return self._run(
             lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
         )

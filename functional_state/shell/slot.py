@@ -32,7 +32,9 @@ LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthi
 class Slot:
     """The installed table (``table``) and what changes with it, under ``lock``.
 
-    ``epoch`` changes with every install (a write is taken back only if none landed since); ``surplus`` is
+    ``epoch`` changes with every install of the manager's retry loop (and `_take_back`): a write is taken
+    back only if none landed since, which the epoch and the table's identity tell together (the installs
+    here always install a new table object, so they need not count it); ``surplus`` is
     the attr bound the budget's fast check starts from (`admit`); ``budgeted``: the table has a byte
     budget. ``computing``: ``(thread, incarnation)`` for each transaction (or factory) being computed, in
     any thread; while it is empty no write can be a reentrant one, and the common write tests only that. A
@@ -89,7 +91,6 @@ class Slot:
                     return NOT_INLINE
                 self.surplus = bound
             self.table = after
-            self.epoch += 1
             return None
 
     def inline(self, cell: Cell, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
@@ -116,7 +117,6 @@ class Slot:
                     return NOT_INLINE
                 self.surplus = bound
             self.table = after
-            self.epoch += 1
             return result
 
     def put_absent(self, cell: Cell, name: str, obj: Any) -> Any:
@@ -130,5 +130,4 @@ class Slot:
             if session is None or LIVE_POOLS or self.budgeted or name in session.objects:
                 return NOT_INLINE
             self.table = ms.put(base, sid, name, obj)
-            self.epoch += 1
             return None
