@@ -1,9 +1,11 @@
 """`SessionStateManager`: a thread-safe imperative shell over the pure `ManagerState` functions.
 
-The shell holds one immutable `ManagerState` and swaps it under a lock, nothing more. Every write goes
-through one retry loop: the new table (the pure verb, user code, the engine's ``offload``/``reload``, the
+The shell holds one immutable `ManagerState` and swaps it under a lock, nothing more. Every write that is
+not installed in one step (a hit, a miss with nothing to release, a handle's commit or session-local verb
+within budget: `slot`) goes through one retry loop: the new table (the pure verb, user code, the engine's ``offload``/``reload``, the
 byte budget's decision) is computed *outside* the lock and installed under it if the table did not change
-meanwhile; the blocks it released go back to their engines after the lock is released. Handles: `handle`.
+meanwhile; the blocks it released go back to their engines after the lock is released. Handles: `handle`;
+the installed table, and the writes a handle installs in one step, live in the `Slot` they share (`slot`).
 """
 
 from __future__ import annotations

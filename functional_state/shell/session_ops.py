@@ -274,7 +274,7 @@ class SessionOps:
         a budget to consult, a detached handle) the transaction puts it, or returns the winner."""
         slot = self.slot
         if cell.left is None and not slot.budgeted:
-            if cell.closed or slot.writing(cell.uid):
+            if cell.closed or (slot.computing and slot.writing(cell.uid)):
                 self.check_writable(cell, "transact")
             built = slot.computed(cell.uid, factory)
             # (A factory's object of the wrong class: the transaction refuses it, with `get_or_create`'s error.)
