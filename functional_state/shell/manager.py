@@ -218,7 +218,8 @@ class SessionStateManager:
         """
         sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
         slot = self._slot
-        with slot.lock:
+        slot.acquire()  # (not `with`: see `Slot`)
+        try:
             state = slot.table
             after, uid, evicted = get_or_insert(state, sid)
             if evicted is None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
@@ -232,6 +233,8 @@ class SessionStateManager:
                     self._cells.evicted(evicted, evicted_reason(state.max_sessions))  # (before the install)
                 slot.table = after
                 return self._cells.inserted(after, sid, uid, self._make_handle)
+        finally:
+            slot.release()
         return self._run(
             lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
         )
