@@ -164,3 +164,33 @@ def test_a_commit_through_a_handle_is_one_lock_and_one_pure_commit(monkeypatch: 
     assert h.get_or_create("buf", LatentBuffer.create) is h.get("buf")  # a read: no lock
     h.commit("buf", np.ones(2))
     assert len(acquired) == 2  # the hit and the commit, each one acquisition
+
+
+def _leave(m: SessionStateManager, how: str, tmp_path: Any) -> None:
+    """Take session "a" out of ``m`` as ``how`` says, then make a new incarnation of "a"."""
+    if how == "evicted":
+        m.get_or_create_session("b")  # (max_sessions=1)
+    elif how == "dropped":
+        m.drop_session("a")
+    elif how == "loaded":
+        m.save(tmp_path / "ckpt")
+        m.get_or_create_session("a").commit("buf", np.full(2, 99.0))
+        m.load(tmp_path / "ckpt")  # the same id (and incarnation number) back, from the checkpoint
+        return
+    m.get_or_create_session("a").put("buf", LatentBuffer.create(maxlen=4))
+
+
+@pytest.mark.parametrize("how", ["evicted", "dropped", "loaded"])
+def test_a_handle_whose_session_left_never_writes_the_new_incarnation(how: str, tmp_path: Any) -> None:
+    # The one-step writes do not look the incarnation up under the lock: a handle that has not left names the
+    # table's incarnation. Every way out of the table must therefore mark the old handle as left first.
+    m = SessionStateManager(max_sessions=1)
+    old = m.get_or_create_session("a").put("buf", LatentBuffer.create(maxlen=4)).commit("buf", np.ones(2))
+    _leave(m, how, tmp_path)
+    digest = lambda: [x.tolist() for x in fs.lookup(m.state, "a").get("buf").view()]
+    new_view = digest()
+    with contextlib.suppress(fs.SessionStateLostError):  # (a dropped or replaced handle refuses writes)
+        old.commit("buf", np.zeros(2))
+        old.set_attr("k", 1)
+    assert not old.in_table and digest() == new_view
+    assert fs.lookup(m.state, "a").get_attr("k", None) is None

@@ -4,6 +4,11 @@ A cell holds nothing while its session is in the table (handles read the table);
 session out, the cell keeps the session's last state as the handles' own copy. Every change the shell makes
 to cells while installing a write is journaled, so a write that must be taken back (an engine ``free`` that
 raised, with nothing installed on top of it) leaves the cells exactly as they were.
+
+The invariant the shell's one-step writes rely on (`slot`): read under the lock, a cell whose ``left`` is
+None names an incarnation the installed table holds. Every install that removes a session detaches its
+cell before the table is replaced (`Cells.evicted`, `Cells.detach`: found by comparing tables by
+incarnation, never predicted), and nothing else removes one.
 """
 
 from __future__ import annotations
@@ -153,8 +158,10 @@ class Cells:
         return handle
 
     def _forget(self, uid: int) -> None:
-        self.live.pop(uid, None)
+        cell = self.live.pop(uid, None)
         self.handles.pop(uid, None)
+        if cell is not None:  # (its incarnation was never kept: no cell that has not left may name it)
+            cell.left = "not kept (the write that made it was taken back)"
 
     def detached(self) -> list[Cell]:
         """The detached cells some handle still holds."""

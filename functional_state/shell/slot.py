@@ -70,22 +70,20 @@ class Slot:
         finally:
             self.computing.remove(entry)  # (an equal entry: any of them)
 
-    def plain(self, cell: Cell) -> bool:
-        """Whether a write through ``cell`` may be installed here: its session is (as far as the cell knows)
-        in the table, the cell is not closed, and no transaction on it is being computed by this thread."""
-        return cell.left is None and not cell.closed and (not self.computing or not self.writing(cell.uid))
-
     def commit(self, cell: Cell, name: str, payload: Any) -> Any:
         """`commit` of ``payload`` into object ``name`` of the cell's session, installed at once; None, or
-        `NOT_INLINE`. The per-step write: one lock, one pure verb."""
-        if cell.left is not None or cell.closed or (self.computing and self.writing(cell.uid)):
+        `NOT_INLINE`. The per-step write: one lock, one pure verb.
+
+        Under the lock a cell that has not left names an incarnation the installed table holds (every install
+        that removes a session detaches its cell first, `Cells`), so the table's own lookup by id finds it."""
+        if self.computing and self.writing(cell.uid):
             return NOT_INLINE
         sid = cell.session_id
         self.acquire()
         try:
-            base = self.table
-            if LIVE_POOLS or held_session(base, sid, cell.uid) is None:  # (a commit never makes an engine pool)
+            if cell.left is not None or cell.closed or LIVE_POOLS:  # (a commit never makes an engine pool)
                 return NOT_INLINE
+            base = self.table
             try:
                 after = ms.commit(base, sid, name, payload)
             except ObjectParkedError:  # its restore calls the engine: not under the lock
@@ -104,14 +102,14 @@ class Slot:
         """A session-local table verb ``verb(table, sid, *args, **kw)`` (replacing one session; no engine, no
         user code), installed at once where `admit` would only install it (no pools; within budget;
         ``same``: it never changes attrs). Its result, or `NOT_INLINE`."""
-        if not self.plain(cell):
+        if self.computing and self.writing(cell.uid):
             return NOT_INLINE
         sid = cell.session_id
         self.acquire()
         try:
-            base = self.table
-            if held_session(base, sid, cell.uid) is None:
+            if cell.left is not None or cell.closed:  # (the cell's incarnation is in the table: see `commit`)
                 return NOT_INLINE
+            base = self.table
             try:
                 out = verb(base, sid, *args, **kw) if kw else verb(base, sid, *args)
             except ObjectParkedError:
