@@ -13,7 +13,7 @@ import pytest
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
 from functional_state.shell import admission
-from functional_state.shell import manager as shell_manager
+from functional_state.shell import slot as shell_slot
 from functional_state.table import manager_state as ms
 
 
@@ -43,7 +43,7 @@ def _manager(budget: int, **kw: Any) -> SessionStateManager:
 def test_a_commit_within_budget_is_computed_once_with_no_full_check(monkeypatch: pytest.MonkeyPatch) -> None:
     # (While an engine pool lives anywhere in the process every write takes the full loop, which frees blocks:
     # pools other tests keep alive must not decide this test.)
-    monkeypatch.setattr(shell_manager, "_LIVE_POOLS", {}, raising=False)
+    monkeypatch.setattr(shell_slot, "LIVE_POOLS", {})
     m = _manager(1 << 30)
     h = m.get_or_create_session("a").commit("buf", kib())  # (the first write under a budget checks in full)
     commits = _counting(monkeypatch, ms, "commit")

@@ -4,6 +4,11 @@ A cell holds nothing while its session is in the table (handles read the table);
 session out, the cell keeps the session's last state as the handles' own copy. Every change the shell makes
 to cells while installing a write is journaled, so a write that must be taken back (an engine ``free`` that
 raised, with nothing installed on top of it) leaves the cells exactly as they were.
+
+The invariant the shell's one-step writes rely on (`slot`): read under the lock, a cell whose ``left`` is
+None names an incarnation the installed table holds. Every install that removes a session detaches its
+cell before the table is replaced (`Cells.evicted`, `Cells.detach`: found by comparing tables by
+incarnation, never predicted), and nothing else removes one.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -24,6 +29,7 @@ __all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]
 
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
+_SWEEP_FROM = 64  # detached cells kept before the first sweep of dead ones
 
 
 class Cell:
@@ -120,8 +126,12 @@ class Cells:
         # The shell's handle on each live cell, made once: a hit returns it instead of building one. Kept
         # here, not on the cell, so a detached cell is freed with its last handle (no cycle for the GC).
         self.handles: dict[int, Any] = {}
-        self.detached: weakref.WeakSet[Cell] = weakref.WeakSet()
-        self.departed: OrderedDict[str, str] = OrderedDict()  # id -> why it last left (for errors)
+        # Detached cells, weakly: a plain weak reference per cell (no callback, no WeakSet bookkeeping on the
+        # miss path); the dead ones are swept when the dict has doubled since the last sweep.
+        self._detached: dict[int, weakref.ref[Cell]] = {}
+        self._sweep_at = _SWEEP_FROM
+        # Why the most recent departures left, oldest first: read only to word an error about an absent id.
+        self._departed: deque[tuple[str, str]] = deque(maxlen=_DEPARTED_KEPT)
 
     def cell(self, state: ManagerState, sid: str, undo: Undo | None = None) -> Cell:
         """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use."""
@@ -140,29 +150,67 @@ class Cells:
         cell = self.cell(state, sid, undo)
         return self.handles.setdefault(cell.uid, make(cell))
 
+    def inserted(self, state: ManagerState, sid: str, uid: int, make: Callable[[Cell], Any]) -> Any:
+        """The handle on incarnation ``uid`` of ``sid``, which an insertion just made in ``state`` (nothing to
+        take back: no cell held it)."""
+        cell = self.live[uid] = Cell(uid, sid, ms.held_session(state, sid, uid))  # type: ignore[arg-type]
+        handle = self.handles[uid] = make(cell)
+        return handle
+
     def _forget(self, uid: int) -> None:
-        self.live.pop(uid, None)
+        cell = self.live.pop(uid, None)
         self.handles.pop(uid, None)
+        if cell is not None:  # (its incarnation was never kept: no cell that has not left may name it)
+            cell.left = "not kept (the write that made it was taken back)"
+
+    def detached(self) -> list[Cell]:
+        """The detached cells some handle still holds."""
+        return [cell for ref in list(self._detached.values()) if (cell := ref()) is not None]
+
+    def _keep_detached(self, cell: Cell) -> None:
+        detached = self._detached
+        detached[cell.uid] = weakref.ref(cell)
+        if len(detached) >= self._sweep_at:  # amortized O(1): each sweep at least halves what it finds
+            for uid in [uid for uid, ref in detached.items() if ref() is None]:
+                del detached[uid]
+            self._sweep_at = max(_SWEEP_FROM, 2 * len(detached))
+
+    def why_left(self, sid: str) -> str | None:
+        """How ``sid`` last left the table, if it did among the recent departures."""
+        return next((why for gone, why in reversed(self._departed) if gone == sid), None)
 
     def require(self, state: ManagerState, sid: str, what: str) -> None:
         """Refuse an absent session that this shell saw leave, saying how it left (the pure functions can
         only say it is absent)."""
-        if sid not in state and sid in self.departed:
+        if sid not in state and (why := self.why_left(sid)) is not None:
             raise SessionStateLostError(
-                f"`{what}`: session {sid!r} was {self.departed[sid]}, so a continuation cannot resume it. "
+                f"`{what}`: session {sid!r} was {why}, so a continuation cannot resume it. "
                 f"Start a new session with `get_or_create_session`."
             )
 
+    def evicted(self, evicted: list[tuple[str, int, SessionState]], reason: str) -> None:
+        """`detach` for the sessions an insertion evicted (`get_or_insert`), on the miss path: call it before
+        installing the table, so a lock-free reader that no longer finds its session finds its copy. (The
+        table logs each LRU eviction.)"""
+        departed, live, handles = self._departed, self.live, self.handles
+        for sid, uid, session in evicted:
+            departed.append((sid, reason))
+            handles.pop(uid, None)
+            cell = live.pop(uid, None)
+            if cell is not None:
+                cell.session = session  # first: a lock-free reader that sees `left` must find the copy
+                cell.left = reason
+                if len(self._detached) < self._sweep_at:  # (`_keep_detached`, written out)
+                    self._detached[uid] = weakref.ref(cell)
+                else:
+                    self._keep_detached(cell)
+
     def detach(self, left: list[Departure], undo: Undo | None) -> None:
-        """Once a write that took sessions out of the table is installed: the live handles of each keep its
-        last state as their own copy (only on leaving does the copy matter, so writes never pay for it)."""
-        departed = self.departed
+        """Once a write that took sessions out of the table is decided, before it is installed: the live
+        handles of each keep its last state as their own copy (only on leaving does the copy matter, so
+        writes never pay for it)."""
         for d in left:
-            if d.sid in departed:  # (a new id, the common case, goes to the end as it is set)
-                departed.move_to_end(d.sid)
-            departed[d.sid] = d.reason
-            if len(departed) > _DEPARTED_KEPT:
-                departed.popitem(last=False)
+            self._departed.append((d.sid, d.reason))
             if d.closed or d.reason.startswith("dropped"):
                 _log.info("session %r %s", d.sid, d.reason)
             else:
@@ -175,14 +223,14 @@ class Cells:
                 cell.session = d.session  # first: a lock-free reader that sees `left` must find the copy
                 cell.closed = d.closed
                 cell.left = d.reason
-                self.detached.add(cell)
+                self._keep_detached(cell)
 
     def evict_freed(self, released: Mapping[Any, tuple[int, ...]], undo: Undo) -> None:
         """Handles of sessions that left the table keep their copy, minus the engine blocks a write releases:
         a handle holding a block that goes back to the engine is evicted there, so it never reads recycled
         memory."""
         freed = {(pool.uid, i) for pool, ids in released.items() for i in ids}
-        for cell in list(self.detached):
+        for cell in self.detached():
             session = cell.session
             for name, obj in session.objects.items():
                 if not freed.isdisjoint(obj.ledger_blocks()):
@@ -193,6 +241,11 @@ class Cells:
             if session is not cell.session:
                 undo.append(_restorer(self, cell, False))
                 cell.session = session
+
+    def relive(self, cell: Cell) -> None:
+        """Undo `detach` of ``cell`` (see `take_back`)."""
+        self._detached.pop(cell.uid, None)
+        self.live[cell.uid] = cell
 
     @staticmethod
     def take_back(undo: Undo) -> None:
@@ -207,7 +260,6 @@ def _restorer(cells: Cells, cell: Cell, was_live: bool) -> Callable[[], None]:
     def restore() -> None:
         cell.session, cell.closed, cell.left = session, closed, left
         if was_live:
-            cells.detached.discard(cell)
-            cells.live[cell.uid] = cell
+            cells.relive(cell)
 
     return restore

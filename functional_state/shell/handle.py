@@ -22,8 +22,10 @@ from ..core.state_object import StateObject
 from ..errors import InvalidTypeError, ObjectParkedError
 from ..table import manager_state as ms
 from ..table import parked, session_edits
+from ..table.manager_state import held_session
 from .cells import Cell
-from .session_ops import NOT_INLINE, SessionOps
+from .session_ops import SessionOps
+from .slot import NOT_INLINE
 
 __all__ = ["SessionHandle"]
 
@@ -40,11 +42,12 @@ class SessionHandle:
     Write methods return the handle, so calls chain: ``h.put("x", buf).commit("x", item)``.
     """
 
-    __slots__ = ("_cell", "_ops")
+    __slots__ = ("_cell", "_ops", "_slot")
 
     def __init__(self, ops: SessionOps, cell: Cell):
         self._ops = ops
         self._cell = cell
+        self._slot = ops.slot  # (the hot paths read the table and install through it directly)
 
     @property
     def session_id(self) -> str:
@@ -116,8 +119,10 @@ class SessionHandle:
         The factory runs outside the manager's lock (it may use the manager); if two threads race, one
         object wins and both get it. A parked object is restored, never rebuilt.
         """
+        cell = self._cell
+        session = held_session(self._slot.table, cell.session_id, cell.uid) if cell.left is None else None
         try:
-            obj = self._ops.read(self._cell)._reusable(name, cls)
+            obj = (cell.session if session is None else session)._reusable(name, cls)
         except ObjectParkedError:  # restored and read under one lock: no other thread parks it in between
             obj = self._ops.restored(self._cell, [name])._reusable(name, cls)
         if obj is not None:
@@ -128,7 +133,7 @@ class SessionHandle:
         return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
-        done = self._ops.commit(self._cell, name, payload)  # the per-step write, kept short
+        done = self._slot.commit(self._cell, name, payload)  # the per-step write: one lock, one pure verb
         if done is NOT_INLINE:
             done = self._ops.apply(self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
         return done or self

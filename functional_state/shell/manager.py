@@ -1,9 +1,11 @@
 """`SessionStateManager`: a thread-safe imperative shell over the pure `ManagerState` functions.
 
-The shell holds one immutable `ManagerState` and swaps it under a lock, nothing more. Every write goes
-through one retry loop: the new table (the pure verb, user code, the engine's ``offload``/``reload``, the
+The shell holds one immutable `ManagerState` and swaps it under a lock, nothing more. Every write that is
+not installed in one step (a hit, a miss with nothing to release, a handle's commit or session-local verb
+within budget: `slot`) goes through one retry loop: the new table (the pure verb, user code, the engine's ``offload``/``reload``, the
 byte budget's decision) is computed *outside* the lock and installed under it if the table did not change
-meanwhile; the blocks it released go back to their engines after the lock is released. Handles: `handle`.
+meanwhile; the blocks it released go back to their engines after the lock is released. Handles: `handle`;
+the installed table, and the writes a handle installs in one step, live in the `Slot` they share (`slot`).
 """
 
 from __future__ import annotations
@@ -15,30 +17,30 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, TypeVar
 
-from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
 from ..table.lru import get_or_insert
-from ..table.manager_state import ManagerState, held_session
+from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, admit_insertion, checked_levers, rebase, within_budget_in_place
-from .cells import Cell, Cells, Undo
+from . import slot as slots
+from .admission import Decision, admit, checked_levers, rebase
+from .cells import Cell, Cells, Undo, evicted_reason
 from .handle import SessionHandle
 from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
-from .session_ops import NOT_INLINE, ReentrantWriteError, SessionOps, locked_step, restore_parked
+from .session_ops import ReentrantWriteError, SessionOps, locked_step, restore_parked
+from .slot import Slot
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
 _Result = TypeVar("_Result")
 Plan = Callable[[ManagerState], tuple[ManagerState, _Result]]
-_LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthiness without its __len__)
 
 
 class SessionStateManager:
@@ -74,23 +76,21 @@ class SessionStateManager:
           lock_factory: builds the lock the shell swaps states under.
           release_levers: the levers the budget may use, of ``("park", "evict", "drop")``.
         """
-        self._state = ManagerState.create(max_sessions, byte_budget, evict_when_full)
         self._levers = checked_levers(release_levers)
-        self._surplus: dict[str, int] | None = None  # attr bytes (aliases of objects too), at the last full check
-        self._budgeted = self._state.byte_budget is not None  # (changes only with an installed `load`)
-        self._lock = lock_factory()
-        self._pins = Pins(self._lock)  # sessions the budget must not touch (requests in flight)
+        self._slot = slot = Slot(ManagerState.create(max_sessions, byte_budget, evict_when_full), lock_factory())
+        self._pins = Pins(slot.lock)  # sessions the budget must not touch (requests in flight)
         self._cells = Cells()
-        self._epoch = 0  # changes with every install (and detached write): a write is taken back only if not
+        self._live = self._cells.handles  # (read on every hit)
         self._debts = Debts()  # installed changes whose engine free failed
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
-        self._ops = SessionOps(self._run, (self._inline, self._commit), lambda: self._state, self.pin, self.step)
+        self._ops = SessionOps(slot, self._run, self.pin, self.step)
+        self._make_handle: Callable[[Cell], SessionHandle] = partial(SessionHandle, self._ops)
 
     # --- the immutable value and the one retry loop ------------------------------------------------
     @property
     def state(self) -> ManagerState:
         """The current immutable `ManagerState` (a snapshot: later calls never change it)."""
-        state = self._state
+        state = self._slot.table
         self._published.add(state)  # `step` never donates a buffer a snapshot handed out may still read
         return state
 
@@ -121,7 +121,7 @@ class SessionStateManager:
         ``plan`` changes only ``writer``'s session, so it lands on writes to other sessions made meanwhile
         (`rebase`) without being computed again (an engine callback, user code run once)."""
         while True:
-            base, pinned, seen = self._state, self._pins.pinned, cell.session if cell else None
+            base, pinned, seen = self._slot.table, self._pins.pinned, cell.session if cell else None
             work = after = base  # ``work``: ``base`` with the restores this attempt made
             try:
                 while True:
@@ -140,10 +140,10 @@ class SessionStateManager:
                 raise
             grabbed, installed = (base, after if acquires else work), False  # (what the library took)
             while True:  # install; a session-local write is replayed onto writes to other sessions meanwhile
-                with self._lock:
-                    current = self._state
+                with self._slot.lock:
+                    current = self._slot.table
                     if current is base and self._pins.pinned is pinned and (cell is None or cell.session is seen):
-                        undo, epoch, installed = self._install(decision), self._epoch, True
+                        undo, epoch, installed = self._install(decision), self._slot.epoch, True
                         if then is not None:
                             kept = then(decision.final, undo)
                             out = out if kept is None else kept
@@ -161,68 +161,37 @@ class SessionStateManager:
                 break
             hand_back(*grabbed)  # its session changed meanwhile: compute it again
         if decision.released or self._debts.owed:
-            self._debts.settle(base, decision.final, decision.released, lambda: self._take_back(base, undo, epoch))
+            self._debts.settle(
+                base, decision.final, decision.released, lambda: self._take_back(base, decision.final, undo, epoch)
+            )
         return out
 
-    def _inline(self, sid: str, uid: int, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
-        """A session-local table verb (replacing one session; no engine, no user code) installed at once under the
-        lock when `admit` would only install it (no pools; within budget; ``same``: it never changes attrs)."""
-        with self._lock:
-            base = self._state
-            if held_session(base, sid, uid) is None:
-                return NOT_INLINE
-            try:
-                out = verb(base, sid, *args, **kw) if kw else verb(base, sid, *args)
-            except ObjectParkedError:  # its restore calls the engine: not under the lock
-                return NOT_INLINE
-            after, result = (out, None) if type(out) is ManagerState else out
-            if after is base or _LIVE_POOLS:
-                return NOT_INLINE
-            bound = self._surplus  # under a budget: within it by the kept totals (`admit`'s first check)
-            if self._budgeted and (bound := within_budget_in_place(base, after, sid, bound, same)) is None:
-                return NOT_INLINE
-            self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
-            return result
-
-    def _commit(self, sid: str, uid: int, name: str, payload: Any) -> Any:
-        """`_inline` of `commit`, the per-step write, written out: no argument tuple, no result pair."""
-        with self._lock:
-            base = self._state
-            if _LIVE_POOLS or held_session(base, sid, uid) is None:  # (a commit never makes an engine pool)
-                return NOT_INLINE
-            try:
-                after = ms.commit(base, sid, name, payload)
-            except ObjectParkedError:
-                return NOT_INLINE
-            bound = self._surplus  # (as in `_inline`)
-            if self._budgeted and (bound := within_budget_in_place(base, after, sid, bound, True)) is None:
-                return NOT_INLINE
-            self._state, self._surplus, self._epoch = after, bound, self._epoch + 1
-            return None
-
     def _admit(self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any) -> Any:
-        surplus, levers = self._surplus, self._levers
+        surplus, levers = self._slot.surplus, self._levers
         return admit(before, after, writer, pinned=pinned, levers=levers, surplus=surplus, dropped=gone, **kw)
 
     def _install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
         undo: Undo = []
-        self._state, self._surplus, self._epoch = decision.final, decision.surplus, self._epoch + 1
-        self._budgeted = decision.final.byte_budget is not None
         if decision.left:  # journaled only for a write a failed engine ``free`` may take back
-            self._cells.detach(decision.left, undo if decision.released else None)
+            self._cells.detach(decision.left, undo if decision.released else None)  # (first: see `Cells.evicted`)
+        slot = self._slot
+        slot.table, slot.surplus, slot.epoch = decision.final, decision.surplus, slot.epoch + 1
+        slot.budgeted = decision.final.byte_budget is not None
         if decision.released:
             self._cells.evict_freed(decision.released, undo)
         return undo
 
-    def _take_back(self, base: ManagerState, undo: Undo, epoch: int) -> bool:
-        """After a failed ``free``: reinstall ``base`` and the handles, unless a write landed since ``epoch``."""
-        with self._lock:
-            if self._epoch != epoch:
+    def _take_back(self, base: ManagerState, final: ManagerState, undo: Undo, epoch: int) -> bool:
+        """After a failed ``free``: reinstall ``base`` and the handles, unless a write landed on ``final``
+        since (the retry loop's installs change ``epoch``; every install puts a new table in place)."""
+        slot = self._slot
+        with slot.lock:
+            if slot.epoch != epoch or slot.table is not final:
                 return False
-            self._state, self._surplus = base, None  # (None: the next write checks the budget in full)
-            self._budgeted = base.byte_budget is not None
-            self._epoch += 1
+            slot.table, slot.surplus = base, None  # (None: the next write checks the budget in full)
+            slot.budgeted = base.byte_budget is not None
+            slot.epoch += 1
             Cells.take_back(undo)
             return True
 
@@ -239,7 +208,7 @@ class SessionStateManager:
 
     def _new_handle(self, sid: str, state: ManagerState, undo: Undo | None) -> SessionHandle:
         """A handle on ``sid`` in the installed ``state`` (with ``partial``, a ``then`` for `_run`)."""
-        return self._cells.handle(state, sid, undo, lambda cell: SessionHandle(self._ops, cell))
+        return self._cells.handle(state, sid, undo, self._make_handle)
 
     def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on session ``session_id`` (None means ``"default"``), created on a miss.
@@ -248,15 +217,24 @@ class SessionStateManager:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
         sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
-        with self._lock:
-            state = self._state
+        slot = self._slot
+        slot.acquire()  # (not `with`: see `Slot`)
+        try:
+            state = slot.table
             after, uid, evicted = get_or_insert(state, sid)
             if evicted is None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
-                self._state, self._epoch = after, self._epoch + 1
-                return self._cells.handles.get(uid) or self._new_handle(sid, after, None)
-            if not _LIVE_POOLS and not self._debts.owed:  # a miss: no bytes added, no engine blocks to free
-                self._install(admit_insertion(state, after, evicted, self._surplus))
-                return self._new_handle(sid, after, None)  # (no undo: nothing released, nothing to take back)
+                slot.table = after
+                handle = self._live.get(uid)
+                return self._new_handle(sid, after, None) if handle is None else handle
+            if not slots.LIVE_POOLS and not self._debts.owed:
+                # A miss with no engine blocks to free adds no bytes (an empty session) and releases nothing:
+                # `admit` would install it as it is, and detach what it evicted (`admit_insertion`).
+                if evicted:
+                    self._cells.evicted(evicted, evicted_reason(state.max_sessions))  # (before the install)
+                slot.table = after
+                return self._cells.inserted(after, sid, uid, self._make_handle)
+        finally:
+            slot.release()
         return self._run(
             lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
         )
@@ -319,7 +297,7 @@ class SessionStateManager:
           CheckpointError, SessionExistsError: see `functional_state.load_session`.
         """
         target, session, plan, dropped = session_load(
-            self._state, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
+            self._slot.table, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
         )
         try:
             return self._run(plan, target, dropped=dropped, then=partial(self._new_handle, target))
@@ -349,7 +327,7 @@ class SessionStateManager:
 
     def stats(self, *, exact: bool = False) -> dict[str, Any]:
         """Counters and per-pool bytes of the current state (see `functional_state.stats`)."""
-        return table_stats(self._state, exact=exact)
+        return table_stats(self._slot.table, exact=exact)
 
     def nbytes_by_device(self) -> dict[str, int]:
         """Bytes per device held by all sessions in the table, each allocation once."""
@@ -375,14 +353,14 @@ class SessionStateManager:
         """
         sid = ms.resolve_session_id(session_id)
         kept = list(retained)
-        traced = state = self._state
+        traced = state = self._slot.table
         self._cells.require(state, sid, "step")
         self._ops.refuse_reentrant(state, sid, "step")
         keeps_bytes = trace_step(traced, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
-        with self._lock:
-            state = self._state
+        with self._slot.lock:
+            state = self._slot.table
             self._cells.require(state, sid, "step")
-            others = lambda: [*(c.session for c in list(self._cells.detached)), *kept]
+            others = lambda: [*(c.session for c in self._cells.detached()), *kept]
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
             self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))
 
@@ -411,10 +389,10 @@ class SessionStateManager:
         )
 
     def __len__(self) -> int:
-        return len(self._state)
+        return len(self._slot.table)
 
     def __contains__(self, session_id: object) -> bool:
-        return session_id in self._state
+        return session_id in self._slot.table
 
     def __repr__(self) -> str:
-        return f"SessionStateManager({self._state!r})"
+        return f"SessionStateManager({self._slot.table!r})"

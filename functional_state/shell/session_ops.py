@@ -8,7 +8,6 @@ through the manager's one retry loop; user code (a ``transact`` function) runs o
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -16,11 +15,12 @@ from ..core.session import SessionState
 from ..errors import InvalidTypeError, ObjectParkedError, SessionStateError, SessionStateLostError
 from ..table import manager_state as ms
 from ..table.engine_blocks import free_acquired
-from ..table.manager_state import ManagerState
+from ..table.manager_state import ManagerState, held_session
 from ..table.parked import restore as restore_object
 from ..table.session_edits import update_session
 from ..table.step import step as pure_step
 from .cells import Cell, Undo
+from .slot import NOT_INLINE, Slot
 
 __all__ = ["ReentrantWriteError", "SessionOps", "locked_step", "restore_parked"]
 
@@ -100,17 +100,7 @@ def locked_step(
     return pure_step(state, sid, name, fn, *args, donate=donate, retained=[*published, *others()])
 
 
-NOT_INLINE = object()  # `SessionStateManager._inline` did not apply the verb: take the retry loop
 _NO_KW: dict[str, Any] = {}  # (never written)
-
-
-def _put_absent(state: ManagerState, sid: str, name: str, obj: Any, cls: type[Any] | None) -> ManagerState:
-    """``state`` with ``obj`` put under ``name`` in session ``sid`` by `SessionState.get_or_create` (which
-    checks ``cls``), unless the session holds a usable object already (then ``state`` itself)."""
-    sid, node = ms.locate(state, sid, "get_or_create")
-    session = ms.node_session(node)
-    new, _ = session.get_or_create(name, lambda: obj, cls)
-    return state if new is session else ms.replace_session(state, sid, node, new)
 
 
 def _replace(state: ManagerState, sid: str, old: SessionState, new: SessionState) -> ManagerState:
@@ -122,29 +112,15 @@ class SessionOps:
     """The manager's side of its handles (made by `SessionStateManager`, one per manager).
 
     Args:
+      slot: the manager's `Slot` (its installed table, lock and one-step installs).
       run: the manager's retry loop (`SessionStateManager._run`).
-      inline: the manager's one-shot install of a plain verb and of a commit (`SessionStateManager._inline`,
-        `SessionStateManager._commit`), each returning `NOT_INLINE` where it does not apply.
-      current: the manager's installed table, read without its lock.
       pin: protects a session from the byte budget while a transaction runs.
       step: the manager's `SessionStateManager.step`.
     """
 
-    def __init__(
-        self,
-        run: Callable[..., Any],
-        inline: tuple[Callable[..., Any], Callable[..., Any]],
-        current: Callable[[], ManagerState],
-        pin: Callable[[str], Any],
-        step: Callable[..., None],
-    ):
-        self._run, self._current, self._pin, self._step = run, current, pin, step
-        self._inline, self._commit = inline
-        self._writing = threading.local()  # uids whose transaction this thread is computing
-        # Transactions being computed, in any thread (one entry each): while none is, no write can be a
-        # reentrant one, and the common write skips the thread-local lookup (a measurable share of a commit).
-        # A list, not a locked counter: its append and pop are atomic, and cost a third of two lock round trips.
-        self._computing: list[int] = []
+    def __init__(self, slot: Slot, run: Callable[..., Any], pin: Callable[[str], Any], step: Callable[..., None]):
+        self.slot = slot
+        self._run, self._pin, self._step = run, pin, step
 
     @staticmethod
     def in_table(state: ManagerState, cell: Cell) -> bool:
@@ -152,7 +128,7 @@ class SessionOps:
         return cell.left is None and ms.held_session(state, cell.session_id, cell.uid) is not None
 
     def read_table(self) -> ManagerState:
-        return self._current()
+        return self.slot.table
 
     def step(
         self, cell: Cell, name: str, fn: Callable[..., Any], *args: Any, donate: bool = False, retained: Any = ()
@@ -162,17 +138,10 @@ class SessionOps:
     def read(self, cell: Cell) -> SessionState:
         """The cell's session now: one atomic read of the table, or the handle's copy."""
         if cell.left is None:
-            held = ms.held_session(self._current(), cell.session_id, cell.uid)
+            held = held_session(self.slot.table, cell.session_id, cell.uid)
             if held is not None:
                 return held
         return cell.session
-
-    def commit(self, cell: Cell, name: str, payload: Any) -> Any:
-        """The per-step write (`SessionStateManager._commit`): one lock, no closures; `NOT_INLINE` when it does
-        not apply (the session left, a transaction on it is being computed, a budget or engine to consult)."""
-        if cell.left is None and not cell.closed and (not self._computing or cell.uid not in self.writing()):
-            return self._commit(cell.session_id, cell.uid, name, payload)
-        return NOT_INLINE
 
     def apply(
         self,
@@ -196,14 +165,14 @@ class SessionOps:
           SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
         """
         sid, uid = cell.session_id, cell.uid
-        if inline and cell.left is None and not cell.closed and (not self._computing or uid not in self.writing()):
-            done = self._inline(sid, uid, verb, args, kw, attrs_unchanged)  # the common write: one lock, no closures
+        if inline:
+            done = self.slot.inline(cell, verb, args, kw, attrs_unchanged)  # the common write: one lock, no closures
             if done is not NOT_INLINE:
                 return done
         copy: list[SessionState] = []
 
         def plan(base: ManagerState) -> tuple[ManagerState, Any]:
-            if cell.closed or uid in getattr(self._writing, "uids", ()):  # each attempt: a drop may land meanwhile
+            if cell.closed or self.slot.writing(uid):  # each attempt: a drop may land meanwhile
                 self.check_writable(cell, what)
             if cell.left is None and ms.held_session(base, sid, uid) is not None:
                 out = verb(base, sid, *args, **kw)
@@ -285,7 +254,7 @@ class SessionOps:
             copy[:] = [out[0]]
             return base, out[1]
 
-        if cell.left is None and self._current().byte_budget is None:
+        if cell.left is None and not self.slot.budgeted:
             # No budget: nothing to pin against. The common transaction runs ``fn`` on the session read
             # without the lock and installs the result under it if the session did not change meanwhile.
             session = self.read(cell)
@@ -293,10 +262,7 @@ class SessionOps:
                 new, out = run_fn(session)
             except ObjectParkedError:
                 new = None  # the retry loop restores what ``fn`` met, and runs it again
-            if (
-                new is not None
-                and self._inline(sid, cell.uid, _replace, (session, new), _NO_KW, False) is not NOT_INLINE
-            ):
+            if new is not None and self.slot.inline(cell, _replace, (session, new), _NO_KW, False) is not NOT_INLINE:
                 return out
             return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
         with self._pin(sid):
@@ -306,11 +272,13 @@ class SessionOps:
         """`SessionHandle.get_or_create` once the object was found absent: ``factory`` runs outside the lock
         and its object is put under it if the session still lacks one; else (another thread's object won,
         a budget to consult, a detached handle) the transaction puts it, or returns the winner."""
-        if cell.left is None and self._current().byte_budget is None:
-            if cell.closed or (self._computing and cell.uid in self.writing()):
+        slot = self.slot
+        if cell.left is None and not slot.budgeted:
+            if cell.closed or (slot.computing and slot.writing(cell.uid)):
                 self.check_writable(cell, "transact")
-            built = self._computed(cell, factory)
-            if self._inline(cell.session_id, cell.uid, _put_absent, (name, built, cls), _NO_KW, True) is not NOT_INLINE:
+            built = slot.computed(cell.uid, factory)
+            # (A factory's object of the wrong class: the transaction refuses it, with `get_or_create`'s error.)
+            if (cls is None or isinstance(built, cls)) and slot.put_absent(cell, name, built) is not NOT_INLINE:
                 return built
             factory = lambda: built  # (built once: the transaction reuses it)
         return self.transact(cell, lambda s: s.get_or_create(name, factory, cls))
@@ -318,14 +286,7 @@ class SessionOps:
     def _computed(self, cell: Cell, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``: user code computing a new state for the cell's session (a write to that session
         from inside it is refused, `check_not_reentrant`)."""
-        writing = self.writing()
-        writing.add(cell.uid)
-        self._computing.append(cell.uid)
-        try:
-            return fn(*args)
-        finally:
-            writing.discard(cell.uid)
-            self._computing.pop()
+        return self.slot.computed(cell.uid, fn, *args)
 
     def _keep(self, cell: Cell, copy: list[SessionState]) -> Callable[[ManagerState, Undo], Any]:
         """A ``then``: under the lock, the new copy of a detached handle replaces the old (journaled)."""
@@ -338,12 +299,6 @@ class SessionOps:
 
         return keep
 
-    def writing(self) -> set[int]:
-        uids = getattr(self._writing, "uids", None)
-        if uids is None:
-            uids = self._writing.uids = set()
-        return uids
-
     def check_writable(self, cell: Cell, what: str) -> None:
         """Refuse a write through a dropped handle, or one from inside a transaction on the same session."""
         self.check_not_reentrant(cell)
@@ -355,7 +310,7 @@ class SessionOps:
             )
 
     def check_not_reentrant(self, cell: Cell) -> None:
-        if cell.uid in self.writing():
+        if self.slot.writing(cell.uid):
             raise ReentrantWriteError(
                 f"session {cell.session_id!r}: a transaction function (or get_or_create factory) wrote to the "
                 f"session it is computing a new state for. Return the new state from the function instead "
@@ -364,5 +319,5 @@ class SessionOps:
 
     def refuse_reentrant(self, state: ManagerState, sid: str, what: str) -> None:
         uid = ms.incarnation(state, sid)
-        if uid is not None and uid in self.writing():
+        if uid is not None and self.slot.writing(uid):
             raise ReentrantWriteError(f"session {sid!r}: `{what}` inside a transaction on the same session.")

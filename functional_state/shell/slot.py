@@ -1,0 +1,153 @@
+"""`Slot`: the shell's one mutable place, the installed `ManagerState`, and the writes installed in one step.
+
+The manager and every handle share one `Slot`: a handle reads the table as ``slot.table`` (one attribute,
+no call) and its common writes (a commit, a session-local verb, putting a factory's object) are installed
+here under the lock in one acquisition, straight from the handle: no retry loop, no closures, no layers
+between the handle and the pure verb. Each returns `NOT_INLINE` where it does not apply (the session left
+the table, a transaction on it is being computed, an engine pool or the byte budget to consult); the
+caller then takes the manager's retry loop, which decides everything these skip.
+"""
+
+from __future__ import annotations
+
+from _thread import get_ident
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from ..engine.paged_kv import POOLS
+from ..errors import ObjectParkedError
+from ..table import manager_state as ms
+from ..table.manager_state import ManagerState, held_session
+from .admission import Surplus, within_budget_in_place
+from .cells import Cell
+
+__all__ = ["LIVE_POOLS", "NOT_INLINE", "Slot"]
+
+NOT_INLINE = object()  # a `Slot` write did not apply: take the manager's retry loop
+# Every live engine pool (weakly): while one lives, a write may release blocks, which only the retry loop frees.
+LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthiness without its __len__)
+
+
+class Slot:
+    """The installed table (``table``) and what changes with it, under ``lock``.
+
+    ``epoch`` changes with every install of the manager's retry loop (and `_take_back`): a write is taken
+    back only if none landed since, which the epoch and the table's identity tell together (the installs
+    here always install a new table object, so they need not count it); ``surplus`` is
+    the attr bound the budget's fast check starts from (`admit`); ``budgeted``: the table has a byte
+    budget. ``computing``: ``(thread, incarnation)`` for each transaction (or factory) being computed, in
+    any thread; while it is empty no write can be a reentrant one, and the common write tests only that. A
+    list, not a locked set: its append, remove and membership test are atomic, and it holds one entry per
+    transaction in flight.
+    """
+
+    __slots__ = ("acquire", "budgeted", "computing", "epoch", "lock", "release", "surplus", "table")
+
+    def __init__(self, table: ManagerState, lock: AbstractContextManager[Any]):
+        self.table = table
+        self.lock = lock
+        # The one-step installs take the lock through its bound methods, not a `with` block: the statement
+        # looks ``__enter__`` and ``__exit__`` up on every entry, twice the cost of the acquisition itself
+        # (~80 of ~160 ns), paid twice per hit-and-commit. A lock without ``acquire`` is entered as a context.
+        self.acquire, self.release = _lock_methods(lock)
+        self.epoch = 0
+        self.surplus: Surplus | None = None  # attr bytes (aliases of objects too), at the last full check
+        self.budgeted = table.byte_budget is not None  # (changes only with an installed `load`)
+        self.computing: list[tuple[int, int]] = []
+
+    def writing(self, uid: int) -> bool:
+        """Whether this thread is computing a transaction (or a factory's object) for incarnation ``uid``."""
+        return bool(self.computing) and (get_ident(), uid) in self.computing
+
+    def computed(self, uid: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, user code computing a new state for incarnation ``uid``: meanwhile `writing` is
+        True for it in this thread (a write to it from inside is reentrant)."""
+        entry = (get_ident(), uid)
+        self.computing.append(entry)
+        try:
+            return fn(*args)
+        finally:
+            self.computing.remove(entry)  # (an equal entry: any of them)
+
+    def commit(self, cell: Cell, name: str, payload: Any) -> Any:
+        """`commit` of ``payload`` into object ``name`` of the cell's session, installed at once; None, or
+        `NOT_INLINE`. The per-step write: one lock, one pure verb.
+
+        Under the lock a cell that has not left names an incarnation the installed table holds (every install
+        that removes a session detaches its cell first, `Cells`), so the table's own lookup by id finds it."""
+        if self.computing and self.writing(cell.uid):
+            return NOT_INLINE
+        sid = cell.session_id
+        self.acquire()
+        try:
+            if cell.left is not None or cell.closed or LIVE_POOLS:  # (a commit never makes an engine pool)
+                return NOT_INLINE
+            base = self.table
+            try:
+                after = ms.commit(base, sid, name, payload)
+            except ObjectParkedError:  # its restore calls the engine: not under the lock
+                return NOT_INLINE
+            if self.budgeted:  # within the budget by the kept totals (`admit`'s first check), else `admit`
+                bound = within_budget_in_place(base, after, sid, self.surplus, True)
+                if bound is None:
+                    return NOT_INLINE
+                self.surplus = bound
+            self.table = after
+            return None
+        finally:
+            self.release()
+
+    def inline(self, cell: Cell, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
+        """A session-local table verb ``verb(table, sid, *args, **kw)`` (replacing one session; no engine, no
+        user code), installed at once where `admit` would only install it (no pools; within budget;
+        ``same``: it never changes attrs). Its result, or `NOT_INLINE`."""
+        if self.computing and self.writing(cell.uid):
+            return NOT_INLINE
+        sid = cell.session_id
+        self.acquire()
+        try:
+            if cell.left is not None or cell.closed:  # (the cell's incarnation is in the table: see `commit`)
+                return NOT_INLINE
+            base = self.table
+            try:
+                out = verb(base, sid, *args, **kw) if kw else verb(base, sid, *args)
+            except ObjectParkedError:
+                return NOT_INLINE
+            after, result = (out, None) if type(out) is ManagerState else out
+            if after is base or LIVE_POOLS:
+                return NOT_INLINE
+            if self.budgeted:
+                bound = within_budget_in_place(base, after, sid, self.surplus, same)
+                if bound is None:
+                    return NOT_INLINE
+                self.surplus = bound
+            self.table = after
+            return result
+        finally:
+            self.release()
+
+    def put_absent(self, cell: Cell, name: str, obj: Any) -> Any:
+        """``obj`` put under ``name`` (`put`) if the cell's session still holds no usable object there, with
+        no budget to consult: None once installed, else `NOT_INLINE` (another thread's object won meanwhile,
+        or a parked one is there: the caller's transaction decides)."""
+        sid = cell.session_id
+        self.acquire()
+        try:
+            base = self.table
+            session = held_session(base, sid, cell.uid)
+            if session is None or LIVE_POOLS or self.budgeted or name in session.objects:
+                return NOT_INLINE
+            self.table = ms.put(base, sid, name, obj)
+            return None
+        finally:
+            self.release()
+
+
+def _lock_methods(lock: Any) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """``(acquire, release)`` of ``lock``: its own, or entering and leaving it as a context manager."""
+    acquire, release = getattr(lock, "acquire", None), getattr(lock, "release", None)
+    if callable(acquire) and callable(release):
+        return acquire, release
+    enter, leave = lock.__enter__, lock.__exit__
+    return enter, lambda: leave(None, None, None)
