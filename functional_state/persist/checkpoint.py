@@ -92,6 +92,9 @@ def save_session(
       asynchronous: return once the values are captured; the write completes in the background
         (``handle.wait()``), even if nobody waits: at exit, Python waits for it. Host buffers a model could
         change in place are copied first. A save to a path with a save in flight waits for that one first.
+        On Linux the background writes run at lower CPU priority than the model's threads (tensorstore's
+        pool at nice ``persist.store.BACKGROUND_NICE``, 10, while any asynchronous save is in flight; set it
+        to 0 for none), where the process may give the threads their priority back afterwards.
       attr_hooks: ``{attr: (export, import)}`` for attrs of other types: ``export(value)`` returns a
         checkpointable value, and `load_session` calls ``import`` on it.
       object_hooks: the same for objects by name (an engine-owned `PagedKVHandle`: export its K/V, import it
