@@ -35,15 +35,13 @@ needs_byte_leaves = pytest.mark.skipif(
 def written(monkeypatch):
     """The host arrays orbax's numpy handler is given to write, as they are when it writes them."""
     seen: list[np.ndarray] = []
-    # (byte leaves go through `ByteLeaves`, which writes them in one transaction, where orbax has it)
-    cls = handlers_module._types()[0] if handlers_module.supported() else type_handlers.NumpyHandler
-    original = cls._open_and_write
+    original = type_handlers.NumpyHandler._open_and_write
 
     async def spy(self, value, tspec, ts_context):
         seen.append(value)
         return await original(self, value, tspec, ts_context)
 
-    monkeypatch.setattr(cls, "_open_and_write", spy)
+    monkeypatch.setattr(type_handlers.NumpyHandler, "_open_and_write", spy)
     return seen
 
 
@@ -177,21 +175,3 @@ def test_damage_to_the_data_file_a_load_reads_itself_is_refused(tmp_path, damage
     damage_file(target, damage)
     with pytest.raises(CheckpointError, match="truncated|checksum|corrupted"):
         fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
-
-
-@needs_byte_leaves
-def test_a_saves_byte_leaves_are_written_in_one_commit(tmp_path):
-    import tensorstore as ts
-
-    # Written one by one, each batch of leaf writes tensorstore saw arrive together was an OCDBT commit of its
-    # own (a data file, a manifest, 4 fsyncs and a rename each: most of a save's fixed cost).
-    leaves = [np.arange(n, dtype=np.float32) * 1.5 for n in (1 << 12, 7, 3, 1 << 10, 100, 5, 1 << 11, 9)]
-    s, _ = fs.get_or_create(ManagerState.create(), "a")
-    s = fs.put(s, "a", "v", fs.DenseValue.create(leaves))
-    fs.save_session(s, "a", tmp_path / "ck")
-    database = tmp_path / "ck" / "0" / "arrays" / "ocdbt.process_0"
-    kv = ts.KvStore.open({"driver": "file", "path": f"{database}/"}).result()
-    versions = ts.ocdbt.dump(kv).result()["versions"]
-    assert len(versions) == 2  # the empty database it was created as, and the one commit of every leaf
-    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
-    assert all(np.array_equal(x, y) for x, y in zip(loaded, leaves))

@@ -8,14 +8,11 @@ buffer a model could change; a synchronous one returns after the write), and it 
 of tensorstore's, which a load then had to copy into memory JAX can alias. Registered for ``np.ndarray`` in the
 one registry the checkpoint's arrays use (`registry`); the format on disk is orbax's, unchanged. A leaf stored as
 one raw chunk is read from its data file by us, straight into the load's buffer (`plan_direct`, `read_direct`).
-A save's byte leaves are written in one tensorstore transaction: one OCDBT commit instead of one per batch of
-writes tensorstore happened to see arrive together (`_WRITING`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import functools
 import inspect
@@ -50,16 +47,6 @@ def supported() -> bool:
     )
 
 
-# The transaction a save's byte leaves are written in. Written one by one, each leaf's metadata and chunk are
-# separate OCDBT commits that tensorstore batches as they arrive: three rounds of data file + fsync + directory
-# fsync + manifest lock, fsync, rename, fsync for a session (21 fsyncs and 9 renames per save, strace), most of
-# a save's fixed cost. In one transaction they are one commit (12 fsyncs, 7 renames): interleaved sync saves,
-# per-pair medians, 8 MiB in 43 leaves 0.81-0.89x the time, 640 MiB 0.83-0.85x. Atomic as before (a commit
-# is all or nothing, and orbax renames the step into place only after it); the bytes are referenced, not
-# copied, until it is written (the writer keeps them alive).
-_WRITING: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_state_byte_leaf_txn", default=None)
-
-
 @functools.cache
 def _types() -> tuple[type, type]:
     """``(handler class, restore-args class)``, defined once orbax is imported (it is an optional extra)."""
@@ -75,28 +62,6 @@ def _types() -> tuple[type, type]:
     class ByteLeaves(ocp.type_handlers.NumpyHandler):  # type: ignore[name-defined]
         def __init__(self) -> None:
             super().__init__(deepcopy_host_arrays=False)
-
-        async def _background_serialize(self, values: Any, infos: Any, args: Any = None) -> None:
-            # Every byte leaf of a save in one tensorstore transaction, committed once (`_WRITING`).
-            txn = ts.Transaction()
-            token = _WRITING.set(txn)
-            try:
-                await super()._background_serialize(values, infos, args)
-                await txn.commit_async()
-            except BaseException:
-                if not txn.commit_started:
-                    txn.abort()
-                raise
-            finally:
-                _WRITING.reset(token)
-
-        async def _open_and_write(self, value: np.ndarray, tspec: dict[str, Any], ts_context: Any) -> None:
-            txn = _WRITING.get()
-            if txn is None:  # (an orbax that calls this from elsewhere): written as orbax writes it
-                await super()._open_and_write(value, tspec, ts_context)
-                return
-            t = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context, transaction=txn)
-            await t.write(value, can_reference_source_data_indefinitely=True)
 
         async def deserialize(self, infos: Any, args: Any = None) -> list[np.ndarray]:
             args = list(args or [ocp.RestoreArgs()] * len(infos))
