@@ -7,7 +7,7 @@ bytes) and a ``manifest`` item (JSON) recording the library version, the layout,
 leaf, its dtype, shape and checksum (XXH3-128); the manifest carries a checksum of its own, and a load checks
 it and every leaf's before it builds anything. orbax writes a step to a temporary directory and renames it
 when complete, so a checkpoint is complete or absent, and a save that dies part-way (killed, out of space)
-leaves the previous one, which is deleted only once the new one is complete.
+leaves the previous one, which is deleted only once the new one is complete and synced to the disk.
 
 A save writes only into a directory it made (marked ``_FUNCTIONAL_STATE``) or one holding its checkpoints, and
 refuses one holding anything that looks like a step but is not one of ours. Saves into one directory

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .directory import drop_steps_before, import_orbax, orbax_manager, prepare_directory
+from .directory import drop_steps_before, import_orbax, make_durable, orbax_manager, prepare_directory
 from .encode import Writer
 from .manifest import seal
 
@@ -47,6 +47,7 @@ class SaveHandle:
     def _finish(self) -> None:
         try:
             self.manager.wait_until_finished()
+            make_durable(self.path, self._step)  # before the previous step is deleted
             drop_steps_before(self.path, self._step)
         except BaseException as e:
             self._error = e
