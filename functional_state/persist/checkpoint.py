@@ -7,7 +7,7 @@ bytes) and a ``manifest`` item (JSON) recording the library version, the layout,
 leaf, its dtype, shape and checksum (XXH3-128); the manifest carries a checksum of its own, and a load checks
 it and every leaf's before it builds anything. orbax writes a step to a temporary directory and renames it
 when complete, so a checkpoint is complete or absent, and a save that dies part-way (killed, out of space)
-leaves the previous one, which is deleted only once the new one is complete.
+leaves the previous one, which is deleted only once the new one is complete and synced to the disk.
 
 A save writes only into a directory it made (marked ``_FUNCTIONAL_STATE``) or one holding its checkpoints, and
 refuses one holding anything that looks like a step but is not one of ours. Saves into one directory
@@ -92,6 +92,9 @@ def save_session(
       asynchronous: return once the values are captured; the write completes in the background
         (``handle.wait()``), even if nobody waits: at exit, Python waits for it. Host buffers a model could
         change in place are copied first. A save to a path with a save in flight waits for that one first.
+        On Linux the background writes run at lower CPU priority than the model's threads (tensorstore's
+        pool at nice ``persist.store.BACKGROUND_NICE``, 10, while any asynchronous save is in flight; set it
+        to 0 for none), where the process may give the threads their priority back afterwards.
       attr_hooks: ``{attr: (export, import)}`` for attrs of other types: ``export(value)`` returns a
         checkpointable value, and `load_session` calls ``import`` on it.
       object_hooks: the same for objects by name (an engine-owned `PagedKVHandle`: export its K/V, import it
