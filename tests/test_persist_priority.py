@@ -1,4 +1,4 @@
-"""An asynchronous save writes at a lower CPU priority than the model (persist/store.py): tensorstore's pool
+"""An asynchronous save writes at a lower CPU priority than the model (persist/priority.py): tensorstore's pool
 workers, which write and sync its bytes, run at `BACKGROUND_NICE` while it is in flight and get their priority
 back when the last one ends (issue 24: a model step beside an asynchronous save took 1.5x its time without
 one, on a machine with every core busy; the writers took an equal share of a core from the model)."""
@@ -17,7 +17,9 @@ import functional_state as fs
 from functional_state import ManagerState
 from functional_state.persist import store as store_module
 
-LOWERED = 10  # what the issue's fix lowers them to (store.BACKGROUND_NICE); a literal, so the test runs anywhere
+LOWERED = (
+    10  # what the issue's fix lowers them to (persist.priority.BACKGROUND_NICE); a literal, so the test runs anywhere
+)
 
 
 def _can_restore_priority() -> bool:

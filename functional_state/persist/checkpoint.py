@@ -93,7 +93,7 @@ def save_session(
         (``handle.wait()``), even if nobody waits: at exit, Python waits for it. Host buffers a model could
         change in place are copied first. A save to a path with a save in flight waits for that one first.
         On Linux the background writes run at lower CPU priority than the model's threads (tensorstore's
-        pool at nice ``persist.store.BACKGROUND_NICE``, 10, while any asynchronous save is in flight; set it
+        pool at nice ``persist.priority.BACKGROUND_NICE``, 10, while any asynchronous save is in flight; set it
         to 0 for none), where the process may give the threads their priority back afterwards.
       attr_hooks: ``{attr: (export, import)}`` for attrs of other types: ``export(value)`` returns a
         checkpointable value, and `load_session` calls ``import`` on it.
