@@ -104,19 +104,6 @@ class LatentBuffer(StateObject):
             items = items + (payload,)
         else:  # a full ring, the steady state: a constant slice is a third cheaper than a computed one
             items = (items[1:] if n == maxlen else items[n + 1 - maxlen :]) + (payload,)
-        # `_with_items` written out (a call is a tenth of this path); see `_Draft` for the construction.
-        if _FAST:
-            new = _new(_DRAFT)
-            new.items = items
-            new.staged = self.staged
-            new.host_copy = self.host_copy
-            new.maxlen = maxlen
-            new.status = self.status
-            new.recompute_source = self.recompute_source
-            new.recompute_cost = self.recompute_cost
-            new._acct_cache = None  # read by `ledger_step` without the exception of an unset slot
-            new.__class__ = LatentBuffer
-            return new
         return _with_items(self, items)
 
     def _commit_payload(self, payload: Any) -> LatentBuffer:
