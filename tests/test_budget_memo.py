@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import functional_state as fs
-from functional_state import LatentBuffer, ManagerState
+from functional_state import LatentBuffer, ManagerState, SessionStateManager
 from functional_state.policy.enforce import over_budget_objects
 from functional_state.shell import admission
 from functional_state.table.state import COLD, CONFIG, ledger_of, make_state
@@ -93,3 +93,33 @@ def test_a_budgeted_commit_reports_what_a_walk_reports(budget: int | None) -> No
         assert {k: v for k, v in kept.items() if k.startswith("nbytes:")} == {
             k: v for k, v in walked.items() if k.startswith("nbytes:")
         }
+
+
+def test_a_tables_budget_refuses_to_be_changed_in_place() -> None:
+    """The budget `stats()` hands out is the table's own: changing it in place would change an immutable
+    state and leave the memoized check answering for the old budget. It refuses, and the budget still holds."""
+    import copy
+    import json
+    import pickle
+
+    m = SessionStateManager(byte_budget={"cpu": 10_000})
+    h = m.get_or_create_session("a").put("buf", LatentBuffer.create(maxlen=2))
+    for _ in range(4):
+        h.commit("buf", np.zeros(1000, np.uint8))
+    budget = m.stats()["byte_budget"]
+    for change in (
+        lambda b: b.__setitem__("cpu", 1500),
+        lambda b: b.update(cpu=1500),
+        lambda b: b.pop("cpu"),
+        lambda b: b.clear(),
+        lambda b: b.setdefault("cuda:0", 1),
+        lambda b: b.__delitem__("cpu"),
+    ):
+        with pytest.raises(fs.InvalidTypeError, match="cannot be changed in place"):
+            change(budget)
+    assert m.state.byte_budget == {"cpu": 10_000}
+    assert pickle.loads(pickle.dumps(budget)) == budget and json.loads(json.dumps(budget)) == budget
+    assert copy.deepcopy(budget) is budget
+    mine = dict(budget)
+    mine["cpu"] = 1500  # a copy is the user's own
+    assert m.state.byte_budget == {"cpu": 10_000}

@@ -194,3 +194,22 @@ def test_a_handle_whose_session_left_never_writes_the_new_incarnation(how: str, 
         old.set_attr("k", 1)
     assert not old.in_table and digest() == new_view
     assert fs.lookup(m.state, "a").get_attr("k", None) is None
+
+
+def test_detached_handles_from_before_and_after_a_load_are_both_kept(tmp_path: Any) -> None:
+    """A loaded table numbers its incarnations from 0 again: a handle detached by the load and one detached
+    after it may share a number, and both must stay known (a donating step must not free what either holds)."""
+    import jax.numpy as jnp
+
+    m = SessionStateManager()
+    a = m.get_or_create_session("a").put("ring", fs.ArrayRing.create(4, (256,)))
+    a.step("ring", fs.ArrayRing.commit, jnp.ones(256))
+    m.save(tmp_path / "t")
+    m.load(tmp_path / "t")  # `a` keeps its copy
+    again = m.get_or_create_session("a")
+    c = m.get_or_create_session("c").put("ring", a.get("ring"))  # c shares the old copy's buffers
+    m.drop_session("a")  # `again` detached too
+    assert {id(cell) for cell in m._cells.detached()} >= {id(a._cell), id(again._cell)}
+    c.step("ring", fs.ArrayRing.commit, jnp.full(256, 2.0), donate=True)
+    assert np.asarray(a.view("ring"))[:, 0].tolist() == [1.0]
+    assert m.stats() == m.stats(exact=True)

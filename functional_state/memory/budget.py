@@ -13,10 +13,19 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, InvalidTypeError
 from .pools import ANY_DEVICE, POOL_FORMS, POOL_PATTERN, Pool
 
-__all__ = ["ANY_DEVICE", "POOL_FORMS", "POOL_PATTERN", "capacity_for", "limit_for", "normalize_budget", "parse_bytes"]
+__all__ = [
+    "ANY_DEVICE",
+    "POOL_FORMS",
+    "POOL_PATTERN",
+    "Budget",
+    "capacity_for",
+    "limit_for",
+    "normalize_budget",
+    "parse_bytes",
+]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -139,7 +148,38 @@ def normalize_budget(budget: Any, what: str = "byte_budget") -> dict[str, int] |
                 f"enforced. Name pools as stats() does: {POOL_FORMS}, or '*' for every device pool."
             )
         out[pool] = parse_bytes(size, f"{what}[{pool!r}]")
-    return dict(sorted(out.items()))
+    return Budget(sorted(out.items()))
+
+
+class Budget(dict[str, int]):
+    """A normalized budget, ``{pool: bytes}``, that refuses to be changed in place.
+
+    A table's budget is part of its immutable state: `stats()` and ``ManagerState.byte_budget`` hand out this
+    very object, and the shell's fast budget check recognises a budget by identity. A dict changed in place
+    would change a state that is meant to be immutable, and the check would keep its old answer. A new budget
+    takes a new table (``ManagerState.create``, or loading one). A ``Budget`` is a ``dict`` to readers: JSON,
+    equality and repr are a dict's; a copy (``dict(budget)``) can be changed freely.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise InvalidTypeError(
+            "a table's byte budget cannot be changed in place (it is part of the immutable table state); "
+            "create a table with the new budget, or change a copy: dict(budget)."
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Budget, (dict(self),))  # (the default would rebuild it item by item, through __setitem__)
+
+    def __copy__(self) -> Budget:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> Budget:
+        return self
 
 
 def limit_for(budget: Mapping[str, int] | None, pool: Pool) -> int | None:

@@ -127,7 +127,9 @@ class Cells:
         # here, not on the cell, so a detached cell is freed with its last handle (no cycle for the GC).
         self.handles: dict[int, Any] = {}
         # Detached cells, weakly: a plain weak reference per cell (no callback, no WeakSet bookkeeping on the
-        # miss path); the dead ones are swept when the dict has doubled since the last sweep.
+        # miss path); the dead ones are swept when the dict has doubled since the last sweep. Keyed by the
+        # cell's id, not its incarnation: a loaded table numbers its incarnations from 0 again, so two
+        # detached cells may share one (the weak reference keeps a live cell's id from being reused).
         self._detached: dict[int, weakref.ref[Cell]] = {}
         self._sweep_at = _SWEEP_FROM
         # Why the most recent departures left, oldest first: read only to word an error about an absent id.
@@ -169,10 +171,10 @@ class Cells:
 
     def _keep_detached(self, cell: Cell) -> None:
         detached = self._detached
-        detached[cell.uid] = weakref.ref(cell)
+        detached[id(cell)] = weakref.ref(cell)
         if len(detached) >= self._sweep_at:  # amortized O(1): each sweep at least halves what it finds
-            for uid in [uid for uid, ref in detached.items() if ref() is None]:
-                del detached[uid]
+            for key in [key for key, ref in detached.items() if ref() is None]:
+                del detached[key]
             self._sweep_at = max(_SWEEP_FROM, 2 * len(detached))
 
     def why_left(self, sid: str) -> str | None:
@@ -201,7 +203,7 @@ class Cells:
                 cell.session = session  # first: a lock-free reader that sees `left` must find the copy
                 cell.left = reason
                 if len(self._detached) < self._sweep_at:  # (`_keep_detached`, written out)
-                    self._detached[uid] = weakref.ref(cell)
+                    self._detached[id(cell)] = weakref.ref(cell)
                 else:
                     self._keep_detached(cell)
 
@@ -244,7 +246,7 @@ class Cells:
 
     def relive(self, cell: Cell) -> None:
         """Undo `detach` of ``cell`` (see `take_back`)."""
-        self._detached.pop(cell.uid, None)
+        self._detached.pop(id(cell), None)
         self.live[cell.uid] = cell
 
     @staticmethod
