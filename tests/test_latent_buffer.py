@@ -190,3 +190,18 @@ def test_the_direct_commit_builds_what_the_generic_copy_builds(maxlen):
         assert type(fast) is LatentBuffer and fast.view(include_staged=False) == fast.items
         buf = fast
     assert len(buf.items) == (5 if maxlen is None else maxlen) and buf.staged is not None
+
+
+def test_a_subclass_keeps_its_type_through_commit_stage_and_reset() -> None:
+    """`_replace` builds the object's own class: a subclass of a state object (declared without the
+    decorator) came back from every verb as its base class."""
+
+    class Tagged(LatentBuffer):
+        pass
+
+    buf = Tagged.create(maxlen=2)
+    for step in range(3):
+        buf = buf.commit(jnp.full(2, float(step)))
+        assert type(buf) is Tagged
+    assert type(buf.stage(jnp.ones(2))) is Tagged
+    assert type(buf.reset()) is Tagged

@@ -41,8 +41,9 @@ def _make_replace(cls: type, names: list[str]) -> Callable[..., Any]:
     params = ", ".join(f"{n}=_KEEP" for n in names)
     # Each slot's own descriptor sets it directly, past the frozen class's __setattr__ (which refuses).
     body = "".join(f"    _set_{n}(new, obj.{n} if {n} is _KEEP else {n})\n" for n in names)
-    src = f"def replace(obj, *, {params}):\n    new = _new(cls)\n{body}    return new\n"
-    namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__, "cls": cls}
+    # ``type(obj)``, not ``cls``: a subclass declared without the decorator inherits this and keeps its type.
+    src = f"def replace(obj, *, {params}):\n    new = _new(type(obj))\n{body}    return new\n"
+    namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__}
     namespace.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
     exec(src, namespace)
     fn = namespace["replace"]
