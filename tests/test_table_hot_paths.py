@@ -1,5 +1,5 @@
 """The manager op's hot paths written out for speed (issue 24) keep the behaviour of the code they replace:
-the ring commit's draft construction, get_or_create's inlined hit, put's cheap checks, the bare eviction
+the ring commit's draft construction, put's cheap checks, the bare eviction
 scan and the kept compaction limit."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _ops(rng: random.Random, n: int) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("seed", range(4))
 def test_get_or_create_hit_is_touch_and_an_ordered_dict(seed):
-    # get_or_create holds a written-out copy of `lru.touch`; `get_session` takes touch itself.
+    # get_or_create and get_session both take `lru.touch`: their orders must agree with an OrderedDict.
     ops = _ops(random.Random(seed), 3000)
     inlined = _replay(ops, lambda s, sid: fs.get_or_create(s, sid)[0])
     touched = _replay(ops, lambda s, sid: fs.get_session(s, sid)[0])

@@ -54,9 +54,7 @@ def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, t
 
 
 def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
-    """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter.
-
-    (`get_or_create` holds a copy of this body, written out for its hit path: change both.)"""
+    """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
     clock, log, start, end, pending, pending_tick, n_hits, cold, limit = state._meta
     nodes = state._nodes
     if (pending_tick if sid == pending else node[USED]) != clock - 1:  # (else: already the most recent)

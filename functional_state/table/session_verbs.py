@@ -21,13 +21,9 @@ from ..errors import (
     SessionStateLostError,
 )
 from .checks import check_state, locate, resolve_id
-from .lru import compacted, insert, remove, replace_sessions, touch
-from .recency_log import MAX_DEPTH, append
+from .lru import insert, remove, replace_sessions, touch
 from .state import (
-    COMPACT_AT,
     SESSION,
-    UID,
-    USED,
     ManagerState,
     check_positive,
     entries_lru,
@@ -78,35 +74,7 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
     if node is None:
         session = SessionState.empty()
         return insert(state, sid, session, "get_or_create", 1), session
-    # A hit: `lru.touch` written out (a call and its argument passing are a tenth of a hit); the
-    # recency tests compare the two against a model.
-    clock, log, start, end, pending, pending_tick, hits, cold, limit = state._meta
-    if (pending_tick if sid == pending else node[USED]) != clock - 1:  # (else: already the most recent)
-        if pending is not None:  # settle the previous hit's node unless its commit already did
-            p = nodes[pending]
-            if p[USED] != pending_tick:
-                nodes = nodes.set(pending, (p[SESSION], pending_tick, p[UID]))
-        sids = log.sids
-        base = log.base
-        if base + len(sids) == end:  # `recency_log.append`, written out for its common case
-            sids.append(sid)
-            if sids[end - base] is sid:
-                log.ticks.append(clock)
-            else:  # another table appended first: branch
-                log = append(log, end, sid, clock)
-        else:
-            log = append(log, end, sid, clock)
-        end += 1
-        if end >= limit or log.depth > MAX_DEPTH:
-            log = compacted(nodes, log, start, end, sid, clock)
-            start, end = 0, len(log.sids)
-            limit = COMPACT_AT * len(nodes)
-        pending, pending_tick, clock = sid, clock, clock + 1
-    new = _new(ManagerState)
-    new._nodes = nodes
-    new._meta = (clock, log, start, end, pending, pending_tick, hits + 1, cold, limit)
-    new._acct = state._acct
-    return new, node[SESSION]
+    return touch(state, sid, node, 1), node[SESSION]
 
 
 def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, SessionState]:
