@@ -25,24 +25,8 @@ _new = object.__new__
 
 def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
     """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
-    if type(state) is not ManagerState:
-        check_state(state, "put")
-    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, "put")
-    nodes = state._nodes
-    node = nodes.get(sid)
-    if node is None:
-        raise lost_error(state, sid, "put")
-    session = node[SESSION].put(name, obj)
-    acct = state._acct
-    if acct is not None:
-        acct = acct.swap_session(node[SESSION], session)
-    meta = state._meta
-    # `lru.replace_session` written out (the first object of a new session takes this path).
-    new = _new(ManagerState)
-    new._nodes = nodes.set(sid, (session, meta[PENDING_TICK] if sid == meta[PENDING] else node[USED], node[UID]))
-    new._meta = meta
-    new._acct = acct
-    return new
+    sid, node = locate(state, session_id, "put")
+    return replace_session(state, sid, node, node[SESSION].put(name, obj))
 
 
 def _object_op(
