@@ -10,6 +10,8 @@ cannot rebuild is refused at park time with nothing moved."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import functional_state as fs
 from functional_state.memory import host_buffers
@@ -172,3 +174,29 @@ def test_a_refused_subclass_leaves_the_session_as_it_was():
         h.park("b")
     assert_unchanged(m.state, before)
     assert m.stats() == stats
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 15), st.integers(1, 16), st.sampled_from(["f32", "i32", "u8", "view"])),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_any_mix_of_storages_over_one_numpy_buffer_round_trips_bit_exact(spans):
+    x = np.random.default_rng(1).standard_normal(16).astype(np.float32)
+    leaves = []
+    for start, length, kind in spans:
+        part = x[start : start + length]
+        if kind == "i32":
+            leaves.append(fn(part.view(np.int32)))
+        elif kind == "u8":
+            leaves.append(fn(part.view(np.uint8))[1:])  # a view at an offset of its storage
+        elif kind == "view":
+            leaves.append(fn(part).view(-1, 1).t())
+        else:
+            leaves.append(fn(part))
+    want = _expect(leaves)
+    assert _expect(restore_values(park_values(leaves))) == want
+    assert _expect(leaves) == want  # the input is untouched
