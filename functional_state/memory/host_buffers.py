@@ -27,7 +27,15 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["MIN_NBYTES", "cache_limit", "cached_nbytes", "clear_cache", "host_buffer", "set_cache_limit"]
+__all__ = [
+    "MIN_NBYTES",
+    "cache_limit",
+    "cached_nbytes",
+    "clear_cache",
+    "host_buffer",
+    "host_bytes",
+    "set_cache_limit",
+]
 
 MIN_NBYTES = 2 << 20  # from a huge page up: smaller buffers come from torch's allocator, which recycles them
 
@@ -59,6 +67,18 @@ def host_buffer(nbytes: int) -> Any:
     done = weakref.finalize(view, _give_back, base)
     done.atexit = False
     return sys.modules["torch"].from_numpy(view)
+
+
+def host_bytes(n: int, pinned: bool) -> Any:
+    """An uninitialised uint8 host tensor of ``n`` bytes: pinned for GPU transfers (torch caches those);
+    else, when large, a recycled or fresh page-aligned buffer (`host_buffer`), and when small from torch's
+    allocator (64-byte aligned, which DLPack aliasing on the CPU needs)."""
+    torch = sys.modules["torch"]
+    if pinned:
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    if n >= MIN_NBYTES:
+        return host_buffer(n)
+    return torch.empty(n, dtype=torch.uint8)
 
 
 def _give_back(base: np.ndarray) -> None:

@@ -12,17 +12,20 @@ into a `ParkedStorage`; `restore_values` gives them back.
   pinned buffer filled with ``non_blocking`` copies and one stream sync), and restored into a fresh
   allocation per storage on its device (one ``split_with_sizes_copy`` per such run); every other tensor is
   rebuilt as a view with its own offset, shape, strides and conjugate/negative bits. Tensors that were
-  views of one storage are views of one storage again; separate storages stay separate. Large CPU buffers
-  come from `host_buffers` (recycled once nothing holds them, else fresh from numpy's huge pages):
-  first-touch page faults otherwise double the cost of a copy.
+  views of one storage are views of one storage again; separate storages stay separate, also over
+  overlapping memory (``torch.from_numpy`` of ``X[:5]`` and of ``X``): each comes back as a copy of its own
+  bytes, no longer aliased (a storage is its extent: two over the same extent are one). Large CPU buffers
+  come from `host_buffers` (recycled, else fresh from numpy's huge pages): first-touch page faults
+  otherwise double the cost of a copy.
 * **JAX arrays that alias a torch storage** through the bridge park that whole storage (the memory they
   keep alive) and come back as JAX arrays over the restored storage.
 * Anything else (numpy arrays, which already live in host memory, Python values) is kept as it is.
 
 A leaf that appears more than once (one JAX array under two names) is copied once and restored as one
 array, so the restore holds exactly the device memory the park released. A torch tensor keeps
-``requires_grad`` (as a checkpoint does). A JAX array that was deleted (donated to a jitted call) holds no
-bytes to park: `park_values` refuses it with `DeletedArrayError` before moving anything.
+``requires_grad`` and its type (a ``torch.nn.Parameter`` comes back one; a subclass that cannot be rebuilt,
+see `torch_host.rebuildable`, is refused with `InvalidTypeError`). A JAX array that was deleted (donated)
+holds no bytes to park: `park_values` refuses it with `DeletedArrayError`. Either refusal moves nothing.
 
 The accounting files parked bytes under the host pools: ``cpu/pinned_host`` (JAX's pinned host memory
 kind, and pinned torch buffers) and ``cpu/unpinned_host`` (pageable torch buffers, the only kind torch
@@ -151,18 +154,6 @@ class ParkedStorage:
         return f"ParkedStorage(leaves={len(self.slots)}, torch_storages={n})"
 
 
-def _host_bytes(n: int, pinned: bool) -> Any:
-    """An uninitialised uint8 host tensor of ``n`` bytes: pinned for GPU transfers (torch caches those);
-    else, when large, a recycled or fresh page-aligned buffer (`host_buffers`), and when small from torch's
-    allocator (64-byte aligned, which DLPack aliasing on the CPU needs)."""
-    torch = torch_host.torch_module()
-    if pinned:
-        return torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    if n >= _NUMPY_MIN:
-        return host_buffers.host_buffer(n)
-    return torch.empty(n, dtype=torch.uint8)
-
-
 def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
     """Copy the storage of every array in ``values`` (any pytree) to host memory; see the module docstring.
 
@@ -172,6 +163,7 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
 
     Raises:
       DeletedArrayError: a JAX array in ``values`` was deleted (donated); nothing was copied.
+      InvalidTypeError: a tensor subclass in ``values`` cannot be rebuilt (`torch_host.rebuildable`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -182,7 +174,7 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
       [0.0, 1.0, 2.0, 3.0]
     """
     leaves, treedef = jax.tree_util.tree_flatten(values)
-    gathered = torch_host.gather(leaves, _NUMPY_MIN)
+    gathered = torch_host.gather(leaves, _NUMPY_MIN, (values, what))
     if gathered.direct:  # every leaf a tensor spanning its own storage: nothing else to look at
         layout, buffers = _copy_storages_to_host(gathered)
         return ParkedStorage(treedef, (_TORCH,) * len(leaves), layout, tuple(buffers))
@@ -238,7 +230,7 @@ def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
         for device, members in groups.items():
             pinned = device.type == "cuda"
             for total, segments in _runs(members, g):
-                host = _host_bytes(total, pinned)
+                host = host_buffers.host_bytes(total, pinned)
                 for a, end, seg, dtype, trail in segments:
                     layout.segments.append((len(buffers), a, end, seg, dtype, trail))
                     _fill(host, a, end, [g.sources[k] for k in seg], dtype, trail, pinned)
@@ -354,7 +346,11 @@ def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
             if device.type == "cpu" and view.numel() < _NUMPY_MIN:
                 result[k] = view.clone()  # a fresh storage of exactly these bytes: allocation and copy in one call
                 continue
-            dev = _host_bytes(view.numel(), False) if device.type == "cpu" else torch.empty_like(view, device=device)
+            dev = (
+                host_buffers.host_bytes(view.numel(), False)
+                if device.type == "cpu"
+                else torch.empty_like(view, device=device)
+            )
             if view.numel():
                 dev.copy_(view, non_blocking=device.type == "cuda")
                 if device.type == "cuda":

@@ -8,6 +8,12 @@ values, so it is copied by the tensor itself (many per ``torch.cat`` call) and r
 that shape (many per ``split_with_sizes_copy`` call), with no per-tensor byte views or rebuilds. Any other
 storage is copied as raw bytes and each of its leaves rebuilt as a view with its own offset, shape, strides
 and bits (`rebuild`). Cost per tensor matters here: a state of 4,096 small tensors parks in a few ms.
+
+A storage is known by its extent, ``(address, bytes)``: two storage objects over the same memory (one numpy
+buffer wrapped twice) are one storage, while two over overlapping memory of different extents (``X[:5]``
+and ``X``, which share an address) stay two, each copied and restored whole, as independent copies. A leaf
+of a tensor subclass is rebuilt as that subclass with its ``__dict__`` (a ``torch.nn.Parameter`` comes back
+one); a subclass that cannot be is refused before anything moves (`rebuildable`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import jax
 
+from ..errors import InvalidTypeError
 from . import accounting
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "jax_alias",
     "rebuild",
     "rebuild_leaf",
+    "rebuildable",
 ]
 
 
@@ -46,6 +54,8 @@ class TorchLeaf:
     neg: bool
     jax_owner_type: type | None  # not None: the leaf was a bridge alias of this storage, owned by this type
     requires_grad: bool = False  # a torch leaf's autograd flag, kept across the round trip
+    tensor_type: type | None = None  # a torch.Tensor subclass the leaf was (torch.nn.Parameter, say), else None
+    attrs: tuple[tuple[str, Any], ...] = ()  # that subclass instance's attributes (its ``__dict__``), as they were
 
 
 def torch_module() -> Any:
@@ -100,9 +110,15 @@ class Gathered:
         self.direct = False  # leaf i is storage i's own tensor, for every leaf (restored as the storages)
 
 
-def gather(leaves: list[Any], plain_max: int) -> Gathered:
+def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "gather")) -> Gathered:
     """File every torch leaf of ``leaves`` under its storage (see the module docstring). Storages of
-    ``plain_max`` bytes or more are never plain (`parking` copies those through its recycled host buffers)."""
+    ``plain_max`` bytes or more are never plain (`parking` copies those through its recycled host buffers).
+
+    Raises:
+      InvalidTypeError: a leaf is a tensor subclass that cannot be rebuilt over a restored storage (see
+        `rebuildable`); the message names its path in ``where[0]`` (the pytree ``leaves`` came from) and
+        the call ``where[1]``.
+    """
     g = Gathered()
     torch = torch_module()
     if torch is None:
@@ -112,13 +128,16 @@ def gather(leaves: list[Any], plain_max: int) -> Gathered:
     tensor_type, cpu = torch.Tensor, torch.device("cpu")
     if _all_plain(leaves, torch, plain, plain_max, g):
         return g
-    ids: dict[Any, int] = {}  # a CPU storage by its address, any other by (device, address)
+    # A CPU storage by its extent (address, bytes), any other by (device, address, bytes). Not by address
+    # alone: two storages over overlapping memory (``torch.from_numpy`` of ``X[:5]`` and of ``X``) share an
+    # address, and filing the larger under the smaller one read past the bytes that were copied.
+    ids: dict[Any, int] = {}
     sources, devices, sizes, dtypes, shapes = g.sources, g.devices, g.sizes, g.dtypes, g.shapes
     leaf_at, storage_of, recipe_of = g.leaf.append, g.storage.append, g.recipe.append
     for i, leaf in enumerate(leaves):
         if type(leaf) is tensor_type and leaf.is_cpu:
             n = leaf.nbytes
-            ptr = leaf.data_ptr()
+            ptr = (leaf.data_ptr(), n)  # (the storage's extent when the leaf is plain: the only case read)
             k = ids.get(ptr) if n else -1
             if k is None:
                 dtype = leaf.dtype
@@ -149,12 +168,14 @@ def gather(leaves: list[Any], plain_max: int) -> Gathered:
         if tensor is None:
             g.others.append(i)
             continue
+        if owner is None and type(tensor) is not tensor_type:
+            _check_subclass(tensor, i, where)
         storage = tensor.untyped_storage()
         n = storage.nbytes()
-        key: Any = storage.data_ptr() if n else ("empty", i)
+        key: Any = (storage.data_ptr(), n) if n else ("empty", i)
         device = tensor.device
         if device.type != "cpu":
-            key = (device, key)
+            key = (device, *key)
         k = ids.get(key)
         if k is None:
             ids[key] = k = len(sources)
@@ -217,7 +238,41 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     return True
 
 
+def _check_subclass(tensor: Any, index: int, where: tuple[Any, str]) -> None:
+    reason = rebuildable(type(tensor))
+    if reason:
+        values, what = where
+        path = f"leaf {index}"
+        if values is not None:
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(values)[0][index][0]) or "the root"
+        cls = type(tensor)
+        raise InvalidTypeError(
+            f"`{what}`: the tensor at {path} is a {cls.__module__}.{cls.__qualname__}, a torch.Tensor subclass "
+            f"parking cannot rebuild "
+            f"over a restored storage: {reason}. Park a plain tensor or a torch.nn.Parameter (or a subclass "
+            f"that only adds methods and attributes) instead; nothing was moved."
+        )
+
+
+def rebuildable(cls: type) -> str:
+    """Why parking cannot rebuild an instance of tensor subclass ``cls`` (empty when it can). It can when the
+    subclass's bytes are its storage's and its state its ``__dict__``: a restore makes a plain view over the
+    restored storage, turns it into ``cls`` with ``Tensor.as_subclass`` (``cls.__new__`` is not called) and
+    gives it its attributes back, as torch's own pickling of a subclass does."""
+    torch = torch_module()
+    if issubclass(cls, torch.nn.parameter.UninitializedTensorMixin):
+        return "an uninitialized parameter holds no data yet"
+    if getattr(cls, "__torch_dispatch__", None) is not torch.Tensor.__torch_dispatch__:
+        return "it defines __torch_dispatch__ (a wrapper subclass: its storage is not its data)"
+    for c in cls.__mro__[: cls.__mro__.index(torch.Tensor)]:
+        if vars(c).get("__slots__"):
+            return f"{c.__qualname__} declares __slots__, whose values a restore could not give back"
+    return ""
+
+
 def _recipe(tensor: Any, k: int, owner: Any) -> TorchLeaf:
+    cls = type(tensor)
+    sub = None if owner is not None or cls is torch_module().Tensor else cls
     return TorchLeaf(
         k,
         tensor.dtype,
@@ -228,6 +283,8 @@ def _recipe(tensor: Any, k: int, owner: Any) -> TorchLeaf:
         bool(tensor.is_neg()),
         None if owner is None else type(owner),
         owner is None and bool(tensor.requires_grad),
+        sub,
+        tuple(vars(tensor).items()) if sub is not None else (),
     )
 
 
@@ -298,6 +355,9 @@ def rebuild(leaf: TorchLeaf, storage: Any, device: Any) -> Any:
         t = t.conj()
     if leaf.neg:
         t = torch._neg_view(t)
+    if leaf.tensor_type is not None:  # before the autograd flag: as_subclass of a leaf that wants grad is no leaf
+        t = t.as_subclass(leaf.tensor_type)
+        vars(t).update(leaf.attrs)
     if leaf.requires_grad:
         t.requires_grad_(True)
     if leaf.jax_owner_type is None:
