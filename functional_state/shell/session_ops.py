@@ -309,6 +309,15 @@ class SessionOps:
                 f"readable (`handle.state`); start a new session with `get_or_create_session`."
             )
 
+    @staticmethod
+    def left_error(cell: Cell, what: str) -> SessionStateLostError:
+        """The error for a table-only read or write (`SessionHandle.held`) through a handle whose incarnation left."""
+        return SessionStateLostError(
+            f"`SessionHandle.{what}`: session {cell.session_id!r} was {cell.left or 'replaced in the table'}; "
+            f"this handle is detached, and `{what}` reads and writes only the manager's table (`handle.state` still "
+            f"reads its last state). Get a handle on the session again (`get_or_create_session`)."
+        )
+
     def check_not_reentrant(self, cell: Cell) -> None:
         if self.slot.writing(cell.uid):
             raise ReentrantWriteError(

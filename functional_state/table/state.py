@@ -40,6 +40,7 @@ __all__ = [
     "count_evictions",
     "entries",
     "entries_lru",
+    "held_object",
     "held_session",
     "in_place",
     "incarnation_of",
@@ -335,6 +336,13 @@ def held_session(state: ManagerState, sid: str, uid: int) -> SessionState | None
     """The session if ``state`` holds incarnation ``uid`` of ``sid`` (one atomic read), else None."""
     node = state._nodes.get(sid)
     return node[SESSION] if node is not None and node[UID] == uid else None
+
+
+def held_object(state: ManagerState, sid: str, uid: int, name: str) -> Any:
+    """Object ``name`` of the session if ``state`` holds incarnation ``uid`` of ``sid`` (one atomic read), else
+    None: `held_session` and the object lookup in one call (a handle's per-step read)."""
+    node = state._nodes.get(sid)
+    return node[SESSION]._objects.get(name) if node is not None and node[UID] == uid else None
 
 
 def incarnation_of(state: ManagerState, sid: str) -> int | None:
