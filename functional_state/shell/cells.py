@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
+import sysconfig
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
+from sys import getrefcount
 from typing import Any, NamedTuple
 
 from ..core.session import SessionState
@@ -30,6 +33,8 @@ __all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
 _SWEEP_FROM = 64  # detached cells kept before the first sweep of dead ones
+# Reference counts tell "nothing else holds this" only where they are exact (not on a free-threaded build).
+_REUSE = not sysconfig.get_config_var("Py_GIL_DISABLED") and sys.implementation.name == "cpython"
 
 
 class Cell:
@@ -132,6 +137,7 @@ class Cells:
         self._sweep_at = _SWEEP_FROM
         # Why the most recent departures left, oldest first: read only to word an error about an absent id.
         self._departed: deque[tuple[str, str]] = deque(maxlen=_DEPARTED_KEPT)
+        self._spare: tuple[Cell, Any] | None = None  # an evicted cell and handle nothing held (`evicted`)
 
     def cell(self, state: ManagerState, sid: str, undo: Undo | None = None) -> Cell:
         """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use."""
@@ -153,8 +159,14 @@ class Cells:
     def inserted(self, state: ManagerState, sid: str, uid: int, make: Callable[[Cell], Any]) -> Any:
         """The handle on incarnation ``uid`` of ``sid``, which an insertion just made in ``state`` (nothing to
         take back: no cell held it)."""
-        cell = self.live[uid] = Cell(uid, sid, ms.held_session(state, sid, uid))  # type: ignore[arg-type]
-        handle = self.handles[uid] = make(cell)
+        session = ms.held_session(state, sid, uid)
+        if self._spare is None:
+            cell = self.live[uid] = Cell(uid, sid, session)  # type: ignore[arg-type]
+            handle = self.handles[uid] = make(cell)
+            return handle
+        (cell, handle), self._spare = self._spare, None  # (never detached: ``left`` None, not closed)
+        cell.uid, cell.session_id, cell.session = uid, sid, session
+        self.live[uid], self.handles[uid] = cell, handle
         return handle
 
     def _forget(self, uid: int) -> None:
@@ -191,12 +203,21 @@ class Cells:
     def evicted(self, evicted: list[tuple[str, int, SessionState]], reason: str) -> None:
         """`detach` for the sessions an insertion evicted (`get_or_insert`), on the miss path: call it before
         installing the table, so a lock-free reader that no longer finds its session finds its copy. (The
-        table logs each LRU eviction.)"""
+        table logs each LRU eviction.)
+
+        A cell and shell handle that nothing outside holds (the common miss in a server: the evicted session's
+        request ended long ago) have no reader to keep a copy for: they are kept, undetached, for `inserted`
+        to reuse, instead of freeing two objects and building two more."""
         departed, live, handles = self._departed, self.live, self.handles
         for sid, uid, session in evicted:
             departed.append((sid, reason))
-            handles.pop(uid, None)
+            handle = handles.pop(uid, None)
             cell = live.pop(uid, None)
+            # Under the lock no other reference can appear: handles are handed out only from these dicts,
+            # under it. Counted: ``handle`` here (and the argument); ``cell`` here, in ``handle`` (and the arg).
+            if _REUSE and handle is not None and getrefcount(handle) == 2 and getrefcount(cell) == 3:
+                self._spare = (cell, handle)
+                continue
             if cell is not None:
                 cell.session = session  # first: a lock-free reader that sees `left` must find the copy
                 cell.left = reason

@@ -122,8 +122,10 @@ class SessionHandle:
         """
         cell = self._cell
         if cell.left is None:  # the per-step read: one lookup of the object in the installed table
-            obj = held_object(self._slot.table, cell.session_id, cell.uid, name)
-            if obj is not None and obj.status == RESIDENT and (cls is None or isinstance(obj, cls)):
+            obj = held_object(self._slot.table, cell.session_id, cell.uid, name)  # (MISSING: not in the table)
+            if obj is None:
+                return self._ops.create(cell, name, factory, cls)
+            if obj is not MISSING and obj.status == RESIDENT and (cls is None or isinstance(obj, cls)):
                 return obj  # (what `_reusable` returns; every other case is decided below, as before)
         session = held_session(self._slot.table, cell.session_id, cell.uid) if cell.left is None else None
         try:
@@ -143,9 +145,8 @@ class SessionHandle:
         """
         cell = self._cell
         if cell.left is None:
-            table = self._slot.table
-            obj = held_object(table, cell.session_id, cell.uid, name)
-            if obj is not None or held_session(table, cell.session_id, cell.uid) is not None:
+            obj = held_object(self._slot.table, cell.session_id, cell.uid, name)
+            if obj is not MISSING:
                 return obj
         raise self._ops.left_error(cell, "held")
 
