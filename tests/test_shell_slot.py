@@ -194,3 +194,22 @@ def test_a_handle_whose_session_left_never_writes_the_new_incarnation(how: str, 
         old.set_attr("k", 1)
     assert not old.in_table and digest() == new_view
     assert fs.lookup(m.state, "a").get_attr("k", None) is None
+
+
+def test_a_miss_reuses_only_an_evicted_handle_nothing_holds() -> None:
+    # A miss that evicts a session nobody holds a handle on reuses its cell and handle for the new session;
+    # one still held keeps its own copy (and stays that session's handle), however the new session is used.
+    manager = SessionStateManager(max_sessions=1)
+    manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", 1.0)
+    b = manager.get_or_create_session("b")  # evicts "a": its handle was not kept
+    assert b.session_id == "b" and b.in_table and not b.state.objects and b.get("x", None) is None
+    b.put("x", LatentBuffer.create(maxlen=2)).commit("x", 2.0)
+    assert manager.get_or_create_session("b") is b and b.view("x") == (2.0,)
+    with pytest.raises(fs.SessionStateLostError, match="'a' was evicted"):
+        manager.get_session("a")  # why "a" left is still known
+    c = manager.get_or_create_session("c")  # evicts "b", whose handle ``b`` is held
+    assert c is not b and b.session_id == "b" and not b.in_table and b.view("x") == (2.0,)
+    b.commit("x", 3.0)  # the detached copy takes writes; the table never sees them
+    assert b.view("x") == (2.0, 3.0) and "b" not in manager and not c.state.objects
+    with pytest.raises(fs.SessionStateLostError):
+        b.held("x")
