@@ -165,7 +165,7 @@ class Cells:
             handle = self.handles[uid] = make(cell)
             return handle
         (cell, handle), self._spare = self._spare, None  # (never detached: ``left`` None, not closed)
-        cell.uid, cell.session_id, cell.session = uid, sid, session
+        cell.uid, cell.session_id, cell.session = uid, sid, session  # type: ignore[assignment]
         self.live[uid], self.handles[uid] = cell, handle
         return handle
 
@@ -216,7 +216,7 @@ class Cells:
             # Under the lock no other reference can appear: handles are handed out only from these dicts,
             # under it. Counted: ``handle`` here (and the argument); ``cell`` here, in ``handle`` (and the arg).
             if _REUSE and handle is not None and getrefcount(handle) == 2 and getrefcount(cell) == 3:
-                self._spare = (cell, handle)
+                self._spare = (cell, handle)  # type: ignore[assignment]  # (a shell handle has a live cell)
                 continue
             if cell is not None:
                 cell.session = session  # first: a lock-free reader that sees `left` must find the copy
