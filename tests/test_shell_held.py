@@ -18,17 +18,18 @@ from torch_bridge.adapters import DreamZeroStateAdapter
 
 
 class _HookLock:
-    """A lock that runs ``hook`` (once) just before its next acquisition: another thread's write landing
-    between a caller's lock-free check and its own lock."""
+    """A lock that runs the next of ``hooks`` (None: nothing) just before each acquisition while any are
+    left: another thread's write landing between a caller's check and its own lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.hook: Callable[[], Any] | None = None
+        self.hooks: list[Callable[[], Any] | None] = []
 
     def acquire(self, *args: Any) -> bool:
-        hook, self.hook = self.hook, None
-        if hook is not None:
-            hook()
+        if self.hooks:
+            hook = self.hooks.pop(0)
+            if hook is not None:
+                hook()
         return self._lock.acquire(*args)
 
     def release(self) -> None:
@@ -78,7 +79,7 @@ def test_commit_held_commits_into_the_table_and_refuses_once_the_incarnation_lef
     assert h.commit_held("x", 1.0) is h and manager.get_or_create_session("a").view("x") == (1.0,)
     _leave(manager, how)
     table = manager.state
-    with pytest.raises(fs.SessionStateLostError, match=r"`SessionHandle.commit_held`: session 'a' was"):
+    with pytest.raises(fs.SessionStateLostError, match=r"commit_held`: session 'a' was"):
         h.commit_held("x", 2.0)
     assert h.view("x") == (1.0,)  # nothing written: not the copy ...
     assert manager.state is table  # ... nor the table (a new incarnation is never touched)
@@ -91,7 +92,7 @@ def test_commit_held_refuses_an_eviction_that_lands_just_before_its_lock() -> No
     manager = SessionStateManager(max_sessions=1, lock_factory=lambda: lock)
     h = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", 1.0)
     assert h.in_table
-    lock.hook = lambda: manager.get_or_create_session("b")
+    lock.hooks = [lambda: manager.get_or_create_session("b")]
     with pytest.raises(fs.SessionStateLostError):
         h.commit_held("x", 2.0)
     assert not h.in_table and h.view("x") == (1.0,) and "a" not in manager
@@ -106,7 +107,7 @@ def test_a_strict_adapter_writes_no_frame_into_a_copy_when_its_session_is_evicte
     first = torch.zeros(1, 8, 1, 4, 6, dtype=torch.bfloat16)
     strict.append_vae_encoder_chunk(first)
     handle = manager.get_or_create_session("a")
-    lock.hook = lambda: manager.get_or_create_session("b")  # the count cap evicts "a"
+    lock.hooks = [lambda: manager.get_or_create_session("b")]  # the count cap evicts "a"
     with pytest.raises(fs.SessionStateLostError, match="'a': this state object refers to a session"):
         strict.append_vae_encoder_chunk(torch.ones(1, 8, 1, 4, 6, dtype=torch.bfloat16))
     assert len(handle.state.get("vae_encoder_out").view()) == 1  # the copy kept only the first frame
@@ -122,3 +123,26 @@ def test_a_strict_adapter_reads_and_writes_through_the_table_while_its_session_i
     assert strict.observation_latents(2)[0, 0, :, 0, 0].tolist() == [1.0, 2.0]
     ring = fs.lookup(manager.state, "a").get("vae_encoder_out")
     assert [float(t[0, 0, 0, 0, 0]) for t in ring.view()] == [1.0, 2.0]
+
+
+def test_commit_held_restores_a_parked_object_and_commits_into_the_table() -> None:
+    # The one-step commit hands a parked object to the retry loop, which restores it and commits, table only.
+    manager = SessionStateManager()
+    h = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", np.ones(2))
+    h.park("x")
+    h.commit_held("x", np.zeros(2))
+    ring = fs.lookup(manager.state, "a").get("x")
+    assert ring.resident and [v.tolist() for v in ring.view()] == [[1.0, 1.0], [0.0, 0.0]]
+
+
+def test_commit_held_through_the_retry_loop_refuses_a_session_evicted_meanwhile() -> None:
+    # A parked object sends the commit to the retry loop; the eviction lands before its install: the loop
+    # computes it again on the new table and refuses, writing nothing into the copy.
+    lock = _HookLock()
+    manager = SessionStateManager(max_sessions=1, lock_factory=lambda: lock)
+    h = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", np.ones(2))
+    h.park("x")
+    lock.hooks = [None, lambda: manager.get_or_create_session("b")]  # the one-step commit's lock, the loop's
+    with pytest.raises(fs.SessionStateLostError, match="commit_held"):
+        h.commit_held("x", np.zeros(2))
+    assert not h.in_table and h.state.get("x").parked and "a" not in manager  # nothing committed anywhere

@@ -158,10 +158,11 @@ class SessionHandle:
           SessionStateLostError: this incarnation is no longer in the table (evicted, dropped or replaced).
         """
         done = self._slot.commit(self._cell, name, payload)
-        if done is NOT_INLINE:
-            if not self.in_table:
-                raise self._ops.left_error(self._cell, "commit_held")
-            done = self._ops.apply(self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
+        if done is NOT_INLINE:  # (the retry loop decides it on the very table it installs on)
+            ops, cell = self._ops, self._cell
+            done = ops.apply(
+                cell, "commit_held", ms.commit, name, payload, names=(name,), attrs_unchanged=True, table_only=True
+            )
         return done or self
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
