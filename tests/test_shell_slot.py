@@ -213,3 +213,22 @@ def test_detached_handles_from_before_and_after_a_load_are_both_kept(tmp_path: A
     c.step("ring", fs.ArrayRing.commit, jnp.full(256, 2.0), donate=True)
     assert np.asarray(a.view("ring"))[:, 0].tolist() == [1.0]
     assert m.stats() == m.stats(exact=True)
+
+
+def test_a_new_session_after_an_eviction_gets_its_own_handle_and_a_held_one_keeps_its_copy() -> None:
+    # A miss that evicts a session gives the new session a handle of its own; a handle still held on the
+    # evicted one keeps its own copy (and stays that session's handle), however the new session is used.
+    manager = SessionStateManager(max_sessions=1)
+    manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", 1.0)
+    b = manager.get_or_create_session("b")  # evicts "a": its handle was not kept
+    assert b.session_id == "b" and b.in_table and not b.state.objects and b.get("x", None) is None
+    b.put("x", LatentBuffer.create(maxlen=2)).commit("x", 2.0)
+    assert manager.get_or_create_session("b") is b and b.view("x") == (2.0,)
+    with pytest.raises(fs.SessionStateLostError, match="'a' was evicted"):
+        manager.get_session("a")  # why "a" left is still known
+    c = manager.get_or_create_session("c")  # evicts "b", whose handle ``b`` is held
+    assert c is not b and b.session_id == "b" and not b.in_table and b.view("x") == (2.0,)
+    b.commit("x", 3.0)  # the detached copy takes writes; the table never sees them
+    assert b.view("x") == (2.0, 3.0) and "b" not in manager and not c.state.objects
+    with pytest.raises(fs.SessionStateLostError):
+        b.held("x")

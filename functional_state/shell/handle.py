@@ -18,11 +18,11 @@ from typing import Any, TypeVar, overload
 
 from ..core.pytree import MISSING
 from ..core.session import ForkPolicy, SessionState
-from ..core.state_object import StateObject
+from ..core.state_object import RESIDENT, StateObject
 from ..errors import InvalidTypeError, ObjectParkedError
 from ..table import manager_state as ms
 from ..table import parked, session_edits
-from ..table.manager_state import held_session
+from ..table.manager_state import held_object, held_session
 from .cells import Cell
 from .session_ops import SessionOps
 from .slot import NOT_INLINE
@@ -56,7 +56,8 @@ class SessionHandle:
     @property
     def in_table(self) -> bool:
         """False once this incarnation was evicted or dropped from the manager's table."""
-        return self._ops.in_table(self._ops.read_table(), self._cell)
+        cell = self._cell  # (`SessionOps.in_table` written out: a strict caller asks on every step)
+        return cell.left is None and held_session(self._slot.table, cell.session_id, cell.uid) is not None
 
     @property
     def state(self) -> SessionState:
@@ -120,6 +121,12 @@ class SessionHandle:
         object wins and both get it. A parked object is restored, never rebuilt.
         """
         cell = self._cell
+        if cell.left is None:  # the per-step read: one lookup of the object in the installed table
+            obj = held_object(self._slot.table, cell.session_id, cell.uid, name)  # (MISSING: not in the table)
+            if obj is None:
+                return self._ops.create(cell, name, factory, cls)
+            if obj is not MISSING and obj.status == RESIDENT and (cls is None or isinstance(obj, cls)):
+                return obj  # (what `_reusable` returns; every other case is decided below, as before)
         session = held_session(self._slot.table, cell.session_id, cell.uid) if cell.left is None else None
         try:
             obj = (cell.session if session is None else session)._reusable(name, cls)
@@ -128,6 +135,35 @@ class SessionHandle:
         if obj is not None:
             return obj
         return self._ops.create(self._cell, name, factory, cls)
+
+    def held(self, name: str) -> Any:
+        """Object ``name`` as the manager's table holds it now (one lock-free read; a parked object is returned
+        parked), or None if the session has none: for a caller that must never read a detached copy.
+
+        Raises:
+          SessionStateLostError: this incarnation is no longer in the table (evicted, dropped or replaced).
+        """
+        cell = self._cell
+        if cell.left is None:
+            obj = held_object(self._slot.table, cell.session_id, cell.uid, name)
+            if obj is not MISSING:
+                return obj
+        raise self._ops.left_error(cell, "held")
+
+    def commit_held(self, name: str, payload: Any = MISSING) -> SessionHandle:
+        """`commit`, only into the table: refused, with nothing written, once this incarnation left it (the
+        one-step commit decides that under the same lock as the write).
+
+        Raises:
+          SessionStateLostError: this incarnation is no longer in the table (evicted, dropped or replaced).
+        """
+        done = self._slot.commit(self._cell, name, payload)
+        if done is NOT_INLINE:  # (the retry loop decides it on the very table it installs on)
+            ops, cell = self._ops, self._cell
+            done = ops.apply(
+                cell, "commit_held", ms.commit, name, payload, names=(name,), attrs_unchanged=True, table_only=True
+            )
+        return done or self
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
         return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self

@@ -153,6 +153,7 @@ class SessionOps:
         attrs_unchanged: bool = False,
         acquires: bool = False,
         inline: bool = False,
+        table_only: bool = False,
         **kw: Any,
     ) -> Any:
         """Table verb ``verb(table, session id, *args, **kw)`` on the cell's session, in the table or on its copy.
@@ -160,6 +161,8 @@ class SessionOps:
         A parked object the verb meets is restored first (``names``, or every parked object), in the same
         install: no other thread can park it again in between, and a refused write leaves everything as it
         was (engine blocks a KV restore took go back).
+
+        ``table_only``: refuse (`left_error`) rather than write the handle's copy once the session left the table.
 
         Raises:
           SessionStateLostError: the session was dropped (the handle refuses writes, which would be lost).
@@ -177,6 +180,8 @@ class SessionOps:
             if cell.left is None and ms.held_session(base, sid, uid) is not None:
                 out = verb(base, sid, *args, **kw)
                 return (out, None) if type(out) is ManagerState else out
+            if table_only:  # (decided on the table this attempt installs on: a later eviction retries it)
+                raise self.left_error(cell, what)
             new, out = _on_copy(cell, names, lambda t: _pair(verb(t, sid, *args, **kw)))
             copy[:] = [new]
             return base, out
@@ -308,6 +313,15 @@ class SessionOps:
                 f"and a write through it would reach no session, so it is refused. Its last state is still "
                 f"readable (`handle.state`); start a new session with `get_or_create_session`."
             )
+
+    @staticmethod
+    def left_error(cell: Cell, what: str) -> SessionStateLostError:
+        """The error for a table-only read or write (`SessionHandle.held`) through a handle whose incarnation left."""
+        return SessionStateLostError(
+            f"`SessionHandle.{what}`: session {cell.session_id!r} was {cell.left or 'replaced in the table'}; "
+            f"this handle is detached, and `{what}` reads and writes only the manager's table (`handle.state` still "
+            f"reads its last state). Get a handle on the session again (`get_or_create_session`)."
+        )
 
     def check_not_reentrant(self, cell: Cell) -> None:
         if self.slot.writing(cell.uid):

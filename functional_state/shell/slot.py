@@ -18,7 +18,7 @@ from typing import Any
 from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
 from ..table import manager_state as ms
-from ..table.manager_state import ManagerState, held_session
+from ..table.manager_state import ManagerState, held_object
 from .admission import Surplus, within_budget_in_place
 from .cells import Cell
 
@@ -135,8 +135,8 @@ class Slot:
         self.acquire()
         try:
             base = self.table
-            session = held_session(base, sid, cell.uid)
-            if session is None or LIVE_POOLS or self.budgeted or name in session.objects:
+            # (`held_object` is None only for a session the table holds with no object ``name``)
+            if LIVE_POOLS or self.budgeted or held_object(base, sid, cell.uid, name) is not None:
                 return NOT_INLINE
             self.table = ms.put(base, sid, name, obj)
             return None

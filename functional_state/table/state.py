@@ -22,6 +22,7 @@ import immutables
 import jax
 
 from .._repr import repr_html, treescope_repr
+from ..core.pytree import MISSING
 from ..core.session import SessionState
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..memory.budget import normalize_budget
@@ -40,6 +41,7 @@ __all__ = [
     "count_evictions",
     "entries",
     "entries_lru",
+    "held_object",
     "held_session",
     "in_place",
     "incarnation_of",
@@ -335,6 +337,13 @@ def held_session(state: ManagerState, sid: str, uid: int) -> SessionState | None
     """The session if ``state`` holds incarnation ``uid`` of ``sid`` (one atomic read), else None."""
     node = state._nodes.get(sid)
     return node[SESSION] if node is not None and node[UID] == uid else None
+
+
+def held_object(state: ManagerState, sid: str, uid: int, name: str) -> Any:
+    """Object ``name`` of the session if ``state`` holds incarnation ``uid`` of ``sid`` (None: it has no such
+    object), else `MISSING`: `held_session` and the object lookup in one atomic read (a handle's per-step read)."""
+    node = state._nodes.get(sid)
+    return node[SESSION]._objects.get(name) if node is not None and node[UID] == uid else MISSING
 
 
 def incarnation_of(state: ManagerState, sid: str) -> int | None:

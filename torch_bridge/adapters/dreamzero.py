@@ -301,18 +301,18 @@ class DreamZeroStateAdapter(ResetRules):
 
     def append_vae_encoder_chunk(self, chunk: torch.Tensor) -> None:
         """Append an encoded chunk (B, C, T, H, W); frames beyond the window are dropped, oldest first."""
-        # The steady state (one latent frame per chunk, the model's every step) in one commit into the ring:
-        # one manager operation, the tensor kept by reference. A ring the session lost (a reset, an eviction)
-        # is rebuilt and committed to in one transaction instead, as is a multi-frame chunk.
+        # The steady state (one latent frame per chunk) in one commit into the ring, the tensor kept by reference.
+        # A ring the session lost (reset, eviction) is rebuilt in one transaction instead, as is a multi-frame chunk.
         if type(chunk) is torch.Tensor and chunk.dim() == 5 and chunk.size(2) == 1:
-            handle = self._handle  # (`_session` written out: this is the per-step path)
-            if self._strict and not handle.in_table:
-                raise self._lost()
             try:
-                handle.commit(_ENCODER, chunk)
+                (self._handle.commit_held if self._strict else self._handle.commit)(_ENCODER, chunk)
                 return
             except (ObjectNotFoundError, NotAllocatedError):
                 pass
+            except SessionStateLostError as e:  # strict: `commit_held` refused a detached handle, under its lock
+                if self._strict:
+                    raise self._lost() from e
+                raise
         check_encoder_chunk(chunk, "append_vae_encoder_chunk")
         self._commit_all(_ENCODER, self._encoder_frames(chunk))
 
@@ -343,11 +343,11 @@ class DreamZeroStateAdapter(ResetRules):
         """
         if type(num_frames) is not int or not 0 < num_frames <= self._window:
             self._check_window_read(num_frames)
-        # A plain read of the table on the per-step path; a parked or lost ring is restored or rebuilt.
-        handle = self._handle  # (`_session` written out, as in `append_vae_encoder_chunk`)
-        if self._strict and not handle.in_table:
-            raise self._lost()
-        ring = handle.state.get(_ENCODER, None)
+        # A plain read of the table (strict: `held`, the table only); a parked or lost ring is restored or rebuilt.
+        try:
+            ring = self._handle.held(_ENCODER) if self._strict else self._handle.state.get(_ENCODER, None)
+        except SessionStateLostError as e:
+            raise self._lost() from e
         if ring is None or not ring.resident:
             ring = self._buffer(_ENCODER)
         items = ring.view()[-num_frames:]
