@@ -80,9 +80,10 @@ def test_a_session_holding_one_zero_size_leaf_saves_and_loads_it_bit_exact(tmp_p
     assert _describe(got) == _describe(leaf)
 
 
-def test_zero_size_leaves_next_to_others_round_trip_and_stats_agree(tmp_path):
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_zero_size_leaves_next_to_others_round_trip_and_stats_agree(tmp_path, asynchronous):
     s = _state()
-    fs.save_session(s, "z", tmp_path / "ck")
+    fs.save_session(s, "z", tmp_path / "ck", asynchronous=asynchronous).wait()
     t = fs.load_session(ManagerState.create(), "z", tmp_path / "ck")
     assert _leaves(t, "z") == _leaves(s, "z")
     assert [x.shape for x in fs.view(t, "z", "buffer")] == [(3,), (0,), (2,)]  # the ring order too
@@ -145,3 +146,20 @@ def test_the_other_leaves_of_a_checkpoint_with_empty_ones_are_still_verified(tmp
     with pytest.raises(CheckpointError, match="checksum|damaged|corrupted"):
         fs.load_session(state, "z", tmp_path / "ck")
     assert_unchanged(state, snap)
+
+
+def test_a_zero_size_leaf_goes_where_the_load_places_it(tmp_path):
+    s, _ = fs.get_or_create(ManagerState.create(), "z")
+    s = fs.put(s, "z", "dense", fs.DenseValue.create([jnp.zeros((0, 4)), torch.zeros(0, 2), jnp.ones(3)]))
+    fs.save_session(s, "z", tmp_path / "ck")
+    device = jax.devices()[-1]
+    t = fs.load_session(ManagerState.create(), "z", tmp_path / "ck", placement=device, torch_device="cpu")
+    empty, tensor, full = fs.view(t, "z", "dense")
+    assert empty.sharding == full.sharding == jax.sharding.SingleDeviceSharding(device)
+    assert (empty.shape, tensor.shape, tensor.device.type) == ((0, 4), (0, 2), "cpu")
+    s = fs.put(s, "z", "dense", fs.DenseValue.create([jnp.zeros((0, 4))]))
+    fs.save_session(s, "z", tmp_path / "only_empty")
+    state = ManagerState.create()
+    with pytest.raises(CheckpointError, match="placement must be"):  # checked for an empty leaf as for any
+        fs.load_session(state, "z", tmp_path / "only_empty", placement="gpu:7")
+    assert "z" not in state
