@@ -5,6 +5,7 @@ be saved (issue 24, found by review). They round-trip bit-exact now: type, dtype
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import jax
@@ -15,6 +16,7 @@ import torch
 
 import functional_state as fs
 from functional_state import CheckpointError, ManagerState, SessionStateManager
+from functional_state.persist import handlers
 from helpers import assert_unchanged, damage, snapshot
 
 
@@ -163,3 +165,27 @@ def test_a_zero_size_leaf_goes_where_the_load_places_it(tmp_path):
     with pytest.raises(CheckpointError, match="placement must be"):  # checked for an empty leaf as for any
         fs.load_session(state, "z", tmp_path / "only_empty", placement="gpu:7")
     assert "z" not in state
+
+
+def test_a_load_that_fails_in_orbax_waits_out_its_own_reads_first(tmp_path, monkeypatch):
+    """A damaged leaf failed its tensorstore read while the load's own reads (`handlers.read_direct`, on a
+    thread) still ran: they went on after the load had raised and called back into orbax's closed event loop
+    ("Event loop is closed", printed as an unraisable exception)."""
+    finished = []
+
+    def slow_read_direct(reads):
+        time.sleep(0.3)  # still running when the damaged leaf's read fails
+        original(reads)
+        finished.append(True)
+
+    original = handlers.read_direct
+    monkeypatch.setattr(handlers, "read_direct", slow_read_direct)
+    s, _ = fs.get_or_create(ManagerState.create(), "z")  # no empty leaf: a defect of its own
+    # Byte leaves only, so the read that fails is one of `ByteLeaves`' own (a JAX leaf's is orbax's handler).
+    s = fs.put(s, "z", "dense", fs.DenseValue.create([torch.arange(6.0), np.arange(4)]))
+    fs.save_session(s, "z", tmp_path / "ck")
+    files = [p for p in Path(tmp_path / "ck").glob("[0-9]*/arrays/d/*") if p.is_file()]
+    damage(max(files, key=lambda p: p.stat().st_size), "flip")
+    with pytest.raises(CheckpointError, match="reading the arrays failed"):
+        fs.load_session(ManagerState.create(), "z", tmp_path / "ck")
+    assert finished == [True]

@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import CheckpointError
 from .decode import decode_sharding
 from .directory import import_orbax, list_steps, orbax_manager
-from .handlers import read_into
+from .handlers import read_into, wait_direct_reads
 from .manifest import (
     CHECKSUM,
     aligned_empty,
@@ -121,6 +121,7 @@ def _read_arrays(
             restore = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
             return dict(manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"])
         except Exception as e:
+            wait_direct_reads()  # none still writes into the buffers of a load that failed
             raise CheckpointError(
                 f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
                 f"{str(e)[:300]})."
