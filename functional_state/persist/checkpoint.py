@@ -2,12 +2,14 @@
 
 A checkpoint is an orbax `CheckpointManager` directory (one step kept): an ``arrays`` item holding every
 buffer (JAX arrays as they are, sharded or not; each torch *storage* once, as raw bytes; numpy arrays as raw
-bytes) and a ``manifest`` item (JSON) recording the library version, the layout, each session's structure
-(objects with their lifecycle status and ring positions, staged payloads, attrs and fork policies) and, per
-leaf, its dtype, shape and checksum (XXH3-128); the manifest carries a checksum of its own, and a load checks
-it and every leaf's before it builds anything. orbax writes a step to a temporary directory and renames it
-when complete, so a checkpoint is complete or absent, and a save that dies part-way (killed, out of space)
-leaves the previous one, which is deleted only once the new one is complete and synced to the disk.
+bytes; a leaf of zero size, which orbax refuses, is the manifest's alone and rebuilt from its dtype and
+shape, and a checkpoint with no other leaf has no ``arrays`` item) and a ``manifest`` item (JSON) recording
+the library version, the layout, each session's structure (objects with their lifecycle status and ring
+positions, staged payloads, attrs and fork policies) and, per leaf, its dtype, shape and checksum (XXH3-128);
+the manifest carries a checksum of its own, and a load checks it and every leaf's before it builds anything.
+orbax writes a step to a temporary directory and renames it when complete, so a checkpoint is complete or
+absent, and a save that dies part-way (killed, out of space) leaves the previous one, which is deleted only
+once the new one is complete and synced to the disk.
 
 A save writes only into a directory it made (marked ``_FUNCTIONAL_STATE``) or one holding its checkpoints, and
 refuses one holding anything that looks like a step but is not one of ours. Saves into one directory

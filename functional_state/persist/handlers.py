@@ -13,18 +13,23 @@ one raw chunk is read from its data file by us, straight into the load's buffer 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
 import json
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .directory import import_orbax
+
+T = TypeVar("T")
 
 
 @functools.cache
@@ -80,12 +85,9 @@ def _types() -> tuple[type, type]:
                 )
             # A byte leaf stored as one raw chunk is read by us, straight from its data file into the load's
             # buffer (`plan_direct`); the others through tensorstore.
-            direct = await asyncio.to_thread(plan_direct, specs, [getattr(a, "out", None) for a in args])
-            reading = asyncio.ensure_future(asyncio.to_thread(read_direct, list(direct.values())))
+            direct = await _on_thread(plan_direct, specs, [getattr(a, "out", None) for a in args])
+            reading = _on_thread(read_direct, list(direct.values()))
             rest = [i for i in range(len(infos)) if i not in direct]
-            stores = await asyncio.gather(
-                *[ts.open(ts.Spec(specs[i]), open=True, context=infos[i].ts_context) for i in rest]
-            )
 
             async def read(store: Any, arg: Any) -> np.ndarray:
                 out = arg.out if isinstance(arg, ReadInto) else None
@@ -97,11 +99,21 @@ def _types() -> tuple[type, type]:
                 return out
 
             results: list[Any] = [None] * len(infos)
+            try:
+                stores = await asyncio.gather(
+                    *[ts.open(ts.Spec(specs[i]), open=True, context=infos[i].ts_context) for i in rest]
+                )
+                for i, got in zip(rest, await asyncio.gather(*[read(s, args[i]) for s, i in zip(stores, rest)])):
+                    results[i] = got
+            except BaseException:
+                # A damaged leaf fails its read here while ours are still running: wait them out, so no thread
+                # writes into the load's buffers or calls back into orbax's event loop after it is closed.
+                with contextlib.suppress(Exception):
+                    await reading
+                raise
+            await reading
             for i, entry in direct.items():
                 results[i] = entry[0]
-            for i, got in zip(rest, await asyncio.gather(*[read(s, args[i]) for s, i in zip(stores, rest)])):
-                results[i] = got
-            await reading
             return results
 
     return ByteLeaves, ReadInto
@@ -265,6 +277,52 @@ def read_direct(reads: list[tuple[Any, Path, int, int, bytes | None]]) -> None:
         return
     with ThreadPoolExecutor(min(len(by_file), READ_THREADS)) as pool:
         list(pool.map(one_file, sorted(by_file)))
+
+
+# Direct reads (and their planning) run on threads of their own, not `asyncio.to_thread`'s: when another leaf's
+# read fails, orbax drops the restore's other reads unfinished and closes its event loop, and a thread of the
+# loop's executor then called back into the closed loop ("Event loop is closed", an unraisable exception) while
+# it still wrote into the load's buffers. Such a thread settles its future only while the loop runs, and a
+# restore that failed waits them out (`wait_direct_reads`) before it raises.
+_RUNNING: set[threading.Thread] = set()
+
+_RUNNING_LOCK = threading.Lock()
+
+
+def _on_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """``fn(*args)`` on a thread of its own, as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():
+            done.set_result(result) if error is None else done.set_exception(error)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as e:
+            error = e
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(thread)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the restore was abandoned
+                loop.call_soon_threadsafe(settle, result, error)
+
+    thread = threading.Thread(target=run, name="functional_state direct read", daemon=True)
+    with _RUNNING_LOCK:
+        _RUNNING.add(thread)
+    thread.start()
+    return done
+
+
+def wait_direct_reads() -> None:
+    """Wait until the direct reads now running are finished (those of a restore that failed, say)."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for thread in running:
+        thread.join()
 
 
 def _read_run(fd: int, path: Path, offset: int, views: list[memoryview]) -> None:

@@ -95,6 +95,17 @@ def leaf_nbytes(info: dict[str, Any]) -> int:
     return int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
 
 
+def in_arrays_item(info: dict[str, Any]) -> bool:
+    """Whether the leaf ``info`` describes is written to (and read from) orbax's arrays item.
+
+    orbax refuses to save an array of zero size, and a session may hold one (an empty tensor, a ``(0, 4)``
+    array, an empty buffer item). A leaf of no bytes is therefore recorded by the manifest alone (its kind,
+    dtype and shape, and the checksum of no bytes) and rebuilt from that on read; the save and the load both
+    ask this, so neither hands orbax such a leaf. No earlier checkpoint holds one (orbax refused the save).
+    """
+    return leaf_nbytes(info) > 0
+
+
 # The manifest's own checksum, over its canonical JSON without this field. Versions before it wrote manifests
 # with exactly the `_UNSEALED_FIELDS`; such a manifest still loads (unverified, as it always did), while one
 # with any other field and no checksum (a checksum field with its name damaged, say) is refused.

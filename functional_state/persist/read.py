@@ -14,13 +14,14 @@ import numpy as np
 from ..errors import CheckpointError
 from .decode import decode_sharding
 from .directory import import_orbax, list_steps, orbax_manager
-from .handlers import read_into
+from .handlers import read_into, wait_direct_reads
 from .manifest import (
     CHECKSUM,
     aligned_empty,
     check_manifest,
     checksum,
     copy_checksum,
+    in_arrays_item,
     in_parallel,
     leaf_nbytes,
 )
@@ -60,29 +61,13 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
     # Host-bound storages are read straight into aligned memory JAX can alias: from the data file itself where a
     # storage is one raw chunk (`handlers.plan_direct`: no copy at all, the kernel's copy is the only one), else
     # through tensorstore's read buffer (one copy).
-    prepared = _prepare(manifest["leaves"], on_cpu)
-    manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
-    try:
-        abstract: dict[str, Any] = {}
-        for key, info in manifest["leaves"].items():
-            if info["kind"] == "jax":
-                sharding = _placement_for(placement, key, info)
-                abstract[key] = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=sharding)
-            else:
-                abstract[key] = np.empty(info["nbytes"], np.uint8)
-        try:
-            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-            restore_args.update({key: read_into(out) for key, out in prepared.items()})
-            restore = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
-            arrays = manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"]
-        except Exception as e:
-            raise CheckpointError(
-                f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
-                f"{str(e)[:300]})."
-            ) from e
-    finally:
-        manager.close()
     leaves = manifest["leaves"]
+    prepared = _prepare(leaves, on_cpu)
+    # Leaves of no bytes are not in orbax's arrays item (`in_arrays_item`), and a checkpoint of none else has none.
+    stored = {key: info for key, info in leaves.items() if in_arrays_item(info)}
+    arrays = _read_arrays(ocp, root, step, stored, prepared, placement) if stored else {}
+    for key in leaves.keys() - stored.keys():
+        arrays[key] = _empty_leaf(key, leaves[key], prepared, placement)
     missing = [key for key in leaves if arrays.get(key) is None]
     if missing:
         raise CheckpointError(f"{root}: leaf {missing[0]!r} is missing from the arrays.")
@@ -115,6 +100,43 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
             )
         arrays[key] = got
     return manifest, arrays
+
+
+def _read_arrays(
+    ocp: Any, root: Path, step: int, leaves: dict[str, Any], prepared: dict[str, np.ndarray], placement: Any
+) -> dict[str, Any]:
+    """The ``leaves`` of ``step`` that orbax's arrays item holds, restored (``prepared`` ones into their buffers)."""
+    manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
+    try:
+        abstract: dict[str, Any] = {}
+        for key, info in leaves.items():
+            if info["kind"] == "jax":
+                sharding = _placement_for(placement, key, info)
+                abstract[key] = jax.ShapeDtypeStruct(tuple(info["shape"]), np.dtype(info["dtype"]), sharding=sharding)
+            else:
+                abstract[key] = np.empty(info["nbytes"], np.uint8)
+        try:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+            restore_args.update({key: read_into(out) for key, out in prepared.items() if key in leaves})
+            restore = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
+            return dict(manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"])
+        except Exception as e:
+            wait_direct_reads()  # none still writes into the buffers of a load that failed
+            raise CheckpointError(
+                f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
+                f"{str(e)[:300]})."
+            ) from e
+    finally:
+        manager.close()
+
+
+def _empty_leaf(key: str, info: dict[str, Any], prepared: dict[str, np.ndarray], placement: Any) -> Any:
+    """A leaf of no bytes, rebuilt from the manifest alone (`in_arrays_item`): a JAX array of its dtype and shape
+    where the load places it, or the empty byte buffer of a storage or numpy array (checked as any other)."""
+    if info["kind"] == "jax":
+        empty = np.zeros(tuple(info["shape"]), np.dtype(info["dtype"]))
+        return jax.device_put(empty, _placement_for(placement, key, info))
+    return prepared.get(key, np.empty(0, np.uint8))
 
 
 def _prepare(leaves: dict[str, Any], keys: set[str]) -> dict[str, np.ndarray]:

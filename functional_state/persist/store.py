@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import CheckpointError
 from .directory import drop_steps_before, import_orbax, make_durable, orbax_manager, prepare_directory
 from .encode import Writer
-from .manifest import seal
+from .manifest import in_arrays_item, seal
 from .priority import background_begin, background_end
 
 _log = logging.getLogger("functional_state")
@@ -160,7 +160,13 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
         lowered = asynchronous and background_begin()
         try:
             manager = orbax_manager(ocp, root, options)
-            args = ocp.args.Composite(arrays=ocp.args.PyTreeSave(writer.arrays), manifest=ocp.args.JsonSave(manifest))
+            items = {"manifest": ocp.args.JsonSave(manifest)}
+            # Leaves of no bytes are the manifest's alone (`in_arrays_item`), and a session holding no other
+            # array (none at all, or only empty ones) has no arrays item: orbax refuses an empty one.
+            arrays = {k: v for k, v in writer.arrays.items() if in_arrays_item(writer.leaves[k])}
+            if arrays:
+                items["arrays"] = ocp.args.PyTreeSave(arrays)
+            args = ocp.args.Composite(**items)
             if not manager.save(step, args=args):
                 raise RuntimeError(f"orbax declined to write step {step}")
         except Exception as e:
