@@ -66,7 +66,7 @@ notebooks: $(STAMP)
 # The test tools keep their constraints.txt pins.
 LOWEST_TOOLS = $(shell grep -E '^(pytest|hypothesis|chex|packaging)==' constraints.txt)
 LOWEST_TESTS = tests/test_packaging.py tests/test_accounting.py tests/test_parking.py tests/test_checkpoint.py \
-	tests/test_bridge.py tests/test_cli.py tests/test_persist_handlers.py
+	tests/test_bridge.py tests/test_cli.py tests/test_persist_handlers.py tests/test_checkpoint_empty.py
 test-lowest:
 	rm -rf $(LOWEST)
 	$(PYTHON) -m venv $(LOWEST)
