@@ -121,6 +121,8 @@ class Reader:
         out = torch.empty(0, dtype=dtype, device=device).set_(
             storage.untyped_storage(), node["offset"], node["shape"], node["stride"]
         )
+        if node.get("parameter"):  # (shares ``out``'s storage, as the saved parameter shared its own)
+            return torch.nn.Parameter(out, requires_grad=bool(node.get("requires_grad")))
         return out.requires_grad_(True) if node.get("requires_grad") else out
 
     def object(self, node: dict[str, Any], name: str = "", where: str = "an object") -> Any:

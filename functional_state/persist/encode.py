@@ -119,7 +119,7 @@ class Writer:
             self.leaves[key] = {"kind": "torch_storage", "nbytes": int(host.nbytes)}
             # A device storage's host copy is the save's own already.
             self._to_hash.append((key, host, self.copy_host and raw.device.type == "cpu"))
-        return {
+        node = {
             "t": "torch",
             "storage": key,
             "dtype": str(t.dtype).removeprefix("torch."),
@@ -129,6 +129,9 @@ class Writer:
             "device": str(device),
             "requires_grad": bool(t.requires_grad),
         }
+        if isinstance(t, torch.nn.Parameter):  # (an optimizer steps parameters: a load keeps the type)
+            node["parameter"] = True
+        return node
 
     def _alias(self, t: Any, owner_type: type | None, where: str, device: Any) -> dict[str, Any]:
         return {"t": "jax_alias", "tensor": self._tensor(t, where, device), "owner": _owner_name(owner_type)}
@@ -211,17 +214,8 @@ class Writer:
         leaves: list[Any] = []
         for leaf in parked.leaves:
             if isinstance(leaf, TorchLeaf):
-                plain = TorchLeaf(
-                    leaf.storage,
-                    leaf.dtype,
-                    leaf.shape,
-                    leaf.stride,
-                    leaf.offset,
-                    leaf.conj,
-                    leaf.neg,
-                    None,
-                    leaf.requires_grad,  # saved as a resident leaf's flag is, so the load sets it again
-                )
+                # As the resident leaf it stands for (its flag, its subclass), minus the bridge alias.
+                plain = dataclasses.replace(leaf, jax_owner_type=None)
                 t = rebuild_leaf(plain, host_storage(parked, leaf.storage))
                 self._device_of[id(t)] = parked.storages[leaf.storage].device
                 leaves.append(t if leaf.jax_owner_type is None else _AliasLeaf(t, leaf.jax_owner_type))
