@@ -105,3 +105,20 @@ def damage(path: Any, how: str) -> None:
     else:
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
+
+
+def race(target: Any, n_threads: int) -> None:
+    """Run ``target(i)`` on ``n_threads`` threads at once, switching threads as often as the interpreter can
+    (a race shows up within a few operations), and wait for them all."""
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=target, args=(i,)) for i in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)

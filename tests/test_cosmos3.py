@@ -9,6 +9,7 @@ import torch
 
 import functional_state as fs
 from functional_state import SessionStateManager, nbytes_by_device
+from helpers import race
 from torch_bridge import report, reset_report
 from torch_bridge.adapters import BranchStateError, Cosmos3StateAdapter, cosmos3_footprint, request_session
 from torch_bridge.harness import Cosmos3Shapes, Cosmos3TransformerCache, build_freqs_gen, encode_und_kv
@@ -257,16 +258,7 @@ def _eight_threads_of_requests(manager, reps=30):
         except Exception as e:  # surfaced by the caller
             errors.append(e)
 
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up within a few requests
-    try:
-        threads = [threading.Thread(target=request, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(old)
+    race(request, 8)
     return errors
 
 
@@ -353,7 +345,6 @@ def test_footprint_rejects_bad_config(kwargs, match):
 def test_memcheck_script_runs_each_mode_in_a_fresh_process_and_reports_rss():
     import json
     import subprocess
-    import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "cosmos3_memcheck.py"

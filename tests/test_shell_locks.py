@@ -2,7 +2,6 @@
 failing callback loses nothing, and a detached handle's writes are the table's own verbs."""
 
 import contextlib
-import sys
 import threading
 import time
 
@@ -12,7 +11,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import ArrayRing, LatentBuffer, SessionStateManager
-from helpers import finishes
+from helpers import finishes, race
 
 
 def _on_another_thread(fn):
@@ -183,7 +182,6 @@ def test_many_threads_committing_to_one_session_lose_nothing(lock, monkeypatch):
     m.get_or_create_session("a").put("log", LatentBuffer.create())
     n_threads, n = 8, 150
     barrier = threading.Barrier(n_threads)
-    interval = sys.getswitchinterval()
 
     def worker(t):
         barrier.wait()
@@ -191,13 +189,5 @@ def test_many_threads_committing_to_one_session_lose_nothing(lock, monkeypatch):
         for i in range(n):
             h.commit("log", t * 1000 + i)
 
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(interval)
+    race(worker, n_threads)
     assert len(fs.lookup(m.state, "a").get("log").view()) == n_threads * n

@@ -4,7 +4,6 @@ manager's `Slot`; a miss detaches what it evicted before installing the table th
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from typing import Any
@@ -17,6 +16,7 @@ from functional_state import LatentBuffer, SessionStateManager
 from functional_state.shell import cells as shell_cells
 from functional_state.shell import slot as shell_slot
 from functional_state.table import manager_state as ms
+from helpers import race
 
 
 class _Watched(shell_cells.Cell):
@@ -113,7 +113,6 @@ def test_threads_hitting_missing_and_committing_lose_nothing(lock: str, monkeypa
     n_threads, rounds = 6, 150
     m = SessionStateManager(max_sessions=2 * n_threads, lock_factory=factory)
     barrier = threading.Barrier(n_threads)
-    interval = sys.getswitchinterval()
     logs: dict[int, Any] = {}
 
     def worker(t: int) -> None:
@@ -125,15 +124,7 @@ def test_threads_hitting_missing_and_committing_lose_nothing(lock: str, monkeypa
             h.commit("log", i)  # into the table, or (evicted) into the handle's own copy: never lost
             m.get_or_create_session(f"t{t}-{i}")  # a miss, evicting the least recent session
 
-    sys.setswitchinterval(1e-6)
-    try:
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(n_threads)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        sys.setswitchinterval(interval)
+    race(worker, n_threads)
     stats = m.stats()
     assert stats["hits"] + stats["misses"] == n_threads * (1 + 2 * rounds)  # each lookup counted once
     assert stats["misses"] - stats["evictions"] == len(m) == 2 * n_threads
