@@ -90,10 +90,6 @@ def within_budget_in_place(
     """For a write under a budget: the attr bound after it if it changed sessions in place (none added or
     removed) and stays within the budget by the kept totals (`within_budget_fast`, O(pools), as `admit` would
     decide with nothing to release); else None (take `admit`)."""
-    if attrs_unchanged and surplus is not None:  # a commit: `_PASSED` answers in O(1) (written out, per step)
-        passed = _PASSED
-        if passed[1] is surplus and passed[0] is ledger_of(after).totals and passed[2] is after.byte_budget:
-            return surplus if in_place(before, after, False) else None
     return (
         within_budget_fast(before, after, writer, attrs_unchanged, surplus) if in_place(before, after, False) else None
     )

@@ -88,15 +88,21 @@ class Slot:
                 after = ms.commit(base, sid, name, payload)
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
-            if self.budgeted:  # within the budget by the kept totals (`admit`'s first check), else `admit`
-                bound = within_budget_in_place(base, after, sid, self.surplus, True)
-                if bound is None:
-                    return NOT_INLINE
-                self.surplus = bound
+            if self.budgeted and not self._within_budget(base, after, sid, True):
+                return NOT_INLINE
             self.table = after
             return None
         finally:
             self.release()
+
+    def _within_budget(self, base: ManagerState, after: ManagerState, sid: str, attrs_unchanged: bool) -> bool:
+        """Under the lock: whether ``after`` stays within the budget by the kept totals (`admit`'s first check;
+        else the write takes `admit`), keeping the attr bound it leaves."""
+        bound = within_budget_in_place(base, after, sid, self.surplus, attrs_unchanged)
+        if bound is None:
+            return False
+        self.surplus = bound
+        return True
 
     def inline(self, cell: Cell, verb: Callable[..., Any], args: tuple[Any, ...], kw: Any, same: bool) -> Any:
         """A session-local table verb ``verb(table, sid, *args, **kw)`` (replacing one session; no engine, no
@@ -117,11 +123,8 @@ class Slot:
             after, result = (out, None) if type(out) is ManagerState else out
             if after is base or LIVE_POOLS:
                 return NOT_INLINE
-            if self.budgeted:
-                bound = within_budget_in_place(base, after, sid, self.surplus, same)
-                if bound is None:
-                    return NOT_INLINE
-                self.surplus = bound
+            if self.budgeted and not self._within_budget(base, after, sid, same):
+                return NOT_INLINE
             self.table = after
             return result
         finally:
