@@ -32,7 +32,9 @@ _POLL_S = 0.025  # how soon a worker the pool starts during a save is lowered to
 
 _NICE_LOCK = threading.Lock()
 
-_nice_users: list[threading.Event] = []  # one stop event per asynchronous save holding the workers lowered
+_in_flight = 0  # asynchronous saves holding the workers lowered (one watcher serves them all)
+
+_watch_stop: threading.Event | None = None  # the watcher's, while any is in flight
 
 _nice_before: dict[int, int] = {}  # worker thread id -> its niceness before it was lowered
 
@@ -98,37 +100,43 @@ def _lower_workers(normal: int) -> None:
             continue
 
 
+def _watch(stop: threading.Event) -> None:
+    """Lower the workers the pool starts while asynchronous saves are in flight, every `_POLL_S`."""
+    while not stop.wait(_POLL_S):
+        with _NICE_LOCK:
+            if stop.is_set():
+                return
+            _lower_workers(_normal[0])
+
+
 def background_begin() -> bool:
     """Lower tensorstore's workers for an asynchronous save (and keep lowering the ones the pool starts until
     `background_end`); False where nothing was lowered."""
+    global _in_flight, _watch_stop
     if not _can_restore():
         return False
-    stop = threading.Event()
-    normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    def watch() -> None:
-        while not stop.wait(_POLL_S):
-            with _NICE_LOCK:
-                if stop.is_set():
-                    return
-                _lower_workers(normal)
-
     with _NICE_LOCK:
-        if not _nice_users:
-            _normal[:] = [normal]
-        _nice_users.append(stop)
-        _lower_workers(normal)
-    threading.Thread(target=watch, name="functional_state save priority", daemon=True).start()
+        if not _in_flight:
+            _normal[:] = [os.getpriority(os.PRIO_PROCESS, threading.get_native_id())]
+            _watch_stop = threading.Event()
+            threading.Thread(
+                target=_watch, args=(_watch_stop,), name="functional_state save priority", daemon=True
+            ).start()
+        _in_flight += 1
+        _lower_workers(_normal[0])
     return True
 
 
 def background_end() -> None:
     """One asynchronous save less in flight; the last one gives the workers their priority back."""
+    global _in_flight, _watch_stop
     with _NICE_LOCK:
-        if _nice_users:
-            _nice_users.pop().set()
-        if _nice_users:
+        _in_flight = max(0, _in_flight - 1)
+        if _in_flight:
             return
+        if _watch_stop is not None:
+            _watch_stop.set()
+            _watch_stop = None
         # Every worker at the lowered niceness: also one the pool started from a lowered worker after the
         # last poll (it inherited it).
         for tid, nice in _workers().items():
