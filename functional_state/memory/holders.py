@@ -10,7 +10,8 @@ counts per extent; `buffer_keys` and `holders_except` are the full walk it is ch
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import immutables
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from . import accounting
+from .aliases import Loose
 
 Extent = tuple[str, int, int]
 
@@ -124,6 +126,58 @@ def closed(value: Any, depth: int = 0) -> bool:
     return False
 
 
+# --- unions of one pool's extents, for the pools that hold a `Loose` one (the others' extents add up) -------
+class PoolIndex(NamedTuple):
+    """The distinct extents held in one pool while some are `Loose` (those may overlap without being equal):
+    what the pool's kept total is the union of."""
+
+    extents: tuple[Extent, ...]  # sorted
+    loose: frozenset[Extent]  # those of them marked `Loose`: while one is held the pool stays indexed
+    maxlen: int  # at least the length of each (an extent starting ``maxlen`` before a point ends before it)
+
+
+def covered(extents: Sequence[Extent], maxlen: int, e: Extent) -> int:
+    """Bytes of ``e`` that the union of ``extents`` (one pool's, sorted, none longer than ``maxlen``) covers:
+    O(log n + the extents that start within ``maxlen`` before ``e`` or inside it)."""
+    pool, lo, hi = e
+    i, n, cur, total = bisect.bisect_left(extents, (pool, lo - maxlen)), len(extents), lo, 0
+    while i < n:
+        _, start, end = extents[i]
+        if start >= hi:
+            break
+        i += 1
+        end = min(end, hi)
+        if end > cur:
+            total += end - max(start, cur)
+            cur = end
+    return total
+
+
+def pool_index(held: Iterable[Extent], pool: str) -> PoolIndex:
+    """The `PoolIndex` of the extents of ``pool`` among ``held``."""
+    extents = sorted(e for e in held if e[0] == pool)
+    loose = frozenset(e for e in extents if type(e) is Loose)
+    return PoolIndex(tuple(extents), loose, max((e[2] - e[1] for e in extents), default=0))
+
+
+def pool_changed(
+    index: PoolIndex, total: int, arrived: Iterable[Extent], left: Iterable[Extent]
+) -> tuple[PoolIndex | None, int]:
+    """The index and union bytes of a pool (``total`` now) once extents ``left`` (held) stopped being held and
+    ``arrived`` (not held) started; None for the index when no `Loose` extent remains (the extents add up)."""
+    extents, maxlen = list(index.extents), index.maxlen
+    left, arrived = list(left), list(arrived)
+    for e in left:  # the union loses what no other extent covers
+        del extents[bisect.bisect_left(extents, e)]
+        total -= e[2] - e[1] - covered(extents, maxlen, e)
+    for e in arrived:
+        maxlen = max(maxlen, e[2] - e[1])
+        total += e[2] - e[1] - covered(extents, maxlen, e)
+        bisect.insort(extents, e)
+    loose = index.loose.difference(left).union(e for e in arrived if type(e) is Loose)
+    return (PoolIndex(tuple(extents), loose, maxlen) if loose else None), total
+
+
 class AttrEntry(NamedTuple):
     """One attr value the index holds: how many sessions hold it, and (closed values) what it holds."""
 
@@ -145,15 +199,21 @@ class AttrIndex:
     every change returns a new index.
     """
 
-    __slots__ = ("memo", "opened", "refs", "totals")
+    __slots__ = ("loose", "memo", "opened", "refs", "totals")
 
     def __init__(
-        self, memo: immutables.Map, refs: immutables.Map, opened: immutables.Map, totals: immutables.Map = _NO_MAP
+        self,
+        memo: immutables.Map,
+        refs: immutables.Map,
+        opened: immutables.Map,
+        totals: immutables.Map = _NO_MAP,
+        loose: immutables.Map = _NO_MAP,
     ):
         self.memo = memo  # id(value) -> AttrEntry
         self.refs = refs  # extent -> closed attr values holding it (each value once per session holding it)
         self.opened = opened  # id(value) -> value, the containers held: what a walk of them reads, no more
-        self.totals = totals  # pool -> bytes of the extents closed values hold (extents are equal or disjoint)
+        self.totals = totals  # pool -> bytes of the union of the extents closed values hold
+        self.loose = loose  # pool -> True where ``refs`` holds a `Loose` extent (its total is then a union)
 
     @property
     def n_open(self) -> int:
@@ -163,6 +223,7 @@ class AttrIndex:
     def change(self, add: Iterable[Any] = (), remove: Iterable[Any] = ()) -> AttrIndex:
         """The index after attr values ``remove`` left one session and ``add`` arrived in one."""
         memo, refs, opened, totals = self.memo.mutate(), self.refs.mutate(), self.opened.mutate(), self.totals.mutate()
+        moved: set[str] = set()  # pools where a loose extent came or left, or that hold one: a union
         for value in remove:
             if isinstance(value, _SCALARS):
                 continue
@@ -180,6 +241,8 @@ class AttrIndex:
                 else:
                     del refs[e]
                     totals[e[0]] = totals[e[0]] - (e[2] - e[1])
+                    if type(e) is Loose or e[0] in self.loose:
+                        moved.add(e[0])
         for value in add:
             if isinstance(value, _SCALARS):
                 continue
@@ -194,11 +257,24 @@ class AttrIndex:
                     refs[e] = n + 1
                     if not n:
                         totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+                        if type(e) is Loose or e[0] in self.loose:
+                            moved.add(e[0])
                 memo[id(value)] = AttrEntry(value, 1, extents)
             else:
                 memo[id(value)] = AttrEntry(value, 1, None)
                 opened[id(value)] = value
-        return AttrIndex(memo.finish(), refs.finish(), opened.finish(), totals.finish())
+        loose, refs = self.loose, refs.finish()
+        if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
+            loose = loose.mutate()
+            for pool in moved:
+                held = [e for e in refs.keys() if e[0] == pool]
+                totals[pool] = accounting.union_by_device(held).get(pool, 0)
+                if any(type(e) is Loose for e in held):
+                    loose[pool] = True
+                elif pool in loose:
+                    del loose[pool]
+            loose = loose.finish()
+        return AttrIndex(memo.finish(), refs, opened.finish(), totals.finish(), loose)
 
     def open_values(self) -> list[Any]:
         """The containers held (each once): what a holder question re-reads. O(containers)."""
@@ -221,7 +297,8 @@ class HolderCounts(Protocol):
 
     refs: immutables.Map  # extent -> objects holding it (bytes counted)
     leaves: immutables.Map  # extent -> objects holding it as a leaf the byte accounting leaves out
-    totals: immutables.Map  # pool -> bytes of the extents objects hold
+    totals: immutables.Map  # pool -> bytes of the union of the extents objects hold
+    overlaps: immutables.Map  # pool -> `PoolIndex` of the extents objects hold there, where one is `Loose`
     attrs: AttrIndex
     parked: immutables.Map  # id(host copy) -> (host copy, objects holding it)
 
@@ -270,8 +347,18 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     for value in acct.attrs.open_values():
         accounting.collect_extents(value, out, seen, report)
     refs = acct.refs
-    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs]
+    extra: dict[str, list[Extent]] = {}  # per pool, the attr extents no object holds
+    for e in {*out, *acct.attrs.closed_extents()}:
+        if e not in refs:
+            extra.setdefault(e[0], []).append(e)
     totals = dict(acct.totals)
-    for pool, bytes_ in accounting.union_by_device(loose).items():
-        totals[pool] = totals.get(pool, 0) + bytes_
+    for pool, extents in extra.items():
+        index = acct.overlaps.get(pool)
+        if index is None and not any(type(e) is Loose for e in extents):
+            # Allocations all: those no object holds are disjoint from the objects' (not equal to one).
+            totals[pool] = totals.get(pool, 0) + accounting.union_by_device(extents)[pool]
+            continue
+        # One may overlap an object's extent without being it: the union of both (O(the pool's extents)).
+        objects = index.extents if index is not None else [e for e in refs.keys() if e[0] == pool]
+        totals[pool] = accounting.union_by_device([*objects, *extents])[pool]
     return {k: v for k, v in sorted(totals.items()) if v}, report

@@ -6,8 +6,12 @@ hold each extent, and the bytes per pool of the extents held at least once. Comm
 forking and dropping adjust those counts by the extents of the objects they add and remove, so the totals
 never need a walk: a buffer shared by two forks is counted once and leaves only when its last holder does.
 
-Extents are identical or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
-arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it).
+Allocations are equal or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
+arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it); their
+bytes add up. Memory a holder did not allocate (`Loose`: ``torch.from_numpy(X[:5])`` beside
+``torch.from_numpy(X)``) may overlap without being equal: while a pool holds such an extent, the ledger keeps
+that pool's extents sorted (``overlaps``) and its total is their union, each change priced by the bytes it
+covers or uncovers (O(log n + the extents near it)); a pool without one stays on the additive path.
 The counts also answer the holder questions of `memory.holders` in O(size of the object): ``leaves``
 counts the array leaves the byte accounting leaves out (ring positions: a donation could delete them),
 ``attrs`` indexes the attr values (recorded on write), ``parked`` keeps the host copies held, for `stats`
@@ -25,7 +29,8 @@ import immutables
 from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values
+from ..memory.aliases import Loose
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values, pool_changed, pool_index
 
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -58,7 +63,7 @@ def held_by(obj: Any) -> frozenset[Extent]:
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("attrs", "kv", "leaves", "log", "parked", "refs", "root", "totals")
+    __slots__ = ("attrs", "kv", "leaves", "log", "overlaps", "parked", "refs", "root", "totals")
 
     def __init__(
         self,
@@ -70,9 +75,11 @@ class Acct:
         leaves: immutables.Map = _EMPTY,
         attrs: AttrIndex = EMPTY_ATTRS,
         parked: immutables.Map = _EMPTY,
+        overlaps: immutables.Map = _EMPTY,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
-        self.totals = totals  # pool -> bytes of the extents held at least once
+        self.totals = totals  # pool -> bytes of the union of the extents held at least once
+        self.overlaps = overlaps  # pool -> `PoolIndex`, for each pool holding a `Loose` extent
         # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
         # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
         # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
@@ -132,6 +139,10 @@ class Acct:
         values)."""
         refs = self.refs.mutate()
         totals = self.totals.mutate()
+        add, remove = list(add), list(remove)
+        # Pools whose totals are a union (see the module): those holding a loose extent, or receiving one.
+        slow = {e[0] for extents in add for e in extents if type(e) is Loose}.union(self.overlaps.keys())
+        moves: dict[str, tuple[list[Extent], list[Extent]]] = {}  # slow pool -> (extents arrived, left)
         for extents in remove:
             for e in extents:
                 n = refs[e] - 1
@@ -139,13 +150,30 @@ class Acct:
                     refs[e] = n
                 else:
                     del refs[e]
-                    totals[e[0]] = totals[e[0]] - (e[2] - e[1])
+                    if slow and e[0] in slow:
+                        moves.setdefault(e[0], ([], []))[1].append(e)
+                    else:
+                        totals[e[0]] = totals[e[0]] - (e[2] - e[1])
         for extents in add:
             for e in extents:
                 n = refs.get(e, 0)
                 refs[e] = n + 1
                 if not n:
-                    totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+                    if slow and e[0] in slow:
+                        moves.setdefault(e[0], ([], []))[0].append(e)
+                    else:
+                        totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+        overlaps = self.overlaps
+        if moves:
+            ov = overlaps.mutate()
+            for pool, (arrived, left) in moves.items():
+                index = ov.get(pool) or pool_index(self.refs.keys(), pool)  # (entering: its extents before)
+                kept, totals[pool] = pool_changed(index, totals.get(pool, 0), arrived, left)
+                if kept is not None:
+                    ov[pool] = kept
+                elif pool in ov:
+                    del ov[pool]
+            overlaps = ov.finish()
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
         parked = count_values(self.parked, parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
@@ -183,7 +211,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is LOG_CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, parked)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, parked, overlaps)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
@@ -201,6 +229,11 @@ class Acct:
             return self.change(add=[add], remove=[remove], kv_add=[blocks_moved[0]], kv_remove=[blocks_moved[1]])
         if not add and not remove:
             return self
+        if self.overlaps:  # a pool's total is a union to keep (see the module)
+            return self.change(add=[add], remove=[remove])
+        for e in add:
+            if type(e) is Loose:
+                return self.change(add=[add], remove=[remove])
         refs = self.refs
         pool, moved = None, 0  # bytes that came or left, per pool: one pool in a step, kept in two locals
         other: dict[str, int] | None = None
@@ -236,6 +269,7 @@ class Acct:
         acct = _new(Acct)
         acct.refs, acct.totals, acct.kv, acct.log = refs, totals, self.kv, self.log
         acct.root, acct.leaves, acct.attrs, acct.parked = self.root, self.leaves, self.attrs, self.parked
+        acct.overlaps = self.overlaps
         return acct
 
     def _difference(self, old: Any, new: Any) -> Acct:
