@@ -165,8 +165,24 @@ def test_a_budget_the_union_fits_admits_the_write_without_releasing_anything():
     assert not over_budget_objects(m.state, {})
 
 
+def test_a_plan_prices_a_storage_inside_a_held_buffer_as_freeing_nothing():
+    """Parking ``from_numpy(X[:5])`` while another session holds ``X`` frees no byte of the pool: the planner
+    priced it by its extent (20 B), its plan fell short and the write was refused; now it releases what
+    does free the bytes, and the write lands within the budget."""
+    x = np.arange(10, dtype=np.float32)
+    m = fs.SessionStateManager(byte_budget=60)
+    m.get_or_create_session("a").put("r", fs.LatentBuffer.create()).commit("r", fn(x[:5]))
+    m.get_or_create_session("b").put("r", fs.LatentBuffer.create()).commit("r", x)
+    c = m.get_or_create_session("c").put("r", fs.LatentBuffer.create())
+    c.commit("r", np.zeros(8, np.float32))  # 40 + 32 > 60: something must go, and parking a/r frees nothing
+    kept = m.stats()
+    assert kept == m.stats(exact=True) and kept["nbytes:cpu"] <= 60 and "c" in fs.sessions(m.state)
+
+
 def test_the_index_helpers_by_hand():
-    e = lambda s, t: Loose(("cpu", s, t))  # noqa: E731
+    def e(start, end):
+        return Loose(("cpu", start, end))
+
     held = [e(0, 10), ("cpu", 20, 30), e(25, 40), ("cuda:0", 0, 100)]
     index = pool_index(held, "cpu")
     assert index.extents == (("cpu", 0, 10), ("cpu", 20, 30), ("cpu", 25, 40)) and index.maxlen == 15

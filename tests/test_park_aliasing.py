@@ -95,8 +95,9 @@ def test_a_session_parks_and_restores_overlapping_frames_and_its_accounting_stay
     for f in frames:
         h.commit("b", f)
     want = [f.clone() for f in frames]
-    # (Resident, the kept totals count each storage's extent and the walk their union, 60 vs 40 bytes: the
-    # ledger's, not parking's, and left alone here.) Parked, each storage's own bytes are copied, all 60.
+    # Resident, the two storages hold the 40 bytes of x (the kept totals union them, as the walk does).
+    # Parked, each storage's own bytes are copied, all 60.
+    assert m.stats() == m.stats(exact=True) and m.stats()["nbytes:cpu"] == 40
     h.park("b")
     assert m.stats() == m.stats(exact=True) and m.stats()["parked_nbytes"] == 60
     h.restore("b")

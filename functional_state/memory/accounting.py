@@ -228,8 +228,8 @@ _SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
 def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
     owner = alias_owner(a)
     if owner is not None and not raw:
-        # The owner's allocation holds this array's bytes: count the owner, and only the owner, so extents
-        # stay identical or disjoint (what the incremental accounting relies on).
+        # The owner's allocation holds this array's bytes: count the owner, and only the owner, so the two
+        # meet as one extent (the incremental accounting adds allocations up, and unions only `Loose` ones).
         collect_extents(owner, out, seen, report)
         return
     if a.is_deleted():

@@ -52,7 +52,7 @@ def alias_owner(array: Any) -> Any:
     return None
 
 
-class Loose(tuple):  # type: ignore[type-arg]
+class Loose(tuple):
     """An extent ``(pool, start, end)`` over memory its holder did not allocate (a torch storage made by
     ``torch.from_numpy`` or ``from_dlpack``, a numpy array over a foreign buffer): it may overlap another
     extent without being equal to it (``from_numpy(X[:5])`` and ``from_numpy(X)``). Allocations proper

@@ -263,18 +263,18 @@ class AttrIndex:
             else:
                 memo[id(value)] = AttrEntry(value, 1, None)
                 opened[id(value)] = value
-        loose, refs = self.loose, refs.finish()
+        kept, loose = refs.finish(), self.loose
         if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
-            loose = loose.mutate()
+            marks = loose.mutate()
             for pool in moved:
-                held = [e for e in refs.keys() if e[0] == pool]
+                held = [e for e in kept if e[0] == pool]
                 totals[pool] = accounting.union_by_device(held).get(pool, 0)
                 if any(type(e) is Loose for e in held):
-                    loose[pool] = True
-                elif pool in loose:
-                    del loose[pool]
-            loose = loose.finish()
-        return AttrIndex(memo.finish(), refs, opened.finish(), totals.finish(), loose)
+                    marks[pool] = True
+                elif pool in marks:
+                    del marks[pool]
+            loose = marks.finish()
+        return AttrIndex(memo.finish(), kept, opened.finish(), totals.finish(), loose)
 
     def open_values(self) -> list[Any]:
         """The containers held (each once): what a holder question re-reads. O(containers)."""
@@ -359,6 +359,6 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
             totals[pool] = totals.get(pool, 0) + accounting.union_by_device(extents)[pool]
             continue
         # One may overlap an object's extent without being it: the union of both (O(the pool's extents)).
-        objects = index.extents if index is not None else [e for e in refs.keys() if e[0] == pool]
+        objects = index.extents if index is not None else [e for e in refs if e[0] == pool]
         totals[pool] = accounting.union_by_device([*objects, *extents])[pool]
     return {k: v for k, v in sorted(totals.items()) if v}, report
