@@ -68,10 +68,10 @@ class Ledger:
         frees = by_pool(left)
         for pool, n in by_pool(came).items():
             frees[pool] = frees.get(pool, 0) - n
-        for pool in {e[0] for e in (*left, *came) if e[0] in self.loose_pools or type(e) is Loose}:
-            frees[Pool.of(pool)] = self._union_frees(pool, d, d_attrs)
-            came = came or [pool]  # (sorted below)
-        if came:
+        unions = {e[0] for e in (*left, *came) if e[0] in self.loose_pools or type(e) is Loose}
+        for name in unions:
+            frees[Pool.of(name)] = self._union_frees(name, d, d_attrs)
+        if came or unions:
             frees = dict(sorted(frees.items(), key=_by_name))
         return Change({p: n for p, n in frees.items() if n}, frozenset(left), d, d_attrs)
 
