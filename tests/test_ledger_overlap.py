@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import functional_state as fs
+from functional_state.memory.accounting import union_by_device
 from functional_state.memory.aliases import Loose
-from functional_state.memory.holders import covered, pool_changed, pool_index
+from functional_state.memory.overlaps import covered, pool_changed, pool_index
 from functional_state.policy.enforce import over_budget_objects
 from functional_state.table.manager_state import ledger_of
 from helpers import assert_unchanged, snapshot
@@ -185,13 +186,55 @@ def test_the_index_helpers_by_hand():
 
     held = [e(0, 10), ("cpu", 20, 30), e(25, 40), ("cuda:0", 0, 100)]
     index = pool_index(held, "cpu")
-    assert index.extents == (("cpu", 0, 10), ("cpu", 20, 30), ("cpu", 25, 40)) and index.maxlen == 15
-    assert covered(index.extents, index.maxlen, ("cpu", 5, 27)) == 5 + 7
-    assert covered(index.extents, index.maxlen, ("cpu", 10, 20)) == 0  # adjacent on both sides
+    assert index.extents() == [("cpu", 0, 10), ("cpu", 20, 30), ("cpu", 25, 40)] and index.maxlen == 15
+    assert index.loose == 2
+    assert covered(index, ("cpu", 5, 27)) == 5 + 7
+    assert covered(index, ("cpu", 10, 20)) == 0  # adjacent on both sides
     kept, total = pool_changed(index, 10 + 20, [e(8, 22)], [("cpu", 20, 30)])
-    assert total == 22 + 15 and kept is not None and kept.extents[-1] == ("cpu", 25, 40)
+    assert total == 22 + 15 and kept is not None and kept.extents()[-1] == ("cpu", 25, 40)
     kept, total = pool_changed(pool_index([("cpu", 0, 4), e(2, 6)], "cpu"), 6, [], [e(2, 6)])
     assert (kept, total) == (None, 4)  # the last loose extent left: the index is dropped
+
+
+def test_the_chunked_index_splits_and_empties_chunks_exactly():
+    rng = np.random.default_rng(0)
+    starts = rng.permutation(2000)[:900] * 8
+    keys = [Loose(("cpu", int(s), int(s) + int(n))) for s, n in zip(starts, rng.integers(1, 64, 900))]
+    index, total = pool_index([], "cpu"), 0
+    for k in keys:  # one at a time: chunks fill and split
+        index, total = pool_changed(index, total, [k], [])
+    assert len(index.chunks) >= 4 and total == union_by_device(list(keys))["cpu"]
+    held = set(keys)
+    for k in rng.permutation(len(keys))[:850]:  # and empty
+        held.discard(keys[k])
+        index, total = pool_changed(index, total, [], [keys[k]])
+        assert total == union_by_device(list(held)).get("cpu", 0)
+    assert index.extents() == sorted(held) and list(index.firsts) == [c[0] for c in index.chunks]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3000), st.integers(1, 400), st.booleans()), max_size=400))
+def test_property_the_chunked_index_keeps_the_union(ops):
+    """Random extents in and out of one pool's index (hundreds: several chunks split and emptied), its total
+    against the union of what is held, and its chunks sorted, none empty, each first in the directory."""
+    held: dict = {}
+    index, total = pool_index([Loose(("cpu", -10, -5))], "cpu"), 5  # (one loose extent pins the index)
+    held[("cpu", -10, -5)] = True
+    for leave, start, size, loose in ops:
+        key = ("cpu", start, start + size)
+        if leave and held:
+            gone = sorted(held)[start % len(held)]
+            if gone == ("cpu", -10, -5):
+                continue
+            del held[gone]
+            index, total = pool_changed(index, total, [], [gone])
+        elif key not in held:
+            held[key] = True
+            index, total = pool_changed(index, total, [Loose(key) if loose else key], [])
+        assert index is not None
+        assert total == union_by_device(list(held)).get("cpu", 0)
+        assert index.extents() == sorted(held) and all(index.chunks)
+        assert list(index.firsts) == [c[0] for c in index.chunks]
 
 
 # --- the property: random writes of random slices of two numpy buffers, kept figures against the walk ---

@@ -10,8 +10,7 @@ counts per extent; `buffer_keys` and `holders_except` are the full walk it is ch
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, NamedTuple, Protocol
 
 import immutables
@@ -124,58 +123,6 @@ def closed(value: Any, depth: int = 0) -> bool:
     if type(value) in (tuple, frozenset) or (isinstance(value, tuple) and hasattr(type(value), "_fields")):
         return depth < _MAX_DEPTH and len(value) <= _MAX_ITEMS and all(closed(v, depth + 1) for v in value)
     return False
-
-
-# --- unions of one pool's extents, for the pools that hold a `Loose` one (the others' extents add up) -------
-class PoolIndex(NamedTuple):
-    """The distinct extents held in one pool while some are `Loose` (those may overlap without being equal):
-    what the pool's kept total is the union of."""
-
-    extents: tuple[Extent, ...]  # sorted
-    loose: frozenset[Extent]  # those of them marked `Loose`: while one is held the pool stays indexed
-    maxlen: int  # at least the length of each (an extent starting ``maxlen`` before a point ends before it)
-
-
-def covered(extents: Sequence[Extent], maxlen: int, e: Extent) -> int:
-    """Bytes of ``e`` that the union of ``extents`` (one pool's, sorted, none longer than ``maxlen``) covers:
-    O(log n + the extents that start within ``maxlen`` before ``e`` or inside it)."""
-    pool, lo, hi = e
-    i, n, cur, total = bisect.bisect_left(extents, (pool, lo - maxlen)), len(extents), lo, 0
-    while i < n:
-        _, start, end = extents[i]
-        if start >= hi:
-            break
-        i += 1
-        end = min(end, hi)
-        if end > cur:
-            total += end - max(start, cur)
-            cur = end
-    return total
-
-
-def pool_index(held: Iterable[Extent], pool: str) -> PoolIndex:
-    """The `PoolIndex` of the extents of ``pool`` among ``held``."""
-    extents = sorted(e for e in held if e[0] == pool)
-    loose = frozenset(e for e in extents if type(e) is Loose)
-    return PoolIndex(tuple(extents), loose, max((e[2] - e[1] for e in extents), default=0))
-
-
-def pool_changed(
-    index: PoolIndex, total: int, arrived: Iterable[Extent], left: Iterable[Extent]
-) -> tuple[PoolIndex | None, int]:
-    """The index and union bytes of a pool (``total`` now) once extents ``left`` (held) stopped being held and
-    ``arrived`` (not held) started; None for the index when no `Loose` extent remains (the extents add up)."""
-    extents, maxlen = list(index.extents), index.maxlen
-    left, arrived = list(left), list(arrived)
-    for e in left:  # the union loses what no other extent covers
-        del extents[bisect.bisect_left(extents, e)]
-        total -= e[2] - e[1] - covered(extents, maxlen, e)
-    for e in arrived:
-        maxlen = max(maxlen, e[2] - e[1])
-        total += e[2] - e[1] - covered(extents, maxlen, e)
-        bisect.insort(extents, e)
-    loose = index.loose.difference(left).union(e for e in arrived if type(e) is Loose)
-    return (PoolIndex(tuple(extents), loose, maxlen) if loose else None), total
 
 
 class AttrEntry(NamedTuple):
@@ -359,6 +306,6 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
             totals[pool] = totals.get(pool, 0) + accounting.union_by_device(extents)[pool]
             continue
         # One may overlap an object's extent without being it: the union of both (O(the pool's extents)).
-        objects = index.extents if index is not None else [e for e in refs if e[0] == pool]
+        objects = index.extents() if index is not None else [e for e in refs if e[0] == pool]
         totals[pool] = accounting.union_by_device([*objects, *extents])[pool]
     return {k: v for k, v in sorted(totals.items()) if v}, report

@@ -79,7 +79,7 @@ class Ledger:
         """Bytes ``pool`` frees under the change ``d`` (objects) and ``d_attrs``, where an extent there may
         overlap another without being it: the union of what it holds before, less the union after."""
         index = self.overlaps.get(pool)
-        candidates = {*(index.extents if index is not None else (e for e in self.refs if e[0] == pool))}
+        candidates = {*(index.extents() if index is not None else (e for e in self.refs if e[0] == pool))}
         holders = self.attr_holders
         for keys in (
             self.objects,

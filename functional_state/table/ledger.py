@@ -31,7 +31,8 @@ from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
 from ..memory.aliases import Loose
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values, pool_changed, pool_index
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values
+from ..memory.overlaps import pool_changed, pool_index
 
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
