@@ -188,7 +188,9 @@ class Acct:
             ov = overlaps.mutate()
             for pool, (arrived, left) in moves.items():
                 index = ov.get(pool) or pool_index(self.refs.keys(), pool)  # (entering: its extents before)
-                kept, totals[pool] = pool_changed(index, totals.get(pool, 0), arrived, left)
+                kept, union = pool_changed(index, totals.get(pool, 0), arrived, left)
+                if union != totals.get(pool, 0):
+                    totals[pool] = union
                 if kept is not None:
                     ov[pool] = kept
                 elif pool in ov:
@@ -250,30 +252,37 @@ class Acct:
         if not add and not remove:
             return self
         rest = self.rest
-        if rest.overlaps:  # a pool's total is a union to keep (see the module)
-            return self.change(add=[add], remove=[remove])
+        ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
         pool, moved = None, 0  # bytes that came or left, per pool: one pool in a step, kept in two locals
         other: dict[str, int] | None = None
+        moves: dict[str, tuple[list[Extent], list[Extent]]] | None = None
         for e in remove:
             n = refs[e] - 1
             if n:
                 refs = refs.set(e, n)
                 continue
             refs = refs.delete(e)
-            if pool is None or e[0] == pool:
+            if ov and e[0] in ov:
+                moves = moves or {}
+                moves.setdefault(e[0], ([], []))[1].append(e)
+            elif pool is None or e[0] == pool:
                 pool, moved = e[0], moved - (e[2] - e[1])
             else:
                 other = other or {}
                 other[e[0]] = other.get(e[0], 0) - (e[2] - e[1])
         for e in add:
-            if type(e) is Loose:  # (the maps are persistent: nothing to undo)
+            indexed = ov and e[0] in ov
+            if type(e) is Loose and not indexed:  # a pool starts being indexed (the maps are persistent)
                 return self.change(add=[add], remove=[remove])
             n = refs.get(e, 0)
             refs = refs.set(e, n + 1)
             if n:
                 continue
-            if pool is None or e[0] == pool:
+            if indexed:
+                moves = moves or {}
+                moves.setdefault(e[0], ([], []))[0].append(e)
+            elif pool is None or e[0] == pool:
                 pool, moved = e[0], moved + (e[2] - e[1])
             else:
                 other = other or {}
@@ -285,6 +294,18 @@ class Acct:
             for p, d in other.items():
                 if d:
                     totals = totals.set(p, totals.get(p, 0) + d)
+        if moves:
+            indexes = ov.mutate()
+            for p, (arrived, left) in moves.items():
+                kept, union = pool_changed(ov[p], totals.get(p, 0), arrived, left)
+                if union != totals.get(p, 0):  # (the same map kept: the budget's memo recognises it)
+                    totals = totals.set(p, union)
+                if kept is not None:
+                    indexes[p] = kept
+                else:
+                    del indexes[p]
+            r = rest
+            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes.finish())
         # A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of this.
         acct = _new(Acct)
         acct.refs, acct.totals, acct.rest = refs, totals, rest
