@@ -180,6 +180,25 @@ def test_a_plan_prices_a_storage_inside_a_held_buffer_as_freeing_nothing():
     assert kept == m.stats(exact=True) and kept["nbytes:cpu"] <= 60 and "c" in fs.sessions(m.state)
 
 
+@pytest.mark.parametrize("other", ["object", "attr"])
+def test_parking_a_storage_inside_a_buffer_something_else_holds_is_refused(other):
+    """Parking would copy the storage and free nothing (the buffer stays): `SharedStorageError`, as for a
+    storage held whole elsewhere. (The holder counts compared extents for equality only, and parked it.)"""
+    x = np.arange(10, dtype=np.float32)
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.commit(fs.put(s, "a", "r", fs.LatentBuffer.create()), "a", "r", fn(x[:5]))
+    s, _ = fs.get_or_create(s, "b")
+    if other == "object":
+        s = fs.commit(fs.put(s, "b", "r", fs.LatentBuffer.create()), "b", "r", fn(x))
+    else:
+        s = fs.set_attr(s, "b", "whole", fn(x))
+    before = snapshot(s)
+    with pytest.raises(fs.SharedStorageError, match="'b'"):
+        fs.park(s, "a", "r")
+    assert_unchanged(s, before)
+    assert _agree(s) == 40
+
+
 def test_the_index_helpers_by_hand():
     def e(start, end):
         return Loose(("cpu", start, end))

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import accounting
 from .aliases import Loose
+from .overlaps import overlapped
 
 Extent = tuple[str, int, int]
 
@@ -259,9 +260,26 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
     """
     refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
     out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
+    opened: set[Extent] = set()
     if acct.attrs.opened:
         opened = acct.attrs.open_extents()
         out.update(e for e in extents if e in opened)
+    indexes, loose_attrs = acct.overlaps, acct.attrs.loose
+    if indexes or loose_attrs or any(type(e) is Loose for e in opened):
+        # A `Loose` extent may share bytes with another without being it (a storage inside a buffer another
+        # object holds): held elsewhere too, whoever holds the other (this object included: its own other
+        # extent reads those bytes as well).
+        loose_open = {f[0] for f in opened if type(f) is Loose}
+        for e in extents:
+            if e in out:
+                continue
+            index = indexes.get(e[0])
+            if index is not None and overlapped(index, e):
+                out.add(e)
+            elif type(e) is Loose or e[0] in loose_attrs or e[0] in loose_open:  # (else equal or disjoint)
+                attr_extents = [*arefs, *opened]
+                if any(f[0] == e[0] and f[1] < e[2] and e[1] < f[2] and f != e for f in attr_extents):
+                    out.add(e)
     return out
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from .aliases import Loose
 
-__all__ = ["PoolIndex", "covered", "pool_changed", "pool_index"]
+__all__ = ["PoolIndex", "covered", "overlapped", "pool_changed", "pool_index"]
 
 Extent = tuple[str, int, int]
 _CHUNK = 128  # extents per chunk, at most twice this many before a chunk is split
@@ -59,6 +59,23 @@ def _covered(chunks: Sequence[tuple[Extent, ...]], firsts: Sequence[Extent], max
                 cur = end
         c, i = c + 1, 0
     return total
+
+
+def overlapped(index: PoolIndex, e: Extent) -> bool:
+    """Whether an extent of ``index`` other than ``e`` itself shares a byte with ``e``."""
+    pool, lo, hi = e
+    key = (pool, lo - index.maxlen)
+    chunks = index.chunks
+    c = max(bisect.bisect_right(index.firsts, key) - 1, 0)
+    i = bisect.bisect_left(chunks[c], key) if chunks else 0
+    while c < len(chunks):
+        for f in chunks[c][i:]:
+            if f[1] >= hi:
+                return False
+            if f[2] > lo and f != e:
+                return True
+        c, i = c + 1, 0
+    return False
 
 
 def pool_index(held: Iterable[Extent], pool: str) -> PoolIndex:
