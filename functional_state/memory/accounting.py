@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .aliases import alias_owner, register_alias
+from .aliases import Loose, alias_owner, register_alias
 
 __all__ = ["WalkReport", "alias_owner", "nbytes_by_device", "register_alias", "total_nbytes"]
 
@@ -155,7 +155,8 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
             offset = t.storage_offset() * item
             if _pool_blocks(key, start, offset + lo, offset + hi, out):
                 return
-        out.append((key, start, start + size))
+        # A storage torch did not allocate (from_numpy, from_dlpack: not resizable) may overlap another one.
+        out.append((key, start, start + size) if storage.resizable() else Loose((key, start, start + size)))
 
 
 _STRIDED, _NO_BYTES, _POINTER = None, ctypes.c_char * 0, ctypes.c_void_p.from_address
@@ -218,7 +219,7 @@ def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
         return
     # Memory owned by some other object (bytes, mmap, a foreign buffer): count the span this array covers.
     lo, hi = _span(owner.shape, owner.strides, owner.itemsize)  # (owner.size > 0 here)
-    out.append(("cpu", start + lo, start + hi))
+    out.append(Loose(("cpu", start + lo, start + hi)))
 
 
 _SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
@@ -227,8 +228,8 @@ _SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
 def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
     owner = alias_owner(a)
     if owner is not None and not raw:
-        # The owner's allocation holds this array's bytes: count the owner, and only the owner, so extents
-        # stay identical or disjoint (what the incremental accounting relies on).
+        # The owner's allocation holds this array's bytes: count the owner, and only the owner, so the two
+        # meet as one extent (the incremental accounting adds allocations up, and unions only `Loose` ones).
         collect_extents(owner, out, seen, report)
         return
     if a.is_deleted():

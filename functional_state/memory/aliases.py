@@ -1,4 +1,5 @@
-"""Private: the record of JAX arrays that alias memory another object owns (filled by the torch bridge).
+"""Private: memory another object owns. The record of JAX arrays that alias it (filled by the torch bridge),
+and `Loose`, the mark of an extent that lies in memory its holder did not allocate.
 
 An array imported from a torch tensor reports only its own bytes but keeps the whole torch storage alive,
 so the accounting counts the owner's allocation wherever it meets the array.
@@ -12,7 +13,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["alias_owner", "register_alias"]
+__all__ = ["Loose", "alias_owner", "register_alias"]
 
 # id(jax array) -> (weakref to it, owner).
 _ALIASES: dict[int, tuple[weakref.ref, Any]] = {}
@@ -49,3 +50,14 @@ def alias_owner(array: Any) -> Any:
     if entry is not None and entry[0]() is array:
         return entry[1]
     return None
+
+
+class Loose(tuple):
+    """An extent ``(pool, start, end)`` over memory its holder did not allocate (a torch storage made by
+    ``torch.from_numpy`` or ``from_dlpack``, a numpy array over a foreign buffer): it may overlap another
+    extent without being equal to it (``from_numpy(X[:5])`` and ``from_numpy(X)``). Allocations proper
+    (numpy arrays owning their data, storages torch allocated, JAX buffers) are plain tuples: two of them are
+    equal or disjoint. Equal to, and hashing as, the plain tuple, so counts keyed by extents are unchanged;
+    only the incremental totals read the mark, to union what overlaps."""
+
+    __slots__ = ()

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 
 from . import accounting
+from .aliases import Loose
+from .overlaps import overlapped
 
 Extent = tuple[str, int, int]
 
@@ -145,15 +147,21 @@ class AttrIndex:
     every change returns a new index.
     """
 
-    __slots__ = ("memo", "opened", "refs", "totals")
+    __slots__ = ("loose", "memo", "opened", "refs", "totals")
 
     def __init__(
-        self, memo: immutables.Map, refs: immutables.Map, opened: immutables.Map, totals: immutables.Map = _NO_MAP
+        self,
+        memo: immutables.Map,
+        refs: immutables.Map,
+        opened: immutables.Map,
+        totals: immutables.Map = _NO_MAP,
+        loose: immutables.Map = _NO_MAP,
     ):
         self.memo = memo  # id(value) -> AttrEntry
         self.refs = refs  # extent -> closed attr values holding it (each value once per session holding it)
         self.opened = opened  # id(value) -> value, the containers held: what a walk of them reads, no more
-        self.totals = totals  # pool -> bytes of the extents closed values hold (extents are equal or disjoint)
+        self.totals = totals  # pool -> bytes of the union of the extents closed values hold
+        self.loose = loose  # pool -> True where ``refs`` holds a `Loose` extent (its total is then a union)
 
     @property
     def n_open(self) -> int:
@@ -163,6 +171,7 @@ class AttrIndex:
     def change(self, add: Iterable[Any] = (), remove: Iterable[Any] = ()) -> AttrIndex:
         """The index after attr values ``remove`` left one session and ``add`` arrived in one."""
         memo, refs, opened, totals = self.memo.mutate(), self.refs.mutate(), self.opened.mutate(), self.totals.mutate()
+        moved: set[str] = set()  # pools where a loose extent came or left, or that hold one: a union
         for value in remove:
             if isinstance(value, _SCALARS):
                 continue
@@ -180,6 +189,8 @@ class AttrIndex:
                 else:
                     del refs[e]
                     totals[e[0]] = totals[e[0]] - (e[2] - e[1])
+                    if type(e) is Loose or e[0] in self.loose:
+                        moved.add(e[0])
         for value in add:
             if isinstance(value, _SCALARS):
                 continue
@@ -194,11 +205,24 @@ class AttrIndex:
                     refs[e] = n + 1
                     if not n:
                         totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+                        if type(e) is Loose or e[0] in self.loose:
+                            moved.add(e[0])
                 memo[id(value)] = AttrEntry(value, 1, extents)
             else:
                 memo[id(value)] = AttrEntry(value, 1, None)
                 opened[id(value)] = value
-        return AttrIndex(memo.finish(), refs.finish(), opened.finish(), totals.finish())
+        kept, loose = refs.finish(), self.loose
+        if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
+            marks = loose.mutate()
+            for pool in moved:
+                held = [e for e in kept if e[0] == pool]
+                totals[pool] = accounting.union_by_device(held).get(pool, 0)
+                if any(type(e) is Loose for e in held):
+                    marks[pool] = True
+                elif pool in marks:
+                    del marks[pool]
+            loose = marks.finish()
+        return AttrIndex(memo.finish(), kept, opened.finish(), totals.finish(), loose)
 
     def open_values(self) -> list[Any]:
         """The containers held (each once): what a holder question re-reads. O(containers)."""
@@ -221,7 +245,8 @@ class HolderCounts(Protocol):
 
     refs: immutables.Map  # extent -> objects holding it (bytes counted)
     leaves: immutables.Map  # extent -> objects holding it as a leaf the byte accounting leaves out
-    totals: immutables.Map  # pool -> bytes of the extents objects hold
+    totals: immutables.Map  # pool -> bytes of the union of the extents objects hold
+    overlaps: immutables.Map  # pool -> `PoolIndex` of the extents objects hold there, where one is `Loose`
     attrs: AttrIndex
     parked: immutables.Map  # id(host copy) -> (host copy, objects holding it)
 
@@ -235,9 +260,26 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
     """
     refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
     out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
+    opened: set[Extent] = set()
     if acct.attrs.opened:
         opened = acct.attrs.open_extents()
         out.update(e for e in extents if e in opened)
+    indexes, loose_attrs = acct.overlaps, acct.attrs.loose
+    if indexes or loose_attrs or any(type(e) is Loose for e in opened):
+        # A `Loose` extent may share bytes with another without being it (a storage inside a buffer another
+        # object holds): held elsewhere too, whoever holds the other (this object included: its own other
+        # extent reads those bytes as well).
+        loose_open = {f[0] for f in opened if type(f) is Loose}
+        for e in extents:
+            if e in out:
+                continue
+            index = indexes.get(e[0])
+            if index is not None and overlapped(index, e):
+                out.add(e)
+            elif type(e) is Loose or e[0] in loose_attrs or e[0] in loose_open:  # (else equal or disjoint)
+                attr_extents = [*arefs, *opened]
+                if any(f[0] == e[0] and f[1] < e[2] and e[1] < f[2] and f != e for f in attr_extents):
+                    out.add(e)
     return out
 
 
@@ -270,8 +312,18 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     for value in acct.attrs.open_values():
         accounting.collect_extents(value, out, seen, report)
     refs = acct.refs
-    loose = [e for e in {*out, *acct.attrs.closed_extents()} if e not in refs]
+    extra: dict[str, list[Extent]] = {}  # per pool, the attr extents no object holds
+    for e in {*out, *acct.attrs.closed_extents()}:
+        if e not in refs:
+            extra.setdefault(e[0], []).append(e)
     totals = dict(acct.totals)
-    for pool, bytes_ in accounting.union_by_device(loose).items():
-        totals[pool] = totals.get(pool, 0) + bytes_
+    for pool, extents in extra.items():
+        index = acct.overlaps.get(pool)
+        if index is None and not any(type(e) is Loose for e in extents):
+            # Allocations all: those no object holds are disjoint from the objects' (not equal to one).
+            totals[pool] = totals.get(pool, 0) + accounting.union_by_device(extents)[pool]
+            continue
+        # One may overlap an object's extent without being it: the union of both (O(the pool's extents)).
+        objects = index.extents() if index is not None else [e for e in refs if e[0] == pool]
+        totals[pool] = accounting.union_by_device([*objects, *extents])[pool]
     return {k: v for k, v in sorted(totals.items()) if v}, report

@@ -187,7 +187,7 @@ def plan_release(
     unreleasable = snap.attr_nbytes(target)
     budget = state.byte_budget or {}
     moved: dict[Pool, int] = {}  # bytes per pool the actions so far take out (negative: put in, as a park does)
-    ledger = Ledger(acct.refs, snap.attr_holders)
+    ledger = Ledger(acct.refs, snap.attr_holders, acct.overlaps)
     now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
     actions: list[ReleaseAction] = []
     skipped: list[str] = []

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..memory import accounting
+from ..memory.aliases import Loose
 from ..memory.pools import Pool
 from ..memory.usage import pools_by_name
 from ..table.ledger import Extent
@@ -22,9 +23,13 @@ class Ledger:
     evictions and drops all go through `change`, so "what does this free" has one answer in the planner.
     """
 
-    def __init__(self, refs: Any, attr_holders: Any):
+    def __init__(self, refs: Any, attr_holders: Any, overlaps: Any = None):
         self.refs = refs  # extent -> objects holding it (the table's accounting)
         self.attr_holders = attr_holders  # extent -> attr holders of it (a Counter, or the index's `AttrHolders`)
+        # Pools whose extents may overlap without being equal (a `Loose` one held): priced by their union.
+        self.overlaps = overlaps or {}
+        attr_keys = [*getattr(attr_holders, "closed", attr_holders), *getattr(attr_holders, "open", ())]
+        self.loose_pools = {*self.overlaps, *(e[0] for e in attr_keys if type(e) is Loose)}
         self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
         self.attrs: Counter[Extent] = Counter()
         self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has
@@ -63,9 +68,31 @@ class Ledger:
         frees = by_pool(left)
         for pool, n in by_pool(came).items():
             frees[pool] = frees.get(pool, 0) - n
-        if came:
+        unions = {e[0] for e in (*left, *came) if e[0] in self.loose_pools or type(e) is Loose}
+        for name in unions:
+            frees[Pool.of(name)] = self._union_frees(name, d, d_attrs)
+        if came or unions:
             frees = dict(sorted(frees.items(), key=_by_name))
         return Change({p: n for p, n in frees.items() if n}, frozenset(left), d, d_attrs)
+
+    def _union_frees(self, pool: str, d: Counter[Extent], d_attrs: Counter[Extent]) -> int:
+        """Bytes ``pool`` frees under the change ``d`` (objects) and ``d_attrs``, where an extent there may
+        overlap another without being it: the union of what it holds before, less the union after."""
+        index = self.overlaps.get(pool)
+        candidates = {*(index.extents() if index is not None else (e for e in self.refs if e[0] == pool))}
+        holders = self.attr_holders
+        for keys in (
+            self.objects,
+            self.attrs,
+            d,
+            d_attrs,
+            getattr(holders, "closed", holders),
+            getattr(holders, "open", ()),
+        ):
+            candidates.update(e for e in keys if e[0] == pool)
+        before = [e for e in candidates if self.held(e)]
+        after = [e for e in candidates if self.held(e, d[e], d_attrs[e])]
+        return accounting.union_by_device(before).get(pool, 0) - accounting.union_by_device(after).get(pool, 0)
 
     def take(self, change: Change) -> None:
         self.objects.update(change.objects)

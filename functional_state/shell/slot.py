@@ -19,7 +19,8 @@ from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState, held_object
-from .admission import Surplus, within_budget_in_place
+from ..table.state import in_place
+from .admission import Surplus, within_budget_fast
 from .cells import Cell
 
 __all__ = ["LIVE_POOLS", "NOT_INLINE", "Slot"]
@@ -98,7 +99,10 @@ class Slot:
     def _within_budget(self, base: ManagerState, after: ManagerState, sid: str, attrs_unchanged: bool) -> bool:
         """Under the lock: whether ``after`` stays within the budget by the kept totals (`admit`'s first check;
         else the write takes `admit`), keeping the attr bound it leaves."""
-        bound = within_budget_in_place(base, after, sid, self.surplus, attrs_unchanged)
+        # (`within_budget_in_place` written out: one call fewer on every budgeted write)
+        if not in_place(base, after, False):
+            return False
+        bound = within_budget_fast(base, after, sid, attrs_unchanged, self.surplus)
         if bound is None:
             return False
         self.surplus = bound

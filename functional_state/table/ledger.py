@@ -6,8 +6,12 @@ hold each extent, and the bytes per pool of the extents held at least once. Comm
 forking and dropping adjust those counts by the extents of the objects they add and remove, so the totals
 never need a walk: a buffer shared by two forks is counted once and leaves only when its last holder does.
 
-Extents are identical or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
-arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it).
+Allocations are equal or disjoint: torch tensors count their whole storage, numpy arrays their base, JAX
+arrays their shard buffers, and a bridge alias its torch owner's storage (its own bytes lie inside it); their
+bytes add up. Memory a holder did not allocate (`Loose`: ``torch.from_numpy(X[:5])`` beside
+``torch.from_numpy(X)``) may overlap without being equal: while a pool holds such an extent, the ledger keeps
+that pool's extents sorted (``overlaps``) and its total is their union, each change priced by the bytes it
+covers or uncovers (O(log n + the extents near it)); a pool without one stays on the additive path.
 The counts also answer the holder questions of `memory.holders` in O(size of the object): ``leaves``
 counts the array leaves the byte accounting leaves out (ring positions: a donation could delete them),
 ``attrs`` indexes the attr values (recorded on write), ``parked`` keeps the host copies held, for `stats`
@@ -18,6 +22,7 @@ what it still holds, and a check of every array would make `stats` O(arrays held
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import Any
 
 import immutables
@@ -25,7 +30,9 @@ import immutables
 from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
+from ..memory.aliases import Loose
 from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values
+from ..memory.overlaps import pool_changed, pool_index
 
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -55,10 +62,28 @@ def held_by(obj: Any) -> frozenset[Extent]:
     return obj.ledger_extents() | extra if extra else obj.ledger_extents()
 
 
+class _Rest:
+    """The fields of an `Acct` a step leaves alone, held together so that a step copies one reference."""
+
+    __slots__ = ("attrs", "kv", "leaves", "log", "overlaps", "parked", "root")
+
+    def __init__(self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any):
+        # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
+        # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
+        # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
+        self.kv = kv
+        self.log = log
+        self.root = root
+        self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
+        self.attrs = attrs  # the attr values' holder index
+        self.parked = parked  # id(host copy) -> (host copy, objects holding it): what `parked_nbytes` reads
+        self.overlaps = overlaps  # pool -> `PoolIndex`, for each pool holding a `Loose` extent
+
+
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("attrs", "kv", "leaves", "log", "parked", "refs", "root", "totals")
+    __slots__ = ("refs", "rest", "totals")
 
     def __init__(
         self,
@@ -70,18 +95,20 @@ class Acct:
         leaves: immutables.Map = _EMPTY,
         attrs: AttrIndex = EMPTY_ATTRS,
         parked: immutables.Map = _EMPTY,
+        overlaps: immutables.Map = _EMPTY,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
-        self.totals = totals  # pool -> bytes of the extents held at least once
-        # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
-        # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
-        # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
-        self.kv = kv
-        self.log = log
-        self.root = root if root is not None else object()
-        self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
-        self.attrs = attrs  # the attr values' holder index
-        self.parked = parked  # id(host copy) -> (host copy, objects holding it): what `parked_nbytes` reads
+        self.totals = totals  # pool -> bytes of the union of the extents held at least once
+        self.rest = _Rest(kv, log, root if root is not None else object(), leaves, attrs, parked, overlaps)
+
+    # (read through `rest`: a step, the hot path, builds an Acct of three fields, not nine)
+    kv = property(attrgetter("rest.kv"))
+    log = property(attrgetter("rest.log"))
+    root = property(attrgetter("rest.root"))
+    leaves = property(attrgetter("rest.leaves"))
+    attrs = property(attrgetter("rest.attrs"))
+    parked = property(attrgetter("rest.parked"))
+    overlaps = property(attrgetter("rest.overlaps"))
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
@@ -132,6 +159,10 @@ class Acct:
         values)."""
         refs = self.refs.mutate()
         totals = self.totals.mutate()
+        add, remove = list(add), list(remove)
+        # Pools whose totals are a union (see the module): those holding a loose extent, or receiving one.
+        slow = {e[0] for extents in add for e in extents if type(e) is Loose}.union(self.overlaps.keys())
+        moves: dict[str, tuple[list[Extent], list[Extent]]] = {}  # slow pool -> (extents arrived, left)
         for extents in remove:
             for e in extents:
                 n = refs[e] - 1
@@ -139,13 +170,32 @@ class Acct:
                     refs[e] = n
                 else:
                     del refs[e]
-                    totals[e[0]] = totals[e[0]] - (e[2] - e[1])
+                    if slow and e[0] in slow:
+                        moves.setdefault(e[0], ([], []))[1].append(e)
+                    else:
+                        totals[e[0]] = totals[e[0]] - (e[2] - e[1])
         for extents in add:
             for e in extents:
                 n = refs.get(e, 0)
                 refs[e] = n + 1
                 if not n:
-                    totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+                    if slow and e[0] in slow:
+                        moves.setdefault(e[0], ([], []))[0].append(e)
+                    else:
+                        totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+        overlaps = self.overlaps
+        if moves:
+            ov = overlaps.mutate()
+            for pool, (arrived, left) in moves.items():
+                index = ov.get(pool) or pool_index(self.refs.keys(), pool)  # (entering: its extents before)
+                kept, union = pool_changed(index, totals.get(pool, 0), arrived, left)
+                if union != totals.get(pool, 0):
+                    totals[pool] = union
+                if kept is not None:
+                    ov[pool] = kept
+                elif pool in ov:
+                    del ov[pool]
+            overlaps = ov.finish()
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
         parked = count_values(self.parked, parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
@@ -183,7 +233,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is LOG_CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, parked)
+        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, parked, overlaps)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
@@ -201,26 +251,38 @@ class Acct:
             return self.change(add=[add], remove=[remove], kv_add=[blocks_moved[0]], kv_remove=[blocks_moved[1]])
         if not add and not remove:
             return self
+        rest = self.rest
+        ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
         pool, moved = None, 0  # bytes that came or left, per pool: one pool in a step, kept in two locals
         other: dict[str, int] | None = None
+        moves: dict[str, tuple[list[Extent], list[Extent]]] | None = None
         for e in remove:
             n = refs[e] - 1
             if n:
                 refs = refs.set(e, n)
                 continue
             refs = refs.delete(e)
-            if pool is None or e[0] == pool:
+            if ov and e[0] in ov:
+                moves = moves or {}
+                moves.setdefault(e[0], ([], []))[1].append(e)
+            elif pool is None or e[0] == pool:
                 pool, moved = e[0], moved - (e[2] - e[1])
             else:
                 other = other or {}
                 other[e[0]] = other.get(e[0], 0) - (e[2] - e[1])
         for e in add:
+            indexed = ov and e[0] in ov
+            if type(e) is Loose and not indexed:  # a pool starts being indexed (the maps are persistent)
+                return self.change(add=[add], remove=[remove])
             n = refs.get(e, 0)
             refs = refs.set(e, n + 1)
             if n:
                 continue
-            if pool is None or e[0] == pool:
+            if indexed:
+                moves = moves or {}
+                moves.setdefault(e[0], ([], []))[0].append(e)
+            elif pool is None or e[0] == pool:
                 pool, moved = e[0], moved + (e[2] - e[1])
             else:
                 other = other or {}
@@ -232,10 +294,21 @@ class Acct:
             for p, d in other.items():
                 if d:
                     totals = totals.set(p, totals.get(p, 0) + d)
-        # A copy with the two counts changed, built by its slots: a call of ``Acct(...)`` is a third of this.
+        if moves:
+            indexes = ov.mutate()
+            for p, (arrived, left) in moves.items():
+                kept, union = pool_changed(ov[p], totals.get(p, 0), arrived, left)
+                if union != totals.get(p, 0):  # (the same map kept: the budget's memo recognises it)
+                    totals = totals.set(p, union)
+                if kept is not None:
+                    indexes[p] = kept
+                else:
+                    del indexes[p]
+            r = rest
+            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes.finish())
+        # A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of this.
         acct = _new(Acct)
-        acct.refs, acct.totals, acct.kv, acct.log = refs, totals, self.kv, self.log
-        acct.root, acct.leaves, acct.attrs, acct.parked = self.root, self.leaves, self.attrs, self.parked
+        acct.refs, acct.totals, acct.rest = refs, totals, rest
         return acct
 
     def _difference(self, old: Any, new: Any) -> Acct:
