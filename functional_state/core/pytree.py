@@ -42,7 +42,8 @@ def _make_draft(cls: type, names: list[str]) -> type | None:
     sees a draft: the builders fill one and hand out only the result.
     """
     try:
-        draft = type(f"_{cls.__name__}Draft", cls.__bases__, {"__slots__": cls.__slots__, "__module__": cls.__module__})
+        body = {"__slots__": cls.__dict__["__slots__"], "__module__": cls.__module__}
+        draft = type(f"_{cls.__name__}Draft", cls.__bases__, body)
         draft.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]  # (finished before anyone sees it)
         probe = draft()
         marks = [object() for _ in names]
