@@ -9,7 +9,11 @@ the same id sequences, interleaved:
 * ``shell``: `SessionStateManager` with session handles (what a torch pipeline calls);
 * ``OrderedDict + 1 lock``: one OrderedDict of deques mutated in place, one lock taken once per op, no
   counters (the fair anchor);
-* ``OrderedDict, no lock``: the same without the lock.
+* ``OrderedDict, no lock``: the same without the lock;
+* ``floor + lock``: the least a fully persistent pure-Python table can do for the same op, under the same
+  lock (`floor_get_or_create`, `floor_put`, `floor_commit`: every old state valid and unchanged, exact LRU,
+  no checks, counters or accounting); what separates ours from it is the cost of those, and what separates
+  it from the OrderedDict is the cost of persistence itself.
 
 The ids are drawn against a mirror of the LRU table, so a "hit" is always live and a miss always new: the
 miss rate is exactly 10% in every sample (checked from the table's own counters). Also measured: the first
@@ -35,7 +39,9 @@ import threading
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
+from typing import Any
 
+import immutables
 import numpy as np
 
 import functional_state as fs
@@ -80,12 +86,160 @@ class OneLockManager(OrderedDictManager):
             OrderedDictManager.op(self, sid, item)
 
 
+# --- the floor: the least a fully persistent pure-Python table can do for the same op --------------------
+# A bound, not a product: no argument checks, no counters, no accounting, every ring of capacity FLOOR_RING.
+# What it keeps of the table's semantics: every old state stays valid and unchanged (all of it is tuples,
+# maps never written after they are built, and a log appended only past every window that reads it); exact
+# LRU order and eviction; a commit costs O(log n) in the table's and the session's sizes. Its encoding is
+# the cheapest found: the state is one tuple (nodes, clock, log, start, end, pending, pending tick, cap);
+# nodes: immutables.Map sid -> (session, tick); recency: a tick per node and an append-only log of
+# (sid, tick) in two parallel lists, branched by a table derived from an old one and compacted at
+# 4x the table (as ours); a hit writes no node (the session is left pending, its tick in the state) and
+# its commit writes the node once; a session is a dict copied on write up to FLOOR_SMALL objects (cheaper
+# than a persistent map there, and a dict of untracked values leaves the garbage collector's lists),
+# an immutables.Map beyond (O(log n)); a ring is a tuple.
+FLOOR_RING = 4
+FLOOR_SMALL = 8
+FLOOR_COMPACT_AT = 4
+_FLOOR_EMPTY: dict = {}
+
+
+class FloorLog:
+    """One segment of the floor's recency log: positions ``base, base + 1, ...``; earlier ones are ``parent``'s."""
+
+    __slots__ = ("base", "parent", "sids", "ticks")
+
+    def __init__(self, sids: list, ticks: list, base: int = 0, parent: FloorLog | None = None):
+        self.sids, self.ticks, self.base, self.parent = sids, ticks, base, parent
+
+
+def _floor_entries(log: FloorLog, start: int, end: int):
+    segments = [log]
+    while log.base > start and log.parent is not None:
+        log = log.parent
+        segments.append(log)
+    segments.reverse()
+    for k, seg in enumerate(segments):
+        top = segments[k + 1].base if k + 1 < len(segments) else end
+        for i in range(max(start, seg.base) - seg.base, top - seg.base):
+            yield seg.sids[i], seg.ticks[i]
+
+
+def _floor_compacted(nodes, log: FloorLog, start: int, end: int, pending, pending_tick: int) -> FloorLog:
+    sids, ticks = [], []
+    for sid, t in _floor_entries(log, start, end):
+        node = nodes.get(sid)
+        if node is not None and (pending_tick if sid == pending else node[1]) == t:
+            sids.append(sid)
+            ticks.append(t)
+    return FloorLog(sids, ticks)
+
+
+def floor_create(max_sessions: int) -> tuple:
+    """An empty floor table."""
+    return (immutables.Map(), 0, FloorLog([], []), 0, 0, None, 0, max_sessions)
+
+
+def floor_get_or_create(state: tuple, sid: str) -> tuple[tuple, Any]:
+    """The floor's get_or_create: ``(state, session)``; a hit makes ``sid`` most recent, a miss inserts an
+    empty session and, when full, evicts the least recent."""
+    nodes, clock, log, start, end, pending, pending_tick, cap = state
+    node = nodes.get(sid)
+    if node is not None:
+        if pending is not None and pending != sid:  # settle the previous hit unless its commit did
+            nodes = nodes.set(pending, (nodes[pending][0], pending_tick))
+        sids = log.sids
+        if log.base + len(sids) == end:
+            sids.append(sid)
+            if sids[end - log.base] is sid:
+                log.ticks.append(clock)
+            else:  # another table appended first: branch
+                log = FloorLog([sid], [clock], end, log)
+        else:
+            log = FloorLog([sid], [clock], end, log)
+        end += 1
+        if end - start >= FLOOR_COMPACT_AT * len(nodes):
+            log = _floor_compacted(nodes, log, start, end, sid, clock)
+            start, end = 0, len(log.sids)
+        return (nodes, clock + 1, log, start, end, sid, clock, cap), node[0]
+    if len(nodes) >= cap:  # evict: the oldest entry still current
+        while True:
+            seg, i = log, start
+            while i < seg.base:
+                seg = seg.parent
+            victim, t = seg.sids[i - seg.base], seg.ticks[i - seg.base]
+            start += 1
+            v = nodes.get(victim)
+            if v is not None and (pending_tick if victim == pending else v[1]) == t:
+                break
+        nodes = nodes.delete(victim)
+        if victim == pending:
+            pending = None
+    nodes = nodes.set(sid, (_FLOOR_EMPTY, clock))
+    sids = log.sids
+    if log.base + len(sids) == end:
+        sids.append(sid)
+        if sids[end - log.base] is sid:
+            log.ticks.append(clock)
+        else:
+            log = FloorLog([sid], [clock], end, log)
+    else:
+        log = FloorLog([sid], [clock], end, log)
+    end += 1
+    if end - start >= FLOOR_COMPACT_AT * len(nodes):
+        log = _floor_compacted(nodes, log, start, end, pending, pending_tick)
+        start, end = 0, len(log.sids)
+    return (nodes, clock + 1, log, start, end, pending, pending_tick, cap), _FLOOR_EMPTY
+
+
+def floor_put(state: tuple, sid: str, name: str, ring: tuple) -> tuple:
+    """The floor's put: ``ring`` stored under ``name`` in session ``sid``."""
+    nodes, clock, log, start, end, pending, pending_tick, cap = state
+    node = nodes[sid]
+    session = node[0]
+    if type(session) is dict and len(session) < FLOOR_SMALL:
+        session = session.copy()
+        session[name] = ring
+    else:
+        session = (session if type(session) is immutables.Map else immutables.Map(session)).set(name, ring)
+    if sid == pending:
+        return (nodes.set(sid, (session, pending_tick)), clock, log, start, end, None, 0, cap)
+    return (nodes.set(sid, (session, node[1])), *state[1:])
+
+
+def floor_commit(state: tuple, sid: str, name: str, item: Any) -> tuple:
+    """The floor's commit: ``item`` appended to ring ``name`` of session ``sid`` (the oldest dropped when full)."""
+    nodes, clock, log, start, end, pending, pending_tick, cap = state
+    node = nodes[sid]
+    session = node[0]
+    r = session[name]
+    r = (r[1], r[2], r[3], item) if len(r) == FLOOR_RING else (*r, item)  # (unrolled: FLOOR_RING is 4)
+    if type(session) is dict:
+        session = session.copy()
+        session[name] = r
+    else:
+        session = session.set(name, r)
+    if sid == pending:  # the hit's tick lands with this write; nothing is pending after it
+        return (nodes.set(sid, (session, pending_tick)), clock, log, start, end, None, 0, cap)
+    return (nodes.set(sid, (session, node[1])), clock, log, start, end, pending, pending_tick, cap)
+
+
+def floor_lru(state: tuple) -> list[str]:
+    """The floor's session ids, least recently used first."""
+    nodes, _, log, start, end, pending, pending_tick, _ = state
+    return [
+        sid
+        for sid, t in _floor_entries(log, start, end)
+        if sid in nodes and (pending_tick if sid == pending else nodes[sid][1]) == t
+    ]
+
+
 class _IdStream:
     """Id sequences with exactly one miss in MISS_EVERY ops; hits are uniform over the sessions live in an
     LRU table of ``n`` (a mirror of what every implementation holds after the same ids)."""
 
     def __init__(self, n: int, rng: random.Random):
-        self.n, self.rng, self.ops = n, rng, OPS[n]
+        self.n, self.rng, self.ops = n, rng, OPS.get(n, 20_000)
         self.lru: OrderedDict[str, None] = OrderedDict((f"s{i}", None) for i in range(n))
         self.live = list(self.lru)  # random access for uniform hits
         self.where = {sid: i for i, sid in enumerate(self.live)}
@@ -117,6 +271,7 @@ def _tables(n: int):
     locked = fs.ManagerState.create(max_sessions=n)
     shell = fs.SessionStateManager(max_sessions=n)
     one_lock, no_lock = OneLockManager(n), OrderedDictManager(n)
+    floor = floor_create(n)
     for i in range(n):
         sid = f"s{i}"
         for name in ("pure", "locked"):
@@ -130,16 +285,18 @@ def _tables(n: int):
         shell.get_or_create_session(sid).put("buf", buf)
         one_lock.op(sid, ITEM)
         no_lock.op(sid, ITEM)
-    return pure, locked, shell, one_lock, no_lock
+        floor, _ = floor_get_or_create(floor, sid)
+        floor = floor_put(floor, sid, "buf", ())
+    return pure, locked, shell, one_lock, no_lock, floor
 
 
 def _workloads(n: int, rng: random.Random) -> tuple[dict, dict]:
-    pure_state, locked_state, shell, one_lock, no_lock = _tables(n)
+    pure_state, locked_state, shell, one_lock, no_lock, floor_state = _tables(n)
     stream = _IdStream(n, rng)
     runs = [stream.sequence() for _ in range(CALLS)]
     buf = fs.LatentBuffer.create(maxlen=4)
-    holders = {"pure": {"state": pure_state}, "locked": {"state": locked_state}}
-    turn = dict.fromkeys(("pure", "locked", "shell", "one_lock", "no_lock"), 0)
+    holders = {"pure": {"state": pure_state}, "locked": {"state": locked_state}, "floor": {"state": floor_state}}
+    turn = dict.fromkeys(("pure", "locked", "shell", "one_lock", "no_lock", "floor"), 0)
     lock = threading.Lock()
     get_or_create, commit, put = fs.get_or_create, fs.commit, fs.put
 
@@ -175,6 +332,18 @@ def _workloads(n: int, rng: random.Random) -> tuple[dict, dict]:
             h.get_or_create("buf", lambda: buf)
             h.commit("buf", ITEM)
 
+    def floor_locked():
+        holder = holders["floor"]
+        s = holder.pop("state")
+        f_get_or_create, f_put, f_commit = floor_get_or_create, floor_put, floor_commit
+        for sid in ids("floor"):
+            with lock:
+                s, session = f_get_or_create(s, sid)
+                if not session:
+                    s = f_put(s, sid, "buf", ())
+                s = f_commit(s, sid, "buf", ITEM)
+        holder["state"] = s
+
     def one_lock_ops():
         op = one_lock.op
         for sid in ids("one_lock"):
@@ -191,6 +360,7 @@ def _workloads(n: int, rng: random.Random) -> tuple[dict, dict]:
         f"shell@{n}": shell_ops,
         f"one_lock@{n}": one_lock_ops,
         f"no_lock@{n}": no_lock_ops,
+        f"floor@{n}": floor_locked,
     }
     return fns, {"holders": holders, "shell": shell, "one_lock": one_lock, "base_misses": pure_state.misses}
 
@@ -248,7 +418,7 @@ def run() -> dict:
     misses = {n: _miss_rate(n, contexts[n]) for n in SIZES}
     rows = []
     for n in SIZES:
-        p, lk, sh, one, none = (on[f"{k}@{n}"] for k in ("pure", "locked", "shell", "one_lock", "no_lock"))
+        p, lk, sh, one, none, fl = (on[f"{k}@{n}"] for k in ("pure", "locked", "shell", "one_lock", "no_lock", "floor"))
         rows.append(
             (
                 f"{n:,}",
@@ -257,11 +427,15 @@ def run() -> dict:
                 fmt_time(sh),
                 fmt_time(one),
                 fmt_time(none),
+                fmt_time(fl),
                 f"{lk / one:.2f}x",
+                f"{fl / one:.2f}x",
+                f"{lk / fl:.2f}x",
                 f"{p / none:.2f}x",
                 f"{sh / one:.2f}x",
                 f"{sh / lk:.2f}x",
                 f"{off[f'locked@{n}'] / off[f'one_lock@{n}']:.2f}x",
+                f"{off[f'floor@{n}'] / off[f'one_lock@{n}']:.2f}x",
                 " / ".join(f"{misses[n][k]:.2%}" for k in ("pure", "locked", "shell")),
             )
         )
@@ -276,11 +450,15 @@ def run() -> dict:
             "shell",
             "OrderedDict + 1 lock",
             "OrderedDict, no lock",
+            "floor + lock",
             "pure + lock / 1 lock (goal <= 3)",
+            "floor + lock / 1 lock",
+            "pure + lock / floor + lock",
             "pure / no lock",
             "shell / 1 lock",
             "shell / pure + lock (goal <= 1.3)",
             "GC off: pure + lock / 1 lock",
+            "GC off: floor + lock / 1 lock",
             "miss rate (pure / pure + lock / shell)",
         ),
         "rows": rows,
@@ -295,6 +473,10 @@ def run() -> dict:
             ),
             *(
                 (f"shell / pure + lock at {n:,} sessions (goal <= 1.3)", on[f"shell@{n}"] / on[f"locked@{n}"])
+                for n in SIZES
+            ),
+            *(
+                (f"floor + lock / OrderedDict + 1 lock at {n:,} sessions", on[f"floor@{n}"] / on[f"one_lock@{n}"])
                 for n in SIZES
             ),
             (
@@ -316,7 +498,11 @@ def run() -> dict:
             f"({ROUNDS_OFF} with it off for the GC-off column). The baselines take no counters; the one-lock "
             f"baseline acquires its lock once per op. The miss-rate column is read back from each table's own "
             f"miss counter over all samples. The table is one C-backed persistent map (immutables.Map) holding "
-            f"a recency tick per node and an append-only eviction log. Reproduce: `PYTHONPATH=$PWD python benchmarks/run.py manager`."
+            f"a recency tick per node and an append-only eviction log. The floor row is the least a fully "
+            f"persistent pure-Python table does for the same op (`floor_*` in bench_manager.py, checked against "
+            f"ours and the OrderedDict in tests/test_table_floor.py): the same map, tick and log, a session as "
+            f"a dict copied on write (a Map beyond {FLOOR_SMALL} objects), a ring as a tuple, one tuple per "
+            f"state, no checks, counters or accounting. Reproduce: `PYTHONPATH=$PWD python benchmarks/run.py manager`."
         ),
         "figures": {"gc_on": on, "gc_off": off, "miss_rate": misses, "miss": miss, "objects": objects},
     }
@@ -354,6 +540,28 @@ def _pure_locked(module, n: int):
     return ops
 
 
+def _floor_locked(n: int):
+    """The floor's op under one lock, on a table of its own (see `_pure_locked`)."""
+    state = floor_create(n)
+    for i in range(n):
+        state, _ = floor_get_or_create(state, f"s{i}")
+        state = floor_put(state, f"s{i}", "buf", ())
+    holder = {"state": state}
+    lock = threading.Lock()
+
+    def ops(ids: list[str]) -> None:
+        s = holder.pop("state")
+        for sid in ids:
+            with lock:
+                s, session = floor_get_or_create(s, sid)
+                if not session:
+                    s = floor_put(s, sid, "buf", ())
+                s = floor_commit(s, sid, "buf", ITEM)
+        holder["state"] = s
+
+    return ops
+
+
 def compare(against: str, sizes: tuple[int, ...], rounds: int, ops: int) -> list[str]:
     """Per-op times of this tree and ``against`` (pure + lock) and of the one-lock baseline, interleaved:
     medians of ``rounds`` samples of ``ops`` ops, wall and CPU time (the CPU time is steadier on a shared
@@ -372,7 +580,12 @@ def compare(against: str, sizes: tuple[int, ...], rounds: int, ops: int) -> list
             for sid in ids:
                 op(sid, ITEM)
 
-        fns = {"this": _pure_locked(fs, n), "against": _pure_locked(other, n), "one_lock": one_lock}
+        fns = {
+            "this": _pure_locked(fs, n),
+            "against": _pure_locked(other, n),
+            "floor": _floor_locked(n),
+            "one_lock": one_lock,
+        }
         wall: dict[str, list[float]] = {k: [] for k in fns}
         cpu: dict[str, list[float]] = {k: [] for k in fns}
         for r, ids in enumerate(runs):
@@ -387,7 +600,9 @@ def compare(against: str, sizes: tuple[int, ...], rounds: int, ops: int) -> list
             lines.append(
                 f"{n:>7,} {label:4s}: this {fmt_time(m['this'])}, against {fmt_time(m['against'])}, one lock "
                 f"{fmt_time(m['one_lock'])}; this/1 lock {m['this'] / m['one_lock']:.2f}x, against/1 lock "
-                f"{m['against'] / m['one_lock']:.2f}x, against/this {m['against'] / m['this']:.2f}x"
+                f"{m['against'] / m['one_lock']:.2f}x, against/this {m['against'] / m['this']:.2f}x; floor "
+                f"{fmt_time(m['floor'])}, floor/1 lock {m['floor'] / m['one_lock']:.2f}x, this/floor "
+                f"{m['this'] / m['floor']:.2f}x"
             )
     return lines
 

@@ -15,6 +15,7 @@ import pytest
 
 import functional_state as fs
 from functional_state.core import latent_buffer
+from functional_state.core.pytree import _make_replace
 from functional_state.errors import InvalidTypeError
 from functional_state.table import lru
 from functional_state.table.state import COMPACT_AT
@@ -25,7 +26,7 @@ def _fields(buf: fs.LatentBuffer) -> list:
     return [getattr(buf, f.name) for f in dataclasses.fields(buf)]
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["draft", "descriptors"])
+@pytest.mark.parametrize("fast", [True, False], ids=["inline", "generic replace"])
 @pytest.mark.parametrize("maxlen", [None, 1, 3])
 def test_ring_commit_builds_a_frozen_latent_buffer_either_way(monkeypatch, fast, maxlen):
     monkeypatch.setattr(latent_buffer, "_FAST", fast)
@@ -50,8 +51,32 @@ def test_ring_commit_builds_a_frozen_latent_buffer_either_way(monkeypatch, fast,
     assert float(total) == float(sum(np.sum(x) for x in want))
 
 
+def test_replace_without_a_draft_sets_every_field_through_its_descriptor():
+    """The generated replace builds through the slot descriptors where no draft works (and for a subclass
+    declared without the decorator): the same frozen object, every field kept or changed."""
+    buf = fs.LatentBuffer.create(maxlen=3, recompute_cost=2.0).commit(1)
+    names = [f.name for f in dataclasses.fields(buf)]
+    plain = _make_replace(fs.LatentBuffer, names, None)
+    for replace in (plain, fs.LatentBuffer._replace):
+        new = replace(buf, items=(7,), status="evicted")
+        assert type(new) is fs.LatentBuffer
+        assert _fields(new) == [(7,), None, None, 3, "evicted", None, 2.0] and _fields(buf)[0] == (1,)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            new.items = ()  # type: ignore[misc]
+        with pytest.raises(TypeError):
+            replace(buf, itemz=())
+
+    class Sub(fs.LatentBuffer):
+        __slots__ = ()
+
+    sub = fs.LatentBuffer._replace(Sub.create(maxlen=2), items=(1,))
+    assert type(sub) is Sub and sub.items == (1,) and sub.maxlen == 2
+
+
 def test_the_draft_is_used_on_this_interpreter_and_never_escapes():
     assert latent_buffer._FAST  # CPython lets a same-slots draft take LatentBuffer's class
+    for cls in (fs.LatentBuffer, fs.ArrayRing, fs.DenseValue):
+        assert cls._draft is not None, cls
     buf = fs.LatentBuffer.create(maxlen=2).commit(1).commit(2).commit(3)
     assert type(buf) is fs.LatentBuffer and buf.view() == (2, 3)
     s, _ = fs.get_or_create(fs.ManagerState.create(), "a")

@@ -96,7 +96,7 @@ class LatentBuffer(StateObject):
     def commit(self, payload: Any = MISSING) -> LatentBuffer:
         """`StateObject.commit`; a payload committed into a resident buffer (the per-step path) builds the new
         buffer directly (no generic copy: ~2x faster), everything else takes the base class's path."""
-        if payload is MISSING or self.status != RESIDENT or type(self) is not LatentBuffer:
+        if payload is MISSING or self.status != RESIDENT or type(self) is not LatentBuffer or not _FAST:
             return StateObject.commit(self, payload)
         items, maxlen = self.items, self.maxlen
         n = len(items)
@@ -104,7 +104,18 @@ class LatentBuffer(StateObject):
             items = items + (payload,)
         else:  # a full ring, the steady state: a constant slice is a third cheaper than a computed one
             items = (items[1:] if n == maxlen else items[n + 1 - maxlen :]) + (payload,)
-        return _with_items(self, items)
+        # `_with_items`, written out: a draft (see `pytree._make_draft`) takes plain stores.
+        new = _DRAFT()
+        new.items = items
+        new.staged = self.staged
+        new.host_copy = self.host_copy
+        new.maxlen = maxlen
+        new.status = RESIDENT
+        new.recompute_source = self.recompute_source
+        new.recompute_cost = self.recompute_cost
+        new._acct_cache = None
+        new.__class__ = LatentBuffer
+        return new
 
     def _commit_payload(self, payload: Any) -> LatentBuffer:
         items = _appended(self.items, payload, self.maxlen)
@@ -220,11 +231,6 @@ class LatentBuffer(StateObject):
 
 
 _NO_EXTRA: frozenset[Extent] = frozenset()
-_new = object.__new__
-_SET = {name: LatentBuffer.__dict__[name].__set__ for name in ("items", "staged", "host_copy", "maxlen", "status")}
-_SET_ITEMS, _SET_STAGED, _SET_HOST, _SET_MAXLEN, _SET_STATUS = _SET.values()
-_SET_SOURCE = LatentBuffer.__dict__["recompute_source"].__set__
-_SET_COST = LatentBuffer.__dict__["recompute_cost"].__set__
 _SET_ACCT = ACCT_SLOT.__set__
 # A ring's extent multiset: a plain dict (copied per commit: cheaper than a persistent map's updates) up to
 # this many extents, an immutables.Map (O(log n) per update) beyond.
@@ -233,8 +239,9 @@ _SMALL = 64
 # ``per_item`` is one, flat (one extent per item), and a commit compares the new extent with the few kept
 # (no dict copied, no hashing).
 _PLAIN = 8
-if [f.name for f in dataclasses.fields(LatentBuffer)] != [*_SET, "recompute_source", "recompute_cost"]:
-    raise TypeError("LatentBuffer's fields changed: `_with_items` must set every one of them")
+_FIELDS = ["items", "staged", "host_copy", "maxlen", "status", "recompute_source", "recompute_cost"]
+if [f.name for f in dataclasses.fields(LatentBuffer)] != _FIELDS:
+    raise TypeError("LatentBuffer's fields changed: `LatentBuffer.commit` must set every one of them")
 
 
 def _appended(items: tuple[Any, ...], payload: Any, maxlen: int | None) -> tuple[Any, ...]:
@@ -245,58 +252,14 @@ def _appended(items: tuple[Any, ...], payload: Any, maxlen: int | None) -> tuple
 
 
 def _with_items(buf: LatentBuffer, items: tuple[Any, ...]) -> LatentBuffer:
-    """``buf._replace(items=items)`` written out for the per-step path: every field set by its slot."""
-    if _FAST and type(buf) is LatentBuffer:
-        draft = _new(_DRAFT)
-        draft.items = items
-        draft.staged = buf.staged
-        draft.host_copy = buf.host_copy
-        draft.maxlen = buf.maxlen
-        draft.status = buf.status
-        draft.recompute_source = buf.recompute_source
-        draft.recompute_cost = buf.recompute_cost
-        draft._acct_cache = None
-        draft.__class__ = LatentBuffer
-        return draft
-    new = _new(type(buf))
-    _SET_ITEMS(new, items)
-    _SET_STAGED(new, buf.staged)
-    _SET_HOST(new, buf.host_copy)
-    _SET_MAXLEN(new, buf.maxlen)
-    _SET_STATUS(new, buf.status)
-    _SET_SOURCE(new, buf.recompute_source)
-    _SET_COST(new, buf.recompute_cost)
+    """``buf._replace(items=items)`` with the ledger's commit mark (its ``_acct_cache`` set to None)."""
+    new = buf._replace(items=items)
     _SET_ACCT(new, None)
     return new
 
 
-class _Draft(StateObject):
-    """A `LatentBuffer` being built: the same slots, without the frozen dataclass's ``__setattr__``.
-
-    A frozen slotted dataclass can only be written through each slot descriptor's ``__set__`` (a call
-    apiece: ~50 ns, 8 of them are ~60% of a commit). A draft's slots take plain attribute stores (a few ns
-    each), and assigning ``__class__`` (allowed: same slots, same base) makes it the finished, frozen
-    buffer. Nothing else ever sees a draft: the commit path builds one and hands out only the result.
-    """
-
-    __slots__ = LatentBuffer.__slots__  # (the dataclass made them)
-
-
-_Draft.__abstractmethods__ = frozenset()  # built only by `object.__new__`, finished before anyone sees it
-_DRAFT: Any = _Draft  # (typed Any: a draft is filled field by field, then becomes a LatentBuffer)
-
-
-def _draft_works() -> bool:
-    """Whether this interpreter lets a `_Draft` become a `LatentBuffer` (checked once, at import)."""
-    try:
-        probe = _new(_DRAFT)
-        probe.items, probe.staged, probe.host_copy, probe.maxlen = (1,), None, None, 2
-        probe.status, probe.recompute_source, probe.recompute_cost, probe._acct_cache = RESIDENT, None, 1.0, None
-        probe.__class__ = LatentBuffer
-    except TypeError:  # (a layout this CPython refuses to reassign)
-        return False
-    fields = [getattr(probe, f.name) for f in dataclasses.fields(LatentBuffer)]
-    return type(probe) is LatentBuffer and fields == [(1,), None, None, 2, RESIDENT, None, 1.0]
+_DRAFT: Any = LatentBuffer._draft  # type: ignore[attr-defined]  # (typed Any: filled field by field)
+_FAST = _DRAFT is not None  # else every build sets its slots through their descriptors
 
 
 def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:
@@ -342,6 +305,3 @@ def _counted(buf: LatentBuffer) -> tuple[Any, tuple[Any, ...]]:
         cached = (_finished(counts), per_item)
     _SET_ACCT(buf, cached)
     return cached
-
-
-_FAST = _draft_works()  # else every build sets its slots through their descriptors
