@@ -22,7 +22,6 @@ from functional_state import LatentBuffer, SessionStateManager
 from functional_state.shell.slot import Slot
 from functional_state.table import manager_state as ms
 
-
 _TABLE = Slot.__dict__["table"]  # the slot's own storage of its installed table
 
 

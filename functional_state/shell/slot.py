@@ -21,10 +21,10 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from ..core.session import SessionState
 from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
 from ..table import manager_state as ms
-from ..core.session import SessionState
 from ..table.manager_state import ManagerState, held_object, held_session
 from .admission import Surplus, within_budget_in_place
 from .cells import Cell
@@ -152,7 +152,12 @@ class Slot:
             base = self.table
             # (`held_object` is None only for a session the table holds with no object ``name``; the cell's
             # ``left`` first: a loaded table may hold another incarnation under the same id and number)
-            if cell.left is not None or LIVE_POOLS or self.budgeted or held_object(base, sid, cell.uid, name) is not None:
+            if (
+                cell.left is not None
+                or LIVE_POOLS
+                or self.budgeted
+                or held_object(base, sid, cell.uid, name) is not None
+            ):
                 return NOT_INLINE
             self.table = ms.put(base, sid, name, obj)
             return None
