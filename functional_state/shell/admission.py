@@ -21,12 +21,11 @@ from ..table.engine_blocks import released_blocks
 from ..table.manager_state import ManagerState, ledger_of
 from ..table.session_edits import update_session
 from ..table.state import in_place
-from .cells import Departure, departures, evicted_reason
+from .cells import Departure, departures
 
 __all__ = [
     "Decision",
     "admit",
-    "admit_insertion",
     "checked_levers",
     "rebase",
     "trivial",
@@ -153,15 +152,6 @@ def admit(
     # arrays, never which handles the table holds.)
     released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
-
-
-def admit_insertion(
-    before: ManagerState, after: ManagerState, evicted: list[tuple[str, int, Any]], surplus: Surplus | None
-) -> Decision:
-    """What `admit` decides for an insertion of an empty session (``budget=False``) while no engine pool is
-    live, without comparing the tables: ``evicted`` is what the insertion said it evicted (`get_or_insert`)."""
-    why = evicted_reason(before.max_sessions) if evicted else ""
-    return Decision(after, surplus, [Departure(sid, uid, session, why, False) for sid, uid, session in evicted], {})
 
 
 def checked_levers(levers: Iterable[str]) -> tuple[str, ...]:
