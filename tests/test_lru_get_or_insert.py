@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 import functional_state as fs
-from functional_state.shell.admission import admit, admit_insertion
+from functional_state.shell.admission import admit
+from functional_state.shell.cells import Departure, evicted_reason
 from functional_state.table import manager_state as ms
 from functional_state.table.lru import get_or_insert
 
@@ -29,7 +30,10 @@ def test_get_or_insert_is_get_or_create_and_names_what_it_evicted():
             assert [e[0] for e in evicted] == gone == ([before_ids[0]] if len(before_ids) == 5 else [])
             for e_sid, e_uid, e_session in evicted:
                 assert e_uid == ms.incarnation(state, e_sid) and e_session is ms.lookup(state, e_sid)
-            # the shell's shortcut decides exactly what the full admission decides
+            # the shell's miss path (install ``after``, detach what ``evicted`` names, with `evicted_reason`)
+            # decides exactly what the full admission decides
             full = admit(state, after, sid, levers=(), surplus=None, budget=False)
-            assert admit_insertion(state, after, evicted, None) == full
+            why = evicted_reason(state.max_sessions)
+            assert full.final is after and full.surplus is None and full.released == {}
+            assert full.left == [Departure(e_sid, e_uid, e_session, why, False) for e_sid, e_uid, e_session in evicted]
         state = after if step % 7 else expected  # both tables go on the same way

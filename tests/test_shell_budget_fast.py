@@ -125,3 +125,59 @@ def test_a_commit_that_leaves_an_attr_aliased_buffer_to_the_attr_never_exceeds_t
     after = m.stats(exact=True)
     assert after["nbytes:cpu"] <= budget, (after["nbytes:cpu"], budget)
     assert m.stats() == after
+
+
+def test_a_set_attr_under_a_budget_reads_only_the_value_it_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fast check once re-read every attr of the session on each `set_attr` (a DreamZero step sets small
+    # counters beside large conditioning tensors): the values kept are in the bound already.
+    monkeypatch.setattr(shell_slot, "LIVE_POOLS", {})
+    m = _manager(1 << 30)
+    h = m.get_or_create_session("a").set_attr("cond", kib()).set_attr("count", 0)
+    read: list[set[str]] = []
+    real = admission.attr_bytes
+    monkeypatch.setattr(admission, "attr_bytes", lambda attrs: read.append(set(attrs)) or real(attrs))
+    h.set_attr("count", 1).set_attr("new", kib())
+    assert read == [{"new"}]  # (the counter, a plain int, holds no buffer: not read at all)
+
+
+def test_an_attr_set_under_a_budget_still_counts_against_it() -> None:
+    # Only the values a write sets are read, and each is counted: attrs set one by one past the budget make
+    # room (the least recent session goes) exactly as a write of them all at once would.
+    for how in ("one by one", "at once"):
+        m = _manager(4096 + 1024)
+        m.get_or_create_session("b").set_attr("big", np.zeros(1024, np.float32))  # 4 KiB
+        h = m.get_or_create_session("a").set_attr("small", kib())
+        if how == "one by one":
+            h.set_attr("count", 1).set_attr("more", kib())
+        else:
+            h.transact(lambda s: s.set_attr("count", 1).set_attr("more", kib()))
+        assert "b" not in m and "a" in m, how
+        assert m.stats(exact=True)["nbytes:cpu"] <= 4096 + 1024, how
+
+
+def test_the_attr_bound_stays_a_bound_over_random_attr_writes() -> None:
+    # After every write that the fast check decided, the bound it kept is at least the attr bytes the table
+    # holds in each pool (`attr_surplus`, exact), whichever attrs the writes set, re-set, replaced or removed.
+    import random
+
+    from functional_state.policy.enforce import attr_surplus
+
+    rng = random.Random(7)
+    m = _manager(1 << 30)
+    handles = [m.get_or_create_session(sid) for sid in ("a", "b")]
+    arrays = [np.zeros(64 * (i + 1), np.float32) for i in range(4)]
+    for _ in range(200):
+        h, key = rng.choice(handles), rng.choice(["x", "y", "z", "n"])
+        kind = rng.randrange(4)
+        if kind == 0:
+            h.set_attr(key, rng.choice(arrays))  # (an array another attr or session may carry too)
+        elif kind == 1:
+            h.set_attr(key, rng.randrange(10))
+        elif kind == 2:
+            h.del_attr(key)
+        else:
+            h.transact(lambda s: s.set_attr("x", rng.choice(arrays)).set_attr("y", [rng.choice(arrays)]))
+        bound = m._slot.surplus
+        if bound is not None:
+            exact = attr_surplus(m.state)
+            assert all(bound.get(pool, 0) >= n for pool, n in exact.items()), (bound, exact)

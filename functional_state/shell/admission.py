@@ -21,12 +21,11 @@ from ..table.engine_blocks import released_blocks
 from ..table.manager_state import ManagerState, ledger_of
 from ..table.session_edits import update_session
 from ..table.state import in_place
-from .cells import Departure, departures, evicted_reason
+from .cells import Departure, departures
 
 __all__ = [
     "Decision",
     "admit",
-    "admit_insertion",
     "checked_levers",
     "rebase",
     "trivial",
@@ -50,18 +49,33 @@ def within_budget_fast(
     before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool, surplus: Surplus | None
 ) -> Surplus | None:
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
-    the bound, else None (a full check is needed). A write that changes a session's attrs adds all of its
-    new attr bytes to the bound (reading only that session's attrs)."""
+    the bound, else None (a full check is needed). A write that changes a session's attrs adds the bytes of
+    the values it set to the bound: the values it kept are in the bound already (counted when they were
+    set, or at the last full check), and a value it removed or replaced stays counted (a bound may exceed).
+    So a `set_attr` reads the one value it sets, never the session's other attrs (a plain number or string
+    not even that)."""
     if surplus is None:
         return None
     bound = surplus
     if not attrs_unchanged and writer is not None and writer in after:
         attrs = ms.lookup(after, writer).attrs
-        if writer not in before or ms.lookup(before, writer).attrs is not attrs:
-            extra = attr_bytes(attrs)
+        old = ms.lookup(before, writer).attrs if writer in before else None
+        if old is not attrs:
+            new = {
+                k: v
+                for k, v in attrs.items()
+                if type(v) not in _NO_STORAGE and (old is None or old.get(k, _ABSENT) is not v)
+            }
+            extra = attr_bytes(new) if new else None
             if extra:
                 bound = {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
     return None if _over_budget(after, bound) else bound
+
+
+_ABSENT = object()  # (an attr the session did not carry before the write)
+# Plain values no buffer can be reached through (the accounting's walk skips them too): a counter an adapter
+# sets every step is not read at all.
+_NO_STORAGE = frozenset({int, float, bool, str, type(None)})
 
 
 # The last (object totals, attr bound, budget) that `over_budget_objects` found within budget. Its answer is a
@@ -153,15 +167,6 @@ def admit(
     # arrays, never which handles the table holds.)
     released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
-
-
-def admit_insertion(
-    before: ManagerState, after: ManagerState, evicted: list[tuple[str, int, Any]], surplus: Surplus | None
-) -> Decision:
-    """What `admit` decides for an insertion of an empty session (``budget=False``) while no engine pool is
-    live, without comparing the tables: ``evicted`` is what the insertion said it evicted (`get_or_insert`)."""
-    why = evicted_reason(before.max_sessions) if evicted else ""
-    return Decision(after, surplus, [Departure(sid, uid, session, why, False) for sid, uid, session in evicted], {})
 
 
 def checked_levers(levers: Iterable[str]) -> tuple[str, ...]:

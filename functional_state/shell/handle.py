@@ -22,7 +22,7 @@ from ..core.state_object import RESIDENT, StateObject
 from ..errors import InvalidTypeError, ObjectParkedError
 from ..table import manager_state as ms
 from ..table import parked, session_edits
-from ..table.manager_state import held_object, held_session
+from ..table.manager_state import held_object
 from .cells import Cell
 from .session_ops import SessionOps
 from .slot import NOT_INLINE
@@ -56,8 +56,7 @@ class SessionHandle:
     @property
     def in_table(self) -> bool:
         """False once this incarnation was evicted or dropped from the manager's table."""
-        cell = self._cell  # (`SessionOps.in_table` written out: a strict caller asks on every step)
-        return cell.left is None and held_session(self._slot.table, cell.session_id, cell.uid) is not None
+        return self._slot.held(self._cell) is not None
 
     @property
     def state(self) -> SessionState:
@@ -120,14 +119,14 @@ class SessionHandle:
         The factory runs outside the manager's lock (it may use the manager); if two threads race, one
         object wins and both get it. A parked object is restored, never rebuilt.
         """
-        cell = self._cell
+        cell, table = self._cell, self._slot.table  # (the table first, then ``left``: see `Slot.held`)
         if cell.left is None:  # the per-step read: one lookup of the object in the installed table
-            obj = held_object(self._slot.table, cell.session_id, cell.uid, name)  # (MISSING: not in the table)
+            obj = held_object(table, cell.session_id, cell.uid, name)  # (MISSING: not in the table)
             if obj is None:
                 return self._ops.create(cell, name, factory, cls)
             if obj is not MISSING and obj.status == RESIDENT and (cls is None or isinstance(obj, cls)):
                 return obj  # (what `_reusable` returns; every other case is decided below, as before)
-        session = held_session(self._slot.table, cell.session_id, cell.uid) if cell.left is None else None
+        session = self._slot.held(cell)
         try:
             obj = (cell.session if session is None else session)._reusable(name, cls)
         except ObjectParkedError:  # restored and read under one lock: no other thread parks it in between
@@ -143,9 +142,9 @@ class SessionHandle:
         Raises:
           SessionStateLostError: this incarnation is no longer in the table (evicted, dropped or replaced).
         """
-        cell = self._cell
+        cell, table = self._cell, self._slot.table  # (the table first, then ``left``: see `Slot.held`)
         if cell.left is None:
-            obj = held_object(self._slot.table, cell.session_id, cell.uid, name)
+            obj = held_object(table, cell.session_id, cell.uid, name)
             if obj is not MISSING:
                 return obj
         raise self._ops.left_error(cell, "held")

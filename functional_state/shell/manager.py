@@ -228,7 +228,7 @@ class SessionStateManager:
                 return self._new_handle(sid, after, None) if handle is None else handle
             if not slots.LIVE_POOLS and not self._debts.owed:
                 # A miss with no engine blocks to free adds no bytes (an empty session) and releases nothing:
-                # `admit` would install it as it is, and detach what it evicted (`admit_insertion`).
+                # `admit` would install it as it is, and detach what it evicted (checked in test_lru_get_or_insert).
                 if evicted:
                     self._cells.evicted(evicted, evicted_reason(state.max_sessions))  # (before the install)
                 slot.table = after

@@ -15,7 +15,7 @@ from ..core.session import SessionState
 from ..errors import InvalidTypeError, ObjectParkedError, SessionStateError, SessionStateLostError
 from ..table import manager_state as ms
 from ..table.engine_blocks import free_acquired
-from ..table.manager_state import ManagerState, held_session
+from ..table.manager_state import ManagerState
 from ..table.parked import restore as restore_object
 from ..table.session_edits import update_session
 from ..table.step import step as pure_step
@@ -137,11 +137,8 @@ class SessionOps:
 
     def read(self, cell: Cell) -> SessionState:
         """The cell's session now: one atomic read of the table, or the handle's copy."""
-        if cell.left is None:
-            held = held_session(self.slot.table, cell.session_id, cell.uid)
-            if held is not None:
-                return held
-        return cell.session
+        held = self.slot.held(cell)
+        return cell.session if held is None else held
 
     def apply(
         self,

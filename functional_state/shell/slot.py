@@ -6,6 +6,12 @@ here under the lock in one acquisition, straight from the handle: no retry loop,
 between the handle and the pure verb. Each returns `NOT_INLINE` where it does not apply (the session left
 the table, a transaction on it is being computed, an engine pool or the byte budget to consult); the
 caller then takes the manager's retry loop, which decides everything these skip.
+
+A lock-free read of a handle's session reads ``slot.table`` *before* it asks whether the cell left
+(`Slot.held`): every install that removes a session detaches its cell first, so a table read before
+``cell.left`` was seen None holds the cell's incarnation. The other order may read a table installed in
+between, and a loaded table numbers its incarnations from 0 again: it can hold another incarnation under
+the same id and number.
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from ..core.session import SessionState
 from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
 from ..table import manager_state as ms
-from ..table.manager_state import ManagerState, held_object
+from ..table.manager_state import ManagerState, held_object, held_session
 from ..table.state import in_place
 from .admission import Surplus, within_budget_fast
 from .cells import Cell
@@ -70,6 +77,11 @@ class Slot:
             return fn(*args)
         finally:
             self.computing.remove(entry)  # (an equal entry: any of them)
+
+    def held(self, cell: Cell) -> SessionState | None:
+        """Without the lock: the cell's session as the installed table holds it, or None once it left."""
+        table = self.table  # (first: see the module's docstring)
+        return held_session(table, cell.session_id, cell.uid) if cell.left is None else None
 
     def commit(self, cell: Cell, name: str, payload: Any) -> Any:
         """`commit` of ``payload`` into object ``name`` of the cell's session, installed at once; None, or
@@ -142,8 +154,14 @@ class Slot:
         self.acquire()
         try:
             base = self.table
-            # (`held_object` is None only for a session the table holds with no object ``name``)
-            if LIVE_POOLS or self.budgeted or held_object(base, sid, cell.uid, name) is not None:
+            # (`held_object` is None only for a session the table holds with no object ``name``; the cell's
+            # ``left`` first: a loaded table may hold another incarnation under the same id and number)
+            if (
+                cell.left is not None
+                or LIVE_POOLS
+                or self.budgeted
+                or held_object(base, sid, cell.uid, name) is not None
+            ):
                 return NOT_INLINE
             self.table = ms.put(base, sid, name, obj)
             return None
