@@ -108,3 +108,35 @@ def test_the_shared_buffer_is_accounted_exactly_through_the_manager():
     assert stats["parked_nbytes"] == 700 * 4096 and stats["nbytes:cpu/unpinned_host"] == 700 * 4096
     h.restore("b")
     assert m.stats() == m.stats(exact=True) and m.stats()["parked_nbytes"] == 0
+
+
+ODD = {  # one leaf that is not plain, late in a long list of plain ones (the fast path checks in blocks)
+    "requires grad": lambda xs: torch.randn(3).requires_grad_(),
+    "a view of an earlier leaf": lambda xs: xs[0][1:],
+    "an earlier leaf again": lambda xs: xs[3],
+    "0-d": lambda xs: torch.tensor(2.5),
+    "transposed": lambda xs: torch.randn(3, 4).t(),
+    "negative bit": lambda xs: torch._neg_view(torch.randn(5)),
+    "other dtype": lambda xs: torch.arange(6, dtype=torch.int64),
+    "one element, odd stride": lambda xs: torch.randn(4, 2)[:1, 0],
+}
+
+
+@pytest.mark.parametrize("odd", list(ODD))
+def test_a_non_plain_leaf_deep_in_a_long_list_round_trips_exactly(odd):
+    values = [torch.randn(8) for _ in range(700)]
+    values.insert(600, ODD[odd](values))
+    back = restore_values(park_values(values))
+    for a, b in zip(values, back):
+        assert (a.dtype, a.shape, a.stride(), a.storage_offset()) == (b.dtype, b.shape, b.stride(), b.storage_offset())
+        assert (a.is_neg(), a.requires_grad) == (b.is_neg(), b.requires_grad)
+        assert torch.equal(a.detach(), b.detach())
+    shares = [b.untyped_storage().data_ptr() == back[0].untyped_storage().data_ptr() for b in back]
+    assert shares == [a.untyped_storage().data_ptr() == values[0].untyped_storage().data_ptr() for a in values]
+
+
+def test_an_uncopyable_tensor_deep_in_a_long_list_is_refused():
+    values = [torch.randn(8) for _ in range(700)]
+    values.insert(600, _quantized())
+    with pytest.raises(fs.InvalidTypeError, match=r"the tensor at \[600\] is a quantized"):
+        park_values(values)

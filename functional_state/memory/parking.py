@@ -7,11 +7,12 @@ into a `ParkedStorage`; `restore_values` gives them back.
   (per shard, for a sharded array) and back to the sharding they had: same devices, same memory kind,
   same dtype and shape. One ``device_put`` call moves all of an object's arrays.
 * **torch tensors** are grouped by storage (`torch_host`): each storage is copied once, whole, into host
-  buffers of at most `_CHUNK` bytes per device, back to back (for CPU sources one ``torch.cat`` per run of
-  tensors that span their storages exactly, of one dtype, and one of raw bytes for the rest; for a GPU, a
-  pinned buffer filled with ``non_blocking`` copies and one stream sync), and restored into a fresh
-  allocation per storage on its device (one ``split_with_sizes_copy`` per such run); every other tensor is
-  rebuilt as a view with its own offset, shape, strides and conjugate/negative bits. Tensors that were
+  memory in runs of at most `_CHUNK` bytes per device, back to back (`host_buffers.pack_runs`; on the CPU
+  the runs of small storages share one host buffer once they fill a huge page). For CPU sources that is one
+  ``torch.cat`` per run of tensors that span their storages exactly, of one dtype, and one of raw bytes for
+  the rest; for a GPU, a pinned buffer filled with ``non_blocking`` copies and one stream sync. A restore
+  makes a fresh allocation per storage on its device (one ``split_with_sizes_copy`` per such run); every
+  other tensor is rebuilt as a view with its own offset, shape, strides and conjugate/negative bits. Tensors that were
   views of one storage are views of one storage again; separate storages stay separate, also over
   overlapping memory (``torch.from_numpy`` of ``X[:5]`` and of ``X``): each comes back as a copy of its own
   bytes, no longer aliased (a storage is its extent: two over the same extent are one). Large CPU buffers
