@@ -14,7 +14,7 @@ import torch
 
 import functional_state as fs
 from functional_state.memory import host_buffers
-from functional_state.memory.parking import park_values, restore_values
+from functional_state.memory.parking import host_storage, park_values, restore_values
 from helpers import assert_unchanged, snapshot
 
 
@@ -80,6 +80,8 @@ def test_runs_of_small_storages_share_one_host_buffer_that_a_later_park_reuses()
     parked = park_values(values)
     assert len(parked.buffers) == 1 and parked.buffers[0].untyped_storage().nbytes() == nbytes
     first = parked.buffers[0].data_ptr()
+    for k in (0, 700, 1023):  # each storage where the layout says, in the one buffer
+        assert torch.equal(host_storage(parked, k), values[k].view(torch.uint8))
     back = restore_values(parked)
     assert all(torch.equal(a, b) and a.data_ptr() != b.data_ptr() for a, b in zip(values, back))
     del parked
