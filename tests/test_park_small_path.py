@@ -142,3 +142,16 @@ def test_an_uncopyable_tensor_deep_in_a_long_list_is_refused():
     values.insert(600, _quantized())
     with pytest.raises(fs.InvalidTypeError, match=r"the tensor at \[600\] is a quantized"):
         park_values(values)
+
+
+def test_runs_after_an_odd_sized_storage_in_the_shared_buffer_round_trip_exactly():
+    values = [torch.tensor([True, False, True]), *(torch.randn(1024) for _ in range(700))]  # later runs start off 4
+    values.append(torch.randn(3, 5).to(torch.bfloat16))
+    parked = park_values(values)
+    assert len(parked.buffers) == 1
+    back = restore_values(parked)
+    for a, b in zip(values, back):
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+        assert torch.equal(
+            a.view(torch.uint8) if a.dtype == torch.bool else a, b.view(torch.uint8) if b.dtype == torch.bool else b
+        )
