@@ -29,13 +29,32 @@ def interleaved_medians(
     many long-lived containers pays for the collections it causes. ``gc_enabled=False`` measures the same
     work with collection off, to show how much of a cost is the collector's.
     """
+    samples = interleaved_rounds(fns, repeats=repeats, number=number, gc_enabled=gc_enabled, rotate=False)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def interleaved_rounds(
+    fns: dict[str, Callable[[], object]],
+    *,
+    repeats: int = 7,
+    number: int = 1,
+    gc_enabled: bool = True,
+    rotate: bool = True,
+) -> dict[str, list[float]]:
+    """Per function, its per-call time in each of ``repeats`` rounds (one sample of every function per round),
+    after one warm-up call each. ``rotate``: round ``i`` starts at the ``i``-th function (mod their number),
+    so every function runs in every position equally often and none always follows the same neighbour
+    (one that evicts the caches, or leaves garbage for the collector). Pair the samples with `round_ratio`."""
     for fn in fns.values():
         fn()
+    names = list(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     was_enabled = gc.isenabled()
     try:
-        for _ in range(repeats):
-            for name, fn in fns.items():
+        for r in range(repeats):
+            shift = r % len(names) if rotate else 0
+            for name in names[shift:] + names[:shift]:
+                fn = fns[name]
                 if not gc_enabled:
                     gc.disable()
                 start = time.perf_counter()
@@ -47,7 +66,14 @@ def interleaved_medians(
     finally:
         if was_enabled:
             gc.enable()
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
+
+
+def round_ratio(samples: dict[str, list[float]], a: str, b: str) -> float:
+    """The median over rounds of ``a``'s time over ``b``'s in the same round (`interleaved_rounds`): load that
+    drifts between rounds cancels in each round's ratio, where a ratio of two medians can pair a quiet
+    round of one with a busy round of the other."""
+    return statistics.median(x / y for x, y in zip(samples[a], samples[b]))
 
 
 def fmt_time(seconds: float) -> str:

@@ -18,6 +18,8 @@ pinned buffers); `clear_cache` hands them back to the system. Thread-safe.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import sys
 import threading
 import weakref
@@ -34,6 +36,7 @@ __all__ = [
     "clear_cache",
     "host_buffer",
     "host_bytes",
+    "pack_runs",
     "set_cache_limit",
 ]
 
@@ -125,3 +128,53 @@ def _trim(keep: int) -> int:
             if not stack:
                 del _free[n]
     return released
+
+
+def pack_runs(
+    members: Any, sizes: list[int], dtypes: list[Any], shapes: list[Any], uniform: bool, chunk: int
+) -> list[tuple[int, list[Any]]]:
+    """How parking packs storages ``members`` (indices into the per-storage ``sizes``, ``dtypes`` and ``shapes``
+    of `torch_host.Gathered`; a range or a list) into host buffers: ``(bytes, segments)`` per run of at most
+    ``chunk`` bytes, in order (a larger storage is a run of its own). A segment ``(start, end, storages,
+    dtype, trail)`` is a stretch of plain storages of one dtype and trailing shape (one ``torch.cat`` of the
+    tensors themselves), or of raw storages (``dtype`` None: one ``torch.cat`` of their bytes).
+    ``uniform``: every storage plain, 1-D, of one dtype (one segment per run).
+
+    Example:
+      >>> pack_runs(range(3), [40, 40, 40], [None] * 3, [None] * 3, False, 100)
+      [(80, [(0, 80, range(0, 2), None, ())]), (40, [(0, 40, range(2, 3), None, ())])]
+    """
+    runs: list[tuple[int, list[Any]]] = []
+    if uniform:  # one segment per run: the same greedy runs, cut by bisecting the running byte count
+        every = type(members) is range and len(members) == len(sizes)
+        ends = list(itertools.accumulate(sizes if every else (sizes[k] for k in members)))
+        j = base = 0
+        while j < len(members):
+            e = max(bisect.bisect_right(ends, base + chunk, j), j + 1)
+            runs.append((ends[e - 1] - base, [(0, ends[e - 1] - base, members[j:e], dtypes[members[j]], ())]))
+            j, base = e, ends[e - 1]
+        return runs
+    segments: list[Any] = []
+    pos = start = lo = 0
+    seg_dtype: Any = None
+    seg_shape: Any = None
+    for j, k in enumerate(members):
+        n, dtype, shape = sizes[k], dtypes[k], shapes[k]
+        if j and pos + n > chunk:  # a new run (a storage larger than a run is a run of its own)
+            segments.append(_segment_of(start, pos, members[lo:j], seg_dtype, seg_shape))
+            runs.append((pos, segments))
+            segments, pos, start, lo, seg_dtype, seg_shape = [], 0, 0, j, dtype, shape
+        elif (
+            not j or dtype is not seg_dtype or (dtype is not None and shape != seg_shape and shape[1:] != seg_shape[1:])
+        ):
+            if j:
+                segments.append(_segment_of(start, pos, members[lo:j], seg_dtype, seg_shape))
+            start, lo, seg_dtype, seg_shape = pos, j, dtype, shape
+        pos += n
+    segments.append(_segment_of(start, pos, members[lo:], seg_dtype, seg_shape))
+    runs.append((pos, segments))
+    return runs
+
+
+def _segment_of(start: int, end: int, members: list[int], dtype: Any, shape: Any) -> tuple[Any, ...]:
+    return (start, end, members, dtype, tuple(shape[1:]) if dtype is not None else ())

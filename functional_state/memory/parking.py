@@ -7,11 +7,12 @@ into a `ParkedStorage`; `restore_values` gives them back.
   (per shard, for a sharded array) and back to the sharding they had: same devices, same memory kind,
   same dtype and shape. One ``device_put`` call moves all of an object's arrays.
 * **torch tensors** are grouped by storage (`torch_host`): each storage is copied once, whole, into host
-  buffers of at most `_CHUNK` bytes per device, back to back (for CPU sources one ``torch.cat`` per run of
-  tensors that span their storages exactly, of one dtype, and one of raw bytes for the rest; for a GPU, a
-  pinned buffer filled with ``non_blocking`` copies and one stream sync), and restored into a fresh
-  allocation per storage on its device (one ``split_with_sizes_copy`` per such run); every other tensor is
-  rebuilt as a view with its own offset, shape, strides and conjugate/negative bits. Tensors that were
+  memory in runs of at most `_CHUNK` bytes per device, back to back (`host_buffers.pack_runs`; on the CPU
+  the runs of small storages share one host buffer once they fill a huge page). For CPU sources that is one
+  ``torch.cat`` per run of tensors that span their storages exactly, of one dtype, and one of raw bytes for
+  the rest; for a GPU, a pinned buffer filled with ``non_blocking`` copies and one stream sync. A restore
+  makes a fresh allocation per storage on its device (one ``split_with_sizes_copy`` per such run); every
+  other tensor is rebuilt as a view with its own offset, shape, strides and conjugate/negative bits. Tensors that were
   views of one storage are views of one storage again; separate storages stay separate, also over
   overlapping memory (``torch.from_numpy`` of ``X[:5]`` and of ``X``): each comes back as a copy of its own
   bytes, no longer aliased (a storage is its extent: two over the same extent are one). Large CPU buffers
@@ -34,11 +35,10 @@ has without CUDA), apart from the device pools (``cpu``, ``cuda:0``), so a CPU r
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
-import itertools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -87,11 +87,13 @@ class _Layout:
     def __init__(self, g: torch_host.Gathered):
         self.devices, self.nbytes, self.direct = g.devices, g.sizes, g.direct
         self.leaf, self.storage, self.recipe = g.leaf, g.storage, g.recipe
-        self.segments: list[tuple[int, int, int, list[int], Any, tuple[int, ...]]] = []
+        self.segments: list[tuple[int, int, int, Sequence[int], Any, tuple[int, ...]]] = []
 
-    def split_sizes(self, members: list[int], dtype: Any, trail: tuple[int, ...]) -> list[int]:
+    def split_sizes(self, members: Any, dtype: Any, trail: tuple[int, ...]) -> list[int]:
         """The first-dim sizes of a plain segment's storages (their bytes for raw ones)."""
         per = 1 if dtype is None else math.prod(trail, start=dtype.itemsize)
+        if type(members) is range:  # (the storages of a run cut from the whole range: a slice of the sizes)
+            return [n // per for n in self.nbytes[members.start : members.stop]]
         return [self.nbytes[k] // per for k in members]
 
 
@@ -218,9 +220,10 @@ def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
     host pool rises by exactly the bytes the device pool loses)."""
     torch = torch_host.torch_module()
     layout = _Layout(g)
-    devices = g.devices
+    devices, sources = g.devices, g.sources
+    groups: dict[Any, Any]
     if devices.count(devices[0]) == len(devices):
-        groups = {devices[0]: list(range(len(devices)))}
+        groups = {devices[0]: range(len(devices))}  # (a range: a run's storages are a slice of the sources)
     else:
         groups = {}
         for k, device in enumerate(devices):
@@ -229,55 +232,29 @@ def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
     with torch.no_grad():  # bytes, not graphs (an out= copy refuses inputs that require grad)
         for device, members in groups.items():
             pinned = device.type == "cuda"
-            for total, segments in _runs(members, g):
-                host = host_buffers.host_bytes(total, pinned)
+            runs = host_buffers.pack_runs(members, g.sizes, g.dtypes, g.shapes, g.uniform, _CHUNK)
+            # Runs of small storages share one host buffer once they fill a huge page, recycled when the same
+            # bytes were parked before: a run each from malloc took pages the heap trimmed as the last parked
+            # copy died (~4,000 faults, 6x the park itself, for 4,096 small tensors parked and restored in turn).
+            shared = 0 if pinned else sum(total for total, _ in runs if total <= _CHUNK)
+            pool = host_buffers.host_bytes(shared, False) if shared >= _NUMPY_MIN else None
+            if pool is not None:
+                pool_at, base = len(buffers), 0
+                buffers.append(pool)
+            for total, segments in runs:
+                if pool is not None and total <= _CHUNK:
+                    host, b, off = pool, pool_at, base
+                    base += total
+                else:
+                    host, b, off = host_buffers.host_bytes(total, pinned), len(buffers), 0
+                    buffers.append(host)
                 for a, end, seg, dtype, trail in segments:
-                    layout.segments.append((len(buffers), a, end, seg, dtype, trail))
-                    _fill(host, a, end, [g.sources[k] for k in seg], dtype, trail, pinned)
-                buffers.append(host)
+                    layout.segments.append((b, a + off, end + off, seg, dtype, trail))
+                    srcs = sources[seg.start : seg.stop] if type(seg) is range else [sources[k] for k in seg]
+                    _fill(host, a + off, end + off, srcs, dtype, trail, pinned)
             if pinned:
                 torch.cuda.current_stream(device).synchronize()  # the device storages may be freed after this
     return layout, buffers
-
-
-def _runs(members: list[int], g: torch_host.Gathered) -> list[tuple[int, list[Any]]]:
-    """``(bytes, segments)`` per host buffer; a segment ``(start, end, storages, dtype, trail)`` is a stretch
-    of plain storages of one dtype and trailing shape (one ``torch.cat`` of the tensors themselves), or of raw
-    storages (``dtype`` None: one ``torch.cat`` of their bytes)."""
-    sizes, dtypes, shapes, chunk = g.sizes, g.dtypes, g.shapes, _CHUNK
-    runs: list[tuple[int, list[Any]]] = []
-    if g.uniform:  # one segment per run: the same greedy runs, cut by bisecting the running byte count
-        ends = list(itertools.accumulate(sizes[k] for k in members))
-        j = base = 0
-        while j < len(members):
-            e = max(bisect.bisect_right(ends, base + chunk, j), j + 1)
-            runs.append((ends[e - 1] - base, [(0, ends[e - 1] - base, members[j:e], dtypes[members[j]], ())]))
-            j, base = e, ends[e - 1]
-        return runs
-    segments: list[Any] = []
-    pos = start = lo = 0
-    seg_dtype: Any = None
-    seg_shape: Any = None
-    for j, k in enumerate(members):
-        n, dtype, shape = sizes[k], dtypes[k], shapes[k]
-        if j and pos + n > chunk:  # a new run (a storage larger than a run is a run of its own)
-            segments.append(_segment(start, pos, members[lo:j], seg_dtype, seg_shape))
-            runs.append((pos, segments))
-            segments, pos, start, lo, seg_dtype, seg_shape = [], 0, 0, j, dtype, shape
-        elif (
-            not j or dtype is not seg_dtype or (dtype is not None and shape != seg_shape and shape[1:] != seg_shape[1:])
-        ):
-            if j:
-                segments.append(_segment(start, pos, members[lo:j], seg_dtype, seg_shape))
-            start, lo, seg_dtype, seg_shape = pos, j, dtype, shape
-        pos += n
-    segments.append(_segment(start, pos, members[lo:], seg_dtype, seg_shape))
-    runs.append((pos, segments))
-    return runs
-
-
-def _segment(start: int, end: int, members: list[int], dtype: Any, shape: Any) -> tuple[Any, ...]:
-    return (start, end, members, dtype, tuple(shape[1:]) if dtype is not None else ())
 
 
 def _fill(host: Any, a: int, end: int, srcs: list[Any], dtype: Any, trail: tuple[int, ...], pinned: bool) -> None:

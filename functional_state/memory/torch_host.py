@@ -125,7 +125,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
         g.others = list(range(len(leaves)))
         return g
     plain = _PLAIN.get("dtypes") or _PLAIN.setdefault("dtypes", _plain_dtypes(torch))
-    tensor_type, cpu = torch.Tensor, torch.device("cpu")
+    tensor_type, cpu, strided = torch.Tensor, torch.device("cpu"), torch.strided
     if _all_plain(leaves, torch, plain, plain_max, g):
         return g
     # A CPU storage by its extent (address, bytes), any other by (device, address, bytes). Not by address
@@ -135,7 +135,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
     sources, devices, sizes, dtypes, shapes = g.sources, g.devices, g.sizes, g.dtypes, g.shapes
     leaf_at, storage_of, recipe_of = g.leaf.append, g.storage.append, g.recipe.append
     for i, leaf in enumerate(leaves):
-        if type(leaf) is tensor_type and leaf.is_cpu:
+        if type(leaf) is tensor_type and leaf.is_cpu and leaf.layout is strided and not leaf.is_nested:
             n = leaf.nbytes
             ptr = (leaf.data_ptr(), n)  # (the storage's extent when the leaf is plain: the only case read)
             k = ids.get(ptr) if n else -1
@@ -168,8 +168,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
         if tensor is None:
             g.others.append(i)
             continue
-        if owner is None and type(tensor) is not tensor_type:
-            _check_subclass(tensor, i, where)
+        _check_copyable(tensor, owner, i, where)
         storage = tensor.untyped_storage()
         n = storage.nbytes()
         key: Any = (storage.data_ptr(), n) if n else ("empty", i)
@@ -191,33 +190,46 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
 
 
 _GET = {a: operator.attrgetter(a) for a in ("dtype", "shape", "nbytes")}
-_PROPS = operator.attrgetter("is_cpu", "dtype", "ndim", "requires_grad")
+_PROPS = operator.attrgetter("is_cpu", "dtype", "ndim", "requires_grad", "layout", "is_nested")
+_BLOCK = 256  # leaves per block of the plain check: their tensors' metadata stays in the L2 cache
 
 
 def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: int, g: Gathered) -> bool:
     """The common case, checked a column at a time (one C-level ``map`` per property, no bytecode per
-    tensor): every leaf a CPU tensor spanning a storage of its own. Fills ``g`` and says so, else leaves it."""
-    tensor = torch.Tensor
+    tensor) in blocks of `_BLOCK` leaves: every leaf a CPU tensor spanning a storage of its own. Fills ``g``
+    and says so, else leaves it."""
+    tensor, storage_nbytes, strided = torch.Tensor, torch.UntypedStorage.nbytes, torch.strided
     if not leaves or set(map(type, leaves)) != {tensor}:
         return False
-    # One pass for the attributes (a set: equal tuples collapse, so a uniform list makes one), one per method.
-    props = set(map(_PROPS, leaves))  # (is_cpu, dtype, ndim, requires_grad)
+    props: set[tuple[Any, ...]] = set()  # (is_cpu, dtype, ndim, requires_grad, layout, is_nested)
+    sizes: list[int] = []
+    ptrs: set[int] = set()
+    # A block's passes find its tensors in the cache (4,096 tensors' metadata outgrow it: each pass over all
+    # of them re-read it from memory, and a park after other work paid that ten times over).
+    for lo in range(0, len(leaves), _BLOCK):
+        block = leaves[lo : lo + _BLOCK]
+        new = set(map(_PROPS, block))  # (equal tuples collapse: a uniform list makes one, checked once)
+        if not new <= props:  # before any method call: sparse, mkldnn and nested tensors go to `_check_copyable`
+            if any(not p[0] or p[1] not in plain or p[2] < 1 or p[4] is not strided or p[5] for p in new):
+                return False  # (0-d tensors do not concatenate)
+            props |= new
+        size = list(map(_GET["nbytes"], block))
+        if min(size) <= 0 or max(size) >= plain_max:
+            return False
+        ptrs.update(map(tensor.data_ptr, block))
+        if (
+            any(map(tensor.storage_offset, block))
+            or not all(map(tensor.is_contiguous, block))
+            or size != list(map(storage_nbytes, map(tensor.untyped_storage, block)))
+            or any(map(tensor.is_neg, block))
+        ):
+            return False
+        sizes += size
     kinds = {p[1] for p in props}
     dims = {p[2] for p in props}
-    if not all(p[0] for p in props) or not kinds <= plain or min(dims) < 1:  # (0-d tensors do not concatenate)
+    if len(ptrs) != len(leaves):  # views of one storage, or one tensor twice: the general path
         return False
-    sizes = list(map(_GET["nbytes"], leaves))
-    if min(sizes) <= 0 or max(sizes) >= plain_max:
-        return False
-    ptrs = list(map(tensor.data_ptr, leaves))
-    if (
-        len(set(ptrs)) != len(ptrs)  # views of one storage, or one tensor twice: the general path
-        or any(map(tensor.storage_offset, leaves))
-        or not all(map(tensor.is_contiguous, leaves))
-        or sizes != list(map(torch.UntypedStorage.nbytes, map(tensor.untyped_storage, leaves)))
-        or any(map(tensor.is_neg, leaves))
-        or (any(k.is_complex for k in kinds) and any(map(tensor.is_conj, leaves)))
-    ):
+    if any(k.is_complex for k in kinds) and any(map(tensor.is_conj, leaves)):
         return False
     n = len(leaves)
     dtypes = [next(iter(kinds))] * n if len(kinds) == 1 else list(map(_GET["dtype"], leaves))
@@ -238,20 +250,37 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     return True
 
 
-def _check_subclass(tensor: Any, index: int, where: tuple[Any, str]) -> None:
-    reason = rebuildable(type(tensor))
-    if reason:
+def _check_copyable(tensor: Any, owner: Any, index: int, where: tuple[Any, str]) -> None:
+    """Refuse, before anything moves, a tensor whose values are not the bytes of one strided storage (a
+    sparse, quantized, nested, mkldnn or meta tensor: copying its storage as bytes crashed the process, for
+    a quantized one, or raised torch's own error), or a subclass parking cannot rebuild (`rebuildable`)."""
+    torch, cls = torch_module(), type(tensor)
+    problem = fix = ""
+    if tensor.is_meta:
+        problem, fix = "a meta tensor, which holds no bytes to copy", "Park a tensor on a real device instead"
+    elif tensor.layout is not torch.strided or tensor.is_nested or tensor.is_quantized:
+        kind = (
+            "nested" if tensor.is_nested else "quantized" if tensor.is_quantized else str(tensor.layout)[6:].strip("_")
+        )
+        problem = f"a {kind} tensor, whose values are not the bytes of one storage"
+        fix = "Park a dense (strided) tensor instead, e.g. `.to_dense()` or `.dequantize()` first"
+    elif owner is None and cls is not torch.Tensor:
+        reason = rebuildable(cls)
+        if reason:
+            problem = (
+                f"a {cls.__module__}.{cls.__qualname__}, a torch.Tensor subclass parking cannot rebuild over a "
+                f"restored storage: {reason}"
+            )
+            fix = (
+                "Park a plain tensor or a torch.nn.Parameter (or a subclass that only adds methods and "
+                "attributes) instead"
+            )
+    if problem:
         values, what = where
         path = f"leaf {index}"
         if values is not None:
             path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(values)[0][index][0]) or "the root"
-        cls = type(tensor)
-        raise InvalidTypeError(
-            f"`{what}`: the tensor at {path} is a {cls.__module__}.{cls.__qualname__}, a torch.Tensor subclass "
-            f"parking cannot rebuild "
-            f"over a restored storage: {reason}. Park a plain tensor or a torch.nn.Parameter (or a subclass "
-            f"that only adds methods and attributes) instead; nothing was moved."
-        )
+        raise InvalidTypeError(f"`{what}`: the tensor at {path} is {problem}. {fix}; nothing was moved.")
 
 
 def rebuildable(cls: type) -> str:
