@@ -28,8 +28,11 @@ class Ledger:
         self.attr_holders = attr_holders  # extent -> attr holders of it (a Counter, or the index's `AttrHolders`)
         # Pools whose extents may overlap without being equal (a `Loose` one held): priced by their union.
         self.overlaps = overlaps or {}
-        attr_keys = [*getattr(attr_holders, "closed", attr_holders), *getattr(attr_holders, "open", ())]
-        self.loose_pools = {*self.overlaps, *(e[0] for e in attr_keys if type(e) is Loose)}
+        if hasattr(attr_holders, "closed"):  # the index's kept mark: a plan must not read every attr extent
+            marked, scanned = attr_holders.loose, attr_holders.open
+        else:
+            marked, scanned = (), attr_holders
+        self.loose_pools = {*self.overlaps, *marked, *(e[0] for e in scanned if type(e) is Loose)}
         self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
         self.attrs: Counter[Extent] = Counter()
         self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has

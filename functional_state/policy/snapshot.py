@@ -47,8 +47,9 @@ class AttrHolders:
     look for arrays deleted behind the table's back (``stats(exact=True)`` does): it prices what the table
     holds by its own operations, the figure `enforce_budget` measures with."""
 
-    def __init__(self, closed: Any, open_extents: Counter[Extent]):
+    def __init__(self, closed: Any, open_extents: Counter[Extent], loose: Any = ()):
         self.closed, self.open = closed, open_extents
+        self.loose = loose  # pools where ``closed`` holds a `Loose` extent (the attr index's kept mark)
 
     def __getitem__(self, e: Extent) -> int:
         return self.closed.get(e, 0) + self.open.get(e, 0)
@@ -73,7 +74,7 @@ class Snapshot:
             out: accounting.Extents = []
             for value in index.open_values():
                 accounting.collect_extents(value, out, {}, accounting.WalkReport())
-            self.attr_holders = AttrHolders(index.refs, Counter(out))
+            self.attr_holders = AttrHolders(index.refs, Counter(out), index.loose)
             self._open = out
         self._slots: dict[int, list[tuple[str, str]]] | None = None
 
