@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,15 +61,20 @@ def _types() -> tuple[type, type]:
 
     @dataclasses.dataclass
     class ReadInto(ocp.RestoreArgs):  # type: ignore[name-defined]
-        """Restore a byte leaf into ``out`` (a writable 1-D uint8 array of its size) instead of new memory."""
+        """Restore a byte leaf into ``out`` (a writable 1-D uint8 array of its size) instead of new memory; the
+        direct reads of a load are counted in its ``reads`` (`DirectReads`)."""
 
         out: np.ndarray | None = None
+        reads: Any = None
 
     class ByteLeaves(ocp.type_handlers.NumpyHandler):  # type: ignore[name-defined]
         def __init__(self) -> None:
             super().__init__(deepcopy_host_arrays=False)
 
-        async def deserialize(self, infos: Any, args: Any = None) -> list[np.ndarray]:
+        async def deserialize(self, infos: Any, args: Any = None) -> list[Any]:
+            return await _errors_deferred(self._deserialize, infos, args)
+
+        async def _deserialize(self, infos: Any, args: Any = None) -> list[np.ndarray]:
             args = list(args or [ocp.RestoreArgs()] * len(infos))
             if not any(isinstance(a, ReadInto) and a.out is not None for a in args):
                 return list(await super().deserialize(infos, args))
@@ -85,8 +91,11 @@ def _types() -> tuple[type, type]:
                 )
             # A byte leaf stored as one raw chunk is read by us, straight from its data file into the load's
             # buffer (`plan_direct`); the others through tensorstore.
-            direct = await _on_thread(plan_direct, specs, [getattr(a, "out", None) for a in args])
-            reading = _on_thread(read_direct, list(direct.values()))
+            # The threads are the load's own (`DirectReads`): a load that fails waits for its reads, not another's.
+            reads = next((a.reads for a in args if isinstance(a, ReadInto) and a.reads is not None), None)
+            group = reads if isinstance(reads, DirectReads) else DirectReads()
+            direct = await group.run(plan_direct, specs, [getattr(a, "out", None) for a in args])
+            reading = group.run(read_direct, list(direct.values()))
             rest = [i for i in range(len(infos)) if i not in direct]
 
             async def read(store: Any, arg: Any) -> np.ndarray:
@@ -100,14 +109,17 @@ def _types() -> tuple[type, type]:
 
             results: list[Any] = [None] * len(infos)
             try:
-                stores = await asyncio.gather(
-                    *[ts.open(ts.Spec(specs[i]), open=True, context=infos[i].ts_context) for i in rest]
+                # Every read settles before this returns or raises (`_settled`): a damaged leaf fails its read
+                # while the others still run, and a tensorstore future that completes after orbax has closed its
+                # event loop calls back into the closed loop ("Event loop is closed", an unraisable exception).
+                stores = await _settled(
+                    [ts.open(ts.Spec(specs[i]), open=True, context=infos[i].ts_context) for i in rest]
                 )
-                for i, got in zip(rest, await asyncio.gather(*[read(s, args[i]) for s, i in zip(stores, rest)])):
+                for i, got in zip(rest, await _settled([read(s, args[i]) for s, i in zip(stores, rest)])):
                     results[i] = got
             except BaseException:
-                # A damaged leaf fails its read here while ours are still running: wait them out, so no thread
-                # writes into the load's buffers or calls back into orbax's event loop after it is closed.
+                # The same for our own reads: no thread writes into the load's buffers or calls back into
+                # orbax's event loop after it is closed.
                 with contextlib.suppress(Exception):
                     await reading
                 raise
@@ -119,12 +131,22 @@ def _types() -> tuple[type, type]:
     return ByteLeaves, ReadInto
 
 
-def read_into(out: np.ndarray) -> Any:
+async def _settled(awaitables: list[Any]) -> list[Any]:
+    """The results of ``awaitables``, run together; the first error is raised only once every one has settled
+    (`asyncio.gather` raises the first at once and leaves the rest running)."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def read_into(out: np.ndarray, reads: DirectReads | None = None) -> Any:
     """The restore args that read a byte leaf into ``out`` (plain restore args where orbax is too old:
-    the load then copies what orbax read into ``out``'s place)."""
+    the load then copies what orbax read into ``out``'s place); its direct reads are counted in ``reads``."""
     if not supported():
         return import_orbax().RestoreArgs(restore_type=np.ndarray)
-    return _types()[1](restore_type=np.ndarray, out=out)
+    return _types()[1](restore_type=np.ndarray, out=out, reads=reads)
 
 
 def registry() -> Any:
@@ -135,8 +157,46 @@ def registry() -> Any:
 
     leaves = _types()[0]() if supported() else ocp.type_handlers.NumpyHandler()
     return ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, leaves), (jax.Array, ocp.type_handlers.get_type_handler(jax.Array))
+        (np.ndarray, leaves), (jax.Array, _deferring(ocp.type_handlers.get_type_handler(jax.Array)))
     )
+
+
+# orbax restores each handler's leaves together (`asyncio.gather` over the handlers) and closes its event loop
+# as soon as one handler raises: the other handlers' tensorstore reads were left running, and called back into
+# the closed loop when they completed ("Event loop is closed", an unraisable exception, in the test log after a
+# damaged checkpoint's load). So during a load (`DirectReads.active`) no handler raises: each records its error
+# in the load's `DirectReads` and returns no leaves, orbax's gather ends once every handler has settled, and
+# the load raises the first error recorded.
+_LOAD: contextvars.ContextVar[DirectReads | None] = contextvars.ContextVar("functional_state_load", default=None)
+
+
+async def _errors_deferred(deserialize: Callable[..., Any], infos: Any, args: Any) -> list[Any]:
+    load = _LOAD.get()
+    if load is None:
+        return list(await deserialize(infos, args))
+    try:
+        return list(await deserialize(infos, args))
+    except Exception as e:
+        load.errors.append(e)
+        return [None] * len(infos)
+
+
+def _deferring(handler: Any) -> Any:
+    """``handler`` (orbax's JAX array handler) with its read errors deferred as `ByteLeaves`' are."""
+    deferring = _deferring_type(type(handler))
+    out = object.__new__(deferring)
+    out.__dict__.update(handler.__dict__)
+    return out
+
+
+@functools.cache
+def _deferring_type(base: type) -> type:
+    class Deferring(base):  # type: ignore[valid-type,misc]
+        async def deserialize(self, infos: Any, args: Any = None) -> list[Any]:
+            return await _errors_deferred(super().deserialize, infos, args)
+
+    Deferring.__name__ = Deferring.__qualname__ = f"Deferring{base.__name__}"
+    return Deferring
 
 
 # Reading a byte leaf ourselves. tensorstore reads each chunk into a buffer of its own and copies it into the
@@ -283,46 +343,59 @@ def read_direct(reads: list[tuple[Any, Path, int, int, bytes | None]]) -> None:
 # read fails, orbax drops the restore's other reads unfinished and closes its event loop, and a thread of the
 # loop's executor then called back into the closed loop ("Event loop is closed", an unraisable exception) while
 # it still wrote into the load's buffers. Such a thread settles its future only while the loop runs, and a
-# restore that failed waits them out (`wait_direct_reads`) before it raises.
-_RUNNING: set[threading.Thread] = set()
+# restore that failed waits out its own (`DirectReads.wait`) before it raises: one load's, never every load's
+# in the process (a failed load waited for a concurrent load's reads, and it for the failed one's).
+class DirectReads:
+    """The direct-read threads of one load: started with `run`, waited for with `wait`; and the read errors of
+    its handlers while it is `active`."""
 
-_RUNNING_LOCK = threading.Lock()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[threading.Thread] = set()
+        self.errors: list[BaseException] = []
 
-
-def _on_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """``fn(*args)`` on a thread of its own, as a future of the running loop."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not done.done():
-            done.set_result(result) if error is None else done.set_exception(error)
-
-    def run() -> None:
-        result, error = None, None
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """Within: the handlers of a restore run on this thread record their errors here instead of raising."""
+        token = _LOAD.set(self)
         try:
-            result = fn(*args)
-        except BaseException as e:
-            error = e
+            yield
         finally:
-            with _RUNNING_LOCK:
-                _RUNNING.discard(thread)
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the restore was abandoned
-                loop.call_soon_threadsafe(settle, result, error)
+            _LOAD.reset(token)
 
-    thread = threading.Thread(target=run, name="functional_state direct read", daemon=True)
-    with _RUNNING_LOCK:
-        _RUNNING.add(thread)
-    thread.start()
-    return done
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn(*args)`` on a thread of its own, as a future of the running loop."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
 
+        def settle(result: Any, error: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(result) if error is None else done.set_exception(error)
 
-def wait_direct_reads() -> None:
-    """Wait until the direct reads now running are finished (those of a restore that failed, say)."""
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for thread in running:
-        thread.join()
+        def body() -> None:
+            result, error = None, None
+            try:
+                result = fn(*args)
+            except BaseException as e:
+                error = e
+            finally:
+                with self._lock:
+                    self._running.discard(thread)
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the restore was abandoned
+                    loop.call_soon_threadsafe(settle, result, error)
+
+        thread = threading.Thread(target=body, name="functional_state direct read", daemon=True)
+        with self._lock:
+            self._running.add(thread)
+        thread.start()
+        return done
+
+    def wait(self) -> None:
+        """Wait until this load's direct reads now running are finished (those of a restore that failed)."""
+        with self._lock:
+            running = list(self._running)
+        for thread in running:
+            thread.join()
 
 
 def _read_run(fd: int, path: Path, offset: int, views: list[memoryview]) -> None:
