@@ -34,15 +34,17 @@ needs_byte_leaves = pytest.mark.skipif(
 
 @pytest.fixture
 def written(monkeypatch):
-    """The host arrays orbax's numpy handler is given to write, as they are when it writes them."""
+    """The host arrays the byte leaves' handler opens and writes (`ByteLeaves`, in one transaction; orbax's
+    numpy handler where orbax is too old), as they are when it writes them."""
     seen: list[np.ndarray] = []
-    original = type_handlers.NumpyHandler._open_and_write
+    handler = handlers_module._types()[0] if handlers_module.supported() else type_handlers.NumpyHandler
+    original = handler._open_and_write
 
     async def spy(self, value, tspec, ts_context):
         seen.append(value)
         return await original(self, value, tspec, ts_context)
 
-    monkeypatch.setattr(type_handlers.NumpyHandler, "_open_and_write", spy)
+    monkeypatch.setattr(handler, "_open_and_write", spy)
     return seen
 
 
@@ -150,8 +152,8 @@ def test_a_leaf_tensorstore_must_decode_is_read_by_tensorstore(tmp_path, monkeyp
 
     original = directory.orbax_manager
 
-    def compressed(ocp, root, options):
-        manager = original(ocp, root, options)
+    def compressed(ocp, root, options, *manifest):
+        manager = original(ocp, root, options, *manifest)
         handler = manager._checkpointer._handler._handler_registry.get("arrays", ocp.args.PyTreeSave)
         handler._use_compression = True
         return manager

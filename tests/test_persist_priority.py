@@ -139,13 +139,17 @@ def test_priority_comes_back_only_when_the_last_asynchronous_save_ends(tmp_path,
 def test_a_synchronous_save_writes_at_normal_priority(tmp_path, monkeypatch):
     from orbax.checkpoint._src.serialization import type_handlers
 
+    from functional_state.persist import handlers
+
     seen: list[dict[int, int]] = []
-    original = type_handlers.NumpyHandler._open_and_write
+    # (the handler that writes byte leaves: `ByteLeaves`, or orbax's own where orbax is too old)
+    handler = handlers._types()[0] if handlers.supported() else type_handlers.NumpyHandler
+    original = handler._open_and_write
 
     async def spy(self, value, tspec, ts_context):
         seen.append(_workers())
         return await original(self, value, tspec, ts_context)
 
-    monkeypatch.setattr(type_handlers.NumpyHandler, "_open_and_write", spy)
+    monkeypatch.setattr(handler, "_open_and_write", spy)
     fs.save_session(_state(), "a", tmp_path / "ck")
     assert seen and all(n < LOWERED for workers in seen for n in workers.values())

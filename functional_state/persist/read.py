@@ -13,8 +13,9 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .decode import decode_sharding
+from .direct import DirectReads
 from .directory import import_orbax, list_steps, orbax_manager
-from .handlers import DirectReads, read_into
+from .handlers import read_into
 from .manifest import (
     CHECKSUM,
     aligned_empty,
@@ -59,7 +60,7 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
     check_manifest(manifest, root)
     on_cpu = _storages_on_cpu(manifest, torch_device)
     # Host-bound storages are read straight into aligned memory JAX can alias: from the data file itself where a
-    # storage is one raw chunk (`handlers.plan_direct`: no copy at all, the kernel's copy is the only one), else
+    # storage is one raw chunk (`direct.plan_direct`: no copy at all, the kernel's copy is the only one), else
     # through tensorstore's read buffer (one copy).
     leaves = manifest["leaves"]
     prepared = _prepare(leaves, on_cpu)
@@ -120,7 +121,7 @@ def _read_arrays(
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
             restore_args.update({key: read_into(out, reads) for key, out in prepared.items() if key in leaves})
             restore = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
-            with reads.active():  # every handler settles before orbax returns (`handlers.DirectReads.active`)
+            with reads.active():  # every handler settles before orbax returns (`direct.DirectReads.active`)
                 restored = dict(manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"])
             if reads.errors:
                 raise reads.errors[0]
