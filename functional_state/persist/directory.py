@@ -181,7 +181,7 @@ def _manifest_handler(ocp: Any) -> type:
     """orbax's JSON handler, writing the manifest a future delivers (once the checksums are done) in place of
     the one it was handed."""
 
-    class ManifestHandler(ocp.handlers.JsonCheckpointHandler):  # type: ignore[misc,name-defined]
+    class ManifestHandler(ocp.handlers.JsonCheckpointHandler):
         def __init__(self, manifest: Future[dict[str, Any]] | None) -> None:
             super().__init__()
             self._manifest = manifest

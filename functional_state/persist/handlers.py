@@ -181,15 +181,16 @@ _WRITE_TXN: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_sta
 
 def _deferring(handler: Any) -> Any:
     """``handler`` (orbax's JAX array handler) with its read errors deferred as `ByteLeaves`' are."""
-    deferring = _deferring_type(type(handler))
-    out = object.__new__(deferring)
+    kind: Any = type(handler)
+    deferring: Any = _deferring_type(kind)
+    out: Any = object.__new__(deferring)
     out.__dict__.update(handler.__dict__)
     return out
 
 
 @functools.cache
-def _deferring_type(base: type) -> type:
-    class Deferring(base):  # type: ignore[valid-type,misc]
+def _deferring_type(base: Any) -> type:
+    class Deferring(base):
         async def deserialize(self, infos: Any, args: Any = None) -> list[Any]:
             return await errors_deferred(super().deserialize, infos, args)
 
