@@ -42,3 +42,29 @@ def test_a_save_writes_all_its_byte_leaves_in_one_commit_and_loads_them_bit_exac
     # And a save over it (the previous step deleted once the new one is complete) the same way.
     fs.save_session(s, "a", tmp_path / "ck")
     assert _versions(tmp_path / "ck")["ocdbt.process_0"] <= 2
+
+
+def test_a_synchronous_save_whose_checksums_fail_fails_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The checksums of a synchronous save run while orbax writes the arrays, and the manifest waits for them:
+    an error there fails the save, and the checkpoint that was there stays the one a load finds."""
+    from functional_state import CheckpointError
+    from functional_state.persist import encode
+
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "v", fs.DenseValue.create([torch.arange(1 << 12, dtype=torch.float32)]))
+    fs.save_session(s, "a", tmp_path / "ck")
+
+    def failing(self):
+        raise MemoryError("no memory for the checksums")
+
+    monkeypatch.setattr(encode.Writer, "checksums", failing)
+    changed = fs.put(s, "a", "v", fs.DenseValue.create([torch.zeros(1 << 12)]))
+    with pytest.raises(CheckpointError, match="no memory for the checksums"):
+        fs.save_session(changed, "a", tmp_path / "ck")
+    monkeypatch.undo()
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
+    assert torch.equal(loaded[0], torch.arange(1 << 12, dtype=torch.float32))
+    fs.save_session(changed, "a", tmp_path / "ck")  # and the directory takes the next save
+    assert torch.equal(
+        fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")[0], torch.zeros(1 << 12)
+    )
