@@ -6,8 +6,9 @@ orbax's own `NumpyHandler` deep-copies every host array before it writes (a 607 
 fresh memory, 170 ms of CPU), although the writer already owns what it passes (an asynchronous save copied every
 buffer a model could change; a synchronous one returns after the write), and it reads each array into a buffer
 of tensorstore's, which a load then had to copy into memory JAX can alias. Registered for ``np.ndarray`` in the
-one registry the checkpoint's arrays use (`registry`); the format on disk is orbax's, unchanged. A leaf stored as
-one raw chunk is read from its data file by us, straight into the load's buffer (`plan_direct`, `read_direct`).
+one registry the checkpoint's arrays use (`registry`); the format on disk is orbax's, unchanged. A save's byte
+leaves are written in one tensorstore transaction (one OCDBT commit). A leaf stored as one raw chunk is read
+from its data file by us, straight into the load's buffer (persist/direct.py).
 """
 
 from __future__ import annotations
