@@ -275,13 +275,24 @@ def _step_rounds(store: DreamZeroSessions, kv: dz.SelfAttnKV, hooks: dict[str, A
     try:
         stepper = _Stepper(store, kv)
         stepper.quiet(20)  # warm
-        out: dict[str, list] = {"quiet": [], "busy": [], "raw": [], "ratio": [], "raw_ratio": [], "save_s": []}
+        out: dict[str, list] = {
+            "quiet": [],
+            "busy": [],
+            "raw": [],
+            "ratio": [],
+            "raw_ratio": [],
+            "save_s": [],
+            "return_s": [],
+        }
         for i in range(STEP_ROUNDS):
             quiet = stepper.quiet(30)
 
             def save(i: int = i) -> list[float]:
                 t0 = time.perf_counter()
                 handle = store.save("deploy", work / f"async{i}", asynchronous=True, **hooks)
+                # The model's thread waits this long (the copies of buffers it may change, and their checksums):
+                # no step runs during it, so the step latencies below do not show it.
+                out["return_s"].append(time.perf_counter() - t0)
                 steps = stepper.during(handle.done)
                 handle.wait()
                 out["save_s"].append(time.perf_counter() - t0)
@@ -380,6 +391,7 @@ def run() -> dict:
             "-",
         ),
         ("async save duration, median (writes at lowered priority)", fmt_time(med(steps["save_s"])), "-"),
+        ("async save: the model's thread waits (copies + checksums), median", fmt_time(med(steps["return_s"])), "-"),
     ]
     rows += [(f"step scan: {k}", fmt_time(v), f"{v / helpers['has_checkpoint']:.1f}x") for k, v in helpers.items()]
     ours_w = med([t / w for w, t in zip(raw_w, saves)])
@@ -442,7 +454,7 @@ def run() -> dict:
             "without a save, every step taken while an asynchronous save of the big session is in flight, "
             "every step taken while a plain write + fsync of the same byte count runs on a thread of its own "
             "(the two swap order each round), 30 steps without either; a round's ratio is its busy median over "
-            "its quiet median, and the figure is the median of the rounds' ratios. The save's writes run at "
+            "its quiet median, and the figure is the median of the rounds' ratios (no step runs while the save call itself copies and checksums the buffers a model may change: that wait has its own row). The save's writes run at "
             "lowered CPU priority (store.BACKGROUND_NICE), the raw write's at normal priority. The peer: the feat map's "
             "tensors (~99% of the bytes) written with safetensors' save_file (then fsync) and read with "
             "load_file plus a touch of every page (its default maps the file and returns before the disk has "
@@ -456,6 +468,7 @@ def run() -> dict:
         "figures": {
             **{"saves": saves, "loads": loads, "raw_w": raw_w, "raw_r": raw_r, "quiet": quiet, "busy": busy},
             **{"step_ratios": steps["ratio"], "raw_step_ratios": steps["raw_ratio"], "async_save_s": steps["save_s"]},
+            "async_return_s": steps["return_s"],
             **{"st_w": st_w, "st_r": st_r, "st_raw_w": st_raw_w, "st_raw_r": st_raw_r, "step_helpers": helpers},
         },
     }

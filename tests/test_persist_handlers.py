@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -33,15 +34,17 @@ needs_byte_leaves = pytest.mark.skipif(
 
 @pytest.fixture
 def written(monkeypatch):
-    """The host arrays orbax's numpy handler is given to write, as they are when it writes them."""
+    """The host arrays the byte leaves' handler opens and writes (`ByteLeaves`, in one transaction; orbax's
+    numpy handler where orbax is too old), as they are when it writes them."""
     seen: list[np.ndarray] = []
-    original = type_handlers.NumpyHandler._open_and_write
+    handler = handlers_module._types()[0] if handlers_module.supported() else type_handlers.NumpyHandler
+    original = handler._open_and_write
 
     async def spy(self, value, tspec, ts_context):
         seen.append(value)
         return await original(self, value, tspec, ts_context)
 
-    monkeypatch.setattr(type_handlers.NumpyHandler, "_open_and_write", spy)
+    monkeypatch.setattr(handler, "_open_and_write", spy)
     return seen
 
 
@@ -149,8 +152,8 @@ def test_a_leaf_tensorstore_must_decode_is_read_by_tensorstore(tmp_path, monkeyp
 
     original = directory.orbax_manager
 
-    def compressed(ocp, root, options):
-        manager = original(ocp, root, options)
+    def compressed(ocp, root, options, *manifest):
+        manager = original(ocp, root, options, *manifest)
         handler = manager._checkpointer._handler._handler_registry.get("arrays", ocp.args.PyTreeSave)
         handler._use_compression = True
         return manager
@@ -175,3 +178,109 @@ def test_damage_to_the_data_file_a_load_reads_itself_is_refused(tmp_path, damage
     damage_file(target, damage)
     with pytest.raises(CheckpointError, match="truncated|checksum|corrupted"):
         fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
+
+
+@needs_byte_leaves
+def test_a_failed_load_waits_for_its_own_direct_reads_not_another_loads(tmp_path, monkeypatch):
+    """Regression: a load that failed waited for every direct read in flight in the process (one set of
+    threads for all loads), so a damaged checkpoint's load hung on a healthy concurrent load's reads."""
+    import threading
+
+    release, started = threading.Event(), threading.Event()
+    original = handlers_module.read_direct
+
+    def read_direct(reads):
+        if any(str(path).startswith(str(tmp_path / "healthy")) for _, path, *_ in reads):
+            started.set()
+            release.wait(30)  # the healthy load's reads stay in flight until the failed load has raised
+        original(reads)
+
+    monkeypatch.setattr(handlers_module, "read_direct", read_direct)
+    t, a = torch.arange(64.0), np.arange(4)
+    for name in ("healthy", "damaged"):
+        fs.save_session(_state(t, a), "a", tmp_path / name)
+    files = [p for p in (tmp_path / "damaged").glob("[0-9]*/arrays/d/*") if p.is_file()]
+    damage_file(max(files, key=lambda p: p.stat().st_size), "flip")
+    loaded, failed = [], []
+
+    def load(name: str, into: list) -> None:
+        try:
+            into.append(fs.load_session(ManagerState.create(), "a", tmp_path / name))
+        except CheckpointError as e:
+            into.append(e)
+
+    healthy = threading.Thread(target=load, args=("healthy", loaded))
+    healthy.start()
+    try:
+        assert started.wait(30)
+        damaged = threading.Thread(target=load, args=("damaged", failed))
+        damaged.start()
+        damaged.join(10)
+        assert not damaged.is_alive(), "the failed load waits for the other load's direct reads"
+    finally:
+        release.set()
+        healthy.join()
+    assert len(failed) == 1 and isinstance(failed[0], CheckpointError)
+    assert "reading the arrays failed" in str(failed[0])
+    out = fs.view(loaded[0], "a", "v")
+    assert torch.equal(out[0], t) and np.array_equal(out[1], a)
+
+
+@needs_byte_leaves
+def test_a_failed_load_returns_only_once_every_tensorstore_read_has_settled(tmp_path, monkeypatch):
+    """Regression: one leaf's tensorstore read failed and the handler raised at once (`asyncio.gather`) while
+    the other leaves' reads still ran; orbax then closed its event loop and those reads called back into it
+    ("Event loop is closed", an unraisable exception in the test log)."""
+    import asyncio
+
+    import tensorstore
+
+    settled, opened = [], []
+    real_open = tensorstore.open
+
+    async def open_(*args, **kwargs):
+        opened.append(True)
+        if len(opened) == 1:
+            raise ValueError("a damaged leaf")  # fails at once
+        await asyncio.sleep(0.3)  # still running when the first has failed
+        store = await real_open(*args, **kwargs)
+        settled.append(True)
+        return store
+
+    s = fs.put(_state(torch.arange(6.0), np.arange(4)), "a", "w", fs.DenseValue.create([np.arange(5)]))
+    fs.save_session(s, "a", tmp_path / "ck")
+    monkeypatch.setattr(tensorstore, "open", open_)
+    with pytest.raises(CheckpointError, match="reading the arrays failed.*a damaged leaf"):
+        fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
+    assert len(opened) == 2 and settled == [True]
+
+
+@needs_byte_leaves
+def test_a_load_whose_jax_leaf_fails_waits_for_the_byte_leaves_reads(tmp_path, monkeypatch):
+    """Regression: orbax gathers its handlers' reads and closed its event loop as soon as the JAX array
+    handler raised, with the byte leaves' tensorstore reads still running ("Event loop is closed")."""
+    import asyncio
+
+    import jax.numpy as jnp
+    import tensorstore
+    from orbax.checkpoint import type_handlers as ocp_handlers
+
+    settled = []
+    real_open = tensorstore.open
+
+    async def slow_open(*args, **kwargs):
+        await asyncio.sleep(0.3)  # still running when the JAX leaf's read has failed
+        store = await real_open(*args, **kwargs)
+        settled.append(True)
+        return store
+
+    async def failing(self, infos, args=None):
+        raise ValueError("a damaged JAX leaf")
+
+    s = fs.put(_state(torch.arange(6.0), np.arange(4)), "a", "j", fs.DenseValue.create([jnp.arange(3.0)]))
+    fs.save_session(s, "a", tmp_path / "ck")
+    monkeypatch.setattr(tensorstore, "open", slow_open)
+    monkeypatch.setattr(type(ocp_handlers.get_type_handler(jax.Array)), "deserialize", failing)
+    with pytest.raises(CheckpointError, match="reading the arrays failed.*a damaged JAX leaf"):
+        fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
+    assert settled == [True]

@@ -3,13 +3,16 @@ complete."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import functools
 import json
 import logging
 import os
 import re
 import shutil
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -150,14 +153,16 @@ def _step_manifest(step_dir: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
 
-def orbax_manager(ocp: Any, root: Path, options: Any) -> Any:
+def orbax_manager(ocp: Any, root: Path, options: Any, manifest: Future[dict[str, Any]] | None = None) -> Any:
     """An orbax manager for our two items, with the arrays written uncompressed.
 
     Orbax compresses arrays with zstd by default. Latents, feature maps and KV are near-random bytes that do
     not shrink, and on 600 MiB the compression took 3.1 s of CPU where the uncompressed write took 0.3 s.
     During an asynchronous save that CPU is taken from the model step. Checkpoints written compressed by an
     earlier version still read, because tensorstore takes the codec from each array's metadata. Byte leaves go
-    through `handlers.registry` (no copy of orbax's own on save, read into the load's buffers).
+    through `handlers.registry` (no copy of orbax's own on save, read into the load's buffers). ``manifest``,
+    where given, is the manifest the save writes once it is complete (its checksums are computed while the
+    arrays are written: `store.write`).
     """
     from .handlers import registry as type_handlers
 
@@ -165,10 +170,28 @@ def orbax_manager(ocp: Any, root: Path, options: Any) -> Any:
     arrays = ocp.handlers.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=type_handlers())
     registry.add("arrays", ocp.args.PyTreeSave, arrays)
     registry.add("arrays", ocp.args.PyTreeRestore, arrays)
-    manifest = ocp.handlers.JsonCheckpointHandler()
-    registry.add("manifest", ocp.args.JsonSave, manifest)
-    registry.add("manifest", ocp.args.JsonRestore, manifest)
+    handler = _manifest_handler(ocp)(manifest)
+    registry.add("manifest", ocp.args.JsonSave, handler)
+    registry.add("manifest", ocp.args.JsonRestore, handler)
     return ocp.CheckpointManager(root, options=options, handler_registry=registry)
+
+
+@functools.cache
+def _manifest_handler(ocp: Any) -> type:
+    """orbax's JSON handler, writing the manifest a future delivers (once the checksums are done) in place of
+    the one it was handed."""
+
+    class ManifestHandler(ocp.handlers.JsonCheckpointHandler):
+        def __init__(self, manifest: Future[dict[str, Any]] | None) -> None:
+            super().__init__()
+            self._manifest = manifest
+
+        async def _save_fn(self, x: Any, directory: Any) -> None:
+            if self._manifest is not None:
+                x = await asyncio.wrap_future(self._manifest)
+            await super()._save_fn(x, directory)
+
+    return ManifestHandler
 
 
 def _latest_step(root: Path) -> int | None:

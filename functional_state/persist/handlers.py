@@ -6,30 +6,25 @@ orbax's own `NumpyHandler` deep-copies every host array before it writes (a 607 
 fresh memory, 170 ms of CPU), although the writer already owns what it passes (an asynchronous save copied every
 buffer a model could change; a synchronous one returns after the write), and it reads each array into a buffer
 of tensorstore's, which a load then had to copy into memory JAX can alias. Registered for ``np.ndarray`` in the
-one registry the checkpoint's arrays use (`registry`); the format on disk is orbax's, unchanged. A leaf stored as
-one raw chunk is read from its data file by us, straight into the load's buffer (`plan_direct`, `read_direct`).
+one registry the checkpoint's arrays use (`registry`); the format on disk is orbax's, unchanged. A save's byte
+leaves are written in one tensorstore transaction (one OCDBT commit). A leaf stored as one raw chunk is read
+from its data file by us, straight into the load's buffer (persist/direct.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
-import json
-import os
-import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
+from .direct import DirectReads, errors_deferred, plan_direct, read_direct
 from .directory import import_orbax
-
-T = TypeVar("T")
 
 
 @functools.cache
@@ -60,15 +55,37 @@ def _types() -> tuple[type, type]:
 
     @dataclasses.dataclass
     class ReadInto(ocp.RestoreArgs):  # type: ignore[name-defined]
-        """Restore a byte leaf into ``out`` (a writable 1-D uint8 array of its size) instead of new memory."""
+        """Restore a byte leaf into ``out`` (a writable 1-D uint8 array of its size) instead of new memory; the
+        direct reads of a load are counted in its ``reads`` (`DirectReads`)."""
 
         out: np.ndarray | None = None
+        reads: Any = None
 
     class ByteLeaves(ocp.type_handlers.NumpyHandler):  # type: ignore[name-defined]
         def __init__(self) -> None:
             super().__init__(deepcopy_host_arrays=False)
 
-        async def deserialize(self, infos: Any, args: Any = None) -> list[np.ndarray]:
+        async def _background_serialize(self, values: Any, infos: Any, args: Any = None) -> None:
+            # Every byte leaf of the save in one tensorstore transaction, committed once (`_WRITE_TXN`).
+            txn = ts.Transaction()
+            token = _WRITE_TXN.set(txn)
+            try:
+                await super()._background_serialize(values, infos, args)
+            finally:
+                _WRITE_TXN.reset(token)
+            await txn.commit_async()
+
+        async def _open_and_write(self, value: np.ndarray, tspec: dict[str, Any], ts_context: Any) -> None:
+            txn = _WRITE_TXN.get()
+            if txn is None:
+                return await super()._open_and_write(value, tspec, ts_context)
+            store = await ts.open(ts.Spec(tspec), create=True, open=True, context=ts_context, transaction=txn)
+            await store.write(value, can_reference_source_data_indefinitely=True)
+
+        async def deserialize(self, infos: Any, args: Any = None) -> list[Any]:
+            return await errors_deferred(self._deserialize, infos, args)
+
+        async def _deserialize(self, infos: Any, args: Any = None) -> list[np.ndarray]:
             args = list(args or [ocp.RestoreArgs()] * len(infos))
             if not any(isinstance(a, ReadInto) and a.out is not None for a in args):
                 return list(await super().deserialize(infos, args))
@@ -85,8 +102,11 @@ def _types() -> tuple[type, type]:
                 )
             # A byte leaf stored as one raw chunk is read by us, straight from its data file into the load's
             # buffer (`plan_direct`); the others through tensorstore.
-            direct = await _on_thread(plan_direct, specs, [getattr(a, "out", None) for a in args])
-            reading = _on_thread(read_direct, list(direct.values()))
+            # The threads are the load's own (`DirectReads`): a load that fails waits for its reads, not another's.
+            reads = next((a.reads for a in args if isinstance(a, ReadInto) and a.reads is not None), None)
+            group = reads if isinstance(reads, DirectReads) else DirectReads()
+            direct = await group.run(plan_direct, specs, [getattr(a, "out", None) for a in args])
+            reading = group.run(read_direct, list(direct.values()))
             rest = [i for i in range(len(infos)) if i not in direct]
 
             async def read(store: Any, arg: Any) -> np.ndarray:
@@ -100,14 +120,17 @@ def _types() -> tuple[type, type]:
 
             results: list[Any] = [None] * len(infos)
             try:
-                stores = await asyncio.gather(
-                    *[ts.open(ts.Spec(specs[i]), open=True, context=infos[i].ts_context) for i in rest]
+                # Every read settles before this returns or raises (`_settled`): a damaged leaf fails its read
+                # while the others still run, and a tensorstore future that completes after orbax has closed its
+                # event loop calls back into the closed loop ("Event loop is closed", an unraisable exception).
+                stores = await _settled(
+                    [ts.open(ts.Spec(specs[i]), open=True, context=infos[i].ts_context) for i in rest]
                 )
-                for i, got in zip(rest, await asyncio.gather(*[read(s, args[i]) for s, i in zip(stores, rest)])):
+                for i, got in zip(rest, await _settled([read(s, args[i]) for s, i in zip(stores, rest)])):
                     results[i] = got
             except BaseException:
-                # A damaged leaf fails its read here while ours are still running: wait them out, so no thread
-                # writes into the load's buffers or calls back into orbax's event loop after it is closed.
+                # The same for our own reads: no thread writes into the load's buffers or calls back into
+                # orbax's event loop after it is closed.
                 with contextlib.suppress(Exception):
                     await reading
                 raise
@@ -119,12 +142,22 @@ def _types() -> tuple[type, type]:
     return ByteLeaves, ReadInto
 
 
-def read_into(out: np.ndarray) -> Any:
+async def _settled(awaitables: list[Any]) -> list[Any]:
+    """The results of ``awaitables``, run together; the first error is raised only once every one has settled
+    (`asyncio.gather` raises the first at once and leaves the rest running)."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def read_into(out: np.ndarray, reads: DirectReads | None = None) -> Any:
     """The restore args that read a byte leaf into ``out`` (plain restore args where orbax is too old:
-    the load then copies what orbax read into ``out``'s place)."""
+    the load then copies what orbax read into ``out``'s place); its direct reads are counted in ``reads``."""
     if not supported():
         return import_orbax().RestoreArgs(restore_type=np.ndarray)
-    return _types()[1](restore_type=np.ndarray, out=out)
+    return _types()[1](restore_type=np.ndarray, out=out, reads=reads)
 
 
 def registry() -> Any:
@@ -135,205 +168,32 @@ def registry() -> Any:
 
     leaves = _types()[0]() if supported() else ocp.type_handlers.NumpyHandler()
     return ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, leaves), (jax.Array, ocp.type_handlers.get_type_handler(jax.Array))
+        (np.ndarray, leaves), (jax.Array, _deferring(ocp.type_handlers.get_type_handler(jax.Array)))
     )
 
 
-# Reading a byte leaf ourselves. tensorstore reads each chunk into a buffer of its own and copies it into the
-# load's: a second pass over 607 MiB of fresh memory (page faults and a copy, 150-250 ms on two cores), when the
-# chunk is already, byte for byte, what the buffer must hold. An orbax byte leaf is a 1-D zarr v2 uint8 array of
-# one uncompressed, unfiltered chunk in an OCDBT database; `tensorstore.ocdbt.dump` (public) says in which data
-# file, at which offset and length, its chunk lies, and a leaf that is anything else goes through tensorstore as
-# before. What is read is checked against the leaf's checksum afterwards all the same.
-_RAW_CHUNK = {"compressor": None, "filters": None, "dtype": "|u1", "order": "C", "zarr_format": 2}
+# A save's byte leaves written in one transaction: orbax opens and writes each array on its own, and the OCDBT
+# database commits what has arrived whenever its previous commit ends: a 607 MiB session was written as six
+# commits one after another (each a data file, its fsync, a new manifest, its fsync, a rename and a directory
+# fsync; strace of a save), the disk idle between them. One transaction is one commit: the same keys and
+# values, the same format on disk, one version.
+_WRITE_TXN: contextvars.ContextVar[Any] = contextvars.ContextVar("functional_state_write_txn", default=None)
 
 
-def plan_direct(specs: list[dict[str, Any]], outs: list[Any]) -> dict[int, tuple[Any, Path, int, int, bytes | None]]:
-    """``{index: (out, data file, offset, length, inline bytes)}`` for the leaves this can read straight into
-    their ``outs``; the others are left out (tensorstore reads them)."""
-    found: dict[int, tuple[Any, Path, int, int, bytes | None]] = {}
-    if not hasattr(os, "preadv"):  # a platform without it (Windows): tensorstore reads every leaf
-        return found
-    databases: dict[str, dict[bytes, Any] | None] = {}
-    for i, (spec, out) in enumerate(zip(specs, outs)):
-        store = spec.get("kvstore", {})
-        base = store.get("base")
-        if (
-            not isinstance(out, np.ndarray)
-            or out.dtype != np.uint8
-            or out.ndim != 1
-            or spec.get("driver") != "zarr"
-            or store.get("driver") != "ocdbt"
-            or not isinstance(base, (str, dict))
-        ):
-            continue
-        root = _local_directory(base)
-        if root is None or _local_directory(store.get("manifest", base)) != root:
-            continue
-        if root not in databases:
-            databases[root] = _entries(root)
-        entries = databases[root]
-        name = str(store.get("path", "")).rstrip("/")
-        if entries is None or not name:
-            continue
-        meta, chunk = entries.get(f"{name}/.zarray".encode()), entries.get(f"{name}/0".encode())
-        try:
-            zarray = json.loads(meta) if isinstance(meta, bytes) else None
-        except ValueError:
-            zarray = None
-        n = out.size
-        if (
-            not isinstance(zarray, dict)
-            or any(zarray.get(k, "?") != v for k, v in _RAW_CHUNK.items())
-            or zarray.get("shape") != [n]
-            or zarray.get("chunks") != [n]
-        ):
-            continue
-        if isinstance(chunk, bytes) and len(chunk) == n:
-            found[i] = (out, Path(root), 0, n, chunk)
-        elif isinstance(chunk, tuple) and chunk[2] == n:
-            found[i] = (out, Path(root) / chunk[0], chunk[1], n, None)
-    return found
+def _deferring(handler: Any) -> Any:
+    """``handler`` (orbax's JAX array handler) with its read errors deferred as `ByteLeaves`' are."""
+    kind: Any = type(handler)
+    deferring: Any = _deferring_type(kind)
+    out: Any = object.__new__(deferring)
+    out.__dict__.update(handler.__dict__)
+    return out
 
 
-def _local_directory(base: Any) -> str | None:
-    """The local directory of an OCDBT database's base kvstore (``file://...`` or a file driver spec)."""
-    if isinstance(base, str):
-        return base[len("file://") :] if base.startswith("file://") else None
-    if base.get("driver") == "file" and isinstance(base.get("path"), str):
-        return str(base["path"])
-    return None
+@functools.cache
+def _deferring_type(base: Any) -> type:
+    class Deferring(base):
+        async def deserialize(self, infos: Any, args: Any = None) -> list[Any]:
+            return await errors_deferred(super().deserialize, infos, args)
 
-
-def _entries(root: str) -> dict[bytes, Any] | None:
-    """``{key: inline bytes or (data file relative to root, offset, length)}`` of the newest version of the OCDBT
-    database at ``root``; None where its tree is not one this reads (a leaf node at the root is what orbax
-    writes: a node holds up to 100 MB of keys)."""
-    import tensorstore as ts
-
-    try:
-        kv = ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"}).result()
-        versions = ts.ocdbt.dump(kv).result().get("versions") or []
-        if not versions or versions[-1].get("root_height") != 0 or "location" not in versions[-1].get("root", {}):
-            return None
-        node = ts.ocdbt.dump(kv, versions[-1]["root"]["location"]).result()
-        entries: dict[bytes, Any] = {}
-        for entry in node["entries"]:
-            key = entry["key"]
-            if "inline_value" in entry:
-                entries[key] = bytes(entry["inline_value"])
-            else:
-                # "value:<base prefix>:<file>:<offset>:<length>"
-                prefix, offset, length = entry["indirect_value"].rsplit(":", 2)
-                kind, base_path, relative = prefix.split(":", 2)
-                if kind != "value":
-                    return None
-                entries[key] = (os.path.join(base_path, relative), int(offset), int(length))
-        return entries
-    except Exception:  # not a database this understands: tensorstore reads it, and says what is wrong
-        return None
-
-
-# Files read at once (orbax writes the arrays into a few data files). One stream per file, each one ``preadv``
-# per run of chunks that lie end to end, reads closest to a plain sequential read on this disk; tensorstore's
-# ~10 concurrent chunk reads and more streams over 32 MiB pieces measured slower (interleaved cold rounds of
-# 607 MiB over a raw read: tensorstore 1.57x; pieces on 1, 2, 4 threads 1.22x, 1.54x, 1.60x; runs on 1 thread
-# 1.16x, one thread per file 0.88x, both 1.2x fastest over fastest).
-READ_THREADS = 2
-
-
-def read_direct(reads: list[tuple[Any, Path, int, int, bytes | None]]) -> None:
-    """Fill each ``out`` from its data file, file by file in file order: each run of chunks that lie end to end
-    is one ``preadv`` into their buffers (the kernel's readahead then streams the file as it does a plain
-    sequential read)."""
-    by_file: dict[Path, list[tuple[int, memoryview]]] = {}
-    for out, path, offset, length, inline in reads:
-        if inline is not None:
-            out[:] = np.frombuffer(inline, np.uint8)
-        else:
-            by_file.setdefault(path, []).append((offset, memoryview(out).cast("B")[:length]))
-
-    def one_file(path: Path) -> None:
-        chunks = sorted(by_file[path], key=lambda chunk: chunk[0])
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            i = 0
-            while i < len(chunks):
-                start, run, end = chunks[i][0], [chunks[i][1]], chunks[i][0] + len(chunks[i][1])
-                i += 1
-                while i < len(chunks) and chunks[i][0] == end and len(run) < 512:
-                    run.append(chunks[i][1])
-                    end += len(chunks[i][1])
-                    i += 1
-                _read_run(fd, path, start, run)
-        finally:
-            os.close(fd)
-
-    if len(by_file) <= 1 or READ_THREADS <= 1:
-        for path in sorted(by_file):
-            one_file(path)
-        return
-    with ThreadPoolExecutor(min(len(by_file), READ_THREADS)) as pool:
-        list(pool.map(one_file, sorted(by_file)))
-
-
-# Direct reads (and their planning) run on threads of their own, not `asyncio.to_thread`'s: when another leaf's
-# read fails, orbax drops the restore's other reads unfinished and closes its event loop, and a thread of the
-# loop's executor then called back into the closed loop ("Event loop is closed", an unraisable exception) while
-# it still wrote into the load's buffers. Such a thread settles its future only while the loop runs, and a
-# restore that failed waits them out (`wait_direct_reads`) before it raises.
-_RUNNING: set[threading.Thread] = set()
-
-_RUNNING_LOCK = threading.Lock()
-
-
-def _on_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-    """``fn(*args)`` on a thread of its own, as a future of the running loop."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not done.done():
-            done.set_result(result) if error is None else done.set_exception(error)
-
-    def run() -> None:
-        result, error = None, None
-        try:
-            result = fn(*args)
-        except BaseException as e:
-            error = e
-        finally:
-            with _RUNNING_LOCK:
-                _RUNNING.discard(thread)
-            with contextlib.suppress(RuntimeError):  # the loop is closed: the restore was abandoned
-                loop.call_soon_threadsafe(settle, result, error)
-
-    thread = threading.Thread(target=run, name="functional_state direct read", daemon=True)
-    with _RUNNING_LOCK:
-        _RUNNING.add(thread)
-    thread.start()
-    return done
-
-
-def wait_direct_reads() -> None:
-    """Wait until the direct reads now running are finished (those of a restore that failed, say)."""
-    with _RUNNING_LOCK:
-        running = list(_RUNNING)
-    for thread in running:
-        thread.join()
-
-
-def _read_run(fd: int, path: Path, offset: int, views: list[memoryview]) -> None:
-    """Read the bytes at ``offset`` into ``views``, end to end, however short the reads the kernel returns."""
-    while views:
-        got = os.preadv(fd, views, offset)
-        if got <= 0:
-            raise OSError(f"{path} ends before the {sum(map(len, views))} bytes at {offset} (truncated)")
-        offset += got
-        while views and got >= len(views[0]):
-            got -= len(views[0])
-            views = views[1:]
-        if views and got:
-            views[0] = views[0][got:]
+    Deferring.__name__ = Deferring.__qualname__ = f"Deferring{base.__name__}"
+    return Deferring

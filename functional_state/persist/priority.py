@@ -87,8 +87,32 @@ def _workers() -> dict[int, int]:
     return found
 
 
+def _new_workers() -> dict[int, int]:
+    """`_workers`, less the threads already lowered and those twice seen not to be workers (`_looked`): the
+    watcher runs beside the model every `_POLL_S`, and reading every thread's name each time (a process with
+    torch, JAX and tensorstore runs dozens) took the interpreter from the model's step for no new answer. A
+    thread is looked at twice, a poll apart, because a new thread is named by itself after it starts."""
+    found = {}
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        if tid in _nice_before or _looked.get(tid, 0) >= 2:
+            continue
+        try:
+            with open(f"/proc/self/task/{name}/comm") as f:
+                if f.read().strip() != _WORKER:
+                    _looked[tid] = _looked.get(tid, 0) + 1
+                    continue
+            found[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+        except OSError:  # the thread ended
+            continue
+    return found
+
+
+_looked: dict[int, int] = {}  # thread id -> how often `_new_workers` found it not a worker, this stretch of saves
+
+
 def _lower_workers(normal: int) -> None:
-    for tid, nice in _workers().items():
+    for tid, nice in _new_workers().items():
         if tid in _nice_before or nice >= BACKGROUND_NICE:
             # (a worker started by a lowered one inherits its niceness: it gets the process's normal one back)
             _nice_before.setdefault(tid, normal)
@@ -144,3 +168,4 @@ def background_end() -> None:
                 with contextlib.suppress(OSError):
                     os.setpriority(os.PRIO_PROCESS, tid, _nice_before.get(tid, _normal[0]))
         _nice_before.clear()
+        _looked.clear()

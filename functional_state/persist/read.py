@@ -13,8 +13,9 @@ import numpy as np
 
 from ..errors import CheckpointError
 from .decode import decode_sharding
+from .direct import DirectReads
 from .directory import import_orbax, list_steps, orbax_manager
-from .handlers import read_into, wait_direct_reads
+from .handlers import read_into
 from .manifest import (
     CHECKSUM,
     aligned_empty,
@@ -59,7 +60,7 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
     check_manifest(manifest, root)
     on_cpu = _storages_on_cpu(manifest, torch_device)
     # Host-bound storages are read straight into aligned memory JAX can alias: from the data file itself where a
-    # storage is one raw chunk (`handlers.plan_direct`: no copy at all, the kernel's copy is the only one), else
+    # storage is one raw chunk (`direct.plan_direct`: no copy at all, the kernel's copy is the only one), else
     # through tensorstore's read buffer (one copy).
     leaves = manifest["leaves"]
     prepared = _prepare(leaves, on_cpu)
@@ -107,6 +108,7 @@ def _read_arrays(
 ) -> dict[str, Any]:
     """The ``leaves`` of ``step`` that orbax's arrays item holds, restored (``prepared`` ones into their buffers)."""
     manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
+    reads = DirectReads()  # this load's own direct reads
     try:
         abstract: dict[str, Any] = {}
         for key, info in leaves.items():
@@ -117,11 +119,15 @@ def _read_arrays(
                 abstract[key] = np.empty(info["nbytes"], np.uint8)
         try:
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
-            restore_args.update({key: read_into(out) for key, out in prepared.items() if key in leaves})
+            restore_args.update({key: read_into(out, reads) for key, out in prepared.items() if key in leaves})
             restore = ocp.args.PyTreeRestore(abstract, restore_args=restore_args)
-            return dict(manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"])
+            with reads.active():  # every handler settles before orbax returns (`direct.DirectReads.active`)
+                restored = dict(manager.restore(step, args=ocp.args.Composite(arrays=restore))["arrays"])
+            if reads.errors:
+                raise reads.errors[0]
+            return restored
         except Exception as e:
-            wait_direct_reads()  # none still writes into the buffers of a load that failed
+            reads.wait()  # none still writes into the buffers of a load that failed
             raise CheckpointError(
                 f"{root}: reading the arrays failed, the checkpoint is damaged or truncated ({type(e).__name__}: "
                 f"{str(e)[:300]})."

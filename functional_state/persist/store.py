@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -139,14 +141,36 @@ def _wait_at_exit() -> bool:
         return True
 
 
+def _sealed_in_background(manifest: dict[str, Any], writer: Writer) -> Future[dict[str, Any]]:
+    """``manifest`` with every leaf's checksum and its seal, computed on a thread of its own."""
+
+    def run() -> dict[str, Any]:
+        writer.checksums()
+        seal(manifest)
+        return manifest
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="functional_state checksums")
+    try:
+        return pool.submit(run)
+    finally:
+        pool.shutdown(wait=False)
+
+
 def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: bool) -> SaveHandle:
     ocp = import_orbax()
     root = Path(os.fspath(path)).absolute()
-    writer.checksums()
-    manifest["leaves"] = writer.leaves
-    seal(manifest)
     if asynchronous and not _wait_at_exit():
         asynchronous = False  # a save asked for while the interpreter exits finishes before it returns
+    manifest["leaves"] = writer.leaves
+    sealed: Future[dict[str, Any]] | None = None
+    if asynchronous:
+        # Before it returns: the copies of buffers the model may change are made in the checksums' pass.
+        writer.checksums()
+        seal(manifest)
+    else:
+        # Nothing is copied: the checksums (~25 ms of CPU for 607 MiB on two cores) run while orbax writes the
+        # arrays, and the manifest is written once they are done (`directory.orbax_manager`).
+        sealed = _sealed_in_background(manifest, writer)
     key = os.path.realpath(root)
     with _path_lock(key):
         earlier = _IN_FLIGHT.pop(key, None)
@@ -159,7 +183,7 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
         manager = None
         lowered = asynchronous and background_begin()
         try:
-            manager = orbax_manager(ocp, root, options)
+            manager = orbax_manager(ocp, root, options, sealed)
             items = {"manifest": ocp.args.JsonSave(manifest)}
             # Leaves of no bytes are the manifest's alone (`in_arrays_item`), and a session holding no other
             # array (none at all, or only empty ones) has no arrays item: orbax refuses an empty one.
@@ -170,6 +194,9 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
             if not manager.save(step, args=args):
                 raise RuntimeError(f"orbax declined to write step {step}")
         except Exception as e:
+            if sealed is not None:  # no thread of this save still reads the caller's buffers once it has failed
+                with contextlib.suppress(Exception):
+                    sealed.result()
             if lowered:
                 background_end()
             if manager is not None:
