@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .aliases import Loose, alias_owner, register_alias
+from .aliases import OWNED, Loose, alias_owner, register_alias
 
 __all__ = ["WalkReport", "alias_owner", "nbytes_by_device", "register_alias", "total_nbytes"]
 
@@ -83,10 +83,9 @@ class WalkReport:
     unaccounted_objects: int = 0
 
 
-# Engine KV pools (see `functional_state.paged_kv`): (pool key, storage start) -> segments of that storage
-# that are pool layers, each (first byte offset, end offset, extent base, block bytes, pool uid). A value
-# lying in a pool layer counts the blocks it spans, in the pool's block extents, so it deduplicates with the
-# handles that reference those blocks.
+# Engine KV pools (see `functional_state.paged_kv`): (pool key, storage start) -> segments of that storage that
+# are pool layers, each (first byte offset, end offset, extent base, block bytes, pool uid). A value lying in a
+# pool layer counts the blocks it spans, in the pool's block extents: it deduplicates with their handles.
 POOL_STORAGES: dict[tuple[str, int], tuple[tuple[int, int, int, int, int], ...]] = {}
 POOL_LIVE: set[int] = set()  # uids of pools alive (a pool's finalizer removes its uid: no lock, GC-safe)
 
@@ -156,7 +155,8 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
             if _pool_blocks(key, start, offset + lo, offset + hi, out):
                 return
         # A storage torch did not allocate (from_numpy, from_dlpack: not resizable) may overlap another one.
-        out.append((key, start, start + size) if storage.resizable() else Loose((key, start, start + size)))
+        e = (key, start, start + size)  # (unless it is one of our own host buffers: `aliases.OWNED`)
+        out.append(e if storage.resizable() or e in OWNED else Loose(e))
 
 
 _STRIDED, _NO_BYTES, _POINTER = None, ctypes.c_char * 0, ctypes.c_void_p.from_address

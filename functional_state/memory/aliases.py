@@ -13,8 +13,12 @@ from typing import Any
 
 import jax
 
-__all__ = ["Loose", "alias_owner", "register_alias"]
+__all__ = ["OWNED", "Loose", "alias_owner", "register_alias"]
 
+# Extents ``("cpu", start, end)`` of host buffers this package allocated for one storage each (`host_buffers`):
+# torch reports them as storages it did not allocate (``from_numpy``), yet they are allocations proper, equal
+# to or disjoint from every other extent, so the accounting need not treat them as `Loose`.
+OWNED: set[tuple[str, int, int]] = set()
 # id(jax array) -> (weakref to it, owner).
 _ALIASES: dict[int, tuple[weakref.ref, Any]] = {}
 # Re-entrant: the weakref callback that forgets an alias can run while this thread holds the lock (a

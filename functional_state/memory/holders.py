@@ -270,6 +270,7 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
         # object holds): held elsewhere too, whoever holds the other (this object included: its own other
         # extent reads those bytes as well).
         loose_open = {f[0] for f in opened if type(f) is Loose}
+        attr_extents: list[Extent] | None = None  # (read once per call, and only if a question needs it)
         for e in extents:
             if e in out:
                 continue
@@ -277,7 +278,8 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
             if index is not None and overlapped(index, e):
                 out.add(e)
             elif type(e) is Loose or e[0] in loose_attrs or e[0] in loose_open:  # (else equal or disjoint)
-                attr_extents = [*arefs, *opened]
+                if attr_extents is None:
+                    attr_extents = [*arefs, *opened]
                 if any(f[0] == e[0] and f[1] < e[2] and e[1] < f[2] and f != e for f in attr_extents):
                     out.add(e)
     return out

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidArgumentError
+from .aliases import OWNED
 
 __all__ = [
     "MIN_NBYTES",
@@ -67,7 +68,9 @@ def host_buffer(nbytes: int) -> Any:
     if base is None:
         base = np.empty(nbytes, np.uint8)
     view = base[:]  # the object torch keeps alive for as long as anything holds the storage
-    done = weakref.finalize(view, _give_back, base)
+    extent = ("cpu", view.ctypes.data, view.ctypes.data + nbytes)
+    OWNED.add(extent)  # (an allocation of its own until its storage dies: see `aliases.OWNED`)
+    done = weakref.finalize(view, _give_back, base, extent)
     done.atexit = False
     return sys.modules["torch"].from_numpy(view)
 
@@ -84,7 +87,8 @@ def host_bytes(n: int, pinned: bool) -> Any:
     return torch.empty(n, dtype=torch.uint8)
 
 
-def _give_back(base: np.ndarray) -> None:
+def _give_back(base: np.ndarray, extent: tuple[str, int, int]) -> None:
+    OWNED.discard(extent)
     n = base.nbytes
     with _lock:
         if _state["free"] + n <= _state["limit"]:
