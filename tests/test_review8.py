@@ -1,0 +1,22 @@
+"""Defects found by the wave-8 review (issue 24), each with the case that showed it."""
+
+import numpy as np
+import pytest
+
+import functional_state as fs
+from functional_state import SessionStateManager
+
+
+def test_a_list_attr_grown_in_place_is_counted_at_the_sessions_next_attr_write():
+    """The fast budget check once added only the values a write set: a list attr the model had grown in place
+    (kept by identity) stayed at the bytes it was counted with, and the write was admitted over the budget."""
+    m = SessionStateManager(byte_budget=8192)
+    h = m.get_or_create_session("a")
+    h.set_attr("frames", [np.zeros(256, np.float32)])  # 1 KiB in a list (a container: it may grow)
+    h.set_attr("step", np.zeros(16, np.float32))  # the bound now holds that 1 KiB
+    frames = h.get_attr("frames")
+    for _ in range(8):
+        frames.append(np.zeros(256, np.float32))  # 9 KiB in all now, in place
+    assert m.stats(exact=True)["nbytes:cpu"] > 8192
+    with pytest.raises(fs.BudgetExceededError):  # the session's own attrs are over: nothing to release
+        h.set_attr("step2", np.zeros(16, np.float32))
