@@ -20,3 +20,25 @@ def test_a_list_attr_grown_in_place_is_counted_at_the_sessions_next_attr_write()
     assert m.stats(exact=True)["nbytes:cpu"] > 8192
     with pytest.raises(fs.BudgetExceededError):  # the session's own attrs are over: nothing to release
         h.set_attr("step2", np.zeros(16, np.float32))
+
+
+def test_replace_runs_no_base_init():
+    """`_replace` built a draft by calling it, which ran a base class's ``__init__`` on every copy (a mixin that
+    counts, registers or validates); the generated replace promises never to re-run an ``__init__``."""
+    from functional_state.core.pytree import pytree_dataclass
+
+    calls = []
+
+    class Mixin:
+        def __init__(self):
+            calls.append(1)
+
+    @pytree_dataclass()
+    class Point(Mixin):
+        x: object
+        y: object
+
+    p = Point(1, 2)
+    calls.clear()
+    q = p._replace(x=3)
+    assert type(q) is Point and (q.x, q.y) == (3, 2) and not calls

@@ -45,7 +45,7 @@ def _make_draft(cls: type, names: list[str]) -> type | None:
         body = {"__slots__": cls.__dict__["__slots__"], "__module__": cls.__module__}
         draft = type(f"_{cls.__name__}Draft", cls.__bases__, body)
         draft.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]  # (finished before anyone sees it)
-        probe = draft()
+        probe = object.__new__(draft)  # (as `replace` makes one: no base's __init__ runs)
         marks = [object() for _ in names]
         for name, mark in zip(names, marks, strict=True):
             setattr(probe, name, mark)
@@ -72,7 +72,7 @@ def _make_replace(cls: type, names: list[str], draft: type | None) -> Callable[.
     described = "".join(f"    _set_{n}(new, {pick[n]})\n" for n in names)
     src = f"def replace(obj, *, {params}):\n"
     if draft is not None:
-        src += f"    if type(obj) is _cls:\n        new = _draft()\n{drafted}        new.__class__ = _cls\n        return new\n"
+        src += f"    if type(obj) is _cls:\n        new = _new(_draft)\n{drafted}        new.__class__ = _cls\n        return new\n"
     src += f"    new = _new(type(obj))\n{described}    return new\n"
     namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__, "_cls": cls, "_draft": draft}
     namespace.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
