@@ -42,3 +42,24 @@ def test_replace_runs_no_base_init():
     calls.clear()
     q = p._replace(x=3)
     assert type(q) is Point and (q.x, q.y) == (3, 2) and not calls
+
+
+def test_a_base_hook_that_refuses_the_draft_class_leaves_the_decorator_working():
+    """The draft class `pytree_dataclass` makes is a subclass of the class's bases: a base whose
+    ``__init_subclass__`` checks what a subclass declares raised out of the decorator (only TypeError and
+    AttributeError were taken as "no draft")."""
+    from functional_state.core.pytree import pytree_dataclass
+
+    class Kinded:
+        def __init_subclass__(cls, **kw):
+            super().__init_subclass__(**kw)
+            if "kind" not in cls.__dict__:
+                raise ValueError(f"{cls.__name__} must declare `kind`")
+
+    @pytree_dataclass()
+    class Frame(Kinded):
+        kind = "frame"
+        x: object
+
+    q = Frame(1)._replace(x=2)
+    assert type(q) is Frame and q.x == 2

@@ -39,7 +39,8 @@ def _make_draft(cls: type, names: list[str]) -> type | None:
     A frozen slotted dataclass can only be written through each slot descriptor's ``__set__`` (a call apiece:
     ~50 ns, most of a copy's cost). A draft's slots take plain attribute stores (a few ns each), and assigning
     ``__class__`` (allowed: same slots, same bases) makes it the finished, frozen object. Nothing else ever
-    sees a draft: the builders fill one and hand out only the result.
+    sees a draft: the builders fill one and hand out only the result. (Its bases' ``__init_subclass__`` does
+    see the draft class, being a subclass: where a hook refuses it, ``cls`` goes without a draft.)
     """
     try:
         body = {"__slots__": cls.__dict__["__slots__"], "__module__": cls.__module__}
@@ -50,7 +51,7 @@ def _make_draft(cls: type, names: list[str]) -> type | None:
         for name, mark in zip(names, marks, strict=True):
             setattr(probe, name, mark)
         probe.__class__ = cls
-    except (TypeError, AttributeError):  # (a layout or a base this CPython refuses to reassign)
+    except Exception:  # (a layout this CPython refuses to reassign, or a base's hook refusing the draft class)
         return None
     if type(probe) is not cls or any(getattr(probe, n) is not m for n, m in zip(names, marks, strict=True)):
         return None
