@@ -46,7 +46,7 @@ def _make_draft(cls: type, names: list[str]) -> type | None:
         body = {"__slots__": cls.__dict__["__slots__"], "__module__": cls.__module__}
         draft = type(f"_{cls.__name__}Draft", cls.__bases__, body)
         draft.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]  # (finished before anyone sees it)
-        probe = object.__new__(draft)  # (as `replace` makes one: no base's __init__ runs)
+        probe: Any = object.__new__(draft)  # (as `replace` makes one: no base's __init__ runs)
         marks = [object() for _ in names]
         for name, mark in zip(names, marks, strict=True):
             setattr(probe, name, mark)

@@ -82,6 +82,8 @@ _ABSENT = object()  # (an attr the session did not carry before the write)
 def _is_container(memo: Any, value: Any) -> bool:
     entry = memo.get(id(value))
     return entry is not None and entry.value is value and entry.extents is None
+
+
 # Plain values no buffer can be reached through (the accounting's walk skips them too): a counter an adapter
 # sets every step is not read at all.
 _NO_STORAGE = frozenset({int, float, bool, str, type(None)})
