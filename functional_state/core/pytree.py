@@ -39,18 +39,19 @@ def _make_draft(cls: type, names: list[str]) -> type | None:
     A frozen slotted dataclass can only be written through each slot descriptor's ``__set__`` (a call apiece:
     ~50 ns, most of a copy's cost). A draft's slots take plain attribute stores (a few ns each), and assigning
     ``__class__`` (allowed: same slots, same bases) makes it the finished, frozen object. Nothing else ever
-    sees a draft: the builders fill one and hand out only the result.
+    sees a draft: the builders fill one and hand out only the result. (Its bases' ``__init_subclass__`` does
+    see the draft class, being a subclass: where a hook refuses it, ``cls`` goes without a draft.)
     """
     try:
         body = {"__slots__": cls.__dict__["__slots__"], "__module__": cls.__module__}
         draft = type(f"_{cls.__name__}Draft", cls.__bases__, body)
         draft.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]  # (finished before anyone sees it)
-        probe = draft()
+        probe: Any = object.__new__(draft)  # (as `replace` makes one: no base's __init__ runs)
         marks = [object() for _ in names]
         for name, mark in zip(names, marks, strict=True):
             setattr(probe, name, mark)
         probe.__class__ = cls
-    except (TypeError, AttributeError):  # (a layout or a base this CPython refuses to reassign)
+    except Exception:  # (a layout this CPython refuses to reassign, or a base's hook refusing the draft class)
         return None
     if type(probe) is not cls or any(getattr(probe, n) is not m for n, m in zip(names, marks, strict=True)):
         return None
@@ -72,7 +73,7 @@ def _make_replace(cls: type, names: list[str], draft: type | None) -> Callable[.
     described = "".join(f"    _set_{n}(new, {pick[n]})\n" for n in names)
     src = f"def replace(obj, *, {params}):\n"
     if draft is not None:
-        src += f"    if type(obj) is _cls:\n        new = _draft()\n{drafted}        new.__class__ = _cls\n        return new\n"
+        src += f"    if type(obj) is _cls:\n        new = _new(_draft)\n{drafted}        new.__class__ = _cls\n        return new\n"
     src += f"    new = _new(type(obj))\n{described}    return new\n"
     namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__, "_cls": cls, "_draft": draft}
     namespace.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})

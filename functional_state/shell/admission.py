@@ -50,10 +50,10 @@ def within_budget_fast(
 ) -> Surplus | None:
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
     the bound, else None (a full check is needed). A write that changes a session's attrs adds the bytes of
-    the values it set to the bound: the values it kept are in the bound already (counted when they were
-    set, or at the last full check), and a value it removed or replaced stays counted (a bound may exceed).
-    So a `set_attr` reads the one value it sets, never the session's other attrs (a plain number or string
-    not even that)."""
+    the values it set to the bound: the arrays and tensors it kept are in the bound already (counted when
+    they were set, or at the last full check), and a value it removed or replaced stays counted (a bound may
+    exceed). So a `set_attr` reads the value it sets and the session's containers (a list a model appends
+    to in place), never its other attrs (a plain number or string not even that)."""
     if surplus is None:
         return None
     bound = surplus
@@ -61,10 +61,14 @@ def within_budget_fast(
         attrs = ms.lookup(after, writer).attrs
         old = ms.lookup(before, writer).attrs if writer in before else None
         if old is not attrs:
+            # A container kept by identity is read again: a model may have grown it in place since it was
+            # counted (its entry in the attr index has no extents: the index re-reads it too).
+            memo = ledger_of(before).attrs.memo if old is not None else None
             new = {
                 k: v
                 for k, v in attrs.items()
-                if type(v) not in _NO_STORAGE and (old is None or old.get(k, _ABSENT) is not v)
+                if type(v) not in _NO_STORAGE
+                and (old is None or old.get(k, _ABSENT) is not v or _is_container(memo, v))
             }
             extra = attr_bytes(new) if new else None
             if extra:
@@ -73,6 +77,13 @@ def within_budget_fast(
 
 
 _ABSENT = object()  # (an attr the session did not carry before the write)
+
+
+def _is_container(memo: Any, value: Any) -> bool:
+    entry = memo.get(id(value))
+    return entry is not None and entry.value is value and entry.extents is None
+
+
 # Plain values no buffer can be reached through (the accounting's walk skips them too): a counter an adapter
 # sets every step is not read at all.
 _NO_STORAGE = frozenset({int, float, bool, str, type(None)})
