@@ -3,6 +3,7 @@ taking fresh, page-faulting memory, and a buffer is never handed out again while
 
 import resource
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,29 @@ def test_parks_from_many_threads_each_get_their_own_bytes():
         t.join()
     assert not errors
     assert host_buffers.cached_nbytes() <= host_buffers.cache_limit()
+
+
+def test_a_fresh_host_buffer_starts_on_a_page_so_jax_aliases_a_restored_tensor() -> None:
+    """numpy's large arrays start 16 bytes into their mapping; a JAX import needs 64-byte alignment, so a
+    restored CPU tensor over a buffer that is not page-aligned was copied by `to_jax`, not aliased."""
+    import warnings
+
+    import torch
+
+    import functional_state as fs
+    import torch_bridge as tb
+
+    host_buffers.clear_cache()  # (a fresh buffer, not one an earlier test left)
+    sizes = [host_buffers.MIN_NBYTES + k * 4096 for k in range(1, 4)]  # sizes no other test caches
+    assert all(host_buffers.host_buffer(n).data_ptr() % 4096 == 0 for n in sizes)
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.put(s, "a", "b", fs.LatentBuffer.create(maxlen=2))
+    s = fs.commit(s, "a", "b", torch.arange(1 << 20, dtype=torch.float32))
+    parked, _ = fs.park(s, "a", "b")
+    restored, _ = fs.restore(parked, "a", "b")
+    (frame,) = fs.view(restored, "a", "b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tb.BridgeCopyWarning)
+        alias = tb.to_jax(frame)
+    assert alias.unsafe_buffer_pointer() == frame.data_ptr()
+    assert bool((np.asarray(alias) == np.arange(1 << 20, dtype=np.float32)).all())

@@ -66,13 +66,24 @@ def host_buffer(nbytes: int) -> Any:
         if base is not None:
             _state["free"] -= nbytes
     if base is None:
-        base = np.empty(nbytes, np.uint8)
+        base = _aligned(nbytes)
     view = base[:]  # the object torch keeps alive for as long as anything holds the storage
     extent = ("cpu", view.ctypes.data, view.ctypes.data + nbytes)
     OWNED.add(extent)  # (an allocation of its own until its storage dies: see `aliases.OWNED`)
     done = weakref.finalize(view, _give_back, base, extent)
     done.atexit = False
     return sys.modules["torch"].from_numpy(view)
+
+
+_PAGE = 4096
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """``nbytes`` of fresh memory starting on a page boundary. numpy's own large arrays start 16 bytes into
+    their mapping (malloc's header), and a JAX import of a CPU tensor needs 64-byte alignment to alias it."""
+    raw = np.empty(nbytes + _PAGE, np.uint8)
+    skip = -raw.ctypes.data % _PAGE
+    return raw[skip : skip + nbytes]  # (its base keeps the whole allocation alive)
 
 
 def host_bytes(n: int, pinned: bool) -> Any:
