@@ -68,3 +68,30 @@ def test_a_synchronous_save_whose_checksums_fail_fails_and_keeps_the_previous_ch
     assert torch.equal(
         fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")[0], torch.zeros(1 << 12)
     )
+
+
+def test_a_load_of_a_one_file_checkpoint_reads_its_halves_on_two_streams_bit_exact(tmp_path, monkeypatch):
+    """A save is one commit, so its bulk is one data file: the load reads it as two streams (a stream per half,
+    on two threads), and every byte lands where it belongs."""
+    from functional_state.persist import direct
+
+    g = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(1 << 16, generator=g) for _ in range(8)]
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "v", fs.DenseValue.create(tensors))
+    fs.save_session(s, "a", tmp_path / "ck")
+    opened: list[str] = []
+    real_open = direct.os.open
+
+    def recording(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(direct.os, "open", recording)  # (each stream opens the file once)
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
+    monkeypatch.undo()
+    assert all(torch.equal(x, y) for x, y in zip(loaded, tensors))
+    data = [p for p in opened if "/d/" in p]  # the OCDBT data files (under the database's ``d/``)
+    files = set(data)
+    # A lone data file (what one commit writes) is read as two streams; several files, a stream each.
+    assert len(data) == (2 if len(files) == 1 else len(files)), (len(files), len(data))
