@@ -46,6 +46,8 @@ import numpy as np
 
 import functional_state as fs
 from _timing import fmt_time, interleaved_medians
+from functional_state.table.lru import compacted
+from functional_state.table.recency_log import Log, append
 
 SIZES = (64, 1_000, 100_000)
 OPS = {64: 20_000, 1_000: 20_000, 100_000: 20_000}  # ops per sample
@@ -94,7 +96,7 @@ class OneLockManager(OrderedDictManager):
 # the cheapest found: the state is one tuple (nodes, clock, log, start, end, pending, pending tick, cap);
 # nodes: immutables.Map sid -> (session, tick); recency: a tick per node and an append-only log of
 # (sid, tick) in two parallel lists, branched by a table derived from an old one and compacted at
-# 4x the table (as ours); a hit writes no node (the session is left pending, its tick in the state) and
+# 4x the table (the table's own `recency_log.Log`, `append` and `lru.compacted`: the log is shared code); a hit writes no node (the session is left pending, its tick in the state) and
 # its commit writes the node once; a session is a dict copied on write up to FLOOR_SMALL objects (cheaper
 # than a persistent map there, and a dict of untracked values leaves the garbage collector's lists),
 # an immutables.Map beyond (O(log n)); a ring is a tuple.
@@ -104,40 +106,9 @@ FLOOR_COMPACT_AT = 4
 _FLOOR_EMPTY: dict = {}
 
 
-class FloorLog:
-    """One segment of the floor's recency log: positions ``base, base + 1, ...``; earlier ones are ``parent``'s."""
-
-    __slots__ = ("base", "parent", "sids", "ticks")
-
-    def __init__(self, sids: list, ticks: list, base: int = 0, parent: FloorLog | None = None):
-        self.sids, self.ticks, self.base, self.parent = sids, ticks, base, parent
-
-
-def _floor_entries(log: FloorLog, start: int, end: int):
-    segments = [log]
-    while log.base > start and log.parent is not None:
-        log = log.parent
-        segments.append(log)
-    segments.reverse()
-    for k, seg in enumerate(segments):
-        top = segments[k + 1].base if k + 1 < len(segments) else end
-        for i in range(max(start, seg.base) - seg.base, top - seg.base):
-            yield seg.sids[i], seg.ticks[i]
-
-
-def _floor_compacted(nodes, log: FloorLog, start: int, end: int, pending, pending_tick: int) -> FloorLog:
-    sids, ticks = [], []
-    for sid, t in _floor_entries(log, start, end):
-        node = nodes.get(sid)
-        if node is not None and (pending_tick if sid == pending else node[1]) == t:
-            sids.append(sid)
-            ticks.append(t)
-    return FloorLog(sids, ticks)
-
-
 def floor_create(max_sessions: int) -> tuple:
     """An empty floor table."""
-    return (immutables.Map(), 0, FloorLog([], []), 0, 0, None, 0, max_sessions)
+    return (immutables.Map(), 0, Log([], []), 0, 0, None, 0, max_sessions)
 
 
 def floor_get_or_create(state: tuple, sid: str) -> tuple[tuple, Any]:
@@ -154,12 +125,12 @@ def floor_get_or_create(state: tuple, sid: str) -> tuple[tuple, Any]:
             if sids[end - log.base] is sid:
                 log.ticks.append(clock)
             else:  # another table appended first: branch
-                log = FloorLog([sid], [clock], end, log)
+                log = Log([sid], [clock], end, log)
         else:
-            log = FloorLog([sid], [clock], end, log)
+            log = Log([sid], [clock], end, log)
         end += 1
         if end - start >= FLOOR_COMPACT_AT * len(nodes):
-            log = _floor_compacted(nodes, log, start, end, sid, clock)
+            log = compacted(nodes, log, start, end, sid, clock)
             start, end = 0, len(log.sids)
         return (nodes, clock + 1, log, start, end, sid, clock, cap), node[0]
     if len(nodes) >= cap:  # evict: the oldest entry still current
@@ -176,24 +147,12 @@ def floor_get_or_create(state: tuple, sid: str) -> tuple[tuple, Any]:
         if victim == pending:
             pending = None
     nodes = nodes.set(sid, (_FLOOR_EMPTY, clock))
-    log = _floor_append(log, end, sid, clock)
+    log = append(log, end, sid, clock)
     end += 1
     if end - start >= FLOOR_COMPACT_AT * len(nodes):
-        log = _floor_compacted(nodes, log, start, end, pending, pending_tick)
+        log = compacted(nodes, log, start, end, pending, pending_tick)
         start, end = 0, len(log.sids)
     return (nodes, clock + 1, log, start, end, pending, pending_tick, cap), _FLOOR_EMPTY
-
-
-def _floor_append(log: FloorLog, end: int, sid: str, clock: int) -> FloorLog:
-    """The log with ``(sid, clock)`` at position ``end`` (a branch if another table appended there first).
-    The hit path writes the same steps out inline: a call there is a measurable share of a floor op."""
-    sids = log.sids
-    if log.base + len(sids) == end:
-        sids.append(sid)
-        if sids[end - log.base] is sid:
-            log.ticks.append(clock)
-            return log
-    return FloorLog([sid], [clock], end, log)
 
 
 def floor_put(state: tuple, sid: str, name: str, ring: tuple) -> tuple:
@@ -231,11 +190,7 @@ def floor_commit(state: tuple, sid: str, name: str, item: Any) -> tuple:
 def floor_lru(state: tuple) -> list[str]:
     """The floor's session ids, least recently used first."""
     nodes, _, log, start, end, pending, pending_tick, _ = state
-    return [
-        sid
-        for sid, t in _floor_entries(log, start, end)
-        if sid in nodes and (pending_tick if sid == pending else nodes[sid][1]) == t
-    ]
+    return compacted(nodes, log, start, end, pending, pending_tick).sids  # (the current entries, in order)
 
 
 class _IdStream:
@@ -275,7 +230,6 @@ def _tables(n: int):
     locked = fs.ManagerState.create(max_sessions=n)
     shell = fs.SessionStateManager(max_sessions=n)
     one_lock, no_lock = OneLockManager(n), OrderedDictManager(n)
-    floor = floor_create(n)
     for i in range(n):
         sid = f"s{i}"
         for name in ("pure", "locked"):
@@ -289,9 +243,7 @@ def _tables(n: int):
         shell.get_or_create_session(sid).put("buf", buf)
         one_lock.op(sid, ITEM)
         no_lock.op(sid, ITEM)
-        floor, _ = floor_get_or_create(floor, sid)
-        floor = floor_put(floor, sid, "buf", ())
-    return pure, locked, shell, one_lock, no_lock, floor
+    return pure, locked, shell, one_lock, no_lock, _floor_table(n)
 
 
 def _workloads(n: int, rng: random.Random) -> tuple[dict, dict]:
@@ -336,17 +288,10 @@ def _workloads(n: int, rng: random.Random) -> tuple[dict, dict]:
             h.get_or_create("buf", lambda: buf)
             h.commit("buf", ITEM)
 
+    floor_ops = _floor_ops(holders["floor"], lock)
+
     def floor_locked():
-        holder = holders["floor"]
-        s = holder.pop("state")
-        f_get_or_create, f_put, f_commit = floor_get_or_create, floor_put, floor_commit
-        for sid in ids("floor"):
-            with lock:
-                s, session = f_get_or_create(s, sid)
-                if not session:
-                    s = f_put(s, sid, "buf", ())
-                s = f_commit(s, sid, "buf", ITEM)
-        holder["state"] = s
+        floor_ops(ids("floor"))
 
     def one_lock_ops():
         op = one_lock.op
@@ -544,23 +489,28 @@ def _pure_locked(module, n: int):
     return ops
 
 
-def _floor_locked(n: int):
-    """The floor's op under one lock, on a table of its own (see `_pure_locked`)."""
+def _floor_table(n: int) -> tuple:
+    """A floor table of ``n`` sessions, each with an empty ring ``buf``."""
     state = floor_create(n)
     for i in range(n):
         state, _ = floor_get_or_create(state, f"s{i}")
         state = floor_put(state, f"s{i}", "buf", ())
-    holder = {"state": state}
-    lock = threading.Lock()
+    return state
+
+
+def _floor_ops(holder: dict, lock: Any):
+    """The floor's op under ``lock`` for each id of a list, on the table in ``holder["state"]`` (taken out
+    while it runs: the only reference, so superseded versions die as in a server)."""
 
     def ops(ids: list[str]) -> None:
         s = holder.pop("state")
+        f_get_or_create, f_put, f_commit = floor_get_or_create, floor_put, floor_commit
         for sid in ids:
             with lock:
-                s, session = floor_get_or_create(s, sid)
+                s, session = f_get_or_create(s, sid)
                 if not session:
-                    s = floor_put(s, sid, "buf", ())
-                s = floor_commit(s, sid, "buf", ITEM)
+                    s = f_put(s, sid, "buf", ())
+                s = f_commit(s, sid, "buf", ITEM)
         holder["state"] = s
 
     return ops
@@ -587,7 +537,7 @@ def compare(against: str, sizes: tuple[int, ...], rounds: int, ops: int) -> list
         fns = {
             "this": _pure_locked(fs, n),
             "against": _pure_locked(other, n),
-            "floor": _floor_locked(n),
+            "floor": _floor_ops({"state": _floor_table(n)}, threading.Lock()),
             "one_lock": one_lock,
         }
         wall: dict[str, list[float]] = {k: [] for k in fns}
