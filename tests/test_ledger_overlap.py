@@ -22,6 +22,14 @@ from functional_state.table.manager_state import ledger_of
 from helpers import assert_unchanged, snapshot
 
 fn = torch.from_numpy
+
+
+def fixed_loose(view: np.ndarray) -> np.ndarray:
+    """A fixed attr value (`values.fixed`) over memory it did not allocate: numpy over a foreign buffer. (A
+    torch tensor is mutable: ``set_`` or ``resize_`` give it other storage, so the attr index re-reads it.)"""
+    return np.frombuffer(memoryview(view), view.dtype)
+
+
 F = 4  # bytes of a float32
 
 
@@ -104,11 +112,11 @@ def test_attrs_and_objects_holding_overlapping_extents_union():
     m = fs.SessionStateManager()
     h = m.get_or_create_session("a").put("r", fs.LatentBuffer.create())
     h.commit("r", fn(x[:5]))
-    h.set_attr("closed", fn(x[3:]))  # a closed attr value: its extents recorded on write
+    h.set_attr("closed", fixed_loose(x[3:]))  # a fixed attr value: its extents recorded on write
     assert _agree(m) == 40
     h.set_attr("container", [fn(x[1:2]), x])  # a container: walked on every question
     assert _agree(m) == 40
-    h.set_attr("closed", fn(x[6:8]))
+    h.set_attr("closed", fixed_loose(x[6:8]))
     h.del_attr("container")
     assert _agree(m) == 5 * F + 2 * F
     kept = ledger_of(m.state).attrs  # the attr index's own total is a union too
@@ -118,7 +126,7 @@ def test_attrs_and_objects_holding_overlapping_extents_union():
 def test_two_attrs_alone_overlapping_union_in_the_attr_index():
     x = np.arange(10, dtype=np.float32)
     s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
-    s = fs.set_attr(fs.set_attr(s, "a", "p", fn(x[:6])), "a", "q", fn(x[4:]))
+    s = fs.set_attr(fs.set_attr(s, "a", "p", fixed_loose(x[:6])), "a", "q", fixed_loose(x[4:]))
     assert _agree(s) == 40 and dict(ledger_of(s).attrs.totals) == {"cpu": 40}
     s = fs.set_attr(s, "a", "p", 0)
     assert _agree(s) == 24 and dict(ledger_of(s).attrs.totals) == {"cpu": 24}

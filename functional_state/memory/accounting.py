@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from .aliases import OWNED, Loose, alias_owner, register_alias
+from .values import NO_BUFFER_TYPES
 
 __all__ = ["WalkReport", "alias_owner", "nbytes_by_device", "register_alias", "total_nbytes"]
 
@@ -271,8 +272,7 @@ _OPAQUE = (
     staticmethod,
     classmethod,
 )
-_SCALARS = (str, bytes, bytearray, int, float, complex, bool, type(None), memoryview, range, slice)
-_SCALAR_TYPES = frozenset(_SCALARS)
+_SCALARS = tuple(NO_BUFFER_TYPES)  # (the walk counts Python's own byte buffers zero: not array memory)
 _MAX_OBJECT_DEPTH = 16  # plain objects nested deeper than this (attribute chains) count as unaccounted
 
 
@@ -327,7 +327,7 @@ def collect_extents(root: Any, out: Extents, seen: dict[int, Any], report: WalkR
     stack: list[tuple[Any, int]] = [(root, 0)]
     while stack:
         x, depth = stack.pop()
-        if type(x) in _SCALAR_TYPES or id(x) in seen:
+        if type(x) in NO_BUFFER_TYPES or id(x) in seen:
             continue  # Cycles, shared containers and repeated arrays are visited once.
         seen[id(x)] = x
         try:  # isinstance itself may raise (an object whose __class__ raises)

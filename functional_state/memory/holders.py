@@ -15,11 +15,11 @@ from typing import Any, NamedTuple, Protocol
 
 import immutables
 import jax
-import numpy as np
 
 from . import accounting
 from .aliases import Loose
 from .overlaps import overlapped
+from .values import fixed, holds_no_buffer
 
 Extent = tuple[str, int, int]
 
@@ -103,35 +103,12 @@ def count_values(registry: immutables.Map, add: Iterable[Any], remove: Iterable[
     return m.finish()
 
 
-_SCALARS = (str, bytes, int, float, complex, bool, type(None), range, slice)
-_MAX_DEPTH = 4
-_MAX_ITEMS = 64
-
-
-def closed(value: Any, depth: int = 0) -> bool:
-    """True when ``value`` cannot come to hold other buffers than it holds now: an array or tensor (its
-    contents may change in place, its buffer does not), a scalar, or a tuple of such. Containers (lists,
-    dicts, objects) may: a model changes them in place, so the index re-reads them on every question."""
-    if isinstance(value, _SCALARS):
-        return True
-    if isinstance(value, jax.Array):
-        return True
-    if isinstance(value, np.ndarray):
-        return value.dtype != object
-    torch = accounting.torch_module()
-    if torch is not None and isinstance(value, torch.Tensor):
-        return True
-    if type(value) in (tuple, frozenset) or (isinstance(value, tuple) and hasattr(type(value), "_fields")):
-        return depth < _MAX_DEPTH and len(value) <= _MAX_ITEMS and all(closed(v, depth + 1) for v in value)
-    return False
-
-
 class AttrEntry(NamedTuple):
-    """One attr value the index holds: how many sessions hold it, and (closed values) what it holds."""
+    """One attr value the index holds: how many sessions hold it, and (fixed values) what it holds."""
 
     value: Any
     holders: int
-    extents: frozenset[Extent] | None  # None: a container, re-read on every question
+    extents: frozenset[Extent] | None  # None: a mutable value (`values.mutable`), re-read on every question
 
 
 _NO_MAP: immutables.Map = immutables.Map()
@@ -140,11 +117,12 @@ _NO_MAP: immutables.Map = immutables.Map()
 class AttrIndex:
     """Holder counts of a table's attr values, kept on write (``set_attr``, forks, resets, drops).
 
-    A closed value (an array, a tensor, a tuple of them) has its extents recorded once, when it arrives, and
-    counted per extent (``refs``, with the bytes per pool of the extents held, ``totals``); a container is
-    kept by identity and walked whenever a holder question is asked (``open_extents``), because a model may
-    change it in place. Either way the answer is exact. Scalars hold nothing and are not kept. Immutable:
-    every change returns a new index.
+    A fixed value (`values.fixed`: a numpy or JAX array, a tuple of them) has its extents recorded once, when
+    it arrives, and counted per extent (``refs``, with the bytes per pool of the extents held, ``totals``); a
+    mutable one (a container, a torch tensor: `values.mutable`) is kept by identity and walked whenever a
+    holder question is asked (``open_extents``), because a model may change it in place (append to a list,
+    ``resize_`` a tensor). Either way the answer is exact. Values of `values.NO_BUFFER_TYPES` hold nothing
+    and are not kept. Immutable: every change returns a new index.
     """
 
     __slots__ = ("loose", "memo", "opened", "refs", "totals")
@@ -158,9 +136,9 @@ class AttrIndex:
         loose: immutables.Map = _NO_MAP,
     ):
         self.memo = memo  # id(value) -> AttrEntry
-        self.refs = refs  # extent -> closed attr values holding it (each value once per session holding it)
-        self.opened = opened  # id(value) -> value, the containers held: what a walk of them reads, no more
-        self.totals = totals  # pool -> bytes of the union of the extents closed values hold
+        self.refs = refs  # extent -> fixed attr values holding it (each value once per session holding it)
+        self.opened = opened  # id(value) -> value, the mutable values held: what a walk of them reads, no more
+        self.totals = totals  # pool -> bytes of the union of the extents fixed values hold
         self.loose = loose  # pool -> True where ``refs`` holds a `Loose` extent (its total is then a union)
 
     @property
@@ -173,7 +151,7 @@ class AttrIndex:
         memo, refs, opened, totals = self.memo.mutate(), self.refs.mutate(), self.opened.mutate(), self.totals.mutate()
         moved: set[str] = set()  # pools where a loose extent came or left, or that hold one: a union
         for value in remove:
-            if isinstance(value, _SCALARS):
+            if holds_no_buffer(value):
                 continue
             entry = memo[id(value)]
             if entry.holders > 1:
@@ -192,13 +170,13 @@ class AttrIndex:
                     if type(e) is Loose or e[0] in self.loose:
                         moved.add(e[0])
         for value in add:
-            if isinstance(value, _SCALARS):
+            if holds_no_buffer(value):
                 continue
             entry = memo.get(id(value))
             if entry is not None:
                 memo[id(value)] = entry._replace(holders=entry.holders + 1)
                 continue
-            if closed(value):
+            if fixed(value):
                 extents = frozenset(holder_extents(value))
                 for e in extents:
                     n = refs.get(e, 0)
@@ -225,11 +203,12 @@ class AttrIndex:
         return AttrIndex(memo.finish(), kept, opened.finish(), totals.finish(), loose)
 
     def open_values(self) -> list[Any]:
-        """The containers held (each once): what a holder question re-reads. O(containers)."""
+        """The mutable values held (containers, torch tensors; each once): what a holder question re-reads.
+        O(mutable values)."""
         return list(self.opened.values()) if self.opened else []
 
     def open_extents(self) -> set[Extent]:
-        """What the containers hold now (a walk of them alone)."""
+        """What the mutable values hold now (a walk of them alone)."""
         values = self.open_values()
         return holder_extents(values) if values else set()
 
@@ -255,7 +234,7 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
     """Those of ``extents`` that something in the table holds besides one holder ``own`` (the `held_by` of an
     object the table holds, or nothing): another object, an unaccounted leaf of one, an attr value.
 
-    O(len(extents)) from the kept counts, plus a walk of the attr containers only (they may have changed in
+    O(len(extents)) from the kept counts, plus a walk of the mutable attr values only (they may have changed in
     place). Exact: the counts are those of every object and attr value of every session of the table.
     """
     refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
@@ -292,8 +271,8 @@ def parked_nbytes(acct: HolderCounts) -> int:
 
 
 def pool_totals(acct: HolderCounts) -> dict[str, int]:
-    """Bytes per pool of the table's objects and closed attr values (each extent once), from the kept
-    counts; attr containers are walked (they may change in place)."""
+    """Bytes per pool of the table's objects and fixed attr values (each extent once), from the kept
+    counts; mutable attr values are walked (they may change in place)."""
     return totals_with_attrs(acct)[0]
 
 
@@ -301,9 +280,9 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     """Bytes per pool of everything the table holds: the tracked objects, plus the attrs' extents that no
     object holds (an attr that is a view of an object's buffer adds nothing).
 
-    Kept totals: O(pools + closed attr extents + what the attr containers hold), never O(sessions) for
-    sessions without attrs. Objects and closed attr values are read from the counts kept as they arrived;
-    only containers are walked (a model may change them in place). The report is that walk's: what it
+    Kept totals: O(pools + fixed attr extents + what the mutable attr values hold), never O(sessions) for
+    sessions without attrs. Objects and fixed attr values are read from the counts kept as they arrived;
+    only mutable values are walked (a model may change them in place: a list appended to, a tensor resized). The report is that walk's: what it
     could not read, and the deleted JAX arrays it met. No JAX array is checked for deletion otherwise (that
     is O(arrays held)): an array deleted behind the table's back (a user's own ``donate_argnums``) keeps
     the bytes it was counted with until `functional_state.stats` with ``exact=True`` walks the table.

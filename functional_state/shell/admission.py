@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
+from ..memory.values import NO_BUFFER_TYPES
 from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
@@ -49,44 +50,51 @@ def within_budget_fast(
     before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool, surplus: Surplus | None
 ) -> Surplus | None:
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
-    the bound, else None (a full check is needed). A write that changes a session's attrs adds the bytes of
-    the values it set to the bound: the arrays and tensors it kept are in the bound already (counted when
-    they were set, or at the last full check), and a value it removed or replaced stays counted (a bound may
-    exceed). So a `set_attr` reads the value it sets and the session's containers (a list a model appends
-    to in place), never its other attrs (a plain number or string not even that)."""
+    the bound, else None (a full check is needed).
+
+    The bound counts every attr value as it was when it was set or at the last full check (a bound may
+    exceed: a value removed or replaced stays counted). A write that sets attr values adds their bytes to
+    it; the arrays it kept are in it already. A value that may change without a write (`values.mutable`: a
+    list a model appends to, a torch tensor it resizes in place) may hold more now than it was counted
+    with, so the writer's own mutable values are read again on every write, a commit included, and their
+    bytes added for this check alone (counted twice: an upper bound, never kept, so it does not grow write
+    after write). A plain number or string is not read at all. Another session's value changed in place is
+    seen at that session's next write, at the next full check, and by `stats()`: reading every mutable
+    value of the table on every write would make a write O(table)."""
     if surplus is None:
         return None
-    bound = surplus
-    if not attrs_unchanged and writer is not None and writer in after:
+    bound = check = surplus
+    if writer is not None and writer in after:
         attrs = ms.lookup(after, writer).attrs
-        old = ms.lookup(before, writer).attrs if writer in before else None
-        if old is not attrs:
-            # A container kept by identity is read again: a model may have grown it in place since it was
-            # counted (its entry in the attr index has no extents: the index re-reads it too).
-            memo = ledger_of(before).attrs.memo if old is not None else None
-            new = {
-                k: v
-                for k, v in attrs.items()
-                if type(v) not in _NO_STORAGE
-                and (old is None or old.get(k, _ABSENT) is not v or _is_container(memo, v))
-            }
-            extra = attr_bytes(new) if new else None
-            if extra:
-                bound = {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
-    return None if _over_budget(after, bound) else bound
+        if attrs:
+            old = None if attrs_unchanged else ms.lookup(before, writer).attrs if writer in before else None
+            memo = ledger_of(after).attrs.memo
+            new, changing = {}, {}
+            for k, v in attrs.items():
+                if type(v) in NO_BUFFER_TYPES:
+                    continue
+                if not attrs_unchanged and old is not attrs and (old is None or old.get(k, _ABSENT) is not v):
+                    new[k] = v  # set by this write: counted from now on
+                elif _is_mutable(memo, v):
+                    changing[k] = v
+            if new and (extra := attr_bytes(new)):
+                bound = check = _plus(bound, extra)
+            if changing and (now := attr_bytes(changing)):
+                check = _plus(bound, now)
+    return None if _over_budget(after, check) else bound
+
+
+def _plus(bound: Surplus, extra: Surplus) -> Surplus:
+    return {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
 
 
 _ABSENT = object()  # (an attr the session did not carry before the write)
 
 
-def _is_container(memo: Any, value: Any) -> bool:
+def _is_mutable(memo: Any, value: Any) -> bool:
+    """Whether the attr index keeps ``value`` as a mutable value (no extents recorded: `values.mutable`)."""
     entry = memo.get(id(value))
     return entry is not None and entry.value is value and entry.extents is None
-
-
-# Plain values no buffer can be reached through (the accounting's walk skips them too): a counter an adapter
-# sets every step is not read at all.
-_NO_STORAGE = frozenset({int, float, bool, str, type(None)})
 
 
 # The last (object totals, attr bound, budget) that `over_budget_objects` found within budget. Its answer is a
@@ -144,7 +152,8 @@ def admit(
     upper bound on the attr bytes beyond them), with no walk of the table. When that sum crosses a budget,
     a full check re-reads every attr and, for a pool over its budget, releases what `plan_release` chooses
     (never ``writer`` or a ``pinned`` session), making the bound exact again. An attr a model grows in place
-    is therefore seen at the next full check, or by `stats()`.
+    is seen at the next write of its session (`within_budget_fast` reads the writer's mutable values again),
+    at the next full check, and by `stats()`.
 
     Args:
       before, after: the table before and after the write (``after`` derived from ``before``, or a table

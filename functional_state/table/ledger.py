@@ -62,6 +62,24 @@ def held_by(obj: Any) -> frozenset[Extent]:
     return obj.ledger_extents() | extra if extra else obj.ledger_extents()
 
 
+def _moved(overlaps: Any, refs: Any, totals: Any, moves: dict[str, tuple[list[Extent], list[Extent]]]) -> Any:
+    """``(overlap indexes, {pool: new union total})`` once the extents ``moves`` names (pool -> (arrived,
+    left)) came to and left pools whose totals are unions; only the totals that changed. `change` and `swap`
+    both apply their moves here. A pool entering the index is indexed from ``refs`` (its extents before)."""
+    ov = overlaps.mutate()
+    unions: dict[str, int] = {}
+    for pool, (arrived, left) in moves.items():
+        index = ov.get(pool) or pool_index(refs.keys(), pool)
+        kept, union = pool_changed(index, totals.get(pool, 0), arrived, left)
+        if union != totals.get(pool, 0):
+            unions[pool] = union
+        if kept is not None:
+            ov[pool] = kept
+        elif pool in ov:
+            del ov[pool]
+    return ov.finish(), unions
+
+
 class _Rest:
     """The fields of an `Acct` a step leaves alone, held together so that a step copies one reference."""
 
@@ -185,17 +203,9 @@ class Acct:
                         totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
         overlaps = self.overlaps
         if moves:
-            ov = overlaps.mutate()
-            for pool, (arrived, left) in moves.items():
-                index = ov.get(pool) or pool_index(self.refs.keys(), pool)  # (entering: its extents before)
-                kept, union = pool_changed(index, totals.get(pool, 0), arrived, left)
-                if union != totals.get(pool, 0):
-                    totals[pool] = union
-                if kept is not None:
-                    ov[pool] = kept
-                elif pool in ov:
-                    del ov[pool]
-            overlaps = ov.finish()
+            overlaps, unions = _moved(overlaps, self.refs, totals, moves)
+            for pool, union in unions.items():
+                totals[pool] = union
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
         parked = count_values(self.parked, parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
@@ -295,17 +305,11 @@ class Acct:
                 if d:
                     totals = totals.set(p, totals.get(p, 0) + d)
         if moves:
-            indexes = ov.mutate()
-            for p, (arrived, left) in moves.items():
-                kept, union = pool_changed(ov[p], totals.get(p, 0), arrived, left)
-                if union != totals.get(p, 0):  # (the same map kept: the budget's memo recognises it)
-                    totals = totals.set(p, union)
-                if kept is not None:
-                    indexes[p] = kept
-                else:
-                    del indexes[p]
+            indexes, unions = _moved(ov, self.refs, totals, moves)
+            for p, union in unions.items():  # (only those that changed: the budget's memo recognises the same map)
+                totals = totals.set(p, union)
             r = rest
-            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes.finish())
+            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes)
         # A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of this.
         acct = _new(Acct)
         acct.refs, acct.totals, acct.rest = refs, totals, rest

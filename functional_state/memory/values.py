@@ -1,0 +1,84 @@
+"""What a value can hold, in one place: nothing ever (`NO_BUFFER_TYPES`), fixed buffers (`fixed`), or buffers
+that may change without a write (`mutable`), which every kept figure re-reads instead of remembering.
+
+The byte accounting counts array allocations (numpy, torch, JAX). A value of one of `NO_BUFFER_TYPES` holds
+none and never will: numbers, strings, ``None``, ranges, slices, and Python's own byte buffers (``bytes``,
+``bytearray``, ``memoryview``: memory, but not array memory; the walk counts them zero, so the kept
+figures do too, and a ``bytearray`` grown in place changes no figure). A *fixed* value holds the same
+buffers for its whole life: a numpy array (numpy refuses to resize an array anything else references, and
+the table references it), a JAX array (immutable; one the torch bridge imported counts its torch owner,
+so it is fixed only if the owner is), a tuple of such. Every other value is *mutable*: containers (a list
+a model appends to, a dict, a plain object) and torch tensors, which ``resize_``, ``set_``, ``.data = ...``,
+an ``out=`` argument or ``untyped_storage().resize_`` give other storage in place, with no write the table
+could see. The table records a fixed attr value's extents once, on write; a mutable one is read again
+wherever a figure must be exact (`functional_state.memory.holders.AttrIndex`, the shell's budget check).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+from .aliases import alias_owner
+
+__all__ = ["NO_BUFFER_TYPES", "fixed", "holds_no_buffer", "mutable"]
+
+NO_BUFFER_TYPES: frozenset[type] = frozenset(
+    {int, float, complex, bool, str, bytes, bytearray, memoryview, type(None), range, slice}
+)
+_NO_BUFFER = tuple(NO_BUFFER_TYPES)  # (for isinstance: an int subclass, an str enum hold nothing either)
+_MAX_DEPTH = 4
+_MAX_ITEMS = 64
+
+
+def holds_no_buffer(value: Any) -> bool:
+    """Whether ``value`` holds no array buffer and never can (one of `NO_BUFFER_TYPES`, or a subclass).
+
+    Example:
+      >>> holds_no_buffer(3), holds_no_buffer(bytearray(8)), holds_no_buffer([])
+      (True, True, False)
+    """
+    return type(value) in NO_BUFFER_TYPES or isinstance(value, _NO_BUFFER)
+
+
+def fixed(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` holds the same buffers for its whole life (its contents may change, its buffers do
+    not): no buffer at all, a numpy array of numbers, a JAX array (unless it aliases a mutable owner), or a
+    short tuple of such. Such a value's extents can be recorded once, when it arrives.
+
+    Example:
+      >>> fixed(np.zeros(4)), fixed((np.zeros(4), 1)), fixed([np.zeros(4)])
+      (True, True, False)
+    """
+    if holds_no_buffer(value):
+        return True
+    if isinstance(value, jax.Array):
+        owner = alias_owner(value)
+        return owner is None or (depth < _MAX_DEPTH and fixed(owner, depth + 1))
+    if isinstance(value, np.ndarray):
+        if value.dtype == object:
+            return False
+        base: Any = value
+        while isinstance(base, np.ndarray):
+            base = base.base
+        # A view of torch memory (``t.numpy()``) is as mutable as the tensor; other foreign buffers (an mmap,
+        # a bytes object) cannot change size while numpy holds their export.
+        torch = sys.modules.get("torch")
+        return base is None or torch is None or not isinstance(base, torch.Tensor)
+    if type(value) in (tuple, frozenset) or (isinstance(value, tuple) and hasattr(type(value), "_fields")):
+        return depth < _MAX_DEPTH and len(value) <= _MAX_ITEMS and all(fixed(v, depth + 1) for v in value)
+    return False
+
+
+def mutable(value: Any) -> bool:
+    """Whether ``value`` may come to hold other buffers without a write: neither `fixed` nor buffer-free.
+
+    Example:
+      >>> import torch
+      >>> mutable(torch.zeros(4)), mutable([np.zeros(4)]), mutable(np.zeros(4))
+      (True, True, False)
+    """
+    return not fixed(value)

@@ -1,0 +1,144 @@
+"""Attr values whose size can change without a write (issue 24, budget9): a torch tensor resized in place
+(``resize_``, ``untyped_storage().resize_``, ``set_``), also inside a list or dict attr, is seen by the next
+budgeted write of its session (refused or released per the policy, never admitted over the budget), by
+`stats()` (equal to ``stats(exact=True)``), by the donation check's holder index and by the pure
+`enforce_budget`. A tensor inside a committed state object resized in place is outside the contract (objects
+are immutable): ``stats(exact=True)`` still tells the truth."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import functional_state as fs
+from functional_state import LatentBuffer, SessionStateManager
+from functional_state.memory import holders
+from functional_state.table.manager_state import ledger_of
+
+KIB = 1024
+BUDGET = 8 * KIB
+BIG = 64 * KIB
+
+
+def kib() -> np.ndarray:
+    return np.zeros(256, np.float32)
+
+
+def _grow(t: torch.Tensor, how: str) -> None:
+    if how == "resize_":
+        t.resize_(BIG)
+    elif how == "storage":
+        t.untyped_storage().resize_(BIG)
+    else:
+        t.set_(torch.zeros(BIG, dtype=torch.uint8))
+
+
+HOLDERS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "tensor": lambda t: t,
+    "list": lambda t: [t],
+    "dict": lambda t: {"k": t},
+    "tuple": lambda t: (t, 3),
+}
+
+
+def _manager(levers: tuple[str, ...]) -> tuple[SessionStateManager, Any, torch.Tensor, Any]:
+    m = SessionStateManager(byte_budget=BUDGET, release_levers=levers)
+    h = m.get_or_create_session("a")
+    h.put("buf", LatentBuffer.create(maxlen=4))
+    h.commit("buf", kib())
+    t = torch.zeros(256, dtype=torch.uint8)
+    return m, h, t, None
+
+
+@pytest.mark.parametrize("how", ["resize_", "storage", "set_"])
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+def test_a_resized_attr_tensor_makes_the_next_commit_refused(how: str, holder: str) -> None:
+    # (a single session may release nothing but itself, which it never does: the write is refused)
+    m, h, t, _ = _manager(("drop",))
+    h.set_attr("x", HOLDERS[holder](t))
+    h.commit("buf", kib())
+    _grow(t, how)
+    with pytest.raises(fs.BudgetExceededError):
+        h.commit("buf", kib())
+    assert len(h.view("buf")) == 2  # the refused commit changed nothing
+    assert m.stats() == m.stats(exact=True)
+
+
+@pytest.mark.parametrize("how", ["resize_", "storage", "set_"])
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+def test_a_resized_attr_tensor_makes_the_next_write_of_its_session_release_per_the_policy(
+    how: str, holder: str
+) -> None:
+    m, h, t, _ = _manager(("drop",))
+    other = m.get_or_create_session("b")
+    other.put("buf", LatentBuffer.create(maxlen=4))
+    other.commit("buf", kib())
+    h.set_attr("x", HOLDERS[holder](t))
+    h.commit("buf", kib())  # 3 KiB of items and 256 bytes of attr: within the 8 KiB budget
+    _grow(t, how)  # 64 KiB now: a alone is over the budget, b can be released but that is not enough
+    with pytest.raises(fs.BudgetExceededError):
+        h.commit("buf", kib())
+    assert m.stats() == m.stats(exact=True)
+    if how == "set_":
+        t.set_(torch.zeros(5 * KIB, dtype=torch.uint8))
+    else:  # (a tensor's resize_ never shrinks its storage)
+        t.resize_(5 * KIB)
+        t.untyped_storage().resize_(5 * KIB)
+    h.set_attr("y", 1)  # a plain attr write of a: the table (5 KiB attr, 3 KiB items) is at the budget
+    h.commit("buf", kib())  # 9 KiB: b, the other session, is released to make room
+    assert "b" not in m and "a" in m
+    assert m.stats() == m.stats(exact=True)
+    assert m.stats(exact=True)["nbytes:cpu"] <= BUDGET
+
+
+@pytest.mark.parametrize("how", ["resize_", "storage", "set_"])
+@pytest.mark.parametrize("holder", sorted(HOLDERS))
+def test_stats_equals_the_exact_walk_after_an_attr_tensor_is_resized(how: str, holder: str) -> None:
+    state, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    t = torch.zeros(256, dtype=torch.uint8)
+    state = fs.set_attr(state, "a", "x", HOLDERS[holder](t))
+    assert fs.stats(state) == fs.stats(state, exact=True)
+    _grow(t, how)
+    assert fs.stats(state)["nbytes:cpu"] == BIG
+    assert fs.stats(state) == fs.stats(state, exact=True)
+
+
+def test_the_holder_index_sees_the_storage_a_resized_attr_tensor_holds_now() -> None:
+    # A donation asks whether anything else holds a buffer: the resized tensor's new storage is held.
+    state, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    t = torch.zeros(256, dtype=torch.uint8)
+    state = fs.set_attr(state, "a", "x", t)
+    ledger_of(state)  # (the ledger is built on first use: built here, it has recorded the attr before the resize)
+    t.resize_(BIG)
+    s = t.untyped_storage()
+    new = ("cpu", s.data_ptr(), s.data_ptr() + s.nbytes())
+    assert holders.held_elsewhere(ledger_of(state), [new]) == {new}
+
+
+def test_the_pure_enforce_budget_sees_a_resized_attr_tensor() -> None:
+    state = fs.ManagerState.create(byte_budget=BUDGET)
+    for sid in ("a", "b"):
+        state, _ = fs.get_or_create(state, sid)
+        state = fs.put(state, sid, "buf", LatentBuffer.create(maxlen=4))
+        state = fs.commit(state, sid, "buf", kib())
+    t = torch.zeros(256, dtype=torch.uint8)
+    state = fs.set_attr(state, "a", "x", t)
+    t.resize_(BIG // 8)  # 8 KiB in a's attr: over the budget with the two items
+    out = fs.enforce_budget(state, protect="b")
+    assert "a" not in out and fs.stats(out, exact=True)["nbytes:cpu"] <= BUDGET
+
+
+def test_a_tensor_resized_inside_a_committed_object_is_outside_the_contract_but_exact_tells_the_truth() -> None:
+    # Objects are immutable by contract: their bytes are kept from their arrival. A resize behind the table's
+    # back is not seen by the kept totals (no per-write walk of every object), but the exact walk sees it.
+    state, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    t = torch.zeros(256, dtype=torch.uint8)
+    state = fs.put(state, "a", "cache", fs.DenseValue.create([t]))
+    held = fs.stats(state)["nbytes:cpu"]
+    fs.view(state, "a", "cache")[0].resize_(BIG)
+    assert fs.stats(state)["nbytes:cpu"] == held  # kept: outside the contract
+    assert fs.stats(state, exact=True)["nbytes:cpu"] >= BIG  # the check walk tells the truth
