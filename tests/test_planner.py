@@ -136,14 +136,16 @@ def test_a_fork_shared_with_a_protected_session_frees_nothing_and_the_planner_mo
     assert _cpu(state) - _cpu(after) == 4 * KIB
     both = plan_release(state, "cpu", 4 * KIB, levers=["park"])  # unprotected forks park together
     assert both.actions[0].session_ids == ("s0", "f0") and both.freed == 4 * KIB
-    # The forks share the cache and the prompt attr, so dropping either alone frees nothing of those. With
-    # something of its own, f0 is dropped for that; then dropping s0 frees the shared bytes (second pass).
-    assert plan_release(state, "cpu", 4 * KIB, protect=["s1"], levers=["drop"]) is None
+    # The forks share the cache and the prompt attr, so dropping either alone frees nothing of those; the
+    # pair frees them (the release is priced as a set, in recency order: s0 first, its bytes leave with f0).
+    pair = plan_release(state, "cpu", 4 * KIB, protect=["s1"], levers=["drop"])
+    assert [a.session_ids for a in pair.actions] == [("s0",), ("f0",)]
+    assert pair.actions[0].frees == {} and pair.actions[1].frees == {"cpu": 4 * KIB + 64}
+    assert _cpu(state) - _cpu(apply_plan(state, pair)) == 4 * KIB + 64
     state = fs.put(state, "f0", "own", DenseValue.create([torch.zeros(256)]))
     drops = plan_release(state, "cpu", 5 * KIB, protect=["s1"], levers=["drop"])
-    assert [a.session_ids for a in drops.actions] == [("f0",), ("s0",)]
-    assert drops.actions[0].frees == {"cpu": KIB} and drops.actions[1].frees == {"cpu": 4 * KIB + 64}
-    assert any("s0: dropping it frees nothing" in s for s in drops.skipped)
+    assert [a.session_ids for a in drops.actions] == [("s0",), ("f0",)]
+    assert drops.actions[0].frees == {} and drops.actions[1].frees == {"cpu": 5 * KIB + 64}
     assert _cpu(state) - _cpu(apply_plan(state, drops)) == 5 * KIB + 64
 
 

@@ -19,8 +19,8 @@ from ..table.manager_state import (
 from ..table.parked import park
 from ..table.session_edits import evict
 from ..table.usage import pool_bytes
-from .planner import LEVERS, ReleasePlan, extents_of, plan_release, protect_ids
-from .pricing import by_pool
+from .planner import LEVERS, ReleasePlan, plan_release, protect_ids
+from .pricing import by_pool, extents_of
 
 _log = logging.getLogger("functional_state")
 

@@ -13,37 +13,38 @@ over its budget. The levers, least loss first:
    `SessionStateLostError`).
 
 Never touched: a protected session; an attr on its own (attrs leave only with their session, and their
-bytes are reported as unreleasable); bytes something else still holds. Every action is priced by applying
-it to one ledger of holders (`Ledger.change`), given the actions before it: what leaves each pool, and
-what a park puts into its host pools (as `park` really moves it: numpy stays, torch and JAX go to their
-host memory kinds), so an object a protected fork shares frees nothing and the planner moves on to a
-candidate that frees something. `enforce_budget` measures the result before it returns it. Each lever is
-one pass in recency (or cost) order: a plan over n sessions costs O(n log n) at most, and a park pass that
-frees the need from the oldest sessions reads only those (the recency log is read lazily).
+bytes are reported as unreleasable); bytes something else still holds. The release is priced as a set: every
+action is applied to one ledger of holders (`Ledger.change`), given the actions before it, and the plan's
+bytes are the union held before less the union held after the whole set: what leaves each pool, and what a
+park puts into its host pools (as `park` really moves it: numpy stays, torch and JAX go to their host memory
+kinds). An eviction or drop that frees nothing alone is taken tentatively (sessions over overlapping views
+of one buffer free it only together), the passes go on in their order until the need is met, and then each
+tentative action the rest does not need is taken back (an object a protected fork shares frees nothing, so
+the plan keeps what frees something instead). Only when releasing everything allowed falls short is there no
+plan. `enforce_budget` measures the result before it returns it. Each lever is one pass in recency (or cost)
+order: a plan over n sessions costs O(n log n) at most, and a park pass that frees the need from the oldest
+sessions reads only those (the recency log is read lazily).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
-import jax
-
 from ..errors import InvalidArgumentError
-from ..memory import accounting, parking
 from ..memory.budget import format_bytes, limit_for, parse_bytes
-from ..memory.pools import HOST, PINNED_HOST, POOL_FORMS, UNPINNED_HOST, Pool
+from ..memory.pools import POOL_FORMS, Pool
 from ..table.ledger import Extent, object_extents
 from ..table.manager_state import (
     ManagerState,
     check_state,
     ledger_of,
 )
-from .pricing import Change, Ledger
+from .pricing import Change, Ledger, park_effect
 from .snapshot import Recency, Snapshot
 
 _log = logging.getLogger("functional_state")
@@ -69,7 +70,7 @@ class ReleaseAction:
     def __str__(self) -> str:
         target = "+".join(self.session_ids) + (f"/{self.name}" if self.name else "")
         moved = ", ".join(f"{pool} {'+' if n < 0 else '-'}{format_bytes(abs(n))}" for pool, n in self.frees.items())
-        return f"{self.kind:5s} {target}: {moved} ({self.reason})"
+        return f"{self.kind:5s} {target}: {moved or 'nothing alone'} ({self.reason})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,25 +187,23 @@ def plan_release(
     snap = Snapshot(acct, state, lru)  # the one read of the table's usage this plan prices against
     unreleasable = snap.attr_nbytes(target)
     budget = state.byte_budget or {}
-    moved: dict[Pool, int] = {}  # bytes per pool the actions so far take out (negative: put in, as a park does)
+    moved: dict[Pool, int] = {}  # bytes per pool the parks so far take out (negative: put in)
     ledger = Ledger(acct.refs, snap.attr_holders, acct.overlaps)
     now: dict[tuple[str, str], frozenset[Extent]] = {}  # (session, object) -> its extents once the plan ran
-    actions: list[ReleaseAction] = []
+    steps: list[_Step] = []  # every action taken into the ledger, in order (pending ones included)
     skipped: list[str] = []
-    freed = 0
+    freed = 0  # bytes the whole set taken so far frees in the target (priced as a set, not action by action)
     released: set[tuple[str, str]] = set()  # (session, object) already parked or evicted by this plan
 
     def done() -> bool:
         return freed >= need
 
-    def take(kind: Lever, sessions: tuple[str, ...], name: str | None, change: Change, why: str, **kw: Any) -> None:
+    def take(step: _Step) -> None:
         nonlocal freed
-        ledger.take(change)
-        for p, n in change.frees.items():
-            moved[p] = moved.get(p, 0) + n
-        action = ReleaseAction(kind, sessions, name, {str(p): n for p, n in change.frees.items()}, why, **kw)
-        actions.append(action)
-        freed += change.frees.get(target, 0)
+        assert step.change is not None
+        ledger.take(step.change)
+        steps.append(step)
+        freed += step.change.frees.get(target, 0)
 
     skipped.extend(f"{sid}: protected" for sid in sorted(protected))
     if "park" in levers and not done():
@@ -233,10 +232,13 @@ def plan_release(
                 if not obj.parkable:
                     skipped.append(f"{sid}/{name}: {type(obj).__name__} cannot be parked (no offload)")
                     continue
-                committed, parked = _park_effect(obj, ledger)
+                committed, parked = park_effect(obj, ledger)
                 if not committed <= ledger.change([extents] * len(holders)).left:  # what `park` refuses
                     skipped.append(f"{sid}/{name}: something else holds part of its storage; parking frees nothing")
                     continue
+                # Never pending (taken for what a later action would free with it): `park` refuses storage
+                # something else holds when it runs, and parks run before the evictions and drops that
+                # could let go of the other holder.
                 change = ledger.change([extents] * len(holders), [parked] * len(holders))
                 if change.frees.get(target, 0) <= 0:
                     skipped.append(f"{sid}/{name}: parking frees nothing in {pool!r} (its bytes would stay there)")
@@ -256,7 +258,20 @@ def plan_release(
                     if len(holders) == 1
                     else f"least recently used; held as {['/'.join(h) for h in holders]}"
                 )
-                take("park", tuple(sharers), name, change, why, holders=tuple(holders))
+                for p, n in change.frees.items():
+                    moved[p] = moved.get(p, 0) + n
+                take(
+                    _Step(
+                        "park",
+                        tuple(sharers),
+                        name,
+                        [extents] * len(holders),
+                        [parked] * len(holders),
+                        why,
+                        tuple(holders),
+                        change,
+                    )
+                )
                 now.update(dict.fromkeys(holders, parked))
                 released.update(holders)
     if "evict" in levers and not done():
@@ -276,89 +291,122 @@ def plan_release(
                 skipped.append(f"{sid}/{name}: its recompute source {obj.recompute_source!r} leaves in this plan")
                 continue
             evicted = object_extents(obj.evict()[0])  # priced by what evicting really keeps (the staged payload)
-            change = ledger.change([object_extents(obj)], [evicted])
-            if change.frees.get(target, 0) <= 0:
-                skipped.append(f"{sid}/{name}: evicting frees nothing in {pool!r} (storage held elsewhere)")
-                continue
-            take("evict", (sid,), name, change, f"recomputable from {obj.recompute_source!r} (cost {cost:g})")
+            step = _Step(
+                "evict",
+                (sid,),
+                name,
+                [object_extents(obj)],
+                [evicted],
+                f"recomputable from {obj.recompute_source!r} (cost {cost:g})",
+            )
+            take(step.priced(ledger))
             now[(sid, name)] = evicted
             released.add((sid, name))
     if "drop" in levers and not done():
-        # Two passes: a session whose storage a later session shares frees nothing at first, and its bytes
-        # once that one is dropped too (forks). Each pass is linear in the sessions.
-        dropped: set[str] = set()
         attr_sets, ledger.attr_holders = snap.exact_attrs()  # a drop lets go of one session's attrs: count them
-        for sid, session in itertools.chain(lru, lru):
+        for sid, session in lru:
             if done():
                 break
-            if sid in protected or sid in dropped:
+            if sid in protected:
                 continue
             # What each object holds once this plan's earlier parks and evictions ran: all of it leaves now.
             objects = [now[(sid, n)] if (sid, n) in now else object_extents(o) for n, o in session._objects.items()]
-            change = ledger.change(objects, (), attr_sets.get(sid, _NO_EXTENTS))
-            if change.frees.get(target, 0) <= 0:
-                note = f"{sid}: dropping it frees nothing in {pool!r} (its storage is held elsewhere)"
-                if note not in skipped:
-                    skipped.append(note)
-                continue
-            take("drop", (sid,), None, change, "least recently used session")
-            dropped.add(sid)
+            step = _Step(
+                "drop",
+                (sid,),
+                None,
+                objects,
+                [],
+                "least recently used session",
+                (),
+                attrs=attr_sets.get(sid, _NO_EXTENTS),
+            )
+            take(step.priced(ledger))
     if not done():
         _log.debug(
             "plan_release: no plan frees %s in pool %r (freeable: %s)", format_bytes(need), pool, format_bytes(freed)
         )
         return None
-    return ReleasePlan(pool, need, tuple(actions), tuple(skipped), unreleasable, weakref.ref(state))
+    fresh = functools.partial(Ledger, acct.refs, ledger.attr_holders, acct.overlaps)
+    actions = _settle(steps, ledger, fresh, target, need, freed, skipped)
+    return ReleasePlan(pool, need, actions, tuple(skipped), unreleasable, weakref.ref(state))
+
+
+@dataclasses.dataclass
+class _Step:
+    """An action as the planner takes it: the holders it replaces (``remove``) by what they become (``add``),
+    the attr extents that leave with a dropped session, and its price where it was taken."""
+
+    kind: Lever
+    sessions: tuple[str, ...]
+    name: str | None
+    remove: list[frozenset[Extent]]
+    add: list[frozenset[Extent]]
+    why: str
+    holders: tuple[tuple[str, str], ...] = ()
+    change: Change | None = None
+    attrs: frozenset[Extent] = frozenset()
+
+    def priced(self, ledger: Ledger) -> _Step:
+        self.change = ledger.change(self.remove, self.add, self.attrs)
+        return self
+
+    @property
+    def what(self) -> str:
+        return self.sessions[0] + (f"/{self.name}" if self.name else "")
+
+
+def _settle(
+    steps: list[_Step],
+    ledger: Ledger,
+    fresh_ledger: Callable[[], Ledger],
+    target: Pool,
+    need: int,
+    freed: int,
+    skipped: list[str],
+) -> tuple[ReleaseAction, ...]:
+    """The actions of a plan whose steps free ``freed`` >= ``need`` in ``target``: the steps taken, less the
+    tentative ones the set does not need, each priced again in order (their ``frees`` then add up to what
+    applying them all frees).
+
+    An eviction or drop that freed nothing in the target when it was taken stays in the ledger, tentatively:
+    a later one may free bytes only with it (three sessions over overlapping views of one buffer free nothing
+    alone). Once the need is met, each tentative step is taken back, latest (least preferred) first, when the
+    rest still meets the need without it.
+    """
+    dropped_later: set[str] = set()  # sessions a kept later step drops (an eviction there cannot be taken back alone)
+    kept: list[_Step] = []
+    for step in reversed(steps):
+        assert step.change is not None
+        tentative = step.kind != "park" and step.change.frees.get(target, 0) <= 0
+        if tentative and not (step.kind == "evict" and step.sessions[0] in dropped_later):
+            undo = ledger.undo(step.change)
+            if freed + undo.frees.get(target, 0) >= need:  # (taking it back holds its bytes again: <= 0)
+                ledger.take(undo)
+                freed += undo.frees.get(target, 0)
+                verb = "dropping it" if step.kind == "drop" else "evicting it"
+                skipped.append(
+                    f"{step.what}: {verb} frees nothing in {str(target)!r} alone (its storage is held elsewhere)"
+                )
+                continue
+        if step.kind == "drop":
+            dropped_later.add(step.sessions[0])
+        kept.append(step)
+    kept.reverse()
+    fresh = fresh_ledger() if len(kept) < len(steps) else None  # (none taken back: each price stands as taken)
+    actions = []
+    for step in kept:
+        change = step.change
+        if fresh is not None:
+            change = fresh.change(step.remove, step.add, step.attrs)
+            fresh.take(change)
+        assert change is not None
+        why = step.why
+        if change.frees.get(target, 0) <= 0 and step.kind != "park":
+            why += f"; its bytes in {str(target)!r} leave with the actions after it"
+        frees = {str(p): n for p, n in change.frees.items()}
+        actions.append(ReleaseAction(step.kind, step.sessions, step.name, frees, why, holders=step.holders))
+    return tuple(actions)
 
 
 _NO_EXTENTS: frozenset[Extent] = frozenset()
-
-
-def _park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:
-    """``(committed, parked)``: the extents of ``obj``'s committed storage (all must be free for `park` to
-    proceed), and the extents the parked object holds, its host copies as fresh extents of their host pool.
-
-    This follows `functional_state.parking.park_values` leaf by leaf: a torch storage (or the storage a bridge
-    alias lives in) moves whole, to pinned host memory from a GPU and pageable memory from the CPU; a JAX array
-    moves to its ``pinned_host`` memory kind; anything else (numpy arrays) stays as it is, and stays held. The
-    staged payload stays too. `enforce_budget` measures the applied plan, so a drift between the two is
-    refused, never installed.
-    """
-    own = obj.park_extents()
-    if own is not None:  # the type prices its own park (an engine's offload token: host bytes of its blocks)
-        committed, kept, host = own
-        token = [ledger.virtual(HOST, host)] if host else []
-        return frozenset(committed), frozenset(kept) | frozenset(token)
-    committed = extents_of(obj._committed_roots())
-    kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
-    host_bytes: dict[Pool, int] = {}
-    storages: set[tuple[Any, int]] = set()
-    for i, leaf in enumerate(_leaves(obj._parkable_fields())):
-        tensor, _ = parking.as_torch(leaf)
-        if tensor is not None:
-            storage = tensor.untyped_storage()
-            key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
-            if key not in storages:
-                storages.add(key)
-                kind = PINNED_HOST if tensor.device.type == "cuda" else UNPINNED_HOST
-                host_bytes[kind] = host_bytes.get(kind, 0) + storage.nbytes()
-        elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            n = sum(s.data.on_device_size_in_bytes() for s in leaf.addressable_shards)
-            host_bytes[PINNED_HOST] = host_bytes.get(PINNED_HOST, 0) + n
-        else:
-            kept_values.append(leaf)
-    host = frozenset(ledger.virtual(p, n) for p, n in sorted(host_bytes.items(), key=str) if n)
-    return committed, extents_of(kept_values) | host
-
-
-def extents_of(tree: Any) -> frozenset[Extent]:
-    out: accounting.Extents = []
-    accounting.collect_extents(tree, out, {}, accounting.WalkReport())
-    return frozenset(out)
-
-
-def _leaves(tree: Any) -> list[Any]:
-    try:
-        return jax.tree_util.tree_leaves(tree)
-    except Exception:
-        return []

@@ -7,9 +7,11 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from ..memory import accounting
+import jax
+
+from ..memory import accounting, parking
 from ..memory.aliases import Loose
-from ..memory.pools import Pool
+from ..memory.pools import HOST, PINNED_HOST, UNPINNED_HOST, Pool
 from ..memory.usage import pools_by_name
 from ..table.ledger import Extent
 
@@ -61,6 +63,18 @@ class Ledger:
         d_attrs: Counter[Extent] = Counter()
         for e in attrs:
             d_attrs[e] -= 1
+        return self.price(d, d_attrs)
+
+    def undo(self, change: Change) -> Change:
+        """The effect of taking back ``change`` (taken before): its holders hold again. Holder counts add up,
+        so an action taken anywhere in a plan can be taken back alone, whatever was taken after it."""
+        return self.price(
+            Counter({e: -n for e, n in change.objects.items()}), Counter({e: -n for e, n in change.attrs.items()})
+        )
+
+    def price(self, d: Counter[Extent], d_attrs: Counter[Extent]) -> Change:
+        """The effect of the holder changes ``d`` (objects) and ``d_attrs`` (attrs) on what the plan so far
+        leaves: the extents that stop and start being held, and the bytes per pool that leave (or arrive)."""
         left, came = [], []
         for e in d.keys() | d_attrs.keys():
             before, after = self.held(e), self.held(e, d[e], d_attrs[e])
@@ -117,3 +131,53 @@ def by_pool(extents: Iterable[Extent]) -> dict[Pool, int]:
 
 def _by_name(item: tuple[Pool, int]) -> str:
     return str(item[0])
+
+
+def park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset[Extent]]:
+    """``(committed, parked)``: the extents of ``obj``'s committed storage (all must be free for `park` to
+    proceed), and the extents the parked object holds, its host copies as fresh extents of their host pool.
+
+    This follows `functional_state.parking.park_values` leaf by leaf: a torch storage (or the storage a bridge
+    alias lives in) moves whole, to pinned host memory from a GPU and pageable memory from the CPU; a JAX array
+    moves to its ``pinned_host`` memory kind; anything else (numpy arrays) stays as it is, and stays held. The
+    staged payload stays too. `enforce_budget` measures the applied plan, so a drift between the two is
+    refused, never installed.
+    """
+    own = obj.park_extents()
+    if own is not None:  # the type prices its own park (an engine's offload token: host bytes of its blocks)
+        committed, kept, host = own
+        token = [ledger.virtual(HOST, host)] if host else []
+        return frozenset(committed), frozenset(kept) | frozenset(token)
+    committed = extents_of(obj._committed_roots())
+    kept_values: list[Any] = [obj.staged, list(obj._parked_fields().values())]
+    host_bytes: dict[Pool, int] = {}
+    storages: set[tuple[Any, int]] = set()
+    for i, leaf in enumerate(_leaves(obj._parkable_fields())):
+        tensor, _ = parking.as_torch(leaf)
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            key = (tensor.device, storage.data_ptr() if storage.nbytes() else -1 - i)
+            if key not in storages:
+                storages.add(key)
+                kind = PINNED_HOST if tensor.device.type == "cuda" else UNPINNED_HOST
+                host_bytes[kind] = host_bytes.get(kind, 0) + storage.nbytes()
+        elif isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+            n = sum(s.data.on_device_size_in_bytes() for s in leaf.addressable_shards)
+            host_bytes[PINNED_HOST] = host_bytes.get(PINNED_HOST, 0) + n
+        else:
+            kept_values.append(leaf)
+    host = frozenset(ledger.virtual(p, n) for p, n in sorted(host_bytes.items(), key=str) if n)
+    return committed, extents_of(kept_values) | host
+
+
+def extents_of(tree: Any) -> frozenset[Extent]:
+    out: accounting.Extents = []
+    accounting.collect_extents(tree, out, {}, accounting.WalkReport())
+    return frozenset(out)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    try:
+        return jax.tree_util.tree_leaves(tree)
+    except Exception:
+        return []
