@@ -76,8 +76,9 @@ def departures(
     ``after``), then those the budget released (``after`` to ``final``). Pure: found by comparing tables by
     incarnation (whatever the op did, never a prediction of it).
 
-    ``dropped``: ids the op removes at a caller's request, with why: these leave even if an id's incarnation
-    number reappears (a table replaced by `load`), and their handles refuse writes."""
+    ``dropped``: ids the op removes at a caller's request, with why: these leave (their handles refuse
+    writes) whatever ``after`` holds under the id (a table replaced by `load` holds new incarnations of them:
+    the shell numbers a loaded table on from the installed one's counter, `table.renumber`)."""
     out: list[Departure] = []
     # A table derived from `before` gained exactly one incarnation number per insertion, so the sessions
     # that left number `missing`; they are found from the least recent end (where an LRU eviction takes
@@ -89,7 +90,7 @@ def departures(
             out.append(Departure(sid, uid, ms.lookup(before, sid), reason, True))
             missing -= not _holds(after, sid, uid)
     if missing:
-        exhaustive = missing < 0  # `after` was not derived from `before` (a load): look at every session
+        exhaustive = missing < 0  # `after` was not derived from `before`: look at every session
         evicted = evicted_reason(before.max_sessions)
         for sid, uid, session in ms.entries_lru(before):
             if sid not in dropped and not _holds(after, sid, uid):
@@ -128,8 +129,8 @@ class Cells:
         self.handles: dict[int, Any] = {}
         # Detached cells, weakly: a plain weak reference per cell (no callback, no WeakSet bookkeeping on the
         # miss path); the dead ones are swept when the dict has doubled since the last sweep. Keyed by the
-        # cell's id, not its incarnation: a loaded table numbers its incarnations from 0 again, so two
-        # detached cells may share one (the weak reference keeps a live cell's id from being reused).
+        # cell's id, which needs no argument about numbering (the shell never issues an incarnation twice: a
+        # loaded table is numbered on, `table.renumber`); the weak reference keeps a live cell's id unique.
         self._detached: dict[int, weakref.ref[Cell]] = {}
         self._sweep_at = _SWEEP_FROM
         # Why the most recent departures left, oldest first: read only to word an error about an absent id.

@@ -9,6 +9,7 @@ from ..core.session import SessionState
 from ..persist import checkpoint as ckpt
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
+from ..table.renumber import continued
 
 __all__ = ["session_load", "table_load"]
 
@@ -34,10 +35,13 @@ def session_load(
 
 
 def table_load(path: Any, **read: Any) -> tuple[ManagerState, Plan, Dropped]:
-    """Read a whole table; returns ``(table, the plan installing it, the sessions it replaces)``."""
+    """Read a whole table; returns ``(table, the plan installing it, the sessions it replaces)``.
+
+    The plan installs the table read with its incarnations numbered on from the replaced table's
+    (`continued`): a number the shell issued once (a handle's cell holds it) is never issued again."""
     table = ckpt.load(path, **read)
 
     def replaced(state: ManagerState) -> dict[str, str]:
         return dict.fromkeys(state.session_ids, "dropped (the table was replaced by `load`)")
 
-    return table, lambda state: (table, None), replaced
+    return table, lambda state: (continued(table, state.issued), None), replaced

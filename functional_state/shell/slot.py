@@ -10,8 +10,11 @@ caller then takes the manager's retry loop, which decides everything these skip.
 A lock-free read of a handle's session reads ``slot.table`` *before* it asks whether the cell left
 (`Slot.held`): every install that removes a session detaches its cell first, so a table read before
 ``cell.left`` was seen None holds the cell's incarnation. The other order may read a table installed in
-between, and a loaded table numbers its incarnations from 0 again: it can hold another incarnation under
-the same id and number.
+between. Against a `load` that is now harmless (the shell numbers a loaded table on from the installed
+one's counter, `table.renumber`, so no table it installs holds a number under another incarnation), but
+a taken-back write (`SessionStateManager._take_back`) reinstalls an older table whose counter is behind
+the numbers the taken-back table issued, and a cell made for one of those may meet it reissued: the order
+stays.
 """
 
 from __future__ import annotations
@@ -155,7 +158,7 @@ class Slot:
         try:
             base = self.table
             # (`held_object` is None only for a session the table holds with no object ``name``; the cell's
-            # ``left`` first: a loaded table may hold another incarnation under the same id and number)
+            # ``left`` first: a left cell's number is no proof, see the module's docstring)
             if (
                 cell.left is not None
                 or LIVE_POOLS

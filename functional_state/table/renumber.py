@@ -1,0 +1,96 @@
+"""`continued`: a table whose session incarnations continue another table's numbering (a `load` installed).
+
+Incarnation numbers tell one life of a session id from the next: the shell keys its handles' cells by them
+and asks "does the installed table still hold incarnation ``uid`` of ``sid``?" on every lock-free read. A
+table derived from the installed one (by the verbs) only ever issues new numbers, but a table read from a
+checkpoint was built from an empty one and numbers its sessions from 0 again, so it can hold another
+incarnation under an id and number a handle already has. The shell installs `continued(loaded,
+installed.issued)` instead: the same sessions, recency, counters and configuration, numbered from the
+installed table's counter on, so no number is ever issued twice by one shell.
+
+Built over `state`'s public names: its node layout (`SESSION`, `USED`, `UID`), its counter positions,
+`make_state`, and the reads `entries_lru`, `counters` and `ledger_of`. The recency log is rebuilt
+compacted (one entry per session, in LRU order): the order is what a table means, not its ticks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import immutables
+
+from ..errors import InvalidArgumentError
+from .recency_log import Log
+from .state import (
+    CLOCK,
+    COLD,
+    COMPACT_AT,
+    CONFIG,
+    END,
+    EVICTIONS,
+    HITS,
+    ISSUED,
+    LIMIT,
+    LOG,
+    MISSES,
+    PARKS,
+    PENDING,
+    PENDING_TICK,
+    RESTORES,
+    SESSION,
+    START,
+    UID,
+    USED,
+    Config,
+    ManagerState,
+    entries_lru,
+    ledger_of,
+    make_state,
+)
+
+__all__ = ["continued"]
+
+
+def continued(table: ManagerState, first: int) -> ManagerState:
+    """``table`` with its sessions numbered ``first, first + 1, ...`` (least recently used first) and its
+    incarnation counter at ``first + len(table)``; sessions, recency order, counters and configuration kept.
+
+    Pure: ``table`` is unchanged. O(sessions).
+
+    Args:
+      table: the table to renumber (a loaded one).
+      first: the first number to issue: the ``issued`` counter of the table it replaces.
+
+    Raises:
+      InvalidArgumentError: ``first`` is not a non-negative int.
+
+    Example:
+      >>> import functional_state as fs
+      >>> loaded, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+      >>> moved = continued(loaded, 7)
+      >>> fs.incarnation(loaded, "a"), fs.incarnation(moved, "a"), moved.issued, moved.session_ids
+      (0, 7, 8, ('a',))
+    """
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise InvalidArgumentError(f"`continued`: first must be a non-negative int, got {first!r}.")
+    sids: list[str] = []
+    mm: immutables.MapMutation[str, Any] = immutables.Map().mutate()
+    for tick, (sid, _, session) in enumerate(entries_lru(table)):
+        node: list[Any] = [None] * 3
+        node[SESSION], node[USED], node[UID] = session, tick, first + tick
+        mm[sid] = tuple(node)
+        sids.append(sid)
+    n = len(sids)
+    counters = table.counters
+    cold: list[Any] = [None] * (RESTORES + 1)
+    cold[ISSUED], cold[CONFIG] = first + n, Config(table.max_sessions, table.byte_budget, table.evict_when_full)
+    cold[MISSES], cold[EVICTIONS] = counters.misses, counters.evictions
+    cold[PARKS], cold[RESTORES] = counters.parks, counters.restores
+    meta: list[Any] = [None] * (LIMIT + 1)
+    meta[CLOCK], meta[LOG], meta[START], meta[END] = n, Log(sids, list(range(n))), 0, n
+    meta[PENDING], meta[PENDING_TICK], meta[HITS], meta[COLD] = None, 0, counters.hits, tuple(cold)
+    meta[LIMIT] = COMPACT_AT * n
+    # The ledger depends on the sessions only. A budgeted table tracks from its creation (so `ledger_of` reads
+    # it, builds nothing); an unbudgeted one starts untracked, as a table nobody asked about pays nothing.
+    acct = ledger_of(table) if table.byte_budget is not None else None
+    return make_state(mm.finish(), tuple(meta), acct)
