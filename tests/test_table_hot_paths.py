@@ -1,5 +1,5 @@
 """The manager op's hot paths written out for speed (issue 24) keep the behaviour of the code they replace:
-the ring commit's draft construction, put's cheap checks, the bare eviction
+the ring commit's inline construction, put's cheap checks, the bare eviction
 scan and the kept compaction limit."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import functional_state as fs
-from functional_state.core import latent_buffer
 from functional_state.core.pytree import _make_replace
 from functional_state.errors import InvalidTypeError
 from functional_state.table import lru
@@ -28,13 +27,13 @@ def _fields(buf: fs.LatentBuffer) -> list:
 
 @pytest.mark.parametrize("fast", [True, False], ids=["inline", "generic replace"])
 @pytest.mark.parametrize("maxlen", [None, 1, 3])
-def test_ring_commit_builds_a_frozen_latent_buffer_either_way(monkeypatch, fast, maxlen):
-    monkeypatch.setattr(latent_buffer, "_FAST", fast)
+def test_ring_commit_builds_a_frozen_latent_buffer_either_way(fast, maxlen):
+    commit = fs.LatentBuffer.commit if fast else fs.StateObject.commit
     buf = fs.LatentBuffer.create(maxlen=maxlen, recompute_cost=2.0)
     items = [np.full(2, i) for i in range(5)]
     for x in items:
         before = snapshot(buf)
-        new = buf.commit(x)
+        new = commit(buf, x)
         assert_unchanged(buf, before)  # the receiver is never changed
         buf = new
     want = tuple(items if maxlen is None else items[-maxlen:])
@@ -46,17 +45,17 @@ def test_ring_commit_builds_a_frozen_latent_buffer_either_way(monkeypatch, fast,
     leaves, treedef = jax.tree_util.tree_flatten(buf)
     again = jax.tree_util.tree_unflatten(treedef, leaves)
     assert type(again) is fs.LatentBuffer and again.view() == buf.view()
-    # pytree registration is the class's: jit over a drafted buffer traces it like any other.
+    # pytree registration is the class's: jit over an inline-built buffer traces it like any other.
     total = jax.jit(lambda b: sum(jnp.sum(x) for x in b.items))(buf)
     assert float(total) == float(sum(np.sum(x) for x in want))
 
 
-def test_replace_without_a_draft_sets_every_field_through_its_descriptor():
-    """The generated replace builds through the slot descriptors where no draft works (and for a subclass
-    declared without the decorator): the same frozen object, every field kept or changed."""
+def test_replace_sets_every_field_through_its_descriptor():
+    """The generated replace builds through the slot descriptors (also for a subclass declared without the
+    decorator): the same frozen object, every field kept or changed."""
     buf = fs.LatentBuffer.create(maxlen=3, recompute_cost=2.0).commit(1)
     names = [f.name for f in dataclasses.fields(buf)]
-    plain = _make_replace(fs.LatentBuffer, names, None)
+    plain = _make_replace(fs.LatentBuffer, names)
     for replace in (plain, fs.LatentBuffer._replace):
         new = replace(buf, items=(7,), status="evicted")
         assert type(new) is fs.LatentBuffer
@@ -71,17 +70,6 @@ def test_replace_without_a_draft_sets_every_field_through_its_descriptor():
 
     sub = fs.LatentBuffer._replace(Sub.create(maxlen=2), items=(1,))
     assert type(sub) is Sub and sub.items == (1,) and sub.maxlen == 2
-
-
-def test_the_draft_is_used_on_this_interpreter_and_never_escapes():
-    assert latent_buffer._FAST  # CPython lets a same-slots draft take LatentBuffer's class
-    for cls in (fs.LatentBuffer, fs.ArrayRing, fs.DenseValue):
-        assert cls._draft is not None, cls
-    buf = fs.LatentBuffer.create(maxlen=2).commit(1).commit(2).commit(3)
-    assert type(buf) is fs.LatentBuffer and buf.view() == (2, 3)
-    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
-    s = fs.commit(fs.put(s, "a", "b", fs.LatentBuffer.create(maxlen=2)), "a", "b", 1)
-    assert type(fs.lookup(s, "a").get("b")) is fs.LatentBuffer
 
 
 def _replay(ops: list[tuple[str, str]], hit) -> fs.ManagerState:

@@ -96,7 +96,7 @@ class LatentBuffer(StateObject):
     def commit(self, payload: Any = MISSING) -> LatentBuffer:
         """`StateObject.commit`; a payload committed into a resident buffer (the per-step path) builds the new
         buffer directly (no generic copy: ~2x faster), everything else takes the base class's path."""
-        if payload is MISSING or self.status != RESIDENT or type(self) is not LatentBuffer or not _FAST:
+        if payload is MISSING or self.status != RESIDENT or type(self) is not LatentBuffer:
             return StateObject.commit(self, payload)
         items, maxlen = self.items, self.maxlen
         n = len(items)
@@ -104,17 +104,16 @@ class LatentBuffer(StateObject):
             items = items + (payload,)
         else:  # a full ring, the steady state: a constant slice is a third cheaper than a computed one
             items = (items[1:] if n == maxlen else items[n + 1 - maxlen :]) + (payload,)
-        # `_with_items`, written out: a draft (see `pytree._make_draft`) takes plain stores.
-        new = _DRAFT()
-        new.items = items
-        new.staged = self.staged
-        new.host_copy = self.host_copy
-        new.maxlen = maxlen
-        new.status = RESIDENT
-        new.recompute_source = self.recompute_source
-        new.recompute_cost = self.recompute_cost
-        new._acct_cache = None
-        new.__class__ = LatentBuffer
+        # `_with_items`, written out: each slot set through its descriptor (the frozen __setattr__ refuses).
+        new = _new(LatentBuffer)
+        _SET_ITEMS(new, items)
+        _SET_STAGED(new, self.staged)
+        _SET_HOST(new, self.host_copy)
+        _SET_MAXLEN(new, maxlen)
+        _SET_STATUS(new, RESIDENT)
+        _SET_SOURCE(new, self.recompute_source)
+        _SET_COST(new, self.recompute_cost)
+        _SET_ACCT(new, None)
         return new
 
     def _commit_payload(self, payload: Any) -> LatentBuffer:
@@ -258,8 +257,10 @@ def _with_items(buf: LatentBuffer, items: tuple[Any, ...]) -> LatentBuffer:
     return new
 
 
-_DRAFT: Any = LatentBuffer._draft  # type: ignore[attr-defined]  # (typed Any: filled field by field)
-_FAST = _DRAFT is not None  # else every build sets its slots through their descriptors
+_new = object.__new__
+_SET_ITEMS, _SET_STAGED, _SET_HOST, _SET_MAXLEN, _SET_STATUS, _SET_SOURCE, _SET_COST = (
+    LatentBuffer.__dict__[n].__set__ for n in _FIELDS
+)
 
 
 def _distinct(extents: list[Extent]) -> tuple[Extent, ...]:

@@ -32,50 +32,22 @@ MISSING: Any = _Missing()
 _KEEP = object()  # "field unchanged" marker of the generated replace functions
 
 
-def _make_draft(cls: type, names: list[str]) -> type | None:
-    """A class of ``cls``'s layout (its bases, its slots) without its frozen ``__setattr__``, or None where this
-    interpreter refuses to turn one into a ``cls``.
-
-    A frozen slotted dataclass can only be written through each slot descriptor's ``__set__`` (a call apiece:
-    ~50 ns, most of a copy's cost). A draft's slots take plain attribute stores (a few ns each), and assigning
-    ``__class__`` (allowed: same slots, same bases) makes it the finished, frozen object. Nothing else ever
-    sees a draft: the builders fill one and hand out only the result. (Its bases' ``__init_subclass__`` does
-    see the draft class, being a subclass: where a hook refuses it, ``cls`` goes without a draft.)
-    """
-    try:
-        body = {"__slots__": cls.__dict__["__slots__"], "__module__": cls.__module__}
-        draft = type(f"_{cls.__name__}Draft", cls.__bases__, body)
-        draft.__abstractmethods__ = frozenset()  # type: ignore[attr-defined]  # (finished before anyone sees it)
-        probe: Any = object.__new__(draft)  # (as `replace` makes one: no base's __init__ runs)
-        marks = [object() for _ in names]
-        for name, mark in zip(names, marks, strict=True):
-            setattr(probe, name, mark)
-        probe.__class__ = cls
-    except Exception:  # (a layout this CPython refuses to reassign, or a base's hook refusing the draft class)
-        return None
-    if type(probe) is not cls or any(getattr(probe, n) is not m for n, m in zip(names, marks, strict=True)):
-        return None
-    return draft
-
-
-def _make_replace(cls: type, names: list[str], draft: type | None) -> Callable[..., Any]:
+def _make_replace(cls: type, names: list[str]) -> Callable[..., Any]:
     """Build ``replace(obj, *, field=...)`` for ``cls``: keyword-only, so a misspelt field is a TypeError.
 
     Generated code (one line per field) because it runs on every commit: it is several times faster than
-    ``dataclasses.replace`` and does not re-run ``__init__`` (which validates, and may not run on tracers). An
-    object of ``cls`` itself is built as a draft (see `_make_draft`); a subclass declared without the
-    decorator, which inherits this function and keeps its type, through the slot descriptors.
+    ``dataclasses.replace`` and does not re-run ``__init__`` (which validates, and may not run on tracers).
+    Each slot is written through its own descriptor, past the frozen class's ``__setattr__`` (which
+    refuses), on an object of ``type(obj)`` (a subclass declared without the decorator keeps its type). No
+    other class is made: a stand-in class of the same layout, whose instances took plain stores and then
+    ``cls``'s ``__class__``, was faster, but CPython only swaps classes whose layout comes from the same
+    base, so it had to be a subclass of ``cls``'s base, visible in its ``__subclasses__()`` and to its
+    ``__init_subclass__`` hooks (issue 24).
     """
     params = ", ".join(f"{n}=_KEEP" for n in names)
-    pick = {n: f"obj.{n} if {n} is _KEEP else {n}" for n in names}
-    drafted = "".join(f"        new.{n} = {pick[n]}\n" for n in names)
-    # Each slot's own descriptor sets it directly, past the frozen class's __setattr__ (which refuses).
-    described = "".join(f"    _set_{n}(new, {pick[n]})\n" for n in names)
-    src = f"def replace(obj, *, {params}):\n"
-    if draft is not None:
-        src += f"    if type(obj) is _cls:\n        new = _new(_draft)\n{drafted}        new.__class__ = _cls\n        return new\n"
-    src += f"    new = _new(type(obj))\n{described}    return new\n"
-    namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__, "_cls": cls, "_draft": draft}
+    body = "".join(f"    _set_{n}(new, obj.{n} if {n} is _KEEP else {n})\n" for n in names)
+    src = f"def replace(obj, *, {params}):\n    new = _new(type(obj))\n{body}    return new\n"
+    namespace: dict[str, Any] = {"_KEEP": _KEEP, "_new": object.__new__}
     namespace.update({f"_set_{n}": cls.__dict__[n].__set__ for n in names})
     exec(src, namespace)
     fn = namespace["replace"]
@@ -133,8 +105,9 @@ def pytree_dataclass(*, static: tuple[str, ...] = ()) -> Callable[[type[T]], typ
       ([1.0, 2.0], [2.0, 4.0])
     """
 
-    def wrap(cls: type[T]) -> type[T]:
-        cls = dataclasses.dataclass(frozen=True, eq=False, repr=False, slots=True)(cls)
+    def wrap(declared: type[T]) -> type[T]:
+        cls = dataclasses.dataclass(frozen=True, eq=False, repr=False, slots=True)(declared)
+        _forget_declared(cls, declared)
         names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         unknown = set(static) - set(names)
         if unknown:
@@ -142,11 +115,25 @@ def pytree_dataclass(*, static: tuple[str, ...] = ()) -> Callable[[type[T]], typ
         data = [n for n in names if n not in static]
         jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(static))
         cls._static_fields = tuple(static)  # type: ignore[attr-defined]
-        cls._draft = _make_draft(cls, names)  # type: ignore[attr-defined]
-        cls._replace = _make_replace(cls, names, cls._draft)  # type: ignore[attr-defined]
+        cls._replace = _make_replace(cls, names)  # type: ignore[attr-defined]
         return cls
 
     return wrap
+
+
+def _forget_declared(cls: type, declared: type) -> None:
+    """Point ``cls``'s frozen ``__setattr__``/``__delattr__`` at ``cls`` instead of ``declared``.
+
+    ``dataclass(slots=True)`` builds a second class; on CPython 3.11 the frozen methods close over the
+    first (unslotted) one, which then lives as long as ``cls`` does and stays in every base's
+    ``__subclasses__()``: a user registry enumerating them saw the class twice (issue 24).
+    """
+    if cls is declared:
+        return
+    for name in ("__setattr__", "__delattr__"):
+        for cell in getattr(cls.__dict__.get(name), "__closure__", None) or ():
+            if cell.cell_contents is declared:
+                cell.cell_contents = cls
 
 
 def replace(obj: T, **changes: Any) -> T:
