@@ -5,7 +5,8 @@ into a `ParkedStorage`; `restore_values` gives them back.
 
 * **JAX arrays** move with ``jax.device_put`` to the ``pinned_host`` memory kind of their own sharding
   (per shard, for a sharded array) and back to the sharding they had: same devices, same memory kind,
-  same dtype and shape. One ``device_put`` call moves all of an object's arrays.
+  same dtype and shape. One ``device_put`` call moves all of an object's arrays, and always copies: an
+  array already in ``pinned_host`` gets a host copy of its own, and a restore never hands out the parked one.
 * **torch tensors** are grouped by storage (`torch_host`): each storage is copied once, whole, into host
   memory in runs of at most `_CHUNK` bytes per device, back to back (`host_buffers.pack_runs`; on the CPU
   the runs of small storages share one host buffer once they fill a huge page). For CPU sources that is one
@@ -193,7 +194,9 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
     if jax_index:
         arrays = [leaves[same[0]] for same in jax_index.values()]
         targets = [a.sharding.with_memory_kind("pinned_host") for a in arrays]
-        hosts = jax.device_put(arrays, targets)
+        # Never the source itself: ``device_put`` to the sharding an array already has (one in ``pinned_host``
+        # already) returns that array, and a host copy that is the source dies when the source is donated.
+        hosts = jax.device_put(arrays, targets, may_alias=False)
         for same, a, host in zip(jax_index.values(), arrays, hosts):
             recipe = JaxLeaf(host, a.sharding)
             for i in same:  # one host array per distinct array, so its restore is one array again
@@ -280,7 +283,9 @@ def restore_values(parked: ParkedStorage) -> Any:
     out: list[Any] = list(parked.slots)
     recipes: dict[int, JaxLeaf] = {id(x): x for x in out if isinstance(x, JaxLeaf)}  # each once
     if recipes:
-        restored = jax.device_put([r.host for r in recipes.values()], [r.sharding for r in recipes.values()])
+        restored = jax.device_put(  # (a copy, not the host array itself: see `park_values`)
+            [r.host for r in recipes.values()], [r.sharding for r in recipes.values()], may_alias=False
+        )
         by_recipe = dict(zip(recipes, restored))
         for i, leaf in enumerate(parked.slots):
             if isinstance(leaf, JaxLeaf):
