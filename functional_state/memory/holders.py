@@ -109,6 +109,25 @@ class AttrEntry(NamedTuple):
     value: Any
     holders: int
     extents: frozenset[Extent] | None  # None: a mutable value (`values.mutable`), re-read on every question
+    recorded: frozenset[Extent] | None = None  # a mutable value: what it held when the index recorded it
+
+
+def changed_since_recorded(entry: AttrEntry) -> bool:
+    """Whether the mutable attr value of ``entry`` holds other extents now than when the index recorded it
+    (a list appended to, a tensor resized or given other storage). A bare torch tensor is read directly:
+    O(1), what the shell's budget check pays per mutable attr of the session it writes."""
+    value, recorded = entry.value, entry.recorded
+    torch = accounting.torch_module()
+    if torch is not None and type(value) is torch.Tensor:
+        if recorded is not None and len(recorded) == 1 and not accounting.POOL_STORAGES:
+            # One storage, as recorded: resize_ and set_ change its address, its size or its device (two
+            # live CUDA storages of two devices at one address and size: the one case this would miss).
+            (pool, start, end), storage = next(iter(recorded)), value.untyped_storage()
+            return storage.data_ptr() != start or storage.nbytes() != end - start or value.is_cpu != (pool == "cpu")
+        out: accounting.Extents = []
+        accounting.torch_extents(value, out)
+        return frozenset(out) != recorded
+    return frozenset(holder_extents(value)) != recorded
 
 
 _NO_MAP: immutables.Map = immutables.Map()
@@ -187,7 +206,7 @@ class AttrIndex:
                             moved.add(e[0])
                 memo[id(value)] = AttrEntry(value, 1, extents)
             else:
-                memo[id(value)] = AttrEntry(value, 1, None)
+                memo[id(value)] = AttrEntry(value, 1, None, frozenset(holder_extents(value)))
                 opened[id(value)] = value
         kept, loose = refs.finish(), self.loose
         if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
@@ -214,6 +233,10 @@ class AttrIndex:
 
     def closed_extents(self) -> Iterable[Extent]:
         return self.refs.keys()
+
+    def recorded_extents(self) -> set[Extent]:
+        """What the mutable values held when they were recorded (each value on its arrival)."""
+        return {e for v in self.opened.values() for e in self.memo[id(v)].recorded or ()}
 
 
 EMPTY_ATTRS = AttrIndex(_NO_MAP, _NO_MAP, _NO_MAP, _NO_MAP)
