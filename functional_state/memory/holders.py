@@ -110,24 +110,28 @@ class AttrEntry(NamedTuple):
     holders: int
     extents: frozenset[Extent] | None  # None: a mutable value (`values.mutable`), re-read on every question
     recorded: frozenset[Extent] | None = None  # a mutable value: what it held when the index recorded it
+    stamp: tuple[int, int, bool] | None = None  # a bare tensor in one storage: (address, bytes, is_cpu) then
 
 
 def changed_since_recorded(entry: AttrEntry) -> bool:
     """Whether the mutable attr value of ``entry`` holds other extents now than when the index recorded it
-    (a list appended to, a tensor resized or given other storage). A bare torch tensor is read directly:
-    O(1), what the shell's budget check pays per mutable attr of the session it writes."""
-    value, recorded = entry.value, entry.recorded
+    (a list appended to, a tensor resized or given other storage). A bare torch tensor in one storage is
+    compared by its stamp (one storage read): what the shell's budget check pays per mutable attr of the
+    session it writes. ``resize_`` and ``set_`` change the storage's address, size or device (two live CUDA
+    storages of two devices at one address and size: the one case a stamp cannot tell apart)."""
+    value, stamp = entry.value, entry.stamp
+    if stamp is not None and not accounting.POOL_STORAGES:
+        storage = value.untyped_storage()
+        return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or value.is_cpu is not stamp[2]
+    return frozenset(holder_extents(value)) != entry.recorded
+
+
+def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool] | None:
     torch = accounting.torch_module()
-    if torch is not None and type(value) is torch.Tensor:
-        if recorded is not None and len(recorded) == 1 and not accounting.POOL_STORAGES:
-            # One storage, as recorded: resize_ and set_ change its address, its size or its device (two
-            # live CUDA storages of two devices at one address and size: the one case this would miss).
-            (pool, start, end), storage = next(iter(recorded)), value.untyped_storage()
-            return storage.data_ptr() != start or storage.nbytes() != end - start or value.is_cpu != (pool == "cpu")
-        out: accounting.Extents = []
-        accounting.torch_extents(value, out)
-        return frozenset(out) != recorded
-    return frozenset(holder_extents(value)) != recorded
+    if torch is None or type(value) is not torch.Tensor or len(recorded) != 1 or accounting.POOL_STORAGES:
+        return None
+    storage = value.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), value.is_cpu
 
 
 _NO_MAP: immutables.Map = immutables.Map()
@@ -206,7 +210,8 @@ class AttrIndex:
                             moved.add(e[0])
                 memo[id(value)] = AttrEntry(value, 1, extents)
             else:
-                memo[id(value)] = AttrEntry(value, 1, None, frozenset(holder_extents(value)))
+                recorded = frozenset(holder_extents(value))
+                memo[id(value)] = AttrEntry(value, 1, None, recorded, _stamp(value, recorded))
                 opened[id(value)] = value
         kept, loose = refs.finish(), self.loose
         if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
