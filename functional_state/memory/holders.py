@@ -232,9 +232,28 @@ class AttrIndex:
         return list(self.opened.values()) if self.opened else []
 
     def open_extents(self) -> set[Extent]:
-        """What the mutable values hold now (a walk of them alone)."""
+        """What the mutable values hold now: a walk of them alone, but a bare tensor still in the storage it
+        was recorded in gives its recorded extents (`changed_since_recorded`: one storage read)."""
         values = self.open_values()
-        return holder_extents(values) if values else set()
+        if not values:
+            return set()
+        kept, walk = self.unchanged_extents(values)
+        return set(kept) | holder_extents(walk) if walk else set(kept)
+
+    def unchanged_extents(self, values: list[Any]) -> tuple[list[Extent], list[Any]]:
+        """``(extents of the stamped values of ``values`` that hold what was recorded, each value's in turn as
+        a walk of each would list them; the other values)``: what a reader of the mutable values need not
+        walk, and what it must."""
+        out: list[Extent] = []
+        walk = []
+        memo = self.memo
+        for v in values:
+            entry = memo[id(v)]
+            if entry.stamp is not None and not changed_since_recorded(entry):
+                out.extend(entry.recorded or ())
+            else:
+                walk.append(v)
+        return out, walk
 
     def closed_extents(self) -> Iterable[Extent]:
         return self.refs.keys()
@@ -318,7 +337,9 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     out: accounting.Extents = []
     report = accounting.WalkReport()
     seen: dict[int, Any] = {}
-    for value in acct.attrs.open_values():
+    kept, walk = acct.attrs.unchanged_extents(acct.attrs.open_values())
+    out.extend(kept)
+    for value in walk:
         accounting.collect_extents(value, out, seen, report)
     refs = acct.refs
     extra: dict[str, list[Extent]] = {}  # per pool, the attr extents no object holds
