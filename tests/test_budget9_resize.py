@@ -142,3 +142,16 @@ def test_a_tensor_resized_inside_a_committed_object_is_outside_the_contract_but_
     fs.view(state, "a", "cache")[0].resize_(BIG)
     assert fs.stats(state)["nbytes:cpu"] == held  # kept: outside the contract
     assert fs.stats(state, exact=True)["nbytes:cpu"] >= BIG  # the check walk tells the truth
+
+
+def test_the_bound_a_full_check_leaves_covers_a_mutable_value_at_its_recorded_size() -> None:
+    # The fast check skips a mutable value that holds what the index recorded on its arrival: so the bound a
+    # full check leaves must cover that size even if the value held less at the check (shrunk, to grow back).
+    from functional_state.shell import admission
+
+    state, _ = fs.get_or_create(fs.ManagerState.create(byte_budget=BUDGET), "a")
+    t = torch.zeros(4 * KIB, dtype=torch.uint8)
+    state = fs.set_attr(state, "a", "x", t)
+    ledger_of(state)
+    t.untyped_storage().resize_(16)
+    assert admission._full_bound(state)["cpu"] >= 4 * KIB

@@ -109,6 +109,29 @@ class AttrEntry(NamedTuple):
     value: Any
     holders: int
     extents: frozenset[Extent] | None  # None: a mutable value (`values.mutable`), re-read on every question
+    recorded: frozenset[Extent] | None = None  # a mutable value: what it held when the index recorded it
+    stamp: tuple[int, int, bool] | None = None  # a bare tensor in one storage: (address, bytes, is_cpu) then
+
+
+def changed_since_recorded(entry: AttrEntry) -> bool:
+    """Whether the mutable attr value of ``entry`` holds other extents now than when the index recorded it
+    (a list appended to, a tensor resized or given other storage). A bare torch tensor in one storage is
+    compared by its stamp (one storage read): what the shell's budget check pays per mutable attr of the
+    session it writes. ``resize_`` and ``set_`` change the storage's address, size or device (two live CUDA
+    storages of two devices at one address and size: the one case a stamp cannot tell apart)."""
+    value, stamp = entry.value, entry.stamp
+    if stamp is not None and not accounting.POOL_STORAGES:
+        storage = value.untyped_storage()
+        return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or value.is_cpu is not stamp[2]
+    return frozenset(holder_extents(value)) != entry.recorded
+
+
+def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool] | None:
+    torch = accounting.torch_module()
+    if torch is None or type(value) is not torch.Tensor or len(recorded) != 1 or accounting.POOL_STORAGES:
+        return None
+    storage = value.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), value.is_cpu
 
 
 _NO_MAP: immutables.Map = immutables.Map()
@@ -187,7 +210,8 @@ class AttrIndex:
                             moved.add(e[0])
                 memo[id(value)] = AttrEntry(value, 1, extents)
             else:
-                memo[id(value)] = AttrEntry(value, 1, None)
+                recorded = frozenset(holder_extents(value))
+                memo[id(value)] = AttrEntry(value, 1, None, recorded, _stamp(value, recorded))
                 opened[id(value)] = value
         kept, loose = refs.finish(), self.loose
         if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
@@ -208,12 +232,35 @@ class AttrIndex:
         return list(self.opened.values()) if self.opened else []
 
     def open_extents(self) -> set[Extent]:
-        """What the mutable values hold now (a walk of them alone)."""
+        """What the mutable values hold now: a walk of them alone, but a bare tensor still in the storage it
+        was recorded in gives its recorded extents (`changed_since_recorded`: one storage read)."""
         values = self.open_values()
-        return holder_extents(values) if values else set()
+        if not values:
+            return set()
+        kept, walk = self.unchanged_extents(values)
+        return set(kept) | holder_extents(walk) if walk else set(kept)
+
+    def unchanged_extents(self, values: list[Any]) -> tuple[list[Extent], list[Any]]:
+        """``(extents of the stamped values of ``values`` that hold what was recorded, each value's in turn as
+        a walk of each would list them; the other values)``: what a reader of the mutable values need not
+        walk, and what it must."""
+        out: list[Extent] = []
+        walk = []
+        memo = self.memo
+        for v in values:
+            entry = memo[id(v)]
+            if entry.stamp is not None and not changed_since_recorded(entry):
+                out.extend(entry.recorded or ())
+            else:
+                walk.append(v)
+        return out, walk
 
     def closed_extents(self) -> Iterable[Extent]:
         return self.refs.keys()
+
+    def recorded_extents(self) -> set[Extent]:
+        """What the mutable values held when they were recorded (each value on its arrival)."""
+        return {e for v in self.opened.values() for e in self.memo[id(v)].recorded or ()}
 
 
 EMPTY_ATTRS = AttrIndex(_NO_MAP, _NO_MAP, _NO_MAP, _NO_MAP)
@@ -290,7 +337,9 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     out: accounting.Extents = []
     report = accounting.WalkReport()
     seen: dict[int, Any] = {}
-    for value in acct.attrs.open_values():
+    kept, walk = acct.attrs.unchanged_extents(acct.attrs.open_values())
+    out.extend(kept)
+    for value in walk:
         accounting.collect_extents(value, out, seen, report)
     refs = acct.refs
     extra: dict[str, list[Extent]] = {}  # per pool, the attr extents no object holds

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
+from ..memory.accounting import union_by_device
+from ..memory.holders import changed_since_recorded
 from ..memory.values import NO_BUFFER_TYPES
 from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from ..policy.planner import LEVERS
@@ -52,20 +54,22 @@ def within_budget_fast(
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
     the bound, else None (a full check is needed).
 
-    The bound counts every attr value as it was when it was set or at the last full check (a bound may
+    The bound counts every attr value as it was when it was set and at the last full check (a bound may
     exceed: a value removed or replaced stays counted). A write that sets attr values adds their bytes to
     it; the arrays it kept are in it already. A value that may change without a write (`values.mutable`: a
     list a model appends to, a torch tensor it resizes in place) may hold more now than it was counted
-    with, so the writer's own mutable values are read again on every write, a commit included, and their
-    bytes added for this check alone (counted twice: an upper bound, never kept, so it does not grow write
+    with: the writer's own mutable values are compared, on every write (a commit included), with what the
+    attr index recorded on their arrival (a bare tensor: one storage read), and one that changed adds its
+    bytes now for this check alone (counted twice: an upper bound, never kept, so it does not grow write
     after write). A plain number or string is not read at all. Another session's value changed in place is
     seen at that session's next write, at the next full check, and by `stats()`: reading every mutable
     value of the table on every write would make a write O(table)."""
     if surplus is None:
         return None
     bound = check = surplus
-    if writer is not None and writer in after:
-        attrs = ms.lookup(after, writer).attrs
+    session = ms.lookup(after, writer, None) if writer is not None else None
+    if session is not None:
+        attrs = session.attrs
         if attrs:
             old = None if attrs_unchanged else ms.lookup(before, writer).attrs if writer in before else None
             memo = ledger_of(after).attrs.memo
@@ -75,7 +79,7 @@ def within_budget_fast(
                     continue
                 if not attrs_unchanged and old is not attrs and (old is None or old.get(k, _ABSENT) is not v):
                     new[k] = v  # set by this write: counted from now on
-                elif _is_mutable(memo, v):
+                elif _changed(memo.get(id(v)), v):
                     changing[k] = v
             if new and (extra := attr_bytes(new)):
                 bound = check = _plus(bound, extra)
@@ -84,17 +88,25 @@ def within_budget_fast(
     return None if _over_budget(after, check) else bound
 
 
+def _full_bound(state: ManagerState) -> Surplus:
+    """The attr bound a full check leaves: what the attrs hold now (`attr_surplus`), plus what their mutable
+    values held when recorded (what the fast check compares them with, so one back at its recorded size is
+    covered whatever it held at this check)."""
+    bound = attr_surplus(state)
+    recorded = ledger_of(state).attrs.recorded_extents()
+    return _plus(bound, union_by_device(list(recorded))) if recorded else bound
+
+
+def _changed(entry: Any, value: Any) -> bool:
+    """Whether ``value``, an attr the index keeps as mutable (``entry``), holds other buffers than recorded."""
+    return entry is not None and entry.extents is None and entry.value is value and changed_since_recorded(entry)
+
+
 def _plus(bound: Surplus, extra: Surplus) -> Surplus:
     return {p: bound.get(p, 0) + extra.get(p, 0) for p in bound.keys() | extra.keys()}
 
 
 _ABSENT = object()  # (an attr the session did not carry before the write)
-
-
-def _is_mutable(memo: Any, value: Any) -> bool:
-    """Whether the attr index keeps ``value`` as a mutable value (no extents recorded: `values.mutable`)."""
-    entry = memo.get(id(value))
-    return entry is not None and entry.value is value and entry.extents is None
 
 
 # The last (object totals, attr bound, budget) that `over_budget_objects` found within budget. Its answer is a
@@ -179,7 +191,7 @@ def admit(
             if writer is not None and writer in after:
                 protect.add(writer)
             final = enforce_budget(after, protect, levers=levers)
-            bound = attr_surplus(final)
+            bound = _full_bound(final)
     if final is before:
         return Decision(final, bound, [], {})
     left = departures(before, after, final, dropped or {})
