@@ -224,6 +224,14 @@ def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
     torch = torch_host.torch_module()
     layout = _Layout(g)
     devices, sources = g.devices, g.sources
+    if g.uniform and max(g.sizes) <= _CHUNK and (total := sum(g.sizes)) >= _NUMPY_MIN:
+        # Every run would sit back to back in the shared buffer below: one segment, so one ``torch.cat`` (and
+        # one split on restore) instead of one per run. (`uniform`: plain 1-D CPU storages of one dtype.)
+        layout.segments.append((0, 0, total, range(len(sources)), g.dtypes[0], ()))
+        pool = host_buffers.host_bytes(total, False)
+        with torch.no_grad():
+            _fill(pool, 0, total, sources, g.dtypes[0], (), False)
+        return layout, [pool]
     groups: dict[Any, Any]
     if devices.count(devices[0]) == len(devices):
         groups = {devices[0]: range(len(devices))}  # (a range: a run's storages are a slice of the sources)
