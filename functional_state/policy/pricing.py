@@ -33,7 +33,7 @@ class Ledger:
         self.overlaps = overlaps or {}
         self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
         self.attrs: Counter[Extent] = Counter()
-        self.taken: dict[str, set[Extent]] = {}  # pool -> the extents whose holders the plan so far changed
+        self.taken: dict[str, set[Extent]] = {}  # pool -> extents the plan so far made held that the table did not
         self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has
         self._sorted: dict[tuple[str, str], tuple[list[Extent], int]] = {}  # (what, pool) -> extents, longest
         self.set_attr_holders(attr_holders)
@@ -152,8 +152,8 @@ class Ledger:
     def take(self, change: Change) -> None:
         self.objects.update(change.objects)
         self.attrs.update(change.attrs)
-        for keys in (change.objects, change.attrs):
-            for e in keys:
+        for e in change.objects:  # (the table's own extents are found through its index: only new ones here)
+            if e not in self.refs and not self.attr_holders[e]:
                 self.taken.setdefault(e[0], set()).add(e)
 
 
