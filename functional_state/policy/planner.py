@@ -303,7 +303,8 @@ def plan_release(
             now[(sid, name)] = evicted
             released.add((sid, name))
     if "drop" in levers and not done():
-        attr_sets, ledger.attr_holders = snap.exact_attrs()  # a drop lets go of one session's attrs: count them
+        attr_sets, attr_holders = snap.exact_attrs()  # a drop lets go of one session's attrs: count them
+        ledger.set_attr_holders(attr_holders)
         for sid, session in lru:
             if done():
                 break

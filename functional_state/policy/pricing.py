@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable
@@ -11,6 +12,7 @@ import jax
 
 from ..memory import accounting, parking
 from ..memory.aliases import Loose
+from ..memory.overlaps import PoolIndex
 from ..memory.pools import HOST, PINNED_HOST, UNPINNED_HOST, Pool
 from ..memory.usage import pools_by_name
 from ..table.ledger import Extent
@@ -27,17 +29,24 @@ class Ledger:
 
     def __init__(self, refs: Any, attr_holders: Any, overlaps: Any = None):
         self.refs = refs  # extent -> objects holding it (the table's accounting)
-        self.attr_holders = attr_holders  # extent -> attr holders of it (a Counter, or the index's `AttrHolders`)
         # Pools whose extents may overlap without being equal (a `Loose` one held): priced by their union.
         self.overlaps = overlaps or {}
+        self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
+        self.attrs: Counter[Extent] = Counter()
+        self.taken: dict[str, set[Extent]] = {}  # pool -> extents the plan so far made held that the table did not
+        self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has
+        self._sorted: dict[tuple[str, str], tuple[list[Extent], int]] = {}  # (what, pool) -> extents, longest
+        self.set_attr_holders(attr_holders)
+
+    def set_attr_holders(self, attr_holders: Any) -> None:
+        """Price against ``attr_holders`` (extent -> attr holders of it: a Counter, or the index's `AttrHolders`)."""
+        self.attr_holders = attr_holders
         if hasattr(attr_holders, "closed"):  # the index's kept mark: a plan must not read every attr extent
             marked, scanned = attr_holders.loose, attr_holders.open
         else:
             marked, scanned = (), attr_holders
         self.loose_pools = {*self.overlaps, *marked, *(e[0] for e in scanned if type(e) is Loose)}
-        self.objects: Counter[Extent] = Counter()  # change in object holders made by the plan so far
-        self.attrs: Counter[Extent] = Counter()
-        self._next_virtual = -(1 << 62)  # host copies a park would make: fresh addresses no buffer has
+        self._sorted = {k: v for k, v in self._sorted.items() if k[0] != "attrs"}
 
     def held(self, e: Extent, d_objects: int = 0, d_attrs: int = 0) -> bool:
         objects = self.refs.get(e, 0) + self.objects[e] + d_objects
@@ -94,26 +103,58 @@ class Ledger:
 
     def _union_frees(self, pool: str, d: Counter[Extent], d_attrs: Counter[Extent]) -> int:
         """Bytes ``pool`` frees under the change ``d`` (objects) and ``d_attrs``, where an extent there may
-        overlap another without being it: the union of what it holds before, less the union after."""
-        index = self.overlaps.get(pool)
-        candidates = {*(index.extents() if index is not None else (e for e in self.refs if e[0] == pool))}
-        holders = self.attr_holders
-        for keys in (
-            self.objects,
-            self.attrs,
-            d,
-            d_attrs,
-            getattr(holders, "closed", holders),
-            getattr(holders, "open", ()),
-        ):
-            candidates.update(e for e in keys if e[0] == pool)
-        before = [e for e in candidates if self.held(e)]
-        after = [e for e in candidates if self.held(e, d[e], d_attrs[e])]
+        overlap another without being it: the union of what it holds before, less the union after.
+
+        Only bytes under the extents whose holders change can change hands: an extent that shares no byte
+        with them is held (or not) alike before and after, so the two unions are taken over those extents
+        and the ones overlapping them alone, found by bisection in the pool's sorted extents (the ledger's
+        index for objects; the attrs' sorted once per plan). O(log n + the extents near the change).
+        """
+        changed = sorted({e for keys in (d, d_attrs) for e in keys if e[0] == pool})
+        if not changed:
+            return 0
+        spans = [[changed[0][1], changed[0][2]]]  # the bytes under the changed extents, merged
+        for _, start, end in changed[1:]:
+            if start <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([start, end])
+        objects = self.overlaps.get(pool) or self._pool_sorted("objects", pool)
+        attrs, taken = self._pool_sorted("attrs", pool), self.taken.get(pool, ())
+        near: set[Extent] = set(changed)
+        for lo, hi in spans:
+            near.update(_overlapping(objects, lo, hi, pool))
+            near.update(_overlapping(attrs, lo, hi, pool))
+            near.update(e for e in taken if e[1] < hi and lo < e[2])
+        before = [e for e in near if self.held(e)]
+        after = [e for e in near if self.held(e, d[e], d_attrs[e])]
         return accounting.union_by_device(before).get(pool, 0) - accounting.union_by_device(after).get(pool, 0)
+
+    def _pool_sorted(self, what: str, pool: str) -> tuple[list[Extent], int]:
+        """The extents of ``pool`` the table's objects (``"objects"``, for a pool the ledger does not index)
+        or attrs (``"attrs"``) hold, sorted, with the longest one's length: read once per plan and pool."""
+        found = self._sorted.get((what, pool))
+        if found is None:
+            if what == "objects":
+                keys: Iterable[Extent] = self.refs
+            else:
+                holders = self.attr_holders
+                closed = getattr(holders, "closed", holders)
+                totals = getattr(holders, "pools", None)  # the attr index's per-pool totals: a pool no closed
+                keys = [  # attr value holds is not read at all
+                    *(closed if totals is None or pool in totals else ()),
+                    *getattr(holders, "open", ()),
+                ]
+            extents = sorted({e for e in keys if e[0] == pool})
+            found = self._sorted[(what, pool)] = (extents, max((e[2] - e[1] for e in extents), default=0))
+        return found
 
     def take(self, change: Change) -> None:
         self.objects.update(change.objects)
         self.attrs.update(change.attrs)
+        for e in change.objects:  # (the table's own extents are found through its index: only new ones here)
+            if e not in self.refs and not self.attr_holders[e]:
+                self.taken.setdefault(e[0], set()).add(e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +163,30 @@ class Change:
     left: frozenset[Extent]  # extents no holder keeps afterwards
     objects: Counter[Extent]
     attrs: Counter[Extent]
+
+
+def _overlapping(extents: Any, lo: int, hi: int, pool: str) -> Iterable[Extent]:
+    """The extents of one pool that share a byte with ``[lo, hi)``: ``extents`` is the ledger's `PoolIndex`
+    of the pool (sorted chunks) or a ``(sorted list, longest length)`` pair. O(log n + those near it)."""
+    if isinstance(extents, PoolIndex):
+        key = (pool, lo - extents.maxlen)  # (an extent starting a longest length before ``lo`` ends by it)
+        chunks = extents.chunks
+        c = max(bisect.bisect_right(extents.firsts, key) - 1, 0)
+        i = bisect.bisect_left(chunks[c], key) if chunks else 0
+    else:
+        key = (pool, lo - extents[1])
+        chunks, c = (extents[0],), 0
+        i = bisect.bisect_left(chunks[0], key)
+    while c < len(chunks):
+        chunk = chunks[c]
+        while i < len(chunk):
+            e = chunk[i]
+            if e[1] >= hi:
+                return
+            if e[2] > lo:
+                yield e
+            i += 1
+        c, i = c + 1, 0
 
 
 def by_pool(extents: Iterable[Extent]) -> dict[Pool, int]:

@@ -47,9 +47,10 @@ class AttrHolders:
     look for arrays deleted behind the table's back (``stats(exact=True)`` does): it prices what the table
     holds by its own operations, the figure `enforce_budget` measures with."""
 
-    def __init__(self, closed: Any, open_extents: Counter[Extent], loose: Any = ()):
+    def __init__(self, closed: Any, open_extents: Counter[Extent], loose: Any = (), pools: Any = None):
         self.closed, self.open = closed, open_extents
         self.loose = loose  # pools where ``closed`` holds a `Loose` extent (the attr index's kept mark)
+        self.pools = pools  # pools ``closed`` holds extents in (the index's per-pool totals); None: unknown
 
     def __getitem__(self, e: Extent) -> int:
         return self.closed.get(e, 0) + self.open.get(e, 0)
@@ -75,7 +76,7 @@ class Snapshot:
             out: accounting.Extents = kept
             for value in walk:
                 accounting.collect_extents(value, out, {}, accounting.WalkReport())
-            self.attr_holders = AttrHolders(index.refs, Counter(out), index.loose)
+            self.attr_holders = AttrHolders(index.refs, Counter(out), index.loose, index.totals)
             self._open = out
         self._slots: dict[int, list[tuple[str, str]]] | None = None
 
