@@ -22,10 +22,11 @@ from ..core.state_object import RESIDENT, StateObject
 from ..errors import InvalidTypeError, ObjectParkedError
 from ..table import manager_state as ms
 from ..table import parked, session_edits
+from ..table.manager_state import commit as _commit
 from ..table.manager_state import held_object
 from .cells import Cell
 from .session_ops import SessionOps
-from .slot import NOT_INLINE
+from .slot import LIVE_POOLS, NOT_INLINE
 
 __all__ = ["SessionHandle"]
 
@@ -168,9 +169,30 @@ class SessionHandle:
         return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
-        done = self._slot.commit(self._cell, name, payload)  # the per-step write: one lock, one pure verb
+        slot, cell = self._slot, self._cell
+        done: Any
+        # The per-step write: `Slot.commit` written out for its common case (no transaction of this thread on
+        # the session, no engine pool, no budget), one call fewer per step. Under the lock a cell that has
+        # not left names an incarnation the installed table holds (see `Slot.commit`); ``closed`` is only
+        # ever set with ``left`` (`Cells.detach`), so ``left`` alone says it. Pools and the budget are read
+        # before the lock only to choose the path (a budgeted write takes `Slot.commit`'s one lock), and
+        # again under it: a `load` may install a budget, and a write may make a pool, meanwhile.
+        if not slot.computing and not slot.budgeted and not LIVE_POOLS:
+            slot.acquire()
+            try:
+                if cell.left is None and not LIVE_POOLS and not slot.budgeted:
+                    try:
+                        slot.table = _commit(slot.table, cell.session_id, name, payload)
+                        return self
+                    except ObjectParkedError:  # its restore calls the engine: not under the lock
+                        pass
+            finally:
+                slot.release()
+            done = NOT_INLINE  # (`Slot.commit` would decline it too: the retry loop decides it)
+        else:
+            done = slot.commit(cell, name, payload)  # (the same install, with the budget's fast check)
         if done is NOT_INLINE:
-            done = self._ops.apply(self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
+            done = self._ops.apply(cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
         return done or self
 
     def append(self, name: str, payload: Any) -> SessionHandle:
