@@ -144,7 +144,7 @@ class DreamZeroStateAdapter(ResetRules):
     def _attach(self, handle: SessionHandle, vae_encoder_window: int, strict: bool) -> None:
         self._window = vae_encoder_window
         self._strict = bool(strict)
-        self._handle = handle
+        self._session = handle
         # Read without restoring: building an adapter (a store builds one per request when the caller keeps
         # none) must not pull parked buffers back into device memory; they are restored when used.
         state = handle.state
@@ -162,15 +162,19 @@ class DreamZeroStateAdapter(ResetRules):
     @property
     def _session(self) -> SessionHandle:
         """The handle every read and write goes through (`SessionAttr` too). A strict adapter refuses use once its
-        incarnation left the table: its writes would reach only a detached copy, its reads stale history."""
-        handle = self._handle
-        if self._strict and not handle.in_table:
+        incarnation left the table: its writes would reach only a detached copy, its reads stale history.
+
+        Strict, it is a table-only handle (`SessionHandle.table_only`): each write refuses a detached incarnation
+        under the very lock it installs with, so an eviction landing after the check below still loses nothing
+        (the write raises the handle's `SessionStateLostError`). The check only words the common case's error."""
+        if self._strict and not self._handle.in_table:
             raise self._lost()
-        return handle
+        return self._writer
 
     @_session.setter
     def _session(self, handle: SessionHandle) -> None:
         self._handle = handle
+        self._writer = handle.table_only() if self._strict else handle
 
     def _lost(self) -> SessionStateLostError:
         return SessionStateLostError(
