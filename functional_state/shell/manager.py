@@ -25,6 +25,7 @@ from ..table.lru import get_or_insert
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
+from ..table.state import with_issued
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
 from . import slot as slots
@@ -189,7 +190,10 @@ class SessionStateManager:
         with slot.lock:
             if slot.epoch != epoch or slot.table is not final:
                 return False
-            slot.table, slot.surplus = base, None  # (None: the next write checks the budget in full)
+            # The counter stays where ``final`` took it: a number the taken-back write issued is never issued again
+            # (a cell may have been made for it meanwhile, read lock-free from ``final``).
+            slot.table = with_issued(base, max(base.issued, final.issued))
+            slot.surplus = None  # (the next write checks the budget in full)
             slot.budgeted = base.byte_budget is not None
             slot.epoch += 1
             Cells.take_back(undo)
