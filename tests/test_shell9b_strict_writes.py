@@ -88,8 +88,8 @@ def test_a_strict_write_evicted_between_check_and_write_is_refused_and_lands_now
     if write == "transact (feat map item)":
         target = type("Feat", (), {"vae_enc_feat_map": view})()  # the view the model holds across the eviction
     lock.hooks = [lambda: manager.get_or_create_session("b")]  # the count cap evicts "a" before the write's lock
-    with pytest.raises(fs.SessionStateLostError):
-        run(target)
+    with pytest.raises(fs.SessionStateLostError, match="'a': this state object refers to a session"):
+        run(target)  # refused by the write itself, under its lock, with the adapter's error
     assert not strict.in_table and "a" not in manager
     assert _fingerprint(handle.state) == before  # nothing reached the detached copy either
     with pytest.raises(fs.SessionStateLostError, match="no longer in the manager"):
@@ -102,7 +102,7 @@ def test_a_strict_get_or_create_never_builds_an_object_into_a_detached_copy() ->
     strict = DreamZeroStateAdapter("a", manager, vae_encoder_window=2, strict=True)
     handle = manager.get_or_create_session("a").remove("stitched_frames")  # lost: rebuilt where it is used
     lock.hooks = [lambda: manager.get_or_create_session("b")]
-    with pytest.raises(fs.SessionStateLostError):
+    with pytest.raises(fs.SessionStateLostError, match="no longer in the manager"):
         strict._buffer("stitched_frames")
     assert "stitched_frames" not in handle.state.objects
 

@@ -30,7 +30,8 @@ several times the step's own ``torch.cat`` (issue 24), so it keeps the torch ten
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 
@@ -64,6 +65,7 @@ from .dreamzero_parts import (
     FRAMES,
     KV,
     LATENTS,
+    StrictHandle,
     cat_time,
     check_window,
     dreamzero_component_nbytes,
@@ -73,6 +75,15 @@ from .dreamzero_parts import (
 from .feat_map_view import FEAT_MAP, FeatMapView
 
 __all__ = ["DreamZeroStateAdapter", "dreamzero_component_nbytes"]
+
+
+def _lost_error(session_id: str) -> SessionStateLostError:
+    return SessionStateLostError(
+        f"DreamZero session {session_id!r}: this state object refers to a session that is no longer in the manager "
+        f"(closed, restarted, or dropped by the byte budget); it neither reads nor writes any more, so nothing is "
+        f"served stale or written nowhere. Get the session's state from the store again (`resume`), or begin it "
+        f"anew (reset=True) if it is gone."
+    )
 
 
 class DreamZeroStateAdapter(ResetRules):
@@ -144,7 +155,12 @@ class DreamZeroStateAdapter(ResetRules):
     def _attach(self, handle: SessionHandle, vae_encoder_window: int, strict: bool) -> None:
         self._window = vae_encoder_window
         self._strict = bool(strict)
-        self._session = handle
+        self._handle = handle
+        # Every read and write goes through ``_session`` (`SessionAttr` too). Strict, it refuses use once the
+        # incarnation left the table (its writes would reach only a detached copy, its reads stale history),
+        # each write deciding that under its own lock (`StrictHandle`).
+        lost = partial(_lost_error, handle.session_id)  # (not a bound method: no cycle through the adapter)
+        self._session = cast(SessionHandle, StrictHandle(handle, lost)) if self._strict else handle
         # Read without restoring: building an adapter (a store builds one per request when the caller keeps
         # none) must not pull parked buffers back into device memory; they are restored when used.
         state = handle.state
@@ -159,30 +175,8 @@ class DreamZeroStateAdapter(ResetRules):
             if state.get(name, None) is None:
                 self._buffer(name)  # a lost buffer (reset, eviction) is rebuilt by `_buffer` where it is used
 
-    @property
-    def _session(self) -> SessionHandle:
-        """The handle every read and write goes through (`SessionAttr` too). A strict adapter refuses use once its
-        incarnation left the table: its writes would reach only a detached copy, its reads stale history.
-
-        Strict, it is a table-only handle (`SessionHandle.table_only`): each write refuses a detached incarnation
-        under the very lock it installs with, so an eviction landing after the check below still loses nothing
-        (the write raises the handle's `SessionStateLostError`). The check only words the common case's error."""
-        if self._strict and not self._handle.in_table:
-            raise self._lost()
-        return self._writer
-
-    @_session.setter
-    def _session(self, handle: SessionHandle) -> None:
-        self._handle = handle
-        self._writer = handle.table_only() if self._strict else handle
-
     def _lost(self) -> SessionStateLostError:
-        return SessionStateLostError(
-            f"DreamZero session {self._handle.session_id!r}: this state object refers to a session that is no longer "
-            f"in the manager (closed, restarted, or dropped by the byte budget); it neither reads nor writes any more, "
-            f"so nothing is served stale or written nowhere. Get the session's state from the store again (`resume`), "
-            f"or begin it anew (reset=True) if it is gone."
-        )
+        return _lost_error(self._handle.session_id)
 
     @property
     def in_table(self) -> bool:

@@ -5,11 +5,19 @@ Split out of `dreamzero.py` (the adapter) so that module stays one concept: its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from functional_state import InvalidArgumentError, SessionAttr, SessionState, nbytes_by_device
+from functional_state import (
+    InvalidArgumentError,
+    SessionAttr,
+    SessionHandle,
+    SessionState,
+    SessionStateLostError,
+    nbytes_by_device,
+)
 
 from ..bridge import unwrap, wrap
 from .feat_map_view import FEAT_MAP
@@ -19,6 +27,7 @@ __all__ = [
     "FRAMES",
     "KV",
     "LATENTS",
+    "StrictHandle",
     "as_torch",
     "cat_time",
     "check_window",
@@ -74,3 +83,38 @@ def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
         "conditioning": [session.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
     }
     return {name: sum(nbytes_by_device(value).values()) for name, value in parts.items()}
+
+
+class StrictHandle:
+    """What a strict adapter reads and writes through: a table-only `SessionHandle` (`SessionHandle.table_only`)
+    whose refusals are raised as ``lost()``, the adapter's own error.
+
+    Nothing is asked before a call (no `in_table` check, which an eviction could overtake): each read and write
+    is refused by the handle itself, a write under the lock it installs with, so none reaches a detached copy.
+    Methods and properties are the handle's (a chained write returns the handle itself).
+    """
+
+    def __init__(self, handle: SessionHandle, lost: Callable[[], SessionStateLostError]):
+        self._handle = handle.table_only()
+        self._lost = lost
+
+    def __getattr__(self, name: str) -> Any:  # (only for names not found on the instance: see below)
+        try:
+            attr = getattr(self._handle, name)
+        except SessionStateLostError as e:  # (a property: `state`)
+            raise self._lost() from e
+        if not callable(attr):
+            return attr
+        lost = self._lost
+
+        def call(*args: Any, **kw: Any) -> Any:
+            try:
+                return attr(*args, **kw)
+            except SessionStateLostError as e:
+                raise lost() from e
+
+        setattr(self, name, call)  # a method is bound to the one handle: kept, so the next call finds it at once
+        return call
+
+    def __repr__(self) -> str:
+        return f"StrictHandle({self._handle!r})"
