@@ -133,7 +133,7 @@ class SessionOps:
     def step(
         self, cell: Cell, name: str, fn: Callable[..., Any], *args: Any, donate: bool = False, retained: Any = ()
     ) -> None:
-        self._step(cell.session_id, name, fn, *args, donate=donate, retained=retained)
+        self._step(cell.session_id, name, fn, *args, donate=donate, retained=retained, incarnation=cell.uid)
 
     def read(self, cell: Cell) -> SessionState:
         """The cell's session now: one atomic read of the table, or the handle's copy."""
