@@ -22,10 +22,11 @@ from ..core.state_object import RESIDENT, StateObject
 from ..errors import InvalidTypeError, ObjectParkedError
 from ..table import manager_state as ms
 from ..table import parked, session_edits
+from ..table.manager_state import commit as _commit
 from ..table.manager_state import held_object
 from .cells import Cell
 from .session_ops import SessionOps
-from .slot import NOT_INLINE
+from .slot import LIVE_POOLS, NOT_INLINE
 
 __all__ = ["SessionHandle"]
 
@@ -40,14 +41,34 @@ class SessionHandle:
     """The object API on one session incarnation. Obtain it from `SessionStateManager`.
 
     Write methods return the handle, so calls chain: ``h.put("x", buf).commit("x", item)``.
+
+    ``table_only`` (see `table_only`): every read and write refuses once the incarnation left the table.
     """
 
-    __slots__ = ("_cell", "_ops", "_slot")
+    __slots__ = ("_cell", "_only", "_ops", "_slot")
 
-    def __init__(self, ops: SessionOps, cell: Cell):
+    def __init__(self, ops: SessionOps, cell: Cell, *, table_only: bool = False):
         self._ops = ops
         self._cell = cell
         self._slot = ops.slot  # (the hot paths read the table and install through it directly)
+        self._only = bool(table_only)
+
+    def table_only(self) -> SessionHandle:
+        """A handle on the same incarnation that reads and writes only the manager's table: once the incarnation
+        left it (evicted, dropped, replaced), every read and write raises `SessionStateLostError`, decided by each
+        write under the lock it installs with (as `commit_held` does), so no write reaches a detached copy.
+
+        Example:
+          >>> from functional_state import LatentBuffer, SessionStateManager
+          >>> manager = SessionStateManager(max_sessions=1)
+          >>> h = manager.get_or_create_session("a").table_only().put("x", LatentBuffer.create(maxlen=2))
+          >>> _ = manager.get_or_create_session("b")  # the count cap evicts "a"
+          >>> h.commit("x", 1.0)
+          Traceback (most recent call last):
+          ...
+          functional_state.errors.SessionStateLostError: `SessionHandle.commit_held`: session 'a' was evicted ...
+        """
+        return SessionHandle(self._ops, self._cell, table_only=True)
 
     @property
     def session_id(self) -> str:
@@ -60,7 +81,12 @@ class SessionHandle:
 
     @property
     def state(self) -> SessionState:
-        """The session's current immutable `SessionState`."""
+        """The session's current immutable `SessionState` (a table-only handle: refused once it left)."""
+        if self._only:
+            held = self._slot.held(self._cell)
+            if held is None:
+                raise self._ops.left_error(self._cell, "state")
+            return held
         return self._ops.read(self._cell)
 
     def __bool__(self) -> bool:
@@ -75,7 +101,7 @@ class SessionHandle:
         be a function of the session it receives (no side effects it cannot repeat), and must not write
         to this session through a handle (`ReentrantWriteError`).
         """
-        self._ops.transact(self._cell, lambda s: (fn(s), None))
+        self._ops.transact(self._cell, lambda s: (fn(s), None), table_only=self._only)
         return self
 
     def update(self, name: str, fn: Callable[[StateObject], StateObject]) -> SessionHandle:
@@ -94,24 +120,28 @@ class SessionHandle:
         is a `LatentBuffer`)."""
         obj = self.state.get(name, default)
         if isinstance(obj, StateObject) and obj.parked:
-            obj = self._ops.restored(self._cell, [name]).get(name, default)
+            obj = self._ops.restored(self._cell, [name], table_only=self._only).get(name, default)
         return _typed(obj, cls, name)
 
     def park(self, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` in host memory; the next access through any handle restores it. Returns the
         bytes moved per pool (see `functional_state.park`)."""
-        return self._ops.apply(self._cell, "park", parked.park, name, names=(), with_sharers=with_sharers)
+        return self._ops.apply(
+            self._cell, "park", parked.park, name, names=(), with_sharers=with_sharers, table_only=self._only
+        )
 
     def restore(self, name: str) -> dict[str, int]:
         """Restore a parked object now (handles also do it on first access). Returns the bytes moved per pool."""
-        return self._ops.apply(self._cell, "restore", parked.restore, name, names=(), acquires=True)
+        return self._ops.apply(
+            self._cell, "restore", parked.restore, name, names=(), acquires=True, table_only=self._only
+        )
 
     def put(self, name: str, obj: StateObject) -> SessionHandle:
-        return self._ops.apply(self._cell, "put", ms.put, name, obj, inline=True) or self
+        return self._ops.apply(self._cell, "put", ms.put, name, obj, inline=True, table_only=self._only) or self
 
     def remove(self, name: str) -> SessionHandle:
         """Remove object ``name`` (a no-op if absent)."""
-        return self._ops.apply(self._cell, "remove", _remove, name, inline=True) or self
+        return self._ops.apply(self._cell, "remove", _remove, name, inline=True, table_only=self._only) or self
 
     def get_or_create(self, name: str, factory: Callable[[], ObjectT], cls: type[ObjectT] | None = None) -> ObjectT:
         """The object ``name``, built with ``factory`` when absent, of the wrong type or not resident.
@@ -123,17 +153,19 @@ class SessionHandle:
         if cell.left is None:  # the per-step read: one lookup of the object in the installed table
             obj = held_object(table, cell.session_id, cell.uid, name)  # (MISSING: not in the table)
             if obj is None:
-                return self._ops.create(cell, name, factory, cls)
+                return self._ops.create(cell, name, factory, cls, table_only=self._only)
             if obj is not MISSING and obj.status == RESIDENT and (cls is None or isinstance(obj, cls)):
                 return obj  # (what `_reusable` returns; every other case is decided below, as before)
         session = self._slot.held(cell)
+        if session is None and self._only:
+            raise self._ops.left_error(cell, "get_or_create")
         try:
             obj = (cell.session if session is None else session)._reusable(name, cls)
         except ObjectParkedError:  # restored and read under one lock: no other thread parks it in between
-            obj = self._ops.restored(self._cell, [name])._reusable(name, cls)
+            obj = self._ops.restored(self._cell, [name], table_only=self._only)._reusable(name, cls)
         if obj is not None:
             return obj
-        return self._ops.create(self._cell, name, factory, cls)
+        return self._ops.create(self._cell, name, factory, cls, table_only=self._only)
 
     def held(self, name: str) -> Any:
         """Object ``name`` as the manager's table holds it now (one lock-free read; a parked object is returned
@@ -165,26 +197,53 @@ class SessionHandle:
         return done or self
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
-        return self._ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True) or self
+        ops, only = self._ops, self._only
+        return (
+            ops.apply(self._cell, "stage", ms.stage, name, payload, names=(name,), inline=True, table_only=only) or self
+        )
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
-        done = self._slot.commit(self._cell, name, payload)  # the per-step write: one lock, one pure verb
+        if self._only:
+            return self.commit_held(name, payload)
+        slot, cell = self._slot, self._cell
+        done: Any
+        # The per-step write: `Slot.commit` written out for its common case (no transaction of this thread on
+        # the session, no engine pool, no budget), one call fewer per step. Under the lock a cell that has
+        # not left names an incarnation the installed table holds (see `Slot.commit`); ``closed`` is only
+        # ever set with ``left`` (`Cells.detach`), so ``left`` alone says it. Pools and the budget are read
+        # before the lock only to choose the path (a budgeted write takes `Slot.commit`'s one lock), and
+        # again under it: a `load` may install a budget, and a write may make a pool, meanwhile.
+        if not slot.computing and not slot.budgeted and not LIVE_POOLS:
+            slot.acquire()
+            try:
+                if cell.left is None and not LIVE_POOLS and not slot.budgeted:
+                    try:
+                        slot.table = _commit(slot.table, cell.session_id, name, payload)
+                        return self
+                    except ObjectParkedError:  # its restore calls the engine: not under the lock
+                        pass
+            finally:
+                slot.release()
+            done = NOT_INLINE  # (`Slot.commit` would decline it too: the retry loop decides it)
+        else:
+            done = slot.commit(cell, name, payload)  # (the same install, with the budget's fast check)
         if done is NOT_INLINE:
-            done = self._ops.apply(self._cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
+            done = self._ops.apply(cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
         return done or self
 
     def append(self, name: str, payload: Any) -> SessionHandle:
         return self.commit(name, payload)
 
     def discard(self, name: str) -> SessionHandle:
-        return self._ops.apply(self._cell, "discard", ms.discard, name, names=(name,), inline=True) or self
+        ops, only = self._ops, self._only
+        return ops.apply(self._cell, "discard", ms.discard, name, names=(name,), inline=True, table_only=only) or self
 
     def view(self, name: str, include_staged: bool = True) -> Any:
         return self.get(name).view(include_staged=include_staged)
 
     def evict(self, name: str) -> int:
         """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""
-        return self._ops.apply(self._cell, "evict", session_edits.evict, name, names=(name,))
+        return self._ops.apply(self._cell, "evict", session_edits.evict, name, names=(name,), table_only=self._only)
 
     def step(
         self, name: str, fn: Callable[..., StateObject], *args: Any, donate: bool = False, retained: Iterable[Any] = ()
@@ -199,23 +258,35 @@ class SessionHandle:
 
     def set_attr(self, key: str, value: Any, *, on_fork: ForkPolicy | None = None) -> SessionHandle:
         return (
-            self._ops.apply(self._cell, "set_attr", session_edits.set_attr, key, value, on_fork=on_fork, inline=True)
+            self._ops.apply(
+                self._cell,
+                "set_attr",
+                session_edits.set_attr,
+                key,
+                value,
+                on_fork=on_fork,
+                inline=True,
+                table_only=self._only,
+            )
             or self
         )
 
     def del_attr(self, key: str) -> SessionHandle:
-        return self._ops.apply(self._cell, "del_attr", session_edits.del_attr, key, inline=True) or self
+        ops, only = self._ops, self._only
+        return ops.apply(self._cell, "del_attr", session_edits.del_attr, key, inline=True, table_only=only) or self
 
     def reset(self) -> SessionHandle:
         """Reset every object and clear the attrs."""
-        return self._ops.apply(self._cell, "reset", session_edits.reset_session, inline=True) or self
+        ops, only = self._ops, self._only
+        return ops.apply(self._cell, "reset", session_edits.reset_session, inline=True, table_only=only) or self
 
     def nbytes_by_device(self) -> dict[str, int]:
         return self.state.nbytes_by_device()
 
     def __repr__(self) -> str:
         where = "in table" if self.in_table else "detached"
-        return f"SessionHandle({self.session_id!r}, {where}, {self.state!r})"
+        only = ", table only" if self._only else ""
+        return f"SessionHandle({self.session_id!r}, {where}{only}, {self._ops.read(self._cell)!r})"
 
 
 def _typed(obj: Any, cls: type[Any] | None, name: str) -> Any:

@@ -17,7 +17,7 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any, TypeVar
 
-from ..errors import ObjectParkedError
+from ..errors import ObjectParkedError, SessionStateLostError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
@@ -25,6 +25,7 @@ from ..table.lru import get_or_insert
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
+from ..table.state import with_issued
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
 from . import slot as slots
@@ -189,7 +190,10 @@ class SessionStateManager:
         with slot.lock:
             if slot.epoch != epoch or slot.table is not final:
                 return False
-            slot.table, slot.surplus = base, None  # (None: the next write checks the budget in full)
+            # The counter stays where ``final`` took it: a number the taken-back write issued is never issued again
+            # (a cell may have been made for it meanwhile, read lock-free from ``final``).
+            slot.table = with_issued(base, max(base.issued, final.issued))
+            slot.surplus = None  # (the next write checks the budget in full)
             slot.budgeted = base.byte_budget is not None
             slot.epoch += 1
             Cells.take_back(undo)
@@ -341,6 +345,7 @@ class SessionStateManager:
         *args: Any,
         donate: bool = False,
         retained: Iterable[Any] = (),
+        incarnation: int | None = None,
     ) -> None:
         """Run ``jax.jit(fn)(object, *args)`` on object ``name`` and store the result (see
         `functional_state.step`). With ``donate=True`` a buffer is donated only if no other session, fork,
@@ -350,6 +355,8 @@ class SessionStateManager:
         outside the lock (user code); the compiled call runs under it, since a donating step consumes the
         table it reads. Under a byte budget a step that changes the object's shapes or dtypes is not
         donated: the budget could refuse its result after the donation had consumed the table.
+        ``incarnation``: step only that incarnation of the session (`SessionStateLostError` if another is there,
+        decided under the lock the step installs with): what a handle's `SessionHandle.step` passes.
         """
         sid = ms.resolve_session_id(session_id)
         kept = list(retained)
@@ -360,6 +367,11 @@ class SessionStateManager:
         with self._slot.lock:
             state = self._slot.table
             self._cells.require(state, sid, "step")
+            if incarnation is not None and ms.incarnation(state, sid) != incarnation:
+                raise SessionStateLostError(
+                    f"`step`: session {sid!r} in the table is a later incarnation than the handle's; the handle's "
+                    f"session left the table, so the step is refused. Get a handle on the session again."
+                )
             others = lambda: [*(c.session for c in self._cells.detached()), *kept]
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
             self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))

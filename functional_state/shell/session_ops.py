@@ -133,7 +133,7 @@ class SessionOps:
     def step(
         self, cell: Cell, name: str, fn: Callable[..., Any], *args: Any, donate: bool = False, retained: Any = ()
     ) -> None:
-        self._step(cell.session_id, name, fn, *args, donate=donate, retained=retained)
+        self._step(cell.session_id, name, fn, *args, donate=donate, retained=retained, incarnation=cell.uid)
 
     def read(self, cell: Cell) -> SessionState:
         """The cell's session now: one atomic read of the table, or the handle's copy."""
@@ -209,14 +209,17 @@ class SessionOps:
 
         return self._run(plan, sid, acquires=acquires, local=local)
 
-    def restored(self, cell: Cell, names: Iterable[str] | None) -> SessionState:
+    def restored(self, cell: Cell, names: Iterable[str] | None, *, table_only: bool = False) -> SessionState:
         """The cell's session with its parked objects (``names``, or all) restored and installed; read under
-        the same lock as the install, so no other thread parked one again in between."""
+        the same lock as the install, so no other thread parked one again in between. ``table_only`` as for
+        `apply`."""
         copy: list[SessionState] = []
 
         def plan(base: ManagerState) -> tuple[ManagerState, None]:
             if self.in_table(base, cell):
                 return restore_parked(base, cell.session_id, names), None
+            if table_only:  # (decided on the table this attempt installs on)
+                raise self.left_error(cell, "get")
             copy[:] = [_on_copy(cell, names, lambda t: (restore_parked(t, cell.session_id, names), None))[0]]
             return base, None
 
@@ -231,10 +234,12 @@ class SessionOps:
             then=lambda state, undo: keep(state, undo) or self.read(cell),
         )
 
-    def transact(self, cell: Cell, fn: Callable[[SessionState], tuple[SessionState, Any]]) -> Any:
+    def transact(
+        self, cell: Cell, fn: Callable[[SessionState], tuple[SessionState, Any]], *, table_only: bool = False
+    ) -> Any:
         """User code ``fn`` on the cell's session, outside the lock, its new session installed by the retry
         loop; ``fn`` runs again only if its session changed meanwhile. The session is pinned meanwhile: the
-        byte budget never releases a session inside a transaction."""
+        byte budget never releases a session inside a transaction. ``table_only`` as for `apply`."""
         self.check_writable(cell, "transact")
         sid, seen, copy = cell.session_id, list[Any](), list[SessionState]()
 
@@ -252,6 +257,8 @@ class SessionOps:
             if self.in_table(base, cell):
                 new, out = run_fn(ms.lookup(base, sid))
                 return update_session(base, sid, lambda _: new), out
+            if table_only:  # (decided on the table this attempt installs on)
+                raise self.left_error(cell, "transact")
             new, out = _on_copy(cell, None, lambda t: (t, run_fn(ms.lookup(t, sid))))
             copy[:] = [out[0]]
             return base, out[1]
@@ -270,7 +277,9 @@ class SessionOps:
         with self._pin(sid):
             return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
 
-    def create(self, cell: Cell, name: str, factory: Callable[[], Any], cls: type[Any] | None) -> Any:
+    def create(
+        self, cell: Cell, name: str, factory: Callable[[], Any], cls: type[Any] | None, *, table_only: bool = False
+    ) -> Any:
         """`SessionHandle.get_or_create` once the object was found absent: ``factory`` runs outside the lock
         and its object is put under it if the session still lacks one; else (another thread's object won,
         a budget to consult, a detached handle) the transaction puts it, or returns the winner."""
@@ -283,7 +292,7 @@ class SessionOps:
             if (cls is None or isinstance(built, cls)) and slot.put_absent(cell, name, built) is not NOT_INLINE:
                 return built
             factory = lambda: built  # (built once: the transaction reuses it)
-        return self.transact(cell, lambda s: s.get_or_create(name, factory, cls))
+        return self.transact(cell, lambda s: s.get_or_create(name, factory, cls), table_only=table_only)
 
     def _computed(self, cell: Cell, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``: user code computing a new state for the cell's session (a write to that session

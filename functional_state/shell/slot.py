@@ -10,11 +10,10 @@ caller then takes the manager's retry loop, which decides everything these skip.
 A lock-free read of a handle's session reads ``slot.table`` *before* it asks whether the cell left
 (`Slot.held`): every install that removes a session detaches its cell first, so a table read before
 ``cell.left`` was seen None holds the cell's incarnation. The other order may read a table installed in
-between. Against a `load` that is now harmless (the shell numbers a loaded table on from the installed
-one's counter, `table.renumber`, so no table it installs holds a number under another incarnation), but
-a taken-back write (`SessionStateManager._take_back`) reinstalls an older table whose counter is behind
-the numbers the taken-back table issued, and a cell made for one of those may meet it reissued: the order
-stays.
+between. That is now harmless: no table the shell installs holds a number under another incarnation (a
+loaded table is numbered on from the installed one's counter, `table.renumber`; a taken-back write,
+`SessionStateManager._take_back`, reinstalls the older table with the counter the taken-back one reached,
+`table.state.with_issued`); the order stays, as a second line of defence that costs nothing.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ __all__ = [
     "node_session",
     "session_map",
     "with_counters",
+    "with_issued",
     "with_max_sessions",
 ]
 
@@ -315,6 +316,15 @@ def with_max_sessions(state: ManagerState, n: int) -> ManagerState:
     cold = list(meta[COLD])
     cold[CONFIG] = dataclasses.replace(cold[CONFIG], max_sessions=n)
     return make_state(state._nodes, (*meta[:COLD], tuple(cold), *meta[COLD + 1 :]), state._acct)
+
+
+def with_issued(state: ManagerState, n: int) -> ManagerState:
+    """``state`` with its incarnation counter at ``n >= state.issued`` (pure; ``state`` itself at its own)."""
+    meta, cold = state._meta, state._meta[COLD]
+    if type(n) is not int or n < cold[ISSUED]:
+        raise InvalidArgumentError(f"`with_issued`: n must be an int >= issued={cold[ISSUED]}, got {n!r}.")
+    new = (*meta[:COLD], (n, *cold[CONFIG:]), *meta[LIMIT:])  # (ISSUED is the first cold field)
+    return state if n == cold[ISSUED] else make_state(state._nodes, new, state._acct)
 
 
 def node_session(node: Node) -> SessionState:

@@ -30,7 +30,8 @@ several times the step's own ``torch.cat`` (issue 24), so it keeps the torch ten
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 
@@ -47,7 +48,6 @@ from functional_state import (
     SessionState,
     SessionStateLostError,
     SessionStateManager,
-    nbytes_by_device,
 )
 
 from ..bridge import unwrap, wrap
@@ -60,52 +60,30 @@ from ._dreamzero_rules import (
     split_frames,
     window_frames,
 )
+from .dreamzero_parts import (
+    ENCODER,
+    FRAMES,
+    KV,
+    LATENTS,
+    StrictHandle,
+    cat_time,
+    check_window,
+    dreamzero_component_nbytes,
+    tensor_attr,
+    to_state,
+)
 from .feat_map_view import FEAT_MAP, FeatMapView
 
 __all__ = ["DreamZeroStateAdapter", "dreamzero_component_nbytes"]
 
-_FRAMES = "stitched_frames"
-_LATENTS = "video_latents"
-_ENCODER = "vae_encoder_out"
-_KV = "self_attn_kv"  # the generator's self-attention KV: blocks of the engine's paged pool
 
-
-def _check_window(window: Any) -> None:
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise InvalidArgumentError(
-            f"`DreamZeroStateAdapter`: vae_encoder_window must be a positive int, got {window!r}."
-        )
-
-
-def _to_state(value: Any) -> Any:
-    return wrap(value) if isinstance(value, torch.Tensor) else value
-
-
-def _tensor_attr(doc: str) -> SessionAttr:
-    return SessionAttr(default=None, coerce=_to_state, load=unwrap, doc=doc)
-
-
-def _as_torch(x: Any) -> Any:
-    return x if isinstance(x, torch.Tensor) else unwrap(x)
-
-
-def _cat_time(items: tuple[Any, ...]) -> torch.Tensor | None:
-    if len(items) < 2:
-        return _as_torch(items[0]) if items else None
-    return torch.cat([_as_torch(x) for x in items], dim=2)
-
-
-def dreamzero_component_nbytes(session: SessionState) -> dict[str, int]:
-    """Bytes per DreamZero component of a session, read without touching the manager (no LRU hit)."""
-    parts = {
-        "stitched_frames": session.get(_FRAMES, None),
-        "video_latents": session.get(_LATENTS, None),
-        "vae_encoder_out": session.get(_ENCODER, None),
-        "vae_enc_feat_map": session.get(FEAT_MAP, None),
-        "vae_pending_body_frames": session.get_attr("vae_pending_body_frames", None),
-        "conditioning": [session.get_attr(k, None) for k in ("clip_feas", "ys", "language", "prompt_embeds")],
-    }
-    return {name: sum(nbytes_by_device(value).values()) for name, value in parts.items()}
+def _lost_error(session_id: str) -> SessionStateLostError:
+    return SessionStateLostError(
+        f"DreamZero session {session_id!r}: this state object refers to a session that is no longer in the manager "
+        f"(closed, restarted, or dropped by the byte budget); it neither reads nor writes any more, so nothing is "
+        f"served stale or written nowhere. Get the session's state from the store again (`resume`), or begin it "
+        f"anew (reset=True) if it is gone."
+    )
 
 
 class DreamZeroStateAdapter(ResetRules):
@@ -138,10 +116,10 @@ class DreamZeroStateAdapter(ResetRules):
 
     call_count = SessionAttr(default=0, coerce=int, doc="model calls in the current window")
     current_start_frame = SessionAttr(default=0, coerce=int, doc="first frame index of the current window")
-    clip_feas = _tensor_attr("image conditioning features")
-    ys = _tensor_attr("first-frame conditioning latents")
-    language = _tensor_attr("the prompt's text tokens")
-    prompt_embeds = _tensor_attr("encoded prompt")
+    clip_feas = tensor_attr("image conditioning features")
+    ys = tensor_attr("first-frame conditioning latents")
+    language = tensor_attr("the prompt's text tokens")
+    prompt_embeds = tensor_attr("encoded prompt")
     vae_stream_initialized = SessionAttr(default=False, coerce=bool, doc="the encoder stream has started")
     # A list the model appends to: a fork copies the list (not the tensors), so its appends stay its own.
     vae_pending_body_frames: SessionAttr[Any] = SessionAttr(
@@ -156,7 +134,7 @@ class DreamZeroStateAdapter(ResetRules):
         vae_encoder_window: int = 2,
         strict: bool = False,
     ):
-        _check_window(vae_encoder_window)
+        check_window(vae_encoder_window)
         self._attach(manager.get_or_create_session(session_id), vae_encoder_window, strict)
 
     @classmethod
@@ -169,7 +147,7 @@ class DreamZeroStateAdapter(ResetRules):
         Raises:
           ValueError: as the constructor.
         """
-        _check_window(vae_encoder_window)
+        check_window(vae_encoder_window)
         adapter = cls.__new__(cls)
         adapter._attach(handle, vae_encoder_window, strict)
         return adapter
@@ -178,40 +156,27 @@ class DreamZeroStateAdapter(ResetRules):
         self._window = vae_encoder_window
         self._strict = bool(strict)
         self._handle = handle
+        # Every read and write goes through ``_session`` (`SessionAttr` too). Strict, it refuses use once the
+        # incarnation left the table (its writes would reach only a detached copy, its reads stale history),
+        # each write deciding that under its own lock (`StrictHandle`).
+        lost = partial(_lost_error, handle.session_id)  # (not a bound method: no cycle through the adapter)
+        self._session = cast(SessionHandle, StrictHandle(handle, lost)) if self._strict else handle
         # Read without restoring: building an adapter (a store builds one per request when the caller keeps
         # none) must not pull parked buffers back into device memory; they are restored when used.
         state = handle.state
-        existing = state.get(_ENCODER, None)
+        existing = state.get(ENCODER, None)
         if existing is not None and (existing.resident or existing.parked) and existing.maxlen != vae_encoder_window:
             raise InvalidArgumentError(
                 f"`DreamZeroStateAdapter`: session {handle.session_id!r} keeps a VAE encoder window of "
                 f"{existing.maxlen} frames; this adapter asks for {vae_encoder_window}. Use the same window for "
                 f"every adapter of a session."
             )
-        for name in (_FRAMES, _LATENTS, _ENCODER):
+        for name in (FRAMES, LATENTS, ENCODER):
             if state.get(name, None) is None:
                 self._buffer(name)  # a lost buffer (reset, eviction) is rebuilt by `_buffer` where it is used
 
-    @property
-    def _session(self) -> SessionHandle:
-        """The handle every read and write goes through (`SessionAttr` too). A strict adapter refuses use once its
-        incarnation left the table: its writes would reach only a detached copy, its reads stale history."""
-        handle = self._handle
-        if self._strict and not handle.in_table:
-            raise self._lost()
-        return handle
-
-    @_session.setter
-    def _session(self, handle: SessionHandle) -> None:
-        self._handle = handle
-
     def _lost(self) -> SessionStateLostError:
-        return SessionStateLostError(
-            f"DreamZero session {self._handle.session_id!r}: this state object refers to a session that is no longer "
-            f"in the manager (closed, restarted, or dropped by the byte budget); it neither reads nor writes any more, "
-            f"so nothing is served stale or written nowhere. Get the session's state from the store again (`resume`), "
-            f"or begin it anew (reset=True) if it is gone."
-        )
+        return _lost_error(self._handle.session_id)
 
     @property
     def in_table(self) -> bool:
@@ -219,7 +184,7 @@ class DreamZeroStateAdapter(ResetRules):
         return self._handle.in_table
 
     def _new_buffer(self, name: str) -> LatentBuffer:
-        maxlen = {_FRAMES: FRAMES_PER_CHUNK, _LATENTS: None, _ENCODER: self._window}[name]
+        maxlen = {FRAMES: FRAMES_PER_CHUNK, LATENTS: None, ENCODER: self._window}[name]
         return LatentBuffer.create(maxlen=maxlen)
 
     def _buffer(self, name: str) -> LatentBuffer:
@@ -274,20 +239,20 @@ class DreamZeroStateAdapter(ResetRules):
     def accumulate_frames(self, stitched: Any) -> Any:
         """Add stitched frame(s); return the model's window (1 frame on the first call, then 4)."""
         new = split_frames(stitched)
-        first_call = len(self._buffer(_FRAMES)) == 0
-        self._commit_all(_FRAMES, [_to_state(f) for f in new])
-        return window_frames([unwrap(f) for f in self._buffer(_FRAMES).view()], first_call)
+        first_call = len(self._buffer(FRAMES)) == 0
+        self._commit_all(FRAMES, [to_state(f) for f in new])
+        return window_frames([unwrap(f) for f in self._buffer(FRAMES).view()], first_call)
 
     # video latents
     def append_video_latents(self, video_out: torch.Tensor) -> None:
         check_video_out(video_out)
-        self._commit_all(_LATENTS, [wrap(video_out.transpose(1, 2).detach().cpu())])
+        self._commit_all(LATENTS, [wrap(video_out.transpose(1, 2).detach().cpu())])
 
     def get_concatenated_video_latents(self) -> torch.Tensor | None:
-        return _cat_time(self._buffer(_LATENTS).view())
+        return cat_time(self._buffer(LATENTS).view())
 
     def clear_video_latents(self) -> None:
-        self._session.put(_LATENTS, self._new_buffer(_LATENTS))
+        self._session.put(LATENTS, self._new_buffer(LATENTS))
 
     # VAE encoder ring
     def _encoder_frames(self, chunk: torch.Tensor) -> list[torch.Tensor]:
@@ -305,7 +270,7 @@ class DreamZeroStateAdapter(ResetRules):
         # A ring the session lost (reset, eviction) is rebuilt in one transaction instead, as is a multi-frame chunk.
         if type(chunk) is torch.Tensor and chunk.dim() == 5 and chunk.size(2) == 1:
             try:
-                (self._handle.commit_held if self._strict else self._handle.commit)(_ENCODER, chunk)
+                (self._handle.commit_held if self._strict else self._handle.commit)(ENCODER, chunk)
                 return
             except (ObjectNotFoundError, NotAllocatedError):
                 pass
@@ -314,12 +279,12 @@ class DreamZeroStateAdapter(ResetRules):
                     raise self._lost() from e
                 raise
         check_encoder_chunk(chunk, "append_vae_encoder_chunk")
-        self._commit_all(_ENCODER, self._encoder_frames(chunk))
+        self._commit_all(ENCODER, self._encoder_frames(chunk))
 
     @property
     def vae_encoder_out(self) -> torch.Tensor | None:
         """The retained encoder frames concatenated along time (dim 2), or None."""
-        return _cat_time(self._buffer(_ENCODER).view())
+        return cat_time(self._buffer(ENCODER).view())
 
     @vae_encoder_out.setter
     def vae_encoder_out(self, value: torch.Tensor | None) -> None:
@@ -327,9 +292,9 @@ class DreamZeroStateAdapter(ResetRules):
         if value is not None:
             check_encoder_chunk(value, "vae_encoder_out")
             frames = self._encoder_frames(value)
-        self._session.put(_ENCODER, self._new_buffer(_ENCODER))
+        self._session.put(ENCODER, self._new_buffer(ENCODER))
         if value is not None:
-            self._commit_all(_ENCODER, frames)
+            self._commit_all(ENCODER, frames)
 
     def observation_latents(self, num_frames: int) -> torch.Tensor | None:
         """The last ``num_frames`` latent frames (fewer if fewer were encoded), or None.
@@ -345,18 +310,18 @@ class DreamZeroStateAdapter(ResetRules):
             self._check_window_read(num_frames)
         # A plain read of the table (strict: `held`, the table only); a parked or lost ring is restored or rebuilt.
         try:
-            ring = self._handle.held(_ENCODER) if self._strict else self._handle.state.get(_ENCODER, None)
+            ring = self._handle.held(ENCODER) if self._strict else self._handle.state.get(ENCODER, None)
         except SessionStateLostError as e:
             raise self._lost() from e
         if ring is None or not ring.resident:
-            ring = self._buffer(_ENCODER)
+            ring = self._buffer(ENCODER)
         items = ring.view()[-num_frames:]
         if len(items) > 1:
             try:
                 return torch.cat(items, 2)  # a fresh tensor: a later append never changes it
             except TypeError:
                 pass  # not all torch tensors (JAX aliases put by another writer): converted below
-        return _cat_time(items)
+        return cat_time(items)
 
     def _check_window_read(self, num_frames: Any) -> None:
         check_num_frames(num_frames)
@@ -370,28 +335,28 @@ class DreamZeroStateAdapter(ResetRules):
         for name in ("vae_stream_initialized", "vae_pending_body_frames"):
             self._session.del_attr(name)
         self._session.remove(FEAT_MAP)
-        self._session.put(_ENCODER, self._new_buffer(_ENCODER))
+        self._session.put(ENCODER, self._new_buffer(ENCODER))
 
     # self-attention KV: the engine owns the blocks, the session holds their ids
     @property
     def self_attn_kv_blocks(self) -> tuple[int, ...]:
         """Block ids of the session's self-attention KV in the engine's pool, oldest first."""
-        handle = self._session.get(_KV, None)
+        handle = self._session.get(KV, None)
         return handle.block_ids if handle is not None and handle.resident else ()
 
     def append_self_attn_kv(self, pool: PagedKVPool, block_ids: Any) -> None:
         """Record blocks the engine filled with this session's K/V (a handle on ``pool``, made on first use)."""
-        self._session.get_or_create(_KV, lambda: PagedKVHandle.create(pool), PagedKVHandle)
-        self._session.commit(_KV, block_ids)
+        self._session.get_or_create(KV, lambda: PagedKVHandle.create(pool), PagedKVHandle)
+        self._session.commit(KV, block_ids)
 
     def self_attn_kv(self) -> Any:
         """The session's K/V gathered from the pool in order (per pool layer), or None when it holds none."""
-        handle = self._session.get(_KV, None)
+        handle = self._session.get(KV, None)
         return handle.view() if handle is not None and handle.resident and handle.block_ids else None
 
     def reset_self_attn_kv(self) -> None:
         """Let go of the KV blocks: the manager hands them back to the engine (when no fork holds them)."""
-        self._session.remove(_KV)
+        self._session.remove(KV)
 
     # resets
     def reset(self, clear_video_latents: bool = True) -> None:
@@ -401,10 +366,10 @@ class DreamZeroStateAdapter(ResetRules):
         if clear_video_latents:
             self._session.reset()
         else:
-            self._session.put(_FRAMES, self._new_buffer(_FRAMES))
+            self._session.put(FRAMES, self._new_buffer(FRAMES))
             for name in ("call_count", "current_start_frame", "clip_feas", "ys"):
                 self._session.del_attr(name)
-            self._session.remove(_KV)
+            self._session.remove(KV)
 
     # accounting
     def component_nbytes(self) -> dict[str, int]:

@@ -1,0 +1,83 @@
+"""`SessionHandle.table_only` (issue 24): a handle whose every read and write refuses, with nothing written,
+once its incarnation left the table; what the strict DreamZero adapter writes through."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import functional_state as fs
+from functional_state import LatentBuffer, SessionStateManager
+
+_USES: dict[str, Callable[[fs.SessionHandle], Any]] = {
+    "put": lambda h: h.put("y", LatentBuffer.create(maxlen=2)),
+    "remove": lambda h: h.remove("x"),
+    "commit": lambda h: h.commit("x", 2.0),
+    "stage": lambda h: h.stage("x", 2.0),
+    "transact": lambda h: h.transact(lambda s: s.set_attr("k", 2)),
+    "update": lambda h: h.update("x", lambda b: b.commit(2.0)),
+    "get_or_create": lambda h: h.get_or_create("z", lambda: LatentBuffer.create(maxlen=2)),
+    "set_attr": lambda h: h.set_attr("k", 2),
+    "del_attr": lambda h: h.del_attr("k"),
+    "reset": lambda h: h.reset(),
+    "evict": lambda h: h.evict("x"),
+    "park": lambda h: h.park("x"),
+    "state": lambda h: h.state,
+    "get": lambda h: h.get("x"),
+}
+
+
+def _leave(manager: SessionStateManager, how: str) -> None:
+    if how == "evicted":
+        manager.get_or_create_session("b")
+    else:
+        manager.drop_session("a")
+        if how == "replaced":
+            manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2))
+
+
+@pytest.mark.parametrize("how", ["evicted", "dropped", "replaced"])
+@pytest.mark.parametrize("use", list(_USES))
+def test_a_table_only_handle_refuses_every_use_once_its_incarnation_left(use: str, how: str) -> None:
+    manager = SessionStateManager(max_sessions=1)
+    plain = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", 1.0)
+    plain.set_attr("k", 1)
+    only = plain.table_only()
+    assert only.in_table and only.state is plain.state and "table only" in repr(only)
+    _leave(manager, how)
+    copy = plain.state
+    with pytest.raises(fs.SessionStateLostError, match="'a'"):
+        _USES[use](only)
+    assert plain.state is copy  # the detached copy is untouched
+    if how == "replaced":  # the new incarnation is not written either
+        assert fs.lookup(manager.state, "a").get("x").view() == () and "k" not in fs.lookup(manager.state, "a").attrs
+
+
+@pytest.mark.parametrize("use", list(_USES))
+def test_a_table_only_handle_works_like_any_handle_while_its_incarnation_is_in_the_table(use: str) -> None:
+    results = []
+    for table_only in (False, True):
+        manager = SessionStateManager(max_sessions=1)
+        plain = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", 1.0)
+        plain.set_attr("k", 1)
+        handle = plain.table_only() if table_only else plain
+        _USES[use](handle)
+        session = fs.lookup(manager.state, "a")
+        x = session.get("x", None)
+        results.append(
+            (
+                sorted(session.objects),
+                dict(session.attrs),
+                None if x is None else (x.status, x.view() if x.resident else None),
+            )
+        )
+    assert results[0] == results[1]
+
+
+def test_a_parked_object_is_restored_through_a_table_only_handle() -> None:
+    manager = SessionStateManager()
+    only = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).table_only()
+    only.commit("x", 1.0).park("x")
+    assert only.get("x").view() == (1.0,) and fs.lookup(manager.state, "a").get("x").resident

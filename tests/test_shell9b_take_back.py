@@ -1,0 +1,82 @@
+"""A write taken back after a failed engine ``free`` never lets the shell issue an incarnation number twice
+(issue 24), and `with_issued`, the table accessor that keeps the counter, is pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import functional_state as fs
+from functional_state import LatentBuffer, SessionStateManager
+from helpers import assert_unchanged, snapshot
+
+
+class _Engine:
+    """A paged pool whose ``free`` runs ``on_free`` (outside the lock) and then raises ``fail`` times."""
+
+    def __init__(self) -> None:
+        self.allocated: set[int] = set()
+        self.fail, self.on_free = 0, (lambda: None)
+        self.pool = fs.PagedKVPool(np.zeros((8, 4), np.float32), free=self.free, name="kv")
+
+    def free(self, ids: tuple[int, ...]) -> None:
+        self.on_free()
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("free failed (injected)")
+        self.allocated.difference_update(ids)
+
+
+def test_a_miss_taken_back_after_a_failed_free_never_reissues_its_number() -> None:
+    # Regression: `_take_back` reinstalled the table before the miss, whose counter is behind the number the
+    # miss issued; the retry then issued that number again, to another incarnation of the table.
+    engine = _Engine()
+    m = SessionStateManager(max_sessions=1)
+    engine.allocated.update((0, 1))
+    m.get_or_create_session("a").put("kv", fs.PagedKVHandle.create(engine.pool, (0, 1)))
+    before = m.state
+    seen: list[Any] = []
+    engine.fail = 1
+    engine.on_free = lambda: seen.append(fs.incarnation(m.state, "b"))  # the taken-back table, read lock-free
+    with pytest.raises(fs.KVFreeError, match="injected"):
+        m.get_or_create_session("b")  # evicts "a", whose blocks' free fails: the miss is taken back
+    assert seen and seen[0] is not None and "a" in m and "b" not in m
+    assert fs.sessions(m.state) == fs.sessions(before) and m.state.issued > seen[0]
+    engine.on_free = lambda: None
+    m.get_or_create_session("b")  # the retry frees what is owed
+    assert "b" in m and engine.allocated == set()
+    assert fs.incarnation(m.state, "b") != seen[0]  # one shell, one number per incarnation
+    del engine.pool
+
+
+def test_a_drop_taken_back_reinstalls_the_very_table() -> None:
+    engine = _Engine()
+    m = SessionStateManager()
+    m.get_or_create_session("a").put("kv", fs.PagedKVHandle.create(engine.pool, (0, 1)))
+    before, engine.fail = m.state, 1
+    with pytest.raises(fs.KVFreeError):
+        m.drop_session("a")  # issues no number: the table before it comes back as it was
+    assert m.state is before
+    del engine.pool
+
+
+def test_with_issued_is_pure_keeps_everything_but_the_counter_and_refuses_a_reissue() -> None:
+    from functional_state.table.state import with_issued  # (here: the shell tests above run on any base)
+
+    state, _ = fs.get_or_create(fs.ManagerState.create(4), "a")
+    state = fs.commit(fs.put(state, "a", "x", LatentBuffer.create(maxlen=2)), "a", "x", np.ones(2))
+    snap = snapshot(state)
+    moved = with_issued(state, state.issued + 5)
+    assert_unchanged(state, snap)
+    assert moved.issued == state.issued + 5 and moved.counters == state.counters
+    assert moved.session_ids == state.session_ids and fs.incarnation(moved, "a") == fs.incarnation(state, "a")
+    assert fs.lookup(moved, "a") is fs.lookup(state, "a") and moved.max_sessions == state.max_sessions
+    nxt, _ = fs.get_or_create(moved, "b")
+    assert fs.incarnation(nxt, "b") == state.issued + 5
+    assert with_issued(state, state.issued) is state
+    for bad in (state.issued - 1, True, 1.5, None):
+        with pytest.raises(fs.InvalidArgumentError, match="with_issued"):
+            with_issued(state, bad)  # type: ignore[arg-type]
+    assert_unchanged(state, snap)
