@@ -95,6 +95,23 @@ def drop_steps_before(root: Path, step: int) -> None:
             _log.warning("checkpoint %s: removing old step %d failed: %r", root, old, e)
 
 
+def discard_step(root: Path, step: int) -> None:
+    """Take step ``step`` of ``root``, from a save that failed, out of the step namespace (renamed, then deleted),
+    so that the previous step is the one a load finds: orbax renames a step into place before the save has made
+    it durable (`make_durable`), and a save that fails after that left it in front of the previous one. Best
+    effort (the save has failed already): whatever is left is renamed away or cleared by the next save."""
+    current, dropped = root / str(step), root / f"{step}{_DROPPED}"
+    try:
+        if not current.exists():
+            return
+        os.replace(current, dropped)
+        _sync(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))  # the rename, before anything else is believed
+    except OSError as e:
+        _log.warning("checkpoint %s: taking away step %d of a failed save failed: %r", root, step, e)
+        return
+    shutil.rmtree(dropped, ignore_errors=True)
+
+
 def prepare_directory(root: Path) -> int:
     """The step a save writes into ``root``, made ready for it; refuses a directory it might damage.
 

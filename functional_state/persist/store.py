@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from .directory import drop_steps_before, import_orbax, make_durable, orbax_manager, prepare_directory
+from .directory import (
+    discard_step,
+    drop_steps_before,
+    import_orbax,
+    make_durable,
+    orbax_manager,
+    prepare_directory,
+)
 from .encode import Writer
 from .manifest import in_arrays_item, seal
 from .priority import background_begin, background_end
@@ -54,6 +61,7 @@ class SaveHandle:
         except BaseException as e:
             self._error = e
             _log.debug("saving %s failed: %r", self.path, e)
+            discard_step(self.path, self._step)  # the previous step is the one a load finds, as the error says
         finally:
             try:
                 self.manager.close()
@@ -181,6 +189,7 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
         # leave half done.
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True)
         manager = None
+        declined = False
         lowered = asynchronous and background_begin()
         try:
             manager = orbax_manager(ocp, root, options, sealed)
@@ -192,6 +201,7 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
                 items["arrays"] = ocp.args.PyTreeSave(arrays)
             args = ocp.args.Composite(**items)
             if not manager.save(step, args=args):
+                declined = True  # nothing of this save's in that step: it is left alone
                 raise RuntimeError(f"orbax declined to write step {step}")
         except Exception as e:
             if sealed is not None:  # no thread of this save still reads the caller's buffers once it has failed
@@ -204,6 +214,8 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
                     manager.close()
                 except Exception as close_error:
                     e.add_note(f"closing the orbax manager also failed: {close_error!r}")
+            if not declined:
+                discard_step(root, step)  # (orbax may have renamed it into place before it failed)
             raise CheckpointError(
                 f"saving {root} failed ({type(e).__name__}: {str(e)[:300]}); the checkpoint that was there before, "
                 f"if any, is still the one there."
