@@ -108,8 +108,8 @@ class AttrEntry(NamedTuple):
 
     value: Any
     holders: int
-    extents: frozenset[Extent] | None  # None: a mutable value (`values.mutable`), re-read on every question
-    recorded: frozenset[Extent] | None = None  # a mutable value: what it held when the index recorded it
+    extents: frozenset[Extent] | None  # None: a container (re-read on every question); else counted per extent
+    recorded: frozenset[Extent] | None = None  # a container: what it held when the index recorded it
     stamp: tuple[int, int, bool] | None = None  # a bare tensor in one storage: (address, bytes, is_cpu) then
 
 
@@ -123,7 +123,7 @@ def changed_since_recorded(entry: AttrEntry) -> bool:
     if stamp is not None and not accounting.POOL_STORAGES:
         storage = value.untyped_storage()
         return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or value.is_cpu is not stamp[2]
-    return frozenset(holder_extents(value)) != entry.recorded
+    return frozenset(holder_extents(value)) != (entry.recorded if entry.extents is None else entry.extents)
 
 
 def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool] | None:
@@ -140,12 +140,13 @@ _NO_MAP: immutables.Map = immutables.Map()
 class AttrIndex:
     """Holder counts of a table's attr values, kept on write (``set_attr``, forks, resets, drops).
 
-    A fixed value (`values.fixed`: a numpy or JAX array, a tuple of them) has its extents recorded once, when
-    it arrives, and counted per extent (``refs``, with the bytes per pool of the extents held, ``totals``); a
-    mutable one (a container, a torch tensor: `values.mutable`) is kept by identity and walked whenever a
-    holder question is asked (``open_extents``), because a model may change it in place (append to a list,
-    ``resize_`` a tensor). Either way the answer is exact. Values of `values.NO_BUFFER_TYPES` hold nothing
-    and are not kept. Immutable: every change returns a new index.
+    A fixed value (`values.fixed`: a numpy or JAX array, a tuple of them) and a bare torch tensor in one
+    storage have their extents recorded once, when they arrive, and counted per extent (``refs``, with the
+    bytes per pool of the extents held, ``totals``); the tensor also keeps a stamp of its storage
+    (`changed_since_recorded`), which its session's next write compares (see `values`). A container (a
+    list, a dict, anything else `values.mutable`) is kept by identity and walked whenever a holder question
+    is asked (``open_extents``), because a model appends to it in place. Values of
+    `values.NO_BUFFER_TYPES` hold nothing and are not kept. Immutable: every change returns a new index.
     """
 
     __slots__ = ("loose", "memo", "opened", "refs", "totals")
@@ -199,8 +200,10 @@ class AttrIndex:
             if entry is not None:
                 memo[id(value)] = entry._replace(holders=entry.holders + 1)
                 continue
-            if fixed(value):
-                extents = frozenset(holder_extents(value))
+            settled = fixed(value)
+            extents = frozenset(holder_extents(value))
+            stamp = None if settled else _stamp(value, extents)
+            if settled or stamp is not None:
                 for e in extents:
                     n = refs.get(e, 0)
                     refs[e] = n + 1
@@ -208,10 +211,9 @@ class AttrIndex:
                         totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
                         if type(e) is Loose or e[0] in self.loose:
                             moved.add(e[0])
-                memo[id(value)] = AttrEntry(value, 1, extents)
+                memo[id(value)] = AttrEntry(value, 1, extents, None, stamp)
             else:
-                recorded = frozenset(holder_extents(value))
-                memo[id(value)] = AttrEntry(value, 1, None, recorded, _stamp(value, recorded))
+                memo[id(value)] = AttrEntry(value, 1, None, extents)
                 opened[id(value)] = value
         kept, loose = refs.finish(), self.loose
         if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
@@ -232,28 +234,9 @@ class AttrIndex:
         return list(self.opened.values()) if self.opened else []
 
     def open_extents(self) -> set[Extent]:
-        """What the mutable values hold now: a walk of them alone, but a bare tensor still in the storage it
-        was recorded in gives its recorded extents (`changed_since_recorded`: one storage read)."""
+        """What the containers hold now: a walk of them alone."""
         values = self.open_values()
-        if not values:
-            return set()
-        kept, walk = self.unchanged_extents(values)
-        return set(kept) | holder_extents(walk) if walk else set(kept)
-
-    def unchanged_extents(self, values: list[Any]) -> tuple[list[Extent], list[Any]]:
-        """``(extents of the stamped values of ``values`` that hold what was recorded, each value's in turn as
-        a walk of each would list them; the other values)``: what a reader of the mutable values need not
-        walk, and what it must."""
-        out: list[Extent] = []
-        walk = []
-        memo = self.memo
-        for v in values:
-            entry = memo[id(v)]
-            if entry.stamp is not None and not changed_since_recorded(entry):
-                out.extend(entry.recorded or ())
-            else:
-                walk.append(v)
-        return out, walk
+        return holder_extents(values) if values else set()
 
     def closed_extents(self) -> Iterable[Extent]:
         return self.refs.keys()
@@ -329,7 +312,7 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
 
     Kept totals: O(pools + fixed attr extents + what the mutable attr values hold), never O(sessions) for
     sessions without attrs. Objects and fixed attr values are read from the counts kept as they arrived;
-    only mutable values are walked (a model may change them in place: a list appended to, a tensor resized). The report is that walk's: what it
+    only containers are walked (a model appends to them in place). The report is that walk's: what it
     could not read, and the deleted JAX arrays it met. No JAX array is checked for deletion otherwise (that
     is O(arrays held)): an array deleted behind the table's back (a user's own ``donate_argnums``) keeps
     the bytes it was counted with until `functional_state.stats` with ``exact=True`` walks the table.
@@ -337,9 +320,7 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     out: accounting.Extents = []
     report = accounting.WalkReport()
     seen: dict[int, Any] = {}
-    kept, walk = acct.attrs.unchanged_extents(acct.attrs.open_values())
-    out.extend(kept)
-    for value in walk:
+    for value in acct.attrs.open_values():
         accounting.collect_extents(value, out, seen, report)
     refs = acct.refs
     extra: dict[str, list[Extent]] = {}  # per pool, the attr extents no object holds

@@ -10,8 +10,13 @@ the table references it), a JAX array (immutable; one the torch bridge imported 
 so it is fixed only if the owner is), a tuple of such. Every other value is *mutable*: containers (a list
 a model appends to, a dict, a plain object) and torch tensors, which ``resize_``, ``set_``, ``.data = ...``,
 an ``out=`` argument or ``untyped_storage().resize_`` give other storage in place, with no write the table
-could see. The table records a fixed attr value's extents once, on write; a mutable one is read again
-wherever a figure must be exact (`functional_state.memory.holders.AttrIndex`, the shell's budget check).
+could see. The table records a fixed attr value's extents once, on write; a container is read again
+wherever a figure must be exact (`functional_state.memory.holders.AttrIndex`). A bare torch tensor in one
+storage is recorded on write too, with a stamp of its storage (address, bytes, device): reading every tensor
+attr of the table on every `stats()`, plan or donating step would make each of them O(table). The next write
+of its session compares the stamp (one storage read): the shell's budget refuses a write that the tensor's
+new size would take over the budget, and an attr write of the session (the same value set again included)
+records it anew. Until then kept figures count it at its recorded size; ``stats(exact=True)`` walks it.
 """
 
 from __future__ import annotations

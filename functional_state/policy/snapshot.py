@@ -72,9 +72,8 @@ class Snapshot:
         self._open: list[Extent] = []  # what the attr containers hold now (closed values: the index's counts)
         self.attr_holders: Any = _NO_HOLDERS
         if len(index.memo):  # some attr holds a buffer
-            kept, walk = index.unchanged_extents(index.open_values())  # (a tensor as recorded: not walked)
-            out: accounting.Extents = kept
-            for value in walk:
+            out: accounting.Extents = []
+            for value in index.open_values():
                 accounting.collect_extents(value, out, {}, accounting.WalkReport())
             self.attr_holders = AttrHolders(index.refs, Counter(out), index.loose, index.totals)
             self._open = out

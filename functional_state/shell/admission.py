@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
-from ..errors import InvalidArgumentError
+from ..errors import BudgetExceededError, InvalidArgumentError
 from ..memory.accounting import union_by_device
 from ..memory.holders import changed_since_recorded
 from ..memory.values import NO_BUFFER_TYPES
@@ -61,9 +61,11 @@ def within_budget_fast(
     with: the writer's own mutable values are compared, on every write (a commit included), with what the
     attr index recorded on their arrival (a bare tensor: one storage read), and one that changed adds its
     bytes now for this check alone (counted twice: an upper bound, never kept, so it does not grow write
-    after write). A plain number or string is not read at all. Another session's value changed in place is
-    seen at that session's next write, at the next full check, and by `stats()`: reading every mutable
-    value of the table on every write would make a write O(table)."""
+    after write); a value the write recorded anew (set again) counts as set by it. A plain number or string
+    is not read at all. Another session's container changed in place is seen at that session's next write,
+    at the next full check, and by `stats()`; another session's resized tensor at that session's next write
+    (see `functional_state.memory.values`): reading every mutable value of the table on every write would
+    make a write O(table)."""
     if surplus is None:
         return None
     bound = check = surplus
@@ -73,12 +75,17 @@ def within_budget_fast(
         if attrs:
             old = None if attrs_unchanged else ms.lookup(before, writer).attrs if writer in before else None
             memo = ledger_of(after).attrs.memo
+            was = ledger_of(before).attrs.memo if old is not None else memo
             new, changing = {}, {}
             for k, v in attrs.items():
                 if type(v) in NO_BUFFER_TYPES:
                     continue
-                if not attrs_unchanged and old is not attrs and (old is None or old.get(k, _ABSENT) is not v):
-                    new[k] = v  # set by this write: counted from now on
+                if not attrs_unchanged and (
+                    old is None
+                    or old.get(k, _ABSENT) is not v
+                    or (was is not memo and was.get(id(v)) is not memo.get(id(v)))
+                ):
+                    new[k] = v  # set (or recorded anew) by this write: counted from now on
                 elif _changed(memo.get(id(v)), v):
                     changing[k] = v
             if new and (extra := attr_bytes(new)):
@@ -97,9 +104,37 @@ def _full_bound(state: ManagerState) -> Surplus:
     return _plus(bound, union_by_device(list(recorded))) if recorded else bound
 
 
+def _grown_names(state: ManagerState, writer: str | None) -> list[str]:
+    """The attrs of session ``writer`` that are torch tensors resized or re-stored in place since they were
+    set (the attr index's stamp differs): O(that session's attrs)."""
+    session = ms.lookup(state, writer, None) if writer is not None else None
+    if session is None or not session.attrs:
+        return []
+    memo = ledger_of(state).attrs.memo
+    return [
+        k
+        for k, v in session.attrs.items()
+        if (e := memo.get(id(v))) is not None and e.stamp is not None and _changed(e, v)
+    ]
+
+
+def _grown(state: ManagerState, writer: str | None) -> Surplus:
+    """What the `_grown_names` attrs hold now, per pool (an upper bound: their recorded size is counted too)."""
+    names = _grown_names(state, writer)
+    if not names:
+        return {}
+    attrs = ms.lookup(state, writer).attrs
+    return attr_bytes({k: attrs[k] for k in names})
+
+
 def _changed(entry: Any, value: Any) -> bool:
     """Whether ``value``, an attr the index keeps as mutable (``entry``), holds other buffers than recorded."""
-    return entry is not None and entry.extents is None and entry.value is value and changed_since_recorded(entry)
+    return (
+        entry is not None
+        and (entry.extents is None or entry.stamp is not None)
+        and entry.value is value
+        and changed_since_recorded(entry)
+    )
 
 
 def _plus(bound: Surplus, extra: Surplus) -> Surplus:
@@ -164,8 +199,10 @@ def admit(
     upper bound on the attr bytes beyond them), with no walk of the table. When that sum crosses a budget,
     a full check re-reads every attr and, for a pool over its budget, releases what `plan_release` chooses
     (never ``writer`` or a ``pinned`` session), making the bound exact again. An attr a model grows in place
-    is seen at the next write of its session (`within_budget_fast` reads the writer's mutable values again),
-    at the next full check, and by `stats()`.
+    is seen at the next write of its session (`within_budget_fast` reads the writer's mutable values again);
+    a container also at the next full check and by `stats()`. A write of a session whose attr tensor was
+    resized in place past what the budget leaves is refused (`BudgetExceededError`, naming the attr): set
+    the attr again so the table records its size, and the budget can release room for it.
 
     Args:
       before, after: the table before and after the write (``after`` derived from ``before``, or a table
@@ -192,6 +229,14 @@ def admit(
                 protect.add(writer)
             final = enforce_budget(after, protect, levers=levers)
             bound = _full_bound(final)
+            grown = _grown(final, writer)
+            if grown and over_budget_objects(final, _plus(bound, grown)):
+                raise BudgetExceededError(
+                    f"session {writer!r} holds attr tensor(s) {sorted(_grown_names(final, writer))} resized in place "
+                    f"since they were set (now {grown} bytes per pool): with them the write would exceed the "
+                    "byte budget. Set such an attr again (`set_attr`) so the table records its size, and the "
+                    "budget can release room for it. The write was refused; the state is as it was."
+                )
     if final is before:
         return Decision(final, bound, [], {})
     left = departures(before, after, final, dropped or {})

@@ -31,7 +31,7 @@ from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
 from ..memory.aliases import Loose
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, count_change, count_values
+from ..memory.holders import EMPTY_ATTRS, AttrIndex, changed_since_recorded, count_change, count_values
 from ..memory.overlaps import pool_changed, pool_index
 
 _EMPTY: immutables.Map = immutables.Map()
@@ -355,6 +355,9 @@ class Acct:
                     attrs_added.append(value)
                     if prev is not _ABSENT:
                         attrs_removed.append(prev)
+                elif (e := self.attrs.memo.get(id(value))) is not None and e.stamp and changed_since_recorded(e):
+                    attrs_added.append(value)  # (set again after a resize in place: recorded anew)
+                    attrs_removed.append(value)
             attrs_removed.extend(value for key, value in old._attrs.items() if key not in new._attrs)
         return self.change_objects(added, removed, attrs_added, attrs_removed)
 

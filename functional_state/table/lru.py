@@ -36,7 +36,16 @@ from .state import (
     make_state,
 )
 
-__all__ = ["compacted", "get_or_insert", "insert", "remove", "replace_session", "replace_sessions", "touch"]
+__all__ = [
+    "compacted",
+    "get_or_insert",
+    "insert",
+    "recorded_anew",
+    "remove",
+    "replace_session",
+    "replace_sessions",
+    "touch",
+]
 
 _new = object.__new__
 _log = logging.getLogger("functional_state")
@@ -194,6 +203,16 @@ def replace_session(state: ManagerState, sid: str, node: Node, session: SessionS
     meta = state._meta
     used = meta[PENDING_TICK] if sid == meta[PENDING] else node[USED]
     return make_state(state._nodes.set(sid, (session, used, node[UID])), meta, acct)
+
+
+def recorded_anew(state: ManagerState, value: Any) -> ManagerState:
+    """``state`` with attr value ``value`` (held by its sessions) recorded anew in its ledger, if it keeps one."""
+    acct = state._acct
+    return (
+        state
+        if acct is None
+        else make_state(state._nodes, state._meta, acct.change_objects((), (), (value,), (value,)))
+    )
 
 
 def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> immutables.Map:

@@ -11,6 +11,7 @@ from ..core.session import SessionState
 from ..errors import (
     InvalidTypeError,
 )
+from .lru import recorded_anew
 from .manager_state import ManagerState, find_object, locate, node_session, replace_session
 
 _log = logging.getLogger("functional_state")
@@ -35,7 +36,16 @@ def update_session(
 def set_attr(state: ManagerState, session_id: str | None, key: str, value: Any, *, on_fork: Any = None) -> ManagerState:
     """Carry ``value`` (by reference) under ``key`` in a session (see `SessionState.set_attr`)."""
     sid, node = locate(state, session_id, "set_attr")
-    return replace_session(state, sid, node, node_session(node).set_attr(key, value, on_fork=on_fork))
+    session = node_session(node)
+    out = replace_session(state, sid, node, session.set_attr(key, value, on_fork=on_fork))
+    if session.attrs.get(key, _ABSENT) is value:
+        # The same value set again: the ledger records it anew (a torch tensor resized in place since it was
+        # set is counted at its recorded size until then; see `functional_state.memory.values`).
+        out = recorded_anew(out, value)
+    return out
+
+
+_ABSENT = object()
 
 
 def get_attr(state: ManagerState, session_id: str | None, key: str, default: Any = MISSING) -> Any:
