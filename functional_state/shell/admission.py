@@ -60,13 +60,15 @@ def within_budget_fast(
     list a model appends to, a torch tensor it resizes in place) may hold more now than it was counted
     with: the writer's own mutable values are compared, on every write (a commit included), with what the
     attr index recorded on their arrival (a bare tensor: one storage read), and one that changed adds its
-    bytes now for this check alone (counted twice: an upper bound, never kept, so it does not grow write
-    after write). A plain number or string is not read at all. Another session's value changed in place is
+    bytes now to the bound returned, not to this check alone: a later write of another session decides by
+    that bound without reading the value, so the bound must go on covering it (one that forgot it admitted
+    such a write over the budget; review9). It is added again at each write of its session: an upper bound
+    that grows until the full check it leads to re-reads every attr. A plain number or string is not read. Another session's value changed in place is
     seen at that session's next write, at the next full check, and by `stats()`: reading every mutable
     value of the table on every write would make a write O(table)."""
     if surplus is None:
         return None
-    bound = check = surplus
+    bound = surplus
     session = ms.lookup(after, writer, None) if writer is not None else None
     if session is not None:
         attrs = session.attrs
@@ -82,10 +84,10 @@ def within_budget_fast(
                 elif _changed(memo.get(id(v)), v):
                     changing[k] = v
             if new and (extra := attr_bytes(new)):
-                bound = check = _plus(bound, extra)
+                bound = _plus(bound, extra)
             if changing and (now := attr_bytes(changing)):
-                check = _plus(bound, now)
-    return None if _over_budget(after, check) else bound
+                bound = _plus(bound, now)
+    return None if _over_budget(after, bound) else bound
 
 
 def _full_bound(state: ManagerState) -> Surplus:
@@ -185,7 +187,11 @@ def admit(
         return Decision(after, surplus, [], {})  # the common write: one session changed, no budget, no KV pools
     final, bound = after, surplus
     if budget and after is not before and after.byte_budget is not None:
-        bound = within_budget_fast(before, after, writer, attrs_unchanged, surplus)
+        # A write with no writer that does more than remove the ``dropped`` sessions (`load`: a table replaced)
+        # brings attrs the bound never counted (the fast check adds only the writer's): it is checked in full,
+        # and the bound is then the installed table's (issue 24, review9).
+        replaced = writer is None and dropped and len(after) + sum(sid in before for sid in dropped) != len(before)
+        bound = None if replaced else within_budget_fast(before, after, writer, attrs_unchanged, surplus)
         if bound is None:
             protect = {sid for sid in pinned if sid in after}
             if writer is not None and writer in after:
