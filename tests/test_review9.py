@@ -73,3 +73,28 @@ def test_an_attr_grown_in_place_stays_counted_after_its_sessions_write(how: str)
     with pytest.raises(fs.BudgetExceededError):  # 6 KiB + 3 KiB: over even with a's buffer parked
         b.commit("buf", np.zeros(3 * KIB, np.uint8))
     assert _cpu(m.stats(exact=True)) <= 8 * KIB
+
+
+@pytest.mark.parametrize("wrap", [lambda a: memoryview(a), lambda a: [memoryview(a)], lambda a: memoryview(a)[16:]])
+def test_a_memoryview_of_an_array_counts_the_array_and_is_refused_over_the_budget(wrap) -> None:
+    # A memoryview was one of the buffer-free types: a 1 MiB numpy array behind one counted zero in `stats`
+    # (kept and exact alike), so an attr holding it was admitted under a 4 KiB budget.
+    array = np.ones(1 << 20, np.uint8)
+    assert fs.nbytes_by_device(wrap(array)) == {"cpu": 1 << 20}
+    assert fs.nbytes_by_device(memoryview(b"\0" * 4096), memoryview(bytearray(64))) == {}  # (Python's own: zero)
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "m", wrap(array))
+    assert _cpu(fs.stats(s)) == _cpu(fs.stats(s, exact=True)) == 1 << 20
+    m = fs.SessionStateManager(byte_budget={"cpu": 4 * KIB})
+    h = m.get_or_create_session("a")
+    with pytest.raises(fs.BudgetExceededError):
+        h.set_attr("m", wrap(array))
+    assert _cpu(m.stats(exact=True)) == 0
+
+
+def test_a_released_memoryview_holds_nothing() -> None:
+    view = memoryview(np.ones(64, np.uint8))
+    view.release()
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "m", view)
+    assert fs.stats(s) == fs.stats(s, exact=True) and _cpu(fs.stats(s)) == 0
