@@ -98,3 +98,16 @@ def test_a_released_memoryview_holds_nothing() -> None:
     s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
     s = fs.set_attr(s, "a", "m", view)
     assert fs.stats(s) == fs.stats(s, exact=True) and _cpu(fs.stats(s)) == 0
+
+
+def test_an_object_array_counts_the_arrays_it_holds() -> None:
+    # Its pointer buffer alone was counted (16 B for two slots): a 1 MiB array inside counted nothing.
+    holder = np.empty(2, dtype=object)
+    holder[0], holder[1] = np.ones(1 << 20, np.uint8), "text"
+    assert fs.nbytes_by_device(holder) == {"cpu": (1 << 20) + holder.nbytes}
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "o", holder)
+    assert _cpu(fs.stats(s)) == _cpu(fs.stats(s, exact=True)) == (1 << 20) + holder.nbytes
+    m = fs.SessionStateManager(byte_budget={"cpu": 4 * KIB})
+    with pytest.raises(fs.BudgetExceededError):
+        m.get_or_create_session("a").set_attr("o", holder)

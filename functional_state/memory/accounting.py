@@ -291,6 +291,8 @@ def _children(x: Any) -> tuple[Iterable[Any] | None, bool]:
     own = getattr(type(x), "_accounting_children", None)
     if own is not None:
         return own(x), False
+    if isinstance(x, np.ndarray):  # (of dtype object: its elements)
+        return list(x.flat), False
     if isinstance(x, memoryview):  # the object whose buffer it exports (a numpy array's: array memory)
         return exported(x), False
     if isinstance(x, Mapping):
@@ -332,7 +334,8 @@ def collect_extents(root: Any, out: Extents, seen: dict[int, Any], report: WalkR
                 continue
             if isinstance(x, np.ndarray):
                 numpy_extents(x, out)
-                continue
+                if x.dtype != object:
+                    continue  # (an object array's own buffer holds pointers: what they point to is walked too)
             own_extents = getattr(type(x), "_accounting_extents", None)
             if own_extents is not None:  # buffers an object files under its own pool keys (parked copies)
                 out.extend(own_extents(x))
