@@ -26,8 +26,9 @@ def _attr_table(budget: int, sids: str, attr_bytes: int) -> fs.ManagerState:
     return s
 
 
+@pytest.mark.parametrize("empty", [False, True], ids=["over a session", "into an empty manager"])
 @pytest.mark.parametrize("levers", [fs.LEVERS, ("park", "evict")])
-def test_a_load_is_checked_against_the_budget_with_the_loaded_tables_attrs(tmp_path: Path, levers) -> None:
+def test_a_load_is_checked_against_the_budget_with_the_loaded_tables_attrs(tmp_path: Path, levers, empty) -> None:
     # `load` replaces the table with no writer: the fast check added nothing for the loaded sessions' attrs
     # (it adds only the writer's) and decided by the old table's attr bound, so a table whose attrs alone hold
     # 4x the budget was installed as it was.
@@ -35,11 +36,13 @@ def test_a_load_is_checked_against_the_budget_with_the_loaded_tables_attrs(tmp_p
     fs.save(saved, tmp_path / "t")
     m = fs.SessionStateManager(byte_budget={"cpu": 8 * KIB}, release_levers=levers)
     m.get_or_create_session("x").set_attr("k", np.ones(KIB, np.uint8))
+    if empty:
+        m.drop_session("x")  # (the bound stays the one the set_attr left)
     try:
         m.load(tmp_path / "t")
     except fs.BudgetExceededError:  # (no lever may release an attr's session: refused, the table kept)
         assert "drop" not in levers
-        assert m.state.session_ids == ("x",)
+        assert m.state.session_ids == (() if empty else ("x",))
     else:
         assert "drop" in levers
     assert _cpu(m.stats(exact=True)) <= 8 * KIB

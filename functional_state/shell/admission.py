@@ -187,10 +187,11 @@ def admit(
         return Decision(after, surplus, [], {})  # the common write: one session changed, no budget, no KV pools
     final, bound = after, surplus
     if budget and after is not before and after.byte_budget is not None:
-        # A write with no writer that does more than remove the ``dropped`` sessions (`load`: a table replaced)
-        # brings attrs the bound never counted (the fast check adds only the writer's): it is checked in full,
-        # and the bound is then the installed table's (issue 24, review9).
-        replaced = writer is None and dropped and len(after) + sum(sid in before for sid in dropped) != len(before)
+        # A write with no writer that adds sessions (`load`: a table replaced, into an empty manager too) brings
+        # attrs the bound never counted (the fast check adds only the writer's): it is checked in full, and the
+        # bound is then the installed table's (issue 24, review9).
+        gone = sum(sid in before for sid in dropped) if dropped else 0
+        replaced = writer is None and len(after) + gone > len(before)
         bound = None if replaced else within_budget_fast(before, after, writer, attrs_unchanged, surplus)
         if bound is None:
             protect = {sid for sid in pinned if sid in after}
