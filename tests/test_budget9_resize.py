@@ -4,9 +4,10 @@
 Inside a list, dict or tuple attr it is seen by every kept figure (containers are read again). A bare tensor
 attr is recorded when it is set, like an object when it is committed (reading every tensor attr of the table
 on every `stats()`, plan or donating step would make each O(table)): the next budgeted write of its session
-compares it with its record (one storage read) and is refused rather than admitted over the budget; setting
-the attr again records its new size, after which `stats()`, the holder index and the pure `enforce_budget`
-count it; ``stats(exact=True)`` tells the truth throughout. A tensor inside a committed state object resized
+compares it with its record (one storage read) and records it anew before it decides (released per the
+policy, or refused, never admitted over the budget); setting the attr again records it too. After either,
+`stats()`, the holder index and the pure `enforce_budget` count it; ``stats(exact=True)`` tells the truth
+throughout. A tensor inside a committed state object resized
 in place is outside the contract (objects are immutable): ``stats(exact=True)`` still tells the truth."""
 
 from __future__ import annotations
@@ -182,3 +183,17 @@ def test_the_bound_a_full_check_leaves_covers_a_mutable_value_at_its_recorded_si
     ledger_of(state)
     t.untyped_storage().resize_(16)
     assert admission._full_bound(state)["cpu"] >= 4 * KIB
+
+
+@pytest.mark.parametrize("how", ["resize_", "storage", "set_"])
+def test_a_budgeted_commit_after_an_attr_tensor_grew_records_it_and_kept_stats_are_exact_again(how: str) -> None:
+    m = SessionStateManager(byte_budget=BIG * 4)
+    h = m.get_or_create_session("a")
+    h.put("buf", LatentBuffer.create(maxlen=4))
+    t = torch.zeros(256, dtype=torch.uint8)
+    h.set_attr("x", t)
+    h.commit("buf", kib())
+    _grow(t, how)
+    h.commit("buf", kib())  # within the budget even at the new size: admitted, the tensor recorded anew
+    assert m.stats()["nbytes:cpu"] == m.stats(exact=True)["nbytes:cpu"] == BIG + 2 * KIB
+    assert m.stats() == m.stats(exact=True)

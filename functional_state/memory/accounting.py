@@ -3,11 +3,11 @@
 A buffer is modelled as an extent ``[start, end)`` on a device. Each call unions the extents of everything
 reachable from its roots, per device, so two views of one storage, an alias between an attribute and a
 state object, a tensor shared by several sessions, and a JAX array that aliases a torch tensor through
-DLPack all count once. Sizes are those of the *allocation* a value keeps alive, never
-``numel * element_size``: a narrow slice of a large tensor reports the whole storage.
+DLPack all count once. Sizes are those of the *allocation* a value keeps alive, never ``numel * element_size``:
+a narrow slice of a large tensor reports the whole storage (and a ``memoryview``, the whole buffer it exports).
 
-The walk never raises: what it cannot read is counted in its report (``unaccounted_objects``), and a JAX
-array that was deleted (donated) is reported as ``deleted_arrays`` instead of silently counting zero.
+The walk never raises: what it cannot read is counted in its report (``unaccounted_objects``), and a JAX array
+that was deleted (donated) is reported as ``deleted_arrays`` instead of silently counting zero.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from .aliases import OWNED, Loose, alias_owner, register_alias
-from .values import NO_BUFFER_TYPES
+from .values import NO_BUFFER_TYPES, exported
 
 __all__ = ["WalkReport", "alias_owner", "nbytes_by_device", "register_alias", "total_nbytes"]
 
@@ -258,21 +258,9 @@ def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, 
 
 
 # Objects never walked into: they reach the whole program (modules, classes, functions) or hold no data.
-_OPAQUE = (
-    type,
-    types.ModuleType,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.CodeType,
-    types.FrameType,
-    types.GeneratorType,
-    weakref.ref,
-    property,
-    staticmethod,
-    classmethod,
-)
-_SCALARS = tuple(NO_BUFFER_TYPES)  # (the walk counts Python's own byte buffers zero: not array memory)
+_CODE = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.CodeType, types.FrameType)
+_OPAQUE = (type, types.ModuleType, *_CODE, types.GeneratorType, weakref.ref, property, staticmethod, classmethod)
+_SCALARS = tuple(NO_BUFFER_TYPES)  # (the walk counts bytes and bytearray zero: not array memory)
 _MAX_OBJECT_DEPTH = 16  # plain objects nested deeper than this (attribute chains) count as unaccounted
 
 
@@ -303,6 +291,10 @@ def _children(x: Any) -> tuple[Iterable[Any] | None, bool]:
     own = getattr(type(x), "_accounting_children", None)
     if own is not None:
         return own(x), False
+    if isinstance(x, np.ndarray):  # (of dtype object: its elements)
+        return list(x.flat), False
+    if isinstance(x, memoryview):  # the object whose buffer it exports (a numpy array's: array memory)
+        return exported(x), False
     if isinstance(x, Mapping):
         return list(x.values()), False
     if isinstance(x, (list, tuple, set, frozenset, collections.deque, types.MappingProxyType)):
@@ -342,7 +334,8 @@ def collect_extents(root: Any, out: Extents, seen: dict[int, Any], report: WalkR
                 continue
             if isinstance(x, np.ndarray):
                 numpy_extents(x, out)
-                continue
+                if x.dtype != object:
+                    continue  # (an object array's own buffer holds pointers: what they point to is walked too)
             own_extents = getattr(type(x), "_accounting_extents", None)
             if own_extents is not None:  # buffers an object files under its own pool keys (parked copies)
                 out.extend(own_extents(x))

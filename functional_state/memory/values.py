@@ -3,20 +3,21 @@ that may change without a write (`mutable`), which every kept figure re-reads in
 
 The byte accounting counts array allocations (numpy, torch, JAX). A value of one of `NO_BUFFER_TYPES` holds
 none and never will: numbers, strings, ``None``, ranges, slices, and Python's own byte buffers (``bytes``,
-``bytearray``, ``memoryview``: memory, but not array memory; the walk counts them zero, so the kept
-figures do too, and a ``bytearray`` grown in place changes no figure). A *fixed* value holds the same
-buffers for its whole life: a numpy array (numpy refuses to resize an array anything else references, and
-the table references it), a JAX array (immutable; one the torch bridge imported counts its torch owner,
-so it is fixed only if the owner is), a tuple of such. Every other value is *mutable*: containers (a list
-a model appends to, a dict, a plain object) and torch tensors, which ``resize_``, ``set_``, ``.data = ...``,
-an ``out=`` argument or ``untyped_storage().resize_`` give other storage in place, with no write the table
-could see. The table records a fixed attr value's extents once, on write; a container is read again
-wherever a figure must be exact (`functional_state.memory.holders.AttrIndex`). A bare torch tensor in one
-storage is recorded on write too, with a stamp of its storage (address, bytes, device): reading every tensor
-attr of the table on every `stats()`, plan or donating step would make each of them O(table). The next write
-of its session compares the stamp (one storage read): the shell's budget refuses a write that the tensor's
-new size would take over the budget, and an attr write of the session (the same value set again included)
-records it anew. Until then kept figures count it at its recorded size; ``stats(exact=True)`` walks it.
+``bytearray``: memory, but not array memory; the walk counts them zero, so the kept figures do too, and a
+``bytearray`` grown in place changes no figure). A ``memoryview`` counts what it exports: zero over ``bytes``,
+the whole array over a numpy array. A *fixed* value holds the same buffers for its whole life: a numpy array
+(numpy refuses to resize an array anything else references, and the table references it), a JAX array
+(immutable; one the torch bridge imported counts its torch owner, so it is fixed only if the owner is), a
+memoryview of a fixed value, a tuple of such. Every other value is *mutable*: containers (a list a model
+appends to, a dict, a plain object) and torch tensors, which ``resize_``, ``set_``, ``.data = ...``, an
+``out=`` argument or ``untyped_storage().resize_`` give other storage in place, with no write the table could
+see. The table records a fixed attr value's extents once, on write; a container is read again wherever a
+figure must be exact (`functional_state.memory.holders.AttrIndex`). A bare torch tensor in one storage is
+recorded on write too, with a stamp of its storage (address, bytes, device): reading every tensor attr of the
+table on every `stats()`, plan or donating step would make each of them O(table). The next budgeted write of
+its session compares the stamp (one storage read) and records the tensor anew before it decides, as does any
+attr write of the session (the same value set again included). Until then kept figures count it at its
+recorded size; ``stats(exact=True)`` walks it.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import numpy as np
 
 from .aliases import alias_owner
 
-__all__ = ["NO_BUFFER_TYPES", "fixed", "holds_no_buffer", "mutable"]
+__all__ = ["NO_BUFFER_TYPES", "exported", "fixed", "holds_no_buffer", "mutable"]
 
 NO_BUFFER_TYPES: frozenset[type] = frozenset(
-    {int, float, complex, bool, str, bytes, bytearray, memoryview, type(None), range, slice}
+    {int, float, complex, bool, str, bytes, bytearray, type(None), range, slice}
 )
 _NO_BUFFER = tuple(NO_BUFFER_TYPES)  # (for isinstance: an int subclass, an str enum hold nothing either)
 _MAX_DEPTH = 4
@@ -60,6 +61,8 @@ def fixed(value: Any, depth: int = 0) -> bool:
     """
     if holds_no_buffer(value):
         return True
+    if isinstance(value, memoryview):  # (its exporter cannot change size while exported; a released one: nothing)
+        return _exporter_fixed(value, depth)
     if isinstance(value, jax.Array):
         owner = alias_owner(value)
         return owner is None or (depth < _MAX_DEPTH and fixed(owner, depth + 1))
@@ -76,6 +79,23 @@ def fixed(value: Any, depth: int = 0) -> bool:
     if type(value) in (tuple, frozenset) or (isinstance(value, tuple) and hasattr(type(value), "_fields")):
         return depth < _MAX_DEPTH and len(value) <= _MAX_ITEMS and all(fixed(v, depth + 1) for v in value)
     return False
+
+
+def exported(view: memoryview) -> list[Any]:
+    """What ``view`` exports: ``[the object whose buffer it is]``, or nothing once released.
+
+    Example:
+      >>> a = np.zeros(4); exported(memoryview(a))[0] is a
+      True
+    """
+    try:
+        return [view.obj]
+    except ValueError:  # released: it holds nothing
+        return []
+
+
+def _exporter_fixed(view: memoryview, depth: int) -> bool:
+    return depth < _MAX_DEPTH and all(fixed(v, depth + 1) for v in exported(view))
 
 
 def mutable(value: Any) -> bool:

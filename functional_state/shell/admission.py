@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
-from ..errors import BudgetExceededError, InvalidArgumentError
+from ..errors import InvalidArgumentError
 from ..memory.accounting import union_by_device
 from ..memory.holders import changed_since_recorded
 from ..memory.values import NO_BUFFER_TYPES
@@ -21,6 +21,7 @@ from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budg
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
 from ..table.engine_blocks import released_blocks
+from ..table.lru import recorded_anew
 from ..table.manager_state import ManagerState, ledger_of
 from ..table.session_edits import update_session
 from ..table.state import in_place
@@ -60,15 +61,18 @@ def within_budget_fast(
     list a model appends to, a torch tensor it resizes in place) may hold more now than it was counted
     with: the writer's own mutable values are compared, on every write (a commit included), with what the
     attr index recorded on their arrival (a bare tensor: one storage read), and one that changed adds its
-    bytes now for this check alone (counted twice: an upper bound, never kept, so it does not grow write
-    after write); a value the write recorded anew (set again) counts as set by it. A plain number or string
-    is not read at all. Another session's container changed in place is seen at that session's next write,
-    at the next full check, and by `stats()`; another session's resized tensor at that session's next write
-    (see `functional_state.memory.values`): reading every mutable value of the table on every write would
-    make a write O(table)."""
+    bytes now to the bound returned, not to this check alone: a later write of another session decides by
+    that bound without reading the value, so the bound must go on covering it (one that forgot it admitted
+    such a write over the budget). It is added again at each write of its session: an upper bound that
+    grows until the full check it leads to re-reads every attr. A bare tensor that changed sends the write
+    to `admit`, which records it anew first (kept figures then count it; see `functional_state.memory.values`);
+    a value the write set, or recorded anew, counts as set by it. A plain number or string is not read.
+    Another session's value changed in place is seen at that session's next write (a container also at the
+    next full check and by `stats()`): reading every mutable value of the table on every write would make a
+    write O(table)."""
     if surplus is None:
         return None
-    bound = check = surplus
+    bound = surplus
     session = ms.lookup(after, writer, None) if writer is not None else None
     if session is not None:
         attrs = session.attrs
@@ -86,13 +90,15 @@ def within_budget_fast(
                     or (was is not memo and was.get(id(v)) is not memo.get(id(v)))
                 ):
                     new[k] = v  # set (or recorded anew) by this write: counted from now on
-                elif _changed(memo.get(id(v)), v):
+                elif _changed(entry := memo.get(id(v)), v):
+                    if entry.stamp is not None:  # (a bare tensor: `admit` records it anew, then decides)
+                        return None
                     changing[k] = v
             if new and (extra := attr_bytes(new)):
-                bound = check = _plus(bound, extra)
+                bound = _plus(bound, extra)
             if changing and (now := attr_bytes(changing)):
-                check = _plus(bound, now)
-    return None if _over_budget(after, check) else bound
+                bound = _plus(bound, now)
+    return None if _over_budget(after, bound) else bound
 
 
 def _full_bound(state: ManagerState) -> Surplus:
@@ -116,15 +122,6 @@ def _grown_names(state: ManagerState, writer: str | None) -> list[str]:
         for k, v in session.attrs.items()
         if (e := memo.get(id(v))) is not None and e.stamp is not None and _changed(e, v)
     ]
-
-
-def _grown(state: ManagerState, writer: str | None) -> Surplus:
-    """What the `_grown_names` attrs hold now, per pool (an upper bound: their recorded size is counted too)."""
-    names = _grown_names(state, writer)
-    if not names:
-        return {}
-    attrs = ms.lookup(state, writer).attrs
-    return attr_bytes({k: attrs[k] for k in names})
 
 
 def _changed(entry: Any, value: Any) -> bool:
@@ -200,9 +197,8 @@ def admit(
     a full check re-reads every attr and, for a pool over its budget, releases what `plan_release` chooses
     (never ``writer`` or a ``pinned`` session), making the bound exact again. An attr a model grows in place
     is seen at the next write of its session (`within_budget_fast` reads the writer's mutable values again);
-    a container also at the next full check and by `stats()`. A write of a session whose attr tensor was
-    resized in place past what the budget leaves is refused (`BudgetExceededError`, naming the attr): set
-    the attr again so the table records its size, and the budget can release room for it.
+    a container also at the next full check and by `stats()`. An attr tensor of ``writer`` resized in place
+    since it was set is recorded anew first, so the table installed counts it at its size now.
 
     Args:
       before, after: the table before and after the write (``after`` derived from ``before``, or a table
@@ -222,21 +218,22 @@ def admit(
         return Decision(after, surplus, [], {})  # the common write: one session changed, no budget, no KV pools
     final, bound = after, surplus
     if budget and after is not before and after.byte_budget is not None:
-        bound = within_budget_fast(before, after, writer, attrs_unchanged, surplus)
+        grown = _grown_names(after, writer)
+        for name in grown:  # (an attr tensor resized in place since it was set: recorded anew, then counted)
+            after = recorded_anew(after, ms.lookup(after, writer).attrs[name])
+        attrs_unchanged, final = attrs_unchanged and not grown, after
+        # A write with no writer that adds sessions (`load`: a table replaced, into an empty manager too) brings
+        # attrs the bound never counted (the fast check adds only the writer's): it is checked in full, and the
+        # bound is then the installed table's (issue 24, review9).
+        gone = sum(sid in before for sid in dropped) if dropped else 0
+        replaced = writer is None and len(after) + gone > len(before)
+        bound = None if replaced else within_budget_fast(before, after, writer, attrs_unchanged, surplus)
         if bound is None:
             protect = {sid for sid in pinned if sid in after}
             if writer is not None and writer in after:
                 protect.add(writer)
             final = enforce_budget(after, protect, levers=levers)
             bound = _full_bound(final)
-            grown = _grown(final, writer)
-            if grown and over_budget_objects(final, _plus(bound, grown)):
-                raise BudgetExceededError(
-                    f"session {writer!r} holds attr tensor(s) {sorted(_grown_names(final, writer))} resized in place "
-                    f"since they were set (now {grown} bytes per pool): with them the write would exceed the "
-                    "byte budget. Set such an attr again (`set_attr`) so the table records its size, and the "
-                    "budget can release room for it. The write was refused; the state is as it was."
-                )
     if final is before:
         return Decision(final, bound, [], {})
     left = departures(before, after, final, dropped or {})
