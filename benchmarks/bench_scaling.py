@@ -38,17 +38,17 @@ SIZES = tuple(int(s) for s in os.environ.get("SCALING_SIZES", "1,64,1000,100000"
 ROUNDS = 5
 TARGET_S = 0.02  # a sample lasts at least this long (number of calls per sample chosen per op and size)
 SLOW_S = 0.05  # an op slower than this runs once per sample
-PER_SESSION = {"step(donate=True)", "step(donate=False)", "park", "restore", "fork_session", "get_or_create+commit"}
 WALKS = ("plan_release", "plan_release (attrs)", "enforce_budget")
-OPS = (*PER_SESSION, "stats", *WALKS)
 ORDER = (
     "step(donate=True)",
     "step(donate=False)",
     "park",
+    "park (attrs)",
     "restore",
     "fork_session",
     "get_or_create+commit",
     "stats",
+    "stats (attrs)",
     "plan_release",
     "plan_release (attrs)",
     "enforce_budget",
@@ -112,10 +112,12 @@ def _ops(n: int) -> dict[str, Callable[[], object]]:
         "step(donate=True)": step_donate,
         "step(donate=False)": lambda: fs.step(table, sid, "ring", commit_ring, frame),
         "park": lambda: fs.park(table, sid, "ring"),
+        "park (attrs)": lambda: fs.park(attrs, sid, "ring"),
         "restore": lambda: fs.restore(parked, sid, "ring"),
         "fork_session": lambda: fs.fork_session(table, sid, "fork"),
         "get_or_create+commit": get_or_create_commit,
         "stats": lambda: fs.stats(table),
+        "stats (attrs)": lambda: fs.stats(attrs),
         "plan_release": lambda: fs.plan_release(table, "cpu", RING_BYTES),
         "plan_release (attrs)": lambda: fs.plan_release(attrs, "cpu", RING_BYTES),
         "enforce_budget": lambda: fs.enforce_budget(budgeted),
@@ -214,7 +216,8 @@ def run() -> dict:
             f"but one call for ops slower than {SLOW_S * 1e3:.0f} ms (their calibration call counts as the first "
             f"of the {ROUNDS} samples), which is so for: "
             f"{', '.join(reduced) or 'none'}. `stats` is held to the per-session goal because kept totals "
-            f"make it O(pools); the walks' goal is a flat per-session cost. Reproduce: "
+            f"make it O(pools); the walks' goal is a flat per-session cost. The (attrs) rows run on the same table with "
+            f"a torch tensor attr of 32 bytes in every session (a prompt embedding). Reproduce: "
             f"`PYTHONPATH=$PWD python benchmarks/run.py scaling`."
         ),
         "figures": {"times": {str(n): v for n, v in times.items()}, "numbers": {str(n): v for n, v in numbers.items()}},
