@@ -17,7 +17,7 @@ import functional_state as fs
 from functional_state import ManagerState
 
 ROOT = Path(__file__).resolve().parents[1]
-DELAYS = (0.05, 0.2, 0.4, 0.7, 1.0, 1.5)
+DELAYS = (0.05, 0.2, 0.4, 0.7, 1.0, 3.0)  # (the last long enough for whole saves on a busy disk)
 
 
 def generation_values(gen: int) -> dict:

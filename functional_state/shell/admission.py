@@ -15,10 +15,11 @@ from typing import Any, NamedTuple
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
 from ..memory.accounting import union_by_device
-from ..memory.holders import changed_since_recorded
+from ..memory.holders import changed_since_recorded, holder_extents
 from ..memory.values import NO_BUFFER_TYPES
 from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from ..policy.planner import LEVERS
+from ..policy.pricing import by_pool
 from ..table import manager_state as ms
 from ..table.engine_blocks import released_blocks
 from ..table.lru import recorded_anew
@@ -80,7 +81,8 @@ def within_budget_fast(
             old = None if attrs_unchanged else ms.lookup(before, writer).attrs if writer in before else None
             memo = ledger_of(after).attrs.memo
             was = ledger_of(before).attrs.memo if old is not None else memo
-            new, changing = {}, {}
+            new: dict[str, Any] = {}
+            changing: list[Any] = []  # (what the changed containers hold now: each walked once)
             for k, v in attrs.items():
                 if type(v) in NO_BUFFER_TYPES:
                     continue
@@ -90,14 +92,16 @@ def within_budget_fast(
                     or (was is not memo and was.get(id(v)) is not memo.get(id(v)))
                 ):
                     new[k] = v  # set (or recorded anew) by this write: counted from now on
-                elif _changed(entry := memo.get(id(v)), v):
-                    if entry.stamp is not None:  # (a bare tensor: `admit` records it anew, then decides)
-                        return None
-                    changing[k] = v
+                elif (entry := memo.get(id(v))) is not None and entry.value is v:
+                    if entry.stamp is not None:
+                        if changed_since_recorded(entry):  # (a bare tensor: `admit` records it anew, then decides)
+                            return None
+                    elif entry.extents is None and (held := holder_extents(v)) != entry.recorded:
+                        changing.extend(held)
             if new and (extra := attr_bytes(new)):
                 bound = _plus(bound, extra)
-            if changing and (now := attr_bytes(changing)):
-                bound = _plus(bound, now)
+            if changing:
+                bound = _plus(bound, {str(pool): n for pool, n in by_pool(changing).items()})
     return None if _over_budget(after, bound) else bound
 
 
