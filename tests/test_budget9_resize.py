@@ -197,3 +197,29 @@ def test_a_budgeted_commit_after_an_attr_tensor_grew_records_it_and_kept_stats_a
     h.commit("buf", kib())  # within the budget even at the new size: admitted, the tensor recorded anew
     assert m.stats()["nbytes:cpu"] == m.stats(exact=True)["nbytes:cpu"] == BIG + 2 * KIB
     assert m.stats() == m.stats(exact=True)
+
+
+def test_a_jax_attr_over_a_torch_tensor_resized_in_place_is_recorded_anew_at_its_sessions_next_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A JAX array the bridge imported from a torch tensor holds that tensor's storage: it is stamped by it
+    # (not walked on every write), and a resize of the tensor is seen like one of a bare tensor attr.
+    from torch_bridge import to_jax
+
+    monkeypatch.setattr(accounting, "POOL_STORAGES", {})  # (engine pools other tests left: stamps are off then)
+
+    m = SessionStateManager(byte_budget=BIG * 4)
+    h = m.get_or_create_session("a")
+    h.put("buf", LatentBuffer.create(maxlen=4))
+    t = torch.zeros(256, dtype=torch.uint8)
+    j = to_jax(t)
+    h.set_attr("x", j)
+    entry = ledger_of(m.state).attrs.memo[id(j)]
+    assert entry.stamp is not None and entry.extents is not None  # (counted per extent, not walked)
+    assert not holders.changed_since_recorded(entry)
+    h.commit("buf", kib())
+    t.resize_(BIG)
+    assert holders.changed_since_recorded(ledger_of(m.state).attrs.memo[id(j)])
+    h.commit("buf", kib())
+    assert m.stats() == m.stats(exact=True)
+    assert m.stats()["nbytes:cpu"] == BIG + 2 * KIB

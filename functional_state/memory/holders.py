@@ -17,7 +17,7 @@ import immutables
 import jax
 
 from . import accounting
-from .aliases import Loose
+from .aliases import Loose, alias_owner
 from .overlaps import overlapped
 from .values import fixed, holds_no_buffer
 
@@ -110,28 +110,40 @@ class AttrEntry(NamedTuple):
     holders: int
     extents: frozenset[Extent] | None  # None: a container (re-read on every question); else counted per extent
     recorded: frozenset[Extent] | None = None  # a container: what it held when the index recorded it
-    stamp: tuple[int, int, bool] | None = None  # a bare tensor in one storage: (address, bytes, is_cpu) then
+    stamp: tuple[int, int, bool, Any] | None = None  # one torch storage: (address, bytes, is_cpu, tensor) then
 
 
 def changed_since_recorded(entry: AttrEntry) -> bool:
     """Whether the mutable attr value of ``entry`` holds other extents now than when the index recorded it
-    (a list appended to, a tensor resized or given other storage). A bare torch tensor in one storage is
-    compared by its stamp (one storage read): what the shell's budget check pays per mutable attr of the
-    session it writes. ``resize_`` and ``set_`` change the storage's address, size or device (two live CUDA
-    storages of two devices at one address and size: the one case a stamp cannot tell apart)."""
-    value, stamp = entry.value, entry.stamp
+    (a list appended to, a tensor resized or given other storage). A bare torch tensor in one storage, or a
+    JAX array the torch bridge imported from one, is compared by its stamp (one storage read of the
+    tensor): what the shell's budget check pays per such attr of the session it writes. ``resize_`` and
+    ``set_`` change the storage's address, size or device (two live CUDA storages of two devices at one
+    address and size: the one case a stamp cannot tell apart)."""
+    stamp = entry.stamp
     if stamp is not None and not accounting.POOL_STORAGES:
-        storage = value.untyped_storage()
-        return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or value.is_cpu is not stamp[2]
-    return frozenset(holder_extents(value)) != (entry.recorded if entry.extents is None else entry.extents)
+        tensor = stamp[3]
+        storage = tensor.untyped_storage()
+        return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or tensor.is_cpu is not stamp[2]
+    return frozenset(holder_extents(entry.value)) != (entry.recorded if entry.extents is None else entry.extents)
 
 
-def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool] | None:
+def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool, Any] | None:
+    """``(storage address, bytes, is_cpu, the tensor read)`` for a value whose buffers are one torch storage:
+    a bare tensor, or a JAX array aliasing one (its torch owner's only child); else None."""
     torch = accounting.torch_module()
-    if torch is None or type(value) is not torch.Tensor or len(recorded) != 1 or accounting.POOL_STORAGES:
+    if torch is None or len(recorded) != 1 or accounting.POOL_STORAGES:
         return None
-    storage = value.untyped_storage()
-    return storage.data_ptr(), storage.nbytes(), value.is_cpu
+    tensor = value
+    if type(value) is not torch.Tensor:
+        owner = alias_owner(value) if isinstance(value, jax.Array) else None
+        children = getattr(owner, "_accounting_children", None)
+        kids: tuple[Any, ...] = tuple(children()) if children is not None else ()
+        if len(kids) != 1 or type(kids[0]) is not torch.Tensor:
+            return None
+        tensor = kids[0]
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), tensor.is_cpu, tensor
 
 
 _NO_MAP: immutables.Map = immutables.Map()
