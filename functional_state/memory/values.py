@@ -12,12 +12,12 @@ memoryview of a fixed value, a tuple of such. Every other value is *mutable*: co
 appends to, a dict, a plain object) and torch tensors, which ``resize_``, ``set_``, ``.data = ...``, an
 ``out=`` argument or ``untyped_storage().resize_`` give other storage in place, with no write the table could
 see. The table records a fixed attr value's extents once, on write; a container is read again wherever a
-figure must be exact (`functional_state.memory.holders.AttrIndex`). A bare torch tensor in one storage is
-recorded on write too, with a stamp of its storage (address, bytes, device): reading every tensor attr of the
-table on every `stats()`, plan or donating step would make each of them O(table). The next budgeted write of
-its session compares the stamp (one storage read) and records the tensor anew before it decides, as does any
-attr write of the session (the same value set again included). Until then kept figures count it at its
-recorded size; ``stats(exact=True)`` walks it.
+figure must be exact (`functional_state.memory.holders.AttrIndex`). A bare torch tensor in one storage (or a
+JAX array the torch bridge imported from one) is recorded on write too, with a stamp of its storage
+(address, bytes, device): reading every tensor attr of the table on every `stats()`, plan or donating step
+would make each of them O(table). The next budgeted write of its session compares the stamp (one storage
+read) and records the tensor anew before it decides, as does any attr write of the session (the same value
+set again included). Until then kept figures count it at its recorded size; ``stats(exact=True)`` walks it.
 """
 
 from __future__ import annotations
