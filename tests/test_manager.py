@@ -208,7 +208,7 @@ def test_eight_threads_lose_nothing():
     gets = [0] * n_threads
     committed: dict[str, list[int]] = {}
     errors = []
-    barrier = threading.Barrier(n_threads)
+    barrier = threading.Barrier(n_threads, timeout=30)  # (a worker that raised first must not hang the rest)
 
     def worker(t):
         try:

@@ -194,7 +194,7 @@ def test_many_threads_committing_to_one_session_lose_nothing(lock, monkeypatch):
     m = SessionStateManager(lock_factory=factory)
     m.get_or_create_session("a").put("log", LatentBuffer.create())
     n_threads, n = 8, 150
-    barrier = threading.Barrier(n_threads)
+    barrier = threading.Barrier(n_threads, timeout=30)  # (a worker that raised first must not hang the rest)
 
     def worker(t):
         barrier.wait()

@@ -114,7 +114,7 @@ def test_threads_hitting_missing_and_committing_lose_nothing(lock: str, monkeypa
     monkeypatch.setattr(shell_handle, "_commit", slow_commit)  # (the handle's own one-step commit)
     n_threads, rounds = 6, 150
     m = SessionStateManager(max_sessions=2 * n_threads, lock_factory=factory)
-    barrier = threading.Barrier(n_threads)
+    barrier = threading.Barrier(n_threads, timeout=30)  # (a worker that raised first must not hang the rest)
     logs: dict[int, Any] = {}
 
     def worker(t: int) -> None:
