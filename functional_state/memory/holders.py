@@ -241,7 +241,7 @@ class AttrIndex:
         return AttrIndex(memo.finish(), kept, opened.finish(), totals.finish(), loose)
 
     def open_values(self) -> list[Any]:
-        """The mutable values held (containers, torch tensors; each once): what a holder question re-reads.
+        """The values held that are walked, not stamped (containers; each once): what a holder question re-reads.
         O(mutable values)."""
         return list(self.opened.values()) if self.opened else []
 

@@ -124,18 +124,8 @@ def _grown_names(state: ManagerState, writer: str | None) -> list[str]:
     return [
         k
         for k, v in session.attrs.items()
-        if (e := memo.get(id(v))) is not None and e.stamp is not None and _changed(e, v)
+        if (e := memo.get(id(v))) is not None and e.stamp is not None and e.value is v and changed_since_recorded(e)
     ]
-
-
-def _changed(entry: Any, value: Any) -> bool:
-    """Whether ``value``, an attr the index keeps as mutable (``entry``), holds other buffers than recorded."""
-    return (
-        entry is not None
-        and (entry.extents is None or entry.stamp is not None)
-        and entry.value is value
-        and changed_since_recorded(entry)
-    )
 
 
 def _plus(bound: Surplus, extra: Surplus) -> Surplus:
