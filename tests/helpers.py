@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import chex
@@ -122,3 +123,39 @@ def race(target: Any, n_threads: int) -> None:
             t.join()
     finally:
         sys.setswitchinterval(interval)
+
+
+class HookLock:
+    """A lock that runs the next of ``hooks`` (None: nothing) just before each acquisition while any are
+    left: another thread's write landing between a caller's check and its own lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.hooks: list[Callable[[], Any] | None] = []
+
+    def acquire(self, *args: Any) -> bool:
+        if self.hooks:
+            hook = self.hooks.pop(0)
+            if hook is not None:
+                hook()
+        return self._lock.acquire(*args)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> HookLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def leave_table(manager: fs.SessionStateManager, how: str) -> None:
+    """Session "a" leaves the table: evicted by the count cap, dropped, or replaced by a new incarnation."""
+    if how == "evicted":
+        manager.get_or_create_session("b")
+    else:
+        manager.drop_session("a")
+        if how == "replaced":
+            manager.get_or_create_session("a").put("x", fs.LatentBuffer.create(maxlen=2))

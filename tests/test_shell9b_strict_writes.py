@@ -7,7 +7,6 @@ in between sent the write into the detached copy and the call "succeeded" on a s
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -16,31 +15,8 @@ import torch
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
+from helpers import HookLock
 from torch_bridge.adapters import DreamZeroStateAdapter
-
-
-class _HookLock:
-    """A lock that runs the next of ``hooks`` just before an acquisition: another thread's write landing
-    between a caller's check and its own lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.hooks: list[Callable[[], Any]] = []
-
-    def acquire(self, *args: Any) -> bool:
-        if self.hooks:
-            self.hooks.pop(0)()
-        return self._lock.acquire(*args)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> _HookLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
 
 
 def _latents(value: float) -> torch.Tensor:
@@ -72,7 +48,7 @@ def _fingerprint(session: fs.SessionState) -> Any:
 
 @pytest.mark.parametrize("write", list(_WRITES), ids=list(_WRITES))
 def test_a_strict_write_evicted_between_check_and_write_is_refused_and_lands_nowhere(write: str) -> None:
-    lock = _HookLock()
+    lock = HookLock()
     manager = SessionStateManager(max_sessions=1, lock_factory=lambda: lock)
     strict = DreamZeroStateAdapter("a", manager, vae_encoder_window=2, strict=True)
     strict.call_count = 5
@@ -97,7 +73,7 @@ def test_a_strict_write_evicted_between_check_and_write_is_refused_and_lands_now
 
 
 def test_a_strict_get_or_create_never_builds_an_object_into_a_detached_copy() -> None:
-    lock = _HookLock()
+    lock = HookLock()
     manager = SessionStateManager(max_sessions=1, lock_factory=lambda: lock)
     strict = DreamZeroStateAdapter("a", manager, vae_encoder_window=2, strict=True)
     handle = manager.get_or_create_session("a").remove("stitched_frames")  # lost: rebuilt where it is used

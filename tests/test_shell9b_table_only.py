@@ -10,6 +10,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
+from helpers import leave_table
 
 _USES: dict[str, Callable[[fs.SessionHandle], Any]] = {
     "put": lambda h: h.put("y", LatentBuffer.create(maxlen=2)),
@@ -29,15 +30,6 @@ _USES: dict[str, Callable[[fs.SessionHandle], Any]] = {
 }
 
 
-def _leave(manager: SessionStateManager, how: str) -> None:
-    if how == "evicted":
-        manager.get_or_create_session("b")
-    else:
-        manager.drop_session("a")
-        if how == "replaced":
-            manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2))
-
-
 @pytest.mark.parametrize("how", ["evicted", "dropped", "replaced"])
 @pytest.mark.parametrize("use", list(_USES))
 def test_a_table_only_handle_refuses_every_use_once_its_incarnation_left(use: str, how: str) -> None:
@@ -46,7 +38,7 @@ def test_a_table_only_handle_refuses_every_use_once_its_incarnation_left(use: st
     plain.set_attr("k", 1)
     only = plain.table_only()
     assert only.in_table and only.state is plain.state and "table only" in repr(only)
-    _leave(manager, how)
+    leave_table(manager, how)
     copy = plain.state
     with pytest.raises(fs.SessionStateLostError, match="'a'"):
         _USES[use](only)

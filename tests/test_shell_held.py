@@ -4,53 +4,14 @@ asking `in_table` before each read and write."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from typing import Any
-
 import numpy as np
 import pytest
 import torch
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
+from helpers import HookLock, leave_table
 from torch_bridge.adapters import DreamZeroStateAdapter
-
-
-class _HookLock:
-    """A lock that runs the next of ``hooks`` (None: nothing) just before each acquisition while any are
-    left: another thread's write landing between a caller's check and its own lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.hooks: list[Callable[[], Any] | None] = []
-
-    def acquire(self, *args: Any) -> bool:
-        if self.hooks:
-            hook = self.hooks.pop(0)
-            if hook is not None:
-                hook()
-        return self._lock.acquire(*args)
-
-    def release(self) -> None:
-        self._lock.release()
-
-    def __enter__(self) -> _HookLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-def _leave(manager: SessionStateManager, how: str) -> None:
-    """Session "a" leaves the table: evicted by the count cap, dropped, or replaced by a new incarnation."""
-    if how == "evicted":
-        manager.get_or_create_session("b")
-    else:
-        manager.drop_session("a")
-        if how == "replaced":
-            manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2))
 
 
 @pytest.mark.parametrize("how", ["evicted", "dropped", "replaced"])
@@ -59,7 +20,7 @@ def test_held_reads_the_table_and_refuses_once_the_incarnation_left(how: str) ->
     h = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", 1.0)
     assert h.held("x") is h.state.get("x") and h.held("x").view() == (1.0,)
     assert h.held("nothing") is None  # absent: None, not an error
-    _leave(manager, how)
+    leave_table(manager, how)
     with pytest.raises(fs.SessionStateLostError, match=r"`SessionHandle.held`: session 'a' was"):
         h.held("x")
     assert h.state.get("x").view() == (1.0,)  # the handle's copy is still readable
@@ -77,7 +38,7 @@ def test_commit_held_commits_into_the_table_and_refuses_once_the_incarnation_lef
     manager = SessionStateManager(max_sessions=1)
     h = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2))
     assert h.commit_held("x", 1.0) is h and manager.get_or_create_session("a").view("x") == (1.0,)
-    _leave(manager, how)
+    leave_table(manager, how)
     table = manager.state
     with pytest.raises(fs.SessionStateLostError, match=r"commit_held`: session 'a' was"):
         h.commit_held("x", 2.0)
@@ -88,7 +49,7 @@ def test_commit_held_commits_into_the_table_and_refuses_once_the_incarnation_lef
 def test_commit_held_refuses_an_eviction_that_lands_just_before_its_lock() -> None:
     # The eviction lands after any lock-free check the caller could make and before the commit's lock: the
     # one-step commit decides under that lock, so nothing reaches the detached copy.
-    lock = _HookLock()
+    lock = HookLock()
     manager = SessionStateManager(max_sessions=1, lock_factory=lambda: lock)
     h = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", 1.0)
     assert h.in_table
@@ -101,7 +62,7 @@ def test_commit_held_refuses_an_eviction_that_lands_just_before_its_lock() -> No
 def test_a_strict_adapter_writes_no_frame_into_a_copy_when_its_session_is_evicted_mid_step() -> None:
     # Regression: the strict encoder step asked `in_table` (lock-free) and then committed; an eviction landing
     # in between sent the frame into the detached copy and the step "succeeded" on a session that was gone.
-    lock = _HookLock()
+    lock = HookLock()
     manager = SessionStateManager(max_sessions=1, lock_factory=lambda: lock)
     strict = DreamZeroStateAdapter("a", manager, vae_encoder_window=2, strict=True)
     first = torch.zeros(1, 8, 1, 4, 6, dtype=torch.bfloat16)
@@ -138,7 +99,7 @@ def test_commit_held_restores_a_parked_object_and_commits_into_the_table() -> No
 def test_commit_held_through_the_retry_loop_refuses_a_session_evicted_meanwhile() -> None:
     # A parked object sends the commit to the retry loop; the eviction lands before its install: the loop
     # computes it again on the new table and refuses, writing nothing into the copy.
-    lock = _HookLock()
+    lock = HookLock()
     manager = SessionStateManager(max_sessions=1, lock_factory=lambda: lock)
     h = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).commit("x", np.ones(2))
     h.park("x")
