@@ -41,6 +41,29 @@ LOG_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entr
 _LOG_DEPTH = 4096
 
 
+def _attr_only_moved(only: Any, refs0: Any, refs1: Any, arefs0: Any, arefs1: Any, candidates: Iterable[Extent]) -> Any:
+    """``only`` (`_Rest.attr_only`) after a change of the object counts ``refs0 -> refs1`` and the attr
+    counts ``arefs0 -> arefs1``, ``candidates`` holding every extent either change touched."""
+    flips = []
+    for e in candidates:
+        d = (e in arefs1 and e not in refs1) - (e in arefs0 and e not in refs0)
+        if d:
+            flips.append((e, d))
+    return _flipped(only, flips) if flips else only
+
+
+def _flipped(only: Any, flips: Iterable[tuple[Extent, int]]) -> Any:
+    """``only`` with each extent's bytes added (+1) to or taken (-1) from its pool's attr-only sum."""
+    m = only.mutate()
+    for e, d in flips:
+        n = m.get(e[0], 0) + d * (e[2] - e[1])
+        if n:
+            m[e[0]] = n
+        elif e[0] in m:
+            del m[e[0]]
+    return m.finish()
+
+
 # Each state object reports its own figures (the `StateObject.ledger_*` protocol): the ledger names no type.
 def object_extents(obj: Any) -> frozenset[Extent]:
     """The extents a state object holds (committed, staged and parked), computed once and cached on it."""
@@ -83,9 +106,11 @@ def _moved(overlaps: Any, refs: Any, totals: Any, moves: dict[str, tuple[list[Ex
 class _Rest:
     """The fields of an `Acct` a step leaves alone, held together so that a step copies one reference."""
 
-    __slots__ = ("attrs", "kv", "leaves", "log", "overlaps", "parked", "root")
+    __slots__ = ("attr_only", "attrs", "kv", "leaves", "log", "overlaps", "parked", "root")
 
-    def __init__(self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any):
+    def __init__(
+        self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any, attr_only: Any = _EMPTY
+    ):
         # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
         # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
         # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
@@ -96,6 +121,11 @@ class _Rest:
         self.attrs = attrs  # the attr values' holder index
         self.parked = parked  # id(host copy) -> (host copy, objects holding it): what `parked_nbytes` reads
         self.overlaps = overlaps  # pool -> `PoolIndex`, for each pool holding a `Loose` extent
+        # pool -> bytes of the extents fixed attr values hold and no object does, summed (`attrs.refs` keys
+        # absent from the object counts): moved whenever either count of such an extent starts or stops, so
+        # that `stats` adds the attrs in O(pools), not O(attr values). A sum: exact where extents are
+        # allocations (equal or disjoint); a pool holding a `Loose` extent is read as a union instead.
+        self.attr_only = attr_only
 
 
 class Acct:
@@ -114,10 +144,12 @@ class Acct:
         attrs: AttrIndex = EMPTY_ATTRS,
         parked: immutables.Map = _EMPTY,
         overlaps: immutables.Map = _EMPTY,
+        attr_only: immutables.Map = _EMPTY,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the union of the extents held at least once
-        self.rest = _Rest(kv, log, root if root is not None else object(), leaves, attrs, parked, overlaps)
+        root = root if root is not None else object()
+        self.rest = _Rest(kv, log, root, leaves, attrs, parked, overlaps, attr_only)
 
     # (read through `rest`: a step, the hot path, builds an Acct of three fields, not nine)
     kv = property(attrgetter("rest.kv"))
@@ -127,6 +159,7 @@ class Acct:
     attrs = property(attrgetter("rest.attrs"))
     parked = property(attrgetter("rest.parked"))
     overlaps = property(attrgetter("rest.overlaps"))
+    attr_only = property(attrgetter("rest.attr_only"))
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
@@ -210,6 +243,17 @@ class Acct:
         parked = count_values(self.parked, parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
         attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
+        kept = refs.finish()
+        attr_only = self.rest.attr_only
+        if self.attrs.refs or attrs.refs:
+            old_memo, new_memo = self.attrs.memo, attrs.memo
+            candidates = {e for extents in (*add, *remove) for e in extents}
+            for values, memo in ((attrs_remove, old_memo), (attrs_add, new_memo)):
+                for value in values:
+                    entry = memo.get(id(value))
+                    if entry is not None and entry.extents:
+                        candidates.update(entry.extents)
+            attr_only = _attr_only_moved(attr_only, self.refs, kept, self.attrs.refs, attrs.refs, candidates)
         kv, log = self.kv, self.log
         kv_add, kv_remove = [k for k in kv_add if k], [k for k in kv_remove if k]
         if kv_add or kv_remove:
@@ -243,7 +287,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is LOG_CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, parked, overlaps)
+        return Acct(kept, totals.finish(), kv, log, self.root, leaves, attrs, parked, overlaps, attr_only)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
@@ -264,6 +308,8 @@ class Acct:
         rest = self.rest
         ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
+        arefs = rest.attrs.refs  # (an extent an attr holds too moves the attr-only sum when its last object goes)
+        flips: list[tuple[Extent, int]] | None = None
         pool, moved = None, 0  # bytes that came or left, per pool: one pool in a step, kept in two locals
         other: dict[str, int] | None = None
         moves: dict[str, tuple[list[Extent], list[Extent]]] | None = None
@@ -273,6 +319,9 @@ class Acct:
                 refs = refs.set(e, n)
                 continue
             refs = refs.delete(e)
+            if arefs and e in arefs:
+                flips = flips or []
+                flips.append((e, 1))
             if ov and e[0] in ov:
                 moves = moves or {}
                 moves.setdefault(e[0], ([], []))[1].append(e)
@@ -289,6 +338,9 @@ class Acct:
             refs = refs.set(e, n + 1)
             if n:
                 continue
+            if arefs and e in arefs:
+                flips = flips or []
+                flips.append((e, -1))
             if indexed:
                 moves = moves or {}
                 moves.setdefault(e[0], ([], []))[0].append(e)
@@ -309,7 +361,10 @@ class Acct:
             for p, union in unions.items():  # (only those that changed: the budget's memo recognises the same map)
                 totals = totals.set(p, union)
             r = rest
-            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes)
+            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes, r.attr_only)
+        if flips:
+            r = rest
+            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, _flipped(r.attr_only, flips))
         # A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of this.
         acct = _new(Acct)
         acct.refs, acct.totals, acct.rest = refs, totals, rest
