@@ -82,27 +82,6 @@ def count_change(
     return m.finish()
 
 
-def count_values(registry: immutables.Map, add: Iterable[Any], remove: Iterable[Any]) -> immutables.Map:
-    """``registry`` (id(value) -> (value, holders)) after holders of the values ``remove`` left and of ``add``
-    arrived (each an iterable of values): the parked host copies a table holds, for `parked_nbytes`."""
-    add, remove = [a for a in add if a], [r for r in remove if r]
-    if not add and not remove:
-        return registry
-    m = registry.mutate()
-    for values in remove:
-        for v in values:
-            _, n = m[id(v)]
-            if n > 1:
-                m[id(v)] = (v, n - 1)
-            else:
-                del m[id(v)]
-    for values in add:
-        for v in values:
-            entry = m.get(id(v))
-            m[id(v)] = (v, 1 if entry is None else entry[1] + 1)
-    return m.finish()
-
-
 class AttrEntry(NamedTuple):
     """One attr value the index holds: how many sessions hold it, and (fixed values) what it holds."""
 
@@ -144,6 +123,30 @@ def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool, Any
         tensor = kids[0]
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes(), tensor.is_cpu, tensor
+
+
+def attr_only_moved(only: Any, refs0: Any, refs1: Any, arefs0: Any, arefs1: Any, candidates: Iterable[Extent]) -> Any:
+    """``only`` (the ledger's ``attr_only``: pool -> bytes of the fixed attr extents no object holds) after
+    a change of the object counts ``refs0 -> refs1`` and the attr counts ``arefs0 -> arefs1``
+    (``candidates``: every extent either change touched)."""
+    flips = []
+    for e in candidates:
+        d = (e in arefs1 and e not in refs1) - (e in arefs0 and e not in refs0)
+        if d:
+            flips.append((e, d))
+    return attr_only_flipped(only, flips) if flips else only
+
+
+def attr_only_flipped(only: Any, flips: Iterable[tuple[Extent, int]]) -> Any:
+    """``only`` with each extent's bytes added (+1) to or taken (-1) from its pool's attr-only sum."""
+    m = only.mutate()
+    for e, d in flips:
+        n = m.get(e[0], 0) + d * (e[2] - e[1])
+        if n:
+            m[e[0]] = n
+        elif e[0] in m:
+            del m[e[0]]
+    return m.finish()
 
 
 _NO_MAP: immutables.Map = immutables.Map()
@@ -269,7 +272,7 @@ class HolderCounts(Protocol):
     totals: immutables.Map  # pool -> bytes of the union of the extents objects hold
     overlaps: immutables.Map  # pool -> `PoolIndex` of the extents objects hold there, where one is `Loose`
     attrs: AttrIndex
-    parked: immutables.Map  # id(host copy) -> (host copy, objects holding it)
+    parked: Any  # `ParkedCopies`: the host copies held, with their bytes kept
     attr_only: immutables.Map  # pool -> bytes of the fixed attr values' extents no object holds (a sum)
 
 
@@ -308,9 +311,9 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
 
 
 def parked_nbytes(acct: HolderCounts) -> int:
-    """Bytes of the parked host copies the table holds, each once, read from the copies themselves (a copy
-    need not sit in a host pool: numpy stays where it was): O(parked objects), no walk of the table."""
-    return accounting.total_nbytes(*(copy for copy, _ in acct.parked.values()))
+    """Bytes of the parked host copies the table holds, each allocation once, kept as copies came (a copy
+    need not sit in a host pool: numpy stays where it was): O(1), no walk of the table or the copies."""
+    return acct.parked.total()
 
 
 def pool_totals(acct: HolderCounts) -> dict[str, int]:

@@ -31,37 +31,22 @@ from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
 from ..memory.aliases import Loose
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, changed_since_recorded, count_change, count_values
+from ..memory.holders import (
+    EMPTY_ATTRS,
+    AttrIndex,
+    attr_only_flipped,
+    attr_only_moved,
+    changed_since_recorded,
+    count_change,
+)
 from ..memory.overlaps import pool_changed, pool_index
+from ..memory.parked_copies import NO_COPIES, ParkedCopies
 
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
 _ABSENT = object()
 LOG_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
 _LOG_DEPTH = 4096
-
-
-def _attr_only_moved(only: Any, refs0: Any, refs1: Any, arefs0: Any, arefs1: Any, candidates: Iterable[Extent]) -> Any:
-    """``only`` (`_Rest.attr_only`) after a change of the object counts ``refs0 -> refs1`` and the attr
-    counts ``arefs0 -> arefs1``, ``candidates`` holding every extent either change touched."""
-    flips = []
-    for e in candidates:
-        d = (e in arefs1 and e not in refs1) - (e in arefs0 and e not in refs0)
-        if d:
-            flips.append((e, d))
-    return _flipped(only, flips) if flips else only
-
-
-def _flipped(only: Any, flips: Iterable[tuple[Extent, int]]) -> Any:
-    """``only`` with each extent's bytes added (+1) to or taken (-1) from its pool's attr-only sum."""
-    m = only.mutate()
-    for e, d in flips:
-        n = m.get(e[0], 0) + d * (e[2] - e[1])
-        if n:
-            m[e[0]] = n
-        elif e[0] in m:
-            del m[e[0]]
-    return m.finish()
 
 
 # Each state object reports its own figures (the `StateObject.ledger_*` protocol): the ledger names no type.
@@ -119,7 +104,7 @@ class _Rest:
         self.root = root
         self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
         self.attrs = attrs  # the attr values' holder index
-        self.parked = parked  # id(host copy) -> (host copy, objects holding it): what `parked_nbytes` reads
+        self.parked = parked  # the host copies held, with their bytes: what `parked_nbytes` reads
         self.overlaps = overlaps  # pool -> `PoolIndex`, for each pool holding a `Loose` extent
         # pool -> bytes of the extents fixed attr values hold and no object does, summed (`attrs.refs` keys
         # absent from the object counts): moved whenever either count of such an extent starts or stops, so
@@ -142,7 +127,7 @@ class Acct:
         root: Any = None,
         leaves: immutables.Map = _EMPTY,
         attrs: AttrIndex = EMPTY_ATTRS,
-        parked: immutables.Map = _EMPTY,
+        parked: ParkedCopies = NO_COPIES,
         overlaps: immutables.Map = _EMPTY,
         attr_only: immutables.Map = _EMPTY,
     ):
@@ -240,7 +225,7 @@ class Acct:
             for pool, union in unions.items():
                 totals[pool] = union
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
-        parked = count_values(self.parked, parked_add, parked_remove)
+        parked = self.parked.change(parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
         attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
         kept = refs.finish()
@@ -253,7 +238,7 @@ class Acct:
                     entry = memo.get(id(value))
                     if entry is not None and entry.extents:
                         candidates.update(entry.extents)
-            attr_only = _attr_only_moved(attr_only, self.refs, kept, self.attrs.refs, attrs.refs, candidates)
+            attr_only = attr_only_moved(attr_only, self.refs, kept, self.attrs.refs, attrs.refs, candidates)
         kv, log = self.kv, self.log
         kv_add, kv_remove = [k for k in kv_add if k], [k for k in kv_remove if k]
         if kv_add or kv_remove:
@@ -364,7 +349,9 @@ class Acct:
             rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes, r.attr_only)
         if flips:
             r = rest
-            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, _flipped(r.attr_only, flips))
+            rest = _Rest(
+                r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, attr_only_flipped(r.attr_only, flips)
+            )
         # A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of this.
         acct = _new(Acct)
         acct.refs, acct.totals, acct.rest = refs, totals, rest
