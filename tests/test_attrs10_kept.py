@@ -122,15 +122,17 @@ def test_stats_and_park_read_no_attr_extent_whatever_the_sessions():
 
 
 def test_an_attr_aliasing_an_object_counts_once_and_its_bytes_stay_when_the_object_goes():
-    t = torch.zeros(16)
-    state = _table(3, lambda i: torch.zeros(2))
+    # numpy values: fixed, so recorded per extent whatever engine pools other tests left alive (torch
+    # tensors are walked as containers while one is).
+    t = np.zeros(16, np.float32)
+    state = _table(3, lambda i: np.zeros(2, np.float32))
     state = fs.commit(state, "s1", "buf", t)
-    state = fs.set_attr(state, "s1", "view", t[4:])  # an attr over the object's storage: no extra bytes
+    state = fs.set_attr(state, "s1", "view", t[4:])  # an attr over the object's buffer: no extra bytes
     before = fs.stats(state)["nbytes:cpu"]
     assert before == fs.stats(state, exact=True)["nbytes:cpu"]
     assert dict(ledger_of(state).attr_only) == {"cpu": 3 * 8}  # the three prompts; not the view
-    state = fs.commit(fs.commit(state, "s1", "buf", torch.ones(4)), "s1", "buf", torch.ones(4))
-    # The ring let go of t; the attr keeps its storage alive: its 64 bytes move to the attr-only sum.
+    state = fs.commit(fs.commit(state, "s1", "buf", np.ones(4)), "s1", "buf", np.ones(4))
+    # The ring let go of t; the attr keeps its buffer alive: its 64 bytes move to the attr-only sum.
     assert dict(ledger_of(state).attr_only) == {"cpu": 3 * 8 + 64}
     assert fs.stats(state)["nbytes:cpu"] == fs.stats(state, exact=True)["nbytes:cpu"]
     state, _ = fs.drop_session(state, "s1")
