@@ -49,6 +49,7 @@ ORDER = (
     "get_or_create+commit",
     "stats",
     "stats (attrs)",
+    "stats (parked)",
     "plan_release",
     "plan_release (attrs)",
     "enforce_budget",
@@ -89,12 +90,25 @@ def _tables(n: int) -> dict:
     attrs = table
     for i in range(n):
         attrs = fs.set_attr(attrs, f"s{i}", "prompt", torch.zeros(8))
-    return {"table": table, "budgeted": budgeted, "donating": donating, "parked": parked, "attrs": attrs}
+    # The same table with a parked object in every session (a host copy of its own: what `parked_nbytes`
+    # reports); a latent buffer of one numpy item parks in ~75 us, a JAX ring in ~2 ms (200 s at 100k).
+    all_parked = table
+    for i in range(n):
+        held = fs.LatentBuffer.create(maxlen=2).commit(np.zeros(4, np.float32)).park()
+        all_parked = fs.put(all_parked, f"s{i}", "buf", held)
+    return {
+        "table": table,
+        "budgeted": budgeted,
+        "donating": donating,
+        "parked": parked,
+        "attrs": attrs,
+        "all_parked": all_parked,
+    }
 
 
 def _ops(n: int) -> dict[str, Callable[[], object]]:
     t = _tables(n)
-    table, budgeted, parked, attrs = t["table"], t["budgeted"], t["parked"], t["attrs"]
+    table, budgeted, parked, attrs, all_parked = (t[k] for k in ("table", "budgeted", "parked", "attrs", "all_parked"))
     chain = {"state": t.pop("donating")}
     frame = jnp.ones(4, jnp.float32)
     item = np.ones(4, np.float32)
@@ -118,6 +132,7 @@ def _ops(n: int) -> dict[str, Callable[[], object]]:
         "get_or_create+commit": get_or_create_commit,
         "stats": lambda: fs.stats(table),
         "stats (attrs)": lambda: fs.stats(attrs),
+        "stats (parked)": lambda: fs.stats(all_parked),
         "plan_release": lambda: fs.plan_release(table, "cpu", RING_BYTES),
         "plan_release (attrs)": lambda: fs.plan_release(attrs, "cpu", RING_BYTES),
         "enforce_budget": lambda: fs.enforce_budget(budgeted),
@@ -217,7 +232,8 @@ def run() -> dict:
             f"of the {ROUNDS} samples), which is so for: "
             f"{', '.join(reduced) or 'none'}. `stats` is held to the per-session goal because kept totals "
             f"make it O(pools); the walks' goal is a flat per-session cost. The (attrs) rows run on the same table with "
-            f"a torch tensor attr of 32 bytes in every session (a prompt embedding). Reproduce: "
+            f"a torch tensor attr of 32 bytes in every session (a prompt embedding); `stats (parked)` on the same "
+            f"table with a parked latent buffer in every session (a host copy each). Reproduce: "
             f"`PYTHONPATH=$PWD python benchmarks/run.py scaling`."
         ),
         "figures": {"times": {str(n): v for n, v in times.items()}, "numbers": {str(n): v for n, v in numbers.items()}},

@@ -133,7 +133,12 @@ class HolderMachine(RuleBasedStateMachine):
         kept, fresh = ledger_of(self.state), Acct.build(session_map(self.state).values())
         assert dict(kept.refs) == dict(fresh.refs) and dict(kept.leaves) == dict(fresh.leaves)
         assert dict(kept.attrs.refs) == dict(fresh.attrs.refs) and kept.attrs.n_open == fresh.attrs.n_open
-        assert dict(kept.attrs.opened) == dict(fresh.attrs.opened) and dict(kept.parked) == dict(fresh.parked)
+        assert dict(kept.attrs.opened) == dict(fresh.attrs.opened)
+        assert dict(kept.parked.copies) == dict(fresh.parked.copies) and dict(kept.parked.refs) == dict(
+            fresh.parked.refs
+        )
+        assert (kept.parked.nbytes, kept.parked.loose) == (fresh.parked.nbytes, fresh.parked.loose)
+        assert dict(kept.attr_only) == dict(fresh.attr_only)  # the attr bytes no object holds, per pool
         # The attr bytes per pool the planner reads (a pool whose last closed value left keeps a 0 entry).
         assert {p: n for p, n in kept.attrs.totals.items() if n} == dict(fresh.attrs.totals)
         # Every donation here is the table's own: the kept figures (which check no array for deletion) are

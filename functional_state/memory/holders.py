@@ -82,27 +82,6 @@ def count_change(
     return m.finish()
 
 
-def count_values(registry: immutables.Map, add: Iterable[Any], remove: Iterable[Any]) -> immutables.Map:
-    """``registry`` (id(value) -> (value, holders)) after holders of the values ``remove`` left and of ``add``
-    arrived (each an iterable of values): the parked host copies a table holds, for `parked_nbytes`."""
-    add, remove = [a for a in add if a], [r for r in remove if r]
-    if not add and not remove:
-        return registry
-    m = registry.mutate()
-    for values in remove:
-        for v in values:
-            _, n = m[id(v)]
-            if n > 1:
-                m[id(v)] = (v, n - 1)
-            else:
-                del m[id(v)]
-    for values in add:
-        for v in values:
-            entry = m.get(id(v))
-            m[id(v)] = (v, 1 if entry is None else entry[1] + 1)
-    return m.finish()
-
-
 class AttrEntry(NamedTuple):
     """One attr value the index holds: how many sessions hold it, and (fixed values) what it holds."""
 
@@ -144,6 +123,30 @@ def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool, Any
         tensor = kids[0]
     storage = tensor.untyped_storage()
     return storage.data_ptr(), storage.nbytes(), tensor.is_cpu, tensor
+
+
+def attr_only_moved(only: Any, refs0: Any, refs1: Any, arefs0: Any, arefs1: Any, candidates: Iterable[Extent]) -> Any:
+    """``only`` (the ledger's ``attr_only``: pool -> bytes of the fixed attr extents no object holds) after
+    a change of the object counts ``refs0 -> refs1`` and the attr counts ``arefs0 -> arefs1``
+    (``candidates``: every extent either change touched)."""
+    flips = []
+    for e in candidates:
+        d = (e in arefs1 and e not in refs1) - (e in arefs0 and e not in refs0)
+        if d:
+            flips.append((e, d))
+    return attr_only_flipped(only, flips) if flips else only
+
+
+def attr_only_flipped(only: Any, flips: Iterable[tuple[Extent, int]]) -> Any:
+    """``only`` with each extent's bytes added (+1) to or taken (-1) from its pool's attr-only sum."""
+    m = only.mutate()
+    for e, d in flips:
+        n = m.get(e[0], 0) + d * (e[2] - e[1])
+        if n:
+            m[e[0]] = n
+        elif e[0] in m:
+            del m[e[0]]
+    return m.finish()
 
 
 _NO_MAP: immutables.Map = immutables.Map()
@@ -269,7 +272,8 @@ class HolderCounts(Protocol):
     totals: immutables.Map  # pool -> bytes of the union of the extents objects hold
     overlaps: immutables.Map  # pool -> `PoolIndex` of the extents objects hold there, where one is `Loose`
     attrs: AttrIndex
-    parked: immutables.Map  # id(host copy) -> (host copy, objects holding it)
+    parked: Any  # `ParkedCopies`: the host copies held, with their bytes kept
+    attr_only: immutables.Map  # pool -> bytes of the fixed attr values' extents no object holds (a sum)
 
 
 def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset[Extent] = frozenset()) -> set[Extent]:
@@ -307,9 +311,9 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
 
 
 def parked_nbytes(acct: HolderCounts) -> int:
-    """Bytes of the parked host copies the table holds, each once, read from the copies themselves (a copy
-    need not sit in a host pool: numpy stays where it was): O(parked objects), no walk of the table."""
-    return accounting.total_nbytes(*(copy for copy, _ in acct.parked.values()))
+    """Bytes of the parked host copies the table holds, each allocation once, kept as copies came (a copy
+    need not sit in a host pool: numpy stays where it was): O(1), no walk of the table or the copies."""
+    return acct.parked.total()
 
 
 def pool_totals(acct: HolderCounts) -> dict[str, int]:
@@ -322,31 +326,41 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     """Bytes per pool of everything the table holds: the tracked objects, plus the attrs' extents that no
     object holds (an attr that is a view of an object's buffer adds nothing).
 
-    Kept totals: O(pools + fixed attr extents + what the mutable attr values hold), never O(sessions) for
-    sessions without attrs. Objects and fixed attr values are read from the counts kept as they arrived;
-    only containers are walked (a model appends to them in place). The report is that walk's: what it
-    could not read, and the deleted JAX arrays it met. No JAX array is checked for deletion otherwise (that
-    is O(arrays held)): an array deleted behind the table's back (a user's own ``donate_argnums``) keeps
-    the bytes it was counted with until `functional_state.stats` with ``exact=True`` walks the table.
+    Kept totals: O(pools + what the mutable attr values hold), whatever the number of sessions or attr
+    values. Objects and fixed attr values are read from the counts kept as they arrived (the ledger keeps
+    the bytes of the fixed attr extents no object holds, per pool, as either count moves); only containers
+    are walked (a model appends to them in place). A pool holding a `Loose` extent (memory its holder did
+    not allocate, which may overlap another without being it) is the union of its object and attr extents,
+    O(that pool's extents). The report is the walk's: what it could not read, and the deleted JAX arrays
+    it met. No JAX array is checked for deletion otherwise (that is O(arrays held)): an array deleted
+    behind the table's back (a user's own ``donate_argnums``) keeps the bytes it was counted with until
+    `functional_state.stats` with ``exact=True`` walks the table.
     """
     out: accounting.Extents = []
     report = accounting.WalkReport()
     seen: dict[int, Any] = {}
     for value in acct.attrs.open_values():
         accounting.collect_extents(value, out, seen, report)
-    refs = acct.refs
-    extra: dict[str, list[Extent]] = {}  # per pool, the attr extents no object holds
-    for e in {*out, *acct.attrs.closed_extents()}:
-        if e not in refs:
-            extra.setdefault(e[0], []).append(e)
+    refs, arefs, only = acct.refs, acct.attrs.refs, acct.attr_only
     totals = dict(acct.totals)
-    for pool, extents in extra.items():
-        index = acct.overlaps.get(pool)
-        if index is None and not any(type(e) is Loose for e in extents):
-            # Allocations all: those no object holds are disjoint from the objects' (not equal to one).
-            totals[pool] = totals.get(pool, 0) + accounting.union_by_device(extents)[pool]
-            continue
+    for pool, n in only.items():
+        totals[pool] = totals.get(pool, 0) + n
+    opened: dict[str, set[Extent]] = {}  # per pool, what containers hold that no object or fixed value does
+    unions = {*acct.overlaps.keys(), *acct.attrs.loose.keys()}
+    for e in out:
+        if e not in refs and e not in arefs:
+            opened.setdefault(e[0], set()).add(e)
+            if type(e) is Loose:
+                unions.add(e[0])
+    for pool, extents in opened.items():
+        if pool not in unions:  # allocations all: equal (the set) or disjoint from everything else held
+            totals[pool] = totals.get(pool, 0) + accounting.union_by_device(list(extents))[pool]
+    for pool in unions:
+        if not only.get(pool) and pool not in opened:
+            continue  # no attr extent beyond the objects': the kept total stands
         # One may overlap an object's extent without being it: the union of both (O(the pool's extents)).
+        index = acct.overlaps.get(pool)
         objects = index.extents() if index is not None else [e for e in refs if e[0] == pool]
-        totals[pool] = accounting.union_by_device([*objects, *extents])[pool]
+        attr_extents = [e for e in arefs if e[0] == pool and e not in refs]
+        totals[pool] = accounting.union_by_device([*objects, *attr_extents, *opened.get(pool, ())]).get(pool, 0)
     return {k: v for k, v in sorted(totals.items()) if v}, report

@@ -6,7 +6,10 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from ..core.state_object import Extent
 from ..errors import BudgetExceededError, InvalidArgumentError
+from ..memory import accounting
+from ..memory.aliases import Loose
 from ..memory.budget import format_bytes, limit_for
 from ..memory.pools import Pool
 from ..table.manager_state import (
@@ -108,8 +111,18 @@ def attr_surplus(state: ManagerState) -> dict[str, int]:
     twice here (one fast check errs on the safe side; the full check it falls back to is exact).
     """
     index = ledger_of(state).attrs
-    extents = {*index.closed_extents(), *index.open_extents()}
-    return {str(pool): n for pool, n in by_pool(extents).items()} if extents else {}
+    totals = dict(index.totals)  # (kept: the union of the fixed values' extents, per pool)
+    beyond: dict[str, list[Extent]] = {}  # what containers hold beyond the fixed values, per pool
+    for e in index.open_extents():
+        if e not in index.refs:
+            beyond.setdefault(e[0], []).append(e)
+    for pool, extents in beyond.items():
+        if pool in index.loose or any(type(e) is Loose for e in extents):  # may overlap without being equal
+            extents = [*extents, *(e for e in index.refs if e[0] == pool)]
+            totals[pool] = accounting.union_by_device(extents)[pool]
+        else:
+            totals[pool] = totals.get(pool, 0) + accounting.union_by_device(extents)[pool]
+    return {pool: n for pool, n in totals.items() if n}
 
 
 def attr_bytes(attrs: Any) -> dict[str, int]:

@@ -31,8 +31,16 @@ from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
 from ..memory.aliases import Loose
-from ..memory.holders import EMPTY_ATTRS, AttrIndex, changed_since_recorded, count_change, count_values
+from ..memory.holders import (
+    EMPTY_ATTRS,
+    AttrIndex,
+    attr_only_flipped,
+    attr_only_moved,
+    changed_since_recorded,
+    count_change,
+)
 from ..memory.overlaps import pool_changed, pool_index
+from ..memory.parked_copies import NO_COPIES, ParkedCopies
 
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -83,9 +91,11 @@ def _moved(overlaps: Any, refs: Any, totals: Any, moves: dict[str, tuple[list[Ex
 class _Rest:
     """The fields of an `Acct` a step leaves alone, held together so that a step copies one reference."""
 
-    __slots__ = ("attrs", "kv", "leaves", "log", "overlaps", "parked", "root")
+    __slots__ = ("attr_only", "attrs", "kv", "leaves", "log", "overlaps", "parked", "root")
 
-    def __init__(self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any):
+    def __init__(
+        self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any, attr_only: Any = _EMPTY
+    ):
         # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
         # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
         # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
@@ -94,8 +104,13 @@ class _Rest:
         self.root = root
         self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
         self.attrs = attrs  # the attr values' holder index
-        self.parked = parked  # id(host copy) -> (host copy, objects holding it): what `parked_nbytes` reads
+        self.parked = parked  # the host copies held, with their bytes: what `parked_nbytes` reads
         self.overlaps = overlaps  # pool -> `PoolIndex`, for each pool holding a `Loose` extent
+        # pool -> bytes of the extents fixed attr values hold and no object does, summed (`attrs.refs` keys
+        # absent from the object counts): moved whenever either count of such an extent starts or stops, so
+        # that `stats` adds the attrs in O(pools), not O(attr values). A sum: exact where extents are
+        # allocations (equal or disjoint); a pool holding a `Loose` extent is read as a union instead.
+        self.attr_only = attr_only
 
 
 class Acct:
@@ -112,12 +127,14 @@ class Acct:
         root: Any = None,
         leaves: immutables.Map = _EMPTY,
         attrs: AttrIndex = EMPTY_ATTRS,
-        parked: immutables.Map = _EMPTY,
+        parked: ParkedCopies = NO_COPIES,
         overlaps: immutables.Map = _EMPTY,
+        attr_only: immutables.Map = _EMPTY,
     ):
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the union of the extents held at least once
-        self.rest = _Rest(kv, log, root if root is not None else object(), leaves, attrs, parked, overlaps)
+        root = root if root is not None else object()
+        self.rest = _Rest(kv, log, root, leaves, attrs, parked, overlaps, attr_only)
 
     # (read through `rest`: a step, the hot path, builds an Acct of three fields, not nine)
     kv = property(attrgetter("rest.kv"))
@@ -127,6 +144,7 @@ class Acct:
     attrs = property(attrgetter("rest.attrs"))
     parked = property(attrgetter("rest.parked"))
     overlaps = property(attrgetter("rest.overlaps"))
+    attr_only = property(attrgetter("rest.attr_only"))
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
@@ -207,9 +225,20 @@ class Acct:
             for pool, union in unions.items():
                 totals[pool] = union
         leaves = count_change(self.leaves, leaves_add, leaves_remove)
-        parked = count_values(self.parked, parked_add, parked_remove)
+        parked = self.parked.change(parked_add, parked_remove)
         attrs_add, attrs_remove = list(attrs_add), list(attrs_remove)
         attrs = self.attrs.change(attrs_add, attrs_remove) if attrs_add or attrs_remove else self.attrs
+        kept = refs.finish()
+        attr_only = self.rest.attr_only
+        if self.attrs.refs or attrs.refs:
+            old_memo, new_memo = self.attrs.memo, attrs.memo
+            candidates = {e for extents in (*add, *remove) for e in extents}
+            for values, memo in ((attrs_remove, old_memo), (attrs_add, new_memo)):
+                for value in values:
+                    entry = memo.get(id(value))
+                    if entry is not None and entry.extents:
+                        candidates.update(entry.extents)
+            attr_only = attr_only_moved(attr_only, self.refs, kept, self.attrs.refs, attrs.refs, candidates)
         kv, log = self.kv, self.log
         kv_add, kv_remove = [k for k in kv_add if k], [k for k in kv_remove if k]
         if kv_add or kv_remove:
@@ -243,7 +272,7 @@ class Acct:
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
             depth = 0 if log is None or log is LOG_CUT else log[0] + 1
             log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(refs.finish(), totals.finish(), kv, log, self.root, leaves, attrs, parked, overlaps)
+        return Acct(kept, totals.finish(), kv, log, self.root, leaves, attrs, parked, overlaps, attr_only)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
@@ -264,6 +293,8 @@ class Acct:
         rest = self.rest
         ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
+        arefs = rest.attrs.refs  # (an extent an attr holds too moves the attr-only sum when its last object goes)
+        flips: list[tuple[Extent, int]] | None = None
         pool, moved = None, 0  # bytes that came or left, per pool: one pool in a step, kept in two locals
         other: dict[str, int] | None = None
         moves: dict[str, tuple[list[Extent], list[Extent]]] | None = None
@@ -273,6 +304,9 @@ class Acct:
                 refs = refs.set(e, n)
                 continue
             refs = refs.delete(e)
+            if arefs and e in arefs:
+                flips = flips or []
+                flips.append((e, 1))
             if ov and e[0] in ov:
                 moves = moves or {}
                 moves.setdefault(e[0], ([], []))[1].append(e)
@@ -289,6 +323,9 @@ class Acct:
             refs = refs.set(e, n + 1)
             if n:
                 continue
+            if arefs and e in arefs:
+                flips = flips or []
+                flips.append((e, -1))
             if indexed:
                 moves = moves or {}
                 moves.setdefault(e[0], ([], []))[0].append(e)
@@ -309,7 +346,12 @@ class Acct:
             for p, union in unions.items():  # (only those that changed: the budget's memo recognises the same map)
                 totals = totals.set(p, union)
             r = rest
-            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes)
+            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes, r.attr_only)
+        if flips:
+            r = rest
+            rest = _Rest(
+                r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, attr_only_flipped(r.attr_only, flips)
+            )
         # A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of this.
         acct = _new(Acct)
         acct.refs, acct.totals, acct.rest = refs, totals, rest

@@ -47,7 +47,7 @@ def _usage(state: ManagerState, exact: bool, what: str) -> Usage:
         # it was, an engine's offload token is the engine's), so host-pool totals undercount it.
         parked = [o.host_copy for s in sessions_now for o in s._objects.values() if o.host_copy is not None]
         parked_nbytes = accounting.total_nbytes(*parked)
-    else:  # kept by the ledger: O(pools + parked copies + attrs), whatever the number of sessions
+    else:  # kept by the ledger: O(pools + parked copies + attr containers), whatever the number of sessions
         acct = ledger_of(state)
         per_device, report = totals_with_attrs(acct)  # (the report is that of the walk of attr containers)
         parked_nbytes = kept_parked_nbytes(acct)
@@ -88,7 +88,7 @@ def stats(state: ManagerState, *, exact: bool = False) -> dict[str, Any]:
     when the engine exposes its free count, ``kv_pool:<name>:free_nbytes``.
 
     State objects are immutable, so their bytes are kept incrementally as the table changes (built by one
-    walk the first time): the default costs O(pools + attrs + parked copies), not O(sessions). Only attr
+    walk the first time): the default costs O(pools + parked copies + attr containers), not O(sessions). Only attr
     containers (lists, dicts, objects a model may change in place) are walked on each call, and
     ``deleted_arrays`` and ``unaccounted_objects`` describe that walk: the deletions the table sees.
     No other JAX array is checked for deletion (that alone would cost O(arrays held)): the table's own
