@@ -37,10 +37,6 @@ class ParkedCopies:
     def __len__(self) -> int:
         return len(self.copies)
 
-    def values(self) -> Iterable[tuple[Any, int]]:
-        """``(copy, holders)`` for each copy held."""
-        return ((copy, n) for copy, n, _ in self.copies.values())
-
     def total(self) -> int:
         """Bytes of the copies held, each allocation once: O(1), or O(extents) while a `Loose` one is held."""
         if not self.loose:

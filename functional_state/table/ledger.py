@@ -94,7 +94,7 @@ class _Rest:
     __slots__ = ("attr_only", "attrs", "kv", "leaves", "log", "overlaps", "parked", "root")
 
     def __init__(
-        self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any, attr_only: Any = _EMPTY
+        self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any, attr_only: Any
     ):
         # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
         # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
