@@ -80,3 +80,19 @@ def test_with_issued_is_pure_keeps_everything_but_the_counter_and_refuses_a_reis
         with pytest.raises(fs.InvalidArgumentError, match="with_issued"):
             with_issued(state, bad)  # type: ignore[arg-type]
     assert_unchanged(state, snap)
+
+
+def test_an_eviction_taken_back_leaves_the_handle_live_and_a_later_one_lists_it_once() -> None:
+    # The detached cells are a list of weak references: taking an eviction back must take the cell out of
+    # it (else a live cell is reported detached, and listed twice once it leaves again).
+    engine = _Engine()
+    m = SessionStateManager(max_sessions=1)
+    engine.allocated.update((0, 1))
+    a = m.get_or_create_session("a").put("kv", fs.PagedKVHandle.create(engine.pool, (0, 1)))
+    engine.fail = 1
+    with pytest.raises(fs.KVFreeError, match="injected"):
+        m.get_or_create_session("b")  # evicts "a", whose blocks' free fails: the miss is taken back
+    assert a.in_table and all(cell is not a._cell for cell in m._cells.detached())
+    m.get_or_create_session("b")  # evicts "a" for good
+    assert not a.in_table and [cell for cell in m._cells.detached() if cell is a._cell] == [a._cell]
+    del engine.pool

@@ -7,7 +7,7 @@ raised, with nothing installed on top of it) leaves the cells exactly as they we
 
 The invariant the shell's one-step writes rely on (`slot`): read under the lock, a cell whose ``left`` is
 None names an incarnation the installed table holds. Every install that removes a session detaches its
-cell before the table is replaced (`Cells.evicted`, `Cells.detach`: found by comparing tables by
+cell before the table is replaced (`Cells.inserted`, `Cells.detach`: found by comparing tables by
 incarnation, never predicted), and nothing else removes one.
 """
 
@@ -30,6 +30,7 @@ __all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
 _SWEEP_FROM = 64  # detached cells kept before the first sweep of dead ones
+_EMPTY_SESSION = SessionState.empty()  # (what an insertion holds; immutable, so one serves every new cell)
 
 
 class Cell:
@@ -127,11 +128,11 @@ class Cells:
         # The shell's handle on each live cell, made once: a hit returns it instead of building one. Kept
         # here, not on the cell, so a detached cell is freed with its last handle (no cycle for the GC).
         self.handles: dict[int, Any] = {}
-        # Detached cells, weakly: a plain weak reference per cell (no callback, no WeakSet bookkeeping on the
-        # miss path); the dead ones are swept when the dict has doubled since the last sweep. Keyed by the
-        # cell's id, which needs no argument about numbering (the shell never issues an incarnation twice: a
-        # loaded table is numbered on, `table.renumber`); the weak reference keeps a live cell's id unique.
-        self._detached: dict[int, weakref.ref[Cell]] = {}
+        # Detached cells, weakly: a plain weak reference per cell in a list (no callback, no WeakSet or dict
+        # bookkeeping on the miss path: one append); the dead ones are swept when the list has doubled since
+        # the last sweep. A cell is in it at most once: it is appended when it leaves the live dict, and
+        # `relive` takes it out before it can leave again.
+        self._detached: list[weakref.ref[Cell]] = []
         self._sweep_at = _SWEEP_FROM
         # Why the most recent departures left, oldest first: read only to word an error about an absent id.
         self._departed: deque[tuple[str, str]] = deque(maxlen=_DEPARTED_KEPT)
@@ -153,11 +154,28 @@ class Cells:
         cell = self.cell(state, sid, undo)
         return self.handles.setdefault(cell.uid, make(cell))
 
-    def inserted(self, state: ManagerState, sid: str, uid: int, make: Callable[[Cell], Any]) -> Any:
-        """The handle on incarnation ``uid`` of ``sid``, which an insertion just made in ``state`` (nothing to
-        take back: no cell held it)."""
-        cell = self.live[uid] = Cell(uid, sid, ms.held_session(state, sid, uid))  # type: ignore[arg-type]
-        handle = self.handles[uid] = make(cell)
+    def inserted(
+        self, evicted: list[tuple[str, int, SessionState]], reason: str, sid: str, uid: int, make: Callable[[Cell], Any]
+    ) -> Any:
+        """The miss path of `get_or_insert`, before its table is installed: `detach` for the sessions the
+        insertion ``evicted`` (``reason``: why they left; the table logs each LRU eviction), so a lock-free
+        reader that no longer finds its session finds its copy; then the handle on incarnation ``uid`` of
+        ``sid``, the empty session the insertion made (nothing to take back: no cell held it)."""
+        live, handles = self.live, self.handles
+        for gone, gone_uid, session in evicted:
+            self._departed.append((gone, reason))
+            handles.pop(gone_uid, None)
+            cell = live.pop(gone_uid, None)
+            if cell is not None:
+                cell.session = session  # first: a lock-free reader that sees `left` must find the copy
+                cell.left = reason
+                if len(self._detached) < self._sweep_at:  # (`_keep_detached`, written out)
+                    self._detached.append(weakref.ref(cell))
+                else:
+                    self._keep_detached(cell)
+        # (The empty session the insertion holds, by value: a cell's copy is read only once it left.)
+        new = live[uid] = Cell(uid, sid, _EMPTY_SESSION)
+        handle = handles[uid] = make(new)
         return handle
 
     def _forget(self, uid: int) -> None:
@@ -168,14 +186,13 @@ class Cells:
 
     def detached(self) -> list[Cell]:
         """The detached cells some handle still holds."""
-        return [cell for ref in list(self._detached.values()) if (cell := ref()) is not None]
+        return [cell for ref in list(self._detached) if (cell := ref()) is not None]
 
     def _keep_detached(self, cell: Cell) -> None:
         detached = self._detached
-        detached[id(cell)] = weakref.ref(cell)
+        detached.append(weakref.ref(cell))
         if len(detached) >= self._sweep_at:  # amortized O(1): each sweep at least halves what it finds
-            for key in [key for key, ref in detached.items() if ref() is None]:
-                del detached[key]
+            detached[:] = [ref for ref in detached if ref() is not None]
             self._sweep_at = max(_SWEEP_FROM, 2 * len(detached))
 
     def why_left(self, sid: str) -> str | None:
@@ -190,23 +207,6 @@ class Cells:
                 f"`{what}`: session {sid!r} was {why}, so a continuation cannot resume it. "
                 f"Start a new session with `get_or_create_session`."
             )
-
-    def evicted(self, evicted: list[tuple[str, int, SessionState]], reason: str) -> None:
-        """`detach` for the sessions an insertion evicted (`get_or_insert`), on the miss path: call it before
-        installing the table, so a lock-free reader that no longer finds its session finds its copy. (The
-        table logs each LRU eviction.)"""
-        departed, live, handles = self._departed, self.live, self.handles
-        for sid, uid, session in evicted:
-            departed.append((sid, reason))
-            handles.pop(uid, None)
-            cell = live.pop(uid, None)
-            if cell is not None:
-                cell.session = session  # first: a lock-free reader that sees `left` must find the copy
-                cell.left = reason
-                if len(self._detached) < self._sweep_at:  # (`_keep_detached`, written out)
-                    self._detached[id(cell)] = weakref.ref(cell)
-                else:
-                    self._keep_detached(cell)
 
     def detach(self, left: list[Departure], undo: Undo | None) -> None:
         """Once a write that took sessions out of the table is decided, before it is installed: the live
@@ -247,7 +247,8 @@ class Cells:
 
     def relive(self, cell: Cell) -> None:
         """Undo `detach` of ``cell`` (see `take_back`)."""
-        self._detached.pop(id(cell), None)
+        # (O(detached cells), on the rare path of a write taken back)
+        self._detached[:] = [ref for ref in self._detached if ref() is not cell]
         self.live[cell.uid] = cell
 
     @staticmethod

@@ -153,7 +153,7 @@ class SessionHandle:
         if cell.left is None:  # the per-step read: one lookup of the object in the installed table
             obj = held_object(table, cell.session_id, cell.uid, name)  # (MISSING: not in the table)
             if obj is None:
-                return self._ops.create(cell, name, factory, cls, table_only=self._only)
+                return self._ops.create(cell, name, factory, cls, table_only=self._only, seen=table)
             if obj is not MISSING and obj.status == RESIDENT and (cls is None or isinstance(obj, cls)):
                 return obj  # (what `_reusable` returns; every other case is decided below, as before)
         session = self._slot.held(cell)

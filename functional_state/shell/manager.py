@@ -175,7 +175,7 @@ class SessionStateManager:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
         undo: Undo = []
         if decision.left:  # journaled only for a write a failed engine ``free`` may take back
-            self._cells.detach(decision.left, undo if decision.released else None)  # (first: see `Cells.evicted`)
+            self._cells.detach(decision.left, undo if decision.released else None)  # (first: see `Cells.inserted`)
         slot = self._slot
         slot.table, slot.surplus, slot.epoch = decision.final, decision.surplus, slot.epoch + 1
         slot.budgeted = decision.final.byte_budget is not None
@@ -233,10 +233,10 @@ class SessionStateManager:
             if not slots.LIVE_POOLS and not self._debts.owed:
                 # A miss with no engine blocks to free adds no bytes (an empty session) and releases nothing:
                 # `admit` would install it as it is, and detach what it evicted (checked in test_lru_get_or_insert).
-                if evicted:
-                    self._cells.evicted(evicted, evicted_reason(state.max_sessions))  # (before the install)
+                why = evicted_reason(state.max_sessions) if evicted else ""
+                handle = self._cells.inserted(evicted, why, sid, uid, self._make_handle)  # (before the install)
                 slot.table = after
-                return self._cells.inserted(after, sid, uid, self._make_handle)
+                return handle
         finally:
             slot.release()
         return self._run(

@@ -278,18 +278,26 @@ class SessionOps:
             return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
 
     def create(
-        self, cell: Cell, name: str, factory: Callable[[], Any], cls: type[Any] | None, *, table_only: bool = False
+        self,
+        cell: Cell,
+        name: str,
+        factory: Callable[[], Any],
+        cls: type[Any] | None,
+        *,
+        table_only: bool = False,
+        seen: ManagerState | None = None,
     ) -> Any:
-        """`SessionHandle.get_or_create` once the object was found absent: ``factory`` runs outside the lock
-        and its object is put under it if the session still lacks one; else (another thread's object won,
-        a budget to consult, a detached handle) the transaction puts it, or returns the winner."""
+        """`SessionHandle.get_or_create` once the object was found absent (in table ``seen``, if given):
+        ``factory`` runs outside the lock and its object is put under it if the session still lacks one;
+        else (another thread's object won, a budget to consult, a detached handle) the transaction puts it,
+        or returns the winner."""
         slot = self.slot
         if cell.left is None and not slot.budgeted:
             if cell.closed or (slot.computing and slot.writing(cell.uid)):
                 self.check_writable(cell, "transact")
             built = slot.computed(cell.uid, factory)
             # (A factory's object of the wrong class: the transaction refuses it, with `get_or_create`'s error.)
-            if (cls is None or isinstance(built, cls)) and slot.put_absent(cell, name, built) is not NOT_INLINE:
+            if (cls is None or isinstance(built, cls)) and slot.put_absent(cell, name, built, seen) is not NOT_INLINE:
                 return built
             factory = lambda: built  # (built once: the transaction reuses it)
         return self.transact(cell, lambda s: s.get_or_create(name, factory, cls), table_only=table_only)

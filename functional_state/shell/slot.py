@@ -148,21 +148,24 @@ class Slot:
         finally:
             self.release()
 
-    def put_absent(self, cell: Cell, name: str, obj: Any) -> Any:
+    def put_absent(self, cell: Cell, name: str, obj: Any, seen: ManagerState | None = None) -> Any:
         """``obj`` put under ``name`` (`put`) if the cell's session still holds no usable object there, with
         no budget to consult: None once installed, else `NOT_INLINE` (another thread's object won meanwhile,
-        or a parked one is there: the caller's transaction decides)."""
+        or a parked one is there: the caller's transaction decides). ``seen``: a table in which the caller
+        found the cell's session without the object (read before ``cell.left`` was seen None, `held`)."""
         sid = cell.session_id
         self.acquire()
         try:
             base = self.table
             # (`held_object` is None only for a session the table holds with no object ``name``; the cell's
-            # ``left`` first: a left cell's number is no proof, see the module's docstring)
+            # ``left`` first: a left cell's number is no proof, see the module's docstring. A table is
+            # immutable: while ``seen`` is still the installed one (as after a miss, when no other write
+            # landed since), the answer found in it stands, so it is not asked again.)
             if (
                 cell.left is not None
                 or LIVE_POOLS
                 or self.budgeted
-                or held_object(base, sid, cell.uid, name) is not None
+                or (base is not seen and held_object(base, sid, cell.uid, name) is not None)
             ):
                 return NOT_INLINE
             self.table = ms.put(base, sid, name, obj)
