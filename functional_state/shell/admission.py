@@ -4,7 +4,8 @@
 install (``after`` brought within the byte budget, or `BudgetExceededError`), the sessions that leave it
 (their handles are detached), the engine blocks that go back (freed after the install, outside the lock),
 and the bound on attr bytes the next fast check starts from. It reads nothing but its arguments, so the
-shell computes it outside its lock and installs it only if the table did not change meanwhile.
+shell computes it outside its lock and installs it only if the table did not change meanwhile. A budgeted
+commit is first put to the shell's `Recheck` (what the last passing commit of its session left to re-read).
 """
 
 from __future__ import annotations
