@@ -11,7 +11,7 @@ commit is first put to the shell's `Recheck` (what the last passing commit of it
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
@@ -55,10 +55,16 @@ class Decision(NamedTuple):
 
 
 def within_budget_fast(
-    before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool, surplus: Surplus | None
+    before: ManagerState,
+    after: ManagerState,
+    writer: str | None,
+    attrs_unchanged: bool,
+    surplus: Surplus | None,
+    reread: list[AttrEntry] | None = None,
 ) -> Surplus | None:
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
-    the bound, else None (a full check is needed).
+    the bound, else None (a full check is needed). ``reread``: a list the attr index's entries of the
+    writer's values it re-reads are appended to (what `Recheck.passed` keeps).
 
     The bound counts every attr value as it was when it was set and at the last full check (a bound may
     exceed: a value removed or replaced stays counted). A write that sets attr values adds their bytes to
@@ -97,13 +103,18 @@ def within_budget_fast(
                 )
             }
         changing: list[Any] | None = None  # (what the changed containers hold now: each walked once)
-        for entry in _reread(attrs, memo, new):
-            if entry.stamp is not None:
-                if changed_since_recorded(entry):  # (a bare tensor: `admit` records it anew, then decides)
-                    return None
-            elif entry.extents is None and (held := holder_extents(entry.value)) != entry.recorded:  # type: ignore[comparison-overlap]  # (a set equals a frozenset of its items)
-                changing = changing or []
-                changing.extend(held)
+        for k, v in attrs.items():
+            if type(v) in NO_BUFFER_TYPES or (new and k in new):
+                continue
+            if (entry := memo.get(id(v))) is not None and entry.value is v:
+                if reread is not None:
+                    reread.append(entry)
+                if entry.stamp is not None:
+                    if changed_since_recorded(entry):  # (a bare tensor: `admit` records it anew, then decides)
+                        return None
+                elif entry.extents is None and (held := holder_extents(v)) != entry.recorded:
+                    changing = changing or []
+                    changing.extend(held)
         if new and (extra := attr_bytes(new)):
             bound = _plus(bound, extra)
         if changing:
@@ -120,20 +131,6 @@ def within_budget_fast(
     return bound
 
 
-def _reread(attrs: Mapping[str, Any], memo: Any, new: Mapping[str, Any]) -> Iterator[AttrEntry]:
-    """The attr index's entries (``memo``) of the writer's values (``attrs``) a write did not set (``new``):
-    those whose mutable values a budgeted write re-reads."""
-    for k, v in attrs.items():
-        if type(v) in NO_BUFFER_TYPES or (new and k in new):
-            continue
-        if (entry := memo.get(id(v))) is not None and entry.value is v:
-            yield entry
-
-
-def _dead() -> None:
-    return None  # (a weak reference that died: the first `Recheck` holds no table)
-
-
 class Recheck:
     """What a budgeted commit must re-read when it follows `within_budget_fast`'s pass of a commit of the same
     session on the very table that commit installed: only the writer's attr tensors, each by one storage read.
@@ -144,14 +141,14 @@ class Recheck:
     Weak references to the table and the tensors (the rest are numbers and the bound): it keeps nothing alive,
     and a table or tensor that died is a miss. A session holding a container (walked by every check) or a
     value whose stamp cannot be referenced weakly is not kept; nor while an engine pool's storage is
-    registered (its stamps are not read then). Built at the second pass of a session in a row, so a round
-    robin of sessions pays one comparison per commit, not a build.
+    registered (its stamps are not read then). Kept from the second pass of a session in a row: at the first,
+    the shell only notes the writer and drops the table (two stores: a round robin of sessions pays no call).
     """
 
     __slots__ = ("bound", "stamps", "table", "totals", "writer")
 
     def __init__(self) -> None:
-        self.table: Any = _dead  # the table the last commit installed (weakly), or a dead reference
+        self.table: Any = None  # the table the last commit installed (weakly), or None
         self.writer: str | None = None  # the session of the last pass
         self.totals: Any = None  # the object totals that pass was within budget with
         self.bound: Surplus | None = None  # the attr bound it returned
@@ -161,8 +158,10 @@ class Recheck:
         """Whether the commit ``base`` -> ``after`` of session ``writer`` stays within the budget with the attr
         bound ``surplus``, answered from the last pass (True: it does, and the next commit may be answered
         from this one; False: ask `within_budget_fast`, then `passed`)."""
+        table = self.table
         if (
-            self.table() is not base
+            table is None
+            or table() is not base
             or self.writer != writer
             or self.bound is not surplus
             or ledger_of(after).totals is not self.totals
@@ -176,19 +175,14 @@ class Recheck:
         self.table = weakref.ref(after)
         return True
 
-    def passed(self, after: ManagerState, writer: str, bound: Surplus) -> None:
+    def passed(self, after: ManagerState, writer: str, bound: Surplus, reread: list[AttrEntry]) -> None:
         """Keep what a commit of ``writer`` on ``after`` re-reads, after `within_budget_fast` passed the commit
-        that installs ``after`` with the attr bound ``bound`` (kept from the second such pass in a row)."""
-        self.table = _dead
-        if writer != self.writer:
-            self.writer = writer
+        that installs ``after`` with the attr bound ``bound``, re-reading the entries ``reread``."""
+        self.table, self.writer = None, writer
+        if accounting.POOL_STORAGES:
             return
-        session = ms.lookup(after, writer, None)
-        if session is None or accounting.POOL_STORAGES:
-            return
-        acct = ledger_of(after)
         stamps = []
-        for entry in _reread(session.attrs, acct.attrs.memo, _NOTHING_SET):
+        for entry in reread:
             if entry.stamp is None:
                 if entry.extents is None:
                     return  # a container: walked at every check, by `within_budget_fast`
@@ -197,7 +191,8 @@ class Recheck:
                 stamps.append((weakref.ref(entry.stamp[3]), entry.stamp[:3]))
             except TypeError:  # (a tensor type without weak references)
                 return
-        self.stamps, self.totals, self.bound, self.table = tuple(stamps), acct.totals, bound, weakref.ref(after)
+        self.stamps, self.totals, self.bound = tuple(stamps), ledger_of(after).totals, bound
+        self.table = weakref.ref(after)
 
 
 def _full_bound(state: ManagerState) -> Surplus:

@@ -106,12 +106,17 @@ class Slot:
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
             # (A commit changes sessions in place, `in_place`: it replaces one object of a session it found.)
-            if self.budgeted and not self.recheck.within(base, after, sid, self.surplus):
-                bound = within_budget_fast(base, after, sid, True, self.surplus)
+            recheck = self.recheck
+            if self.budgeted and (recheck.writer != sid or not recheck.within(base, after, sid, self.surplus)):
+                again: list[Any] | None = [] if recheck.writer == sid else None  # (see `Recheck`)
+                bound = within_budget_fast(base, after, sid, True, self.surplus, again)
                 if bound is None:
                     return NOT_INLINE
                 self.surplus = bound
-                self.recheck.passed(after, sid, bound)
+                if again is None:
+                    recheck.table, recheck.writer = None, sid
+                else:
+                    recheck.passed(after, sid, bound, again)
             self.table = after
             return None
         finally:
