@@ -101,10 +101,16 @@ def changed_since_recorded(entry: AttrEntry) -> bool:
     address and size: the one case a stamp cannot tell apart)."""
     stamp = entry.stamp
     if stamp is not None and not accounting.POOL_STORAGES:
-        tensor = stamp[3]
-        storage = tensor.untyped_storage()
-        return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or tensor.is_cpu is not stamp[2]
+        return storage_moved(stamp[3], stamp)
     return frozenset(holder_extents(entry.value)) != (entry.recorded if entry.extents is None else entry.extents)
+
+
+def storage_moved(tensor: Any, stamp: tuple[Any, ...]) -> bool:
+    """Whether torch ``tensor``'s storage is no longer the one ``stamp`` records (its first three fields: the
+    address, bytes and is_cpu of an `AttrEntry` stamp): the stamp half of `changed_since_recorded`, which
+    holds only while no engine pool storage is registered (``accounting.POOL_STORAGES`` empty)."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or tensor.is_cpu is not stamp[2]
 
 
 def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool, Any] | None:

@@ -4,18 +4,21 @@
 install (``after`` brought within the byte budget, or `BudgetExceededError`), the sessions that leave it
 (their handles are detached), the engine blocks that go back (freed after the install, outside the lock),
 and the bound on attr bytes the next fast check starts from. It reads nothing but its arguments, so the
-shell computes it outside its lock and installs it only if the table did not change meanwhile.
+shell computes it outside its lock and installs it only if the table did not change meanwhile. A budgeted
+commit is first put to the shell's `Recheck` (what the last passing commit of its session left to re-read).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
+from ..memory import accounting
 from ..memory.accounting import union_by_device
-from ..memory.holders import changed_since_recorded, holder_extents
+from ..memory.holders import AttrEntry, changed_since_recorded, holder_extents, storage_moved
 from ..memory.values import NO_BUFFER_TYPES
 from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from ..policy.planner import LEVERS
@@ -30,6 +33,7 @@ from .cells import Departure, departures
 
 __all__ = [
     "Decision",
+    "Recheck",
     "admit",
     "checked_levers",
     "rebase",
@@ -51,10 +55,16 @@ class Decision(NamedTuple):
 
 
 def within_budget_fast(
-    before: ManagerState, after: ManagerState, writer: str | None, attrs_unchanged: bool, surplus: Surplus | None
+    before: ManagerState,
+    after: ManagerState,
+    writer: str | None,
+    attrs_unchanged: bool,
+    surplus: Surplus | None,
+    reread: list[AttrEntry] | None = None,
 ) -> Surplus | None:
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
-    the bound, else None (a full check is needed).
+    the bound, else None (a full check is needed). ``reread``: a list the attr index's entries of the
+    writer's values it re-reads are appended to (what `Recheck.passed` keeps).
 
     The bound counts every attr value as it was when it was set and at the last full check (a bound may
     exceed: a value removed or replaced stays counted). A write that sets attr values adds their bytes to
@@ -74,35 +84,115 @@ def within_budget_fast(
     if surplus is None:
         return None
     bound = surplus
+    acct = ledger_of(after)
     session = ms.lookup(after, writer, None) if writer is not None else None
-    if session is not None:
-        attrs = session.attrs
-        if attrs:
-            old = None if attrs_unchanged else ms.lookup(before, writer).attrs if writer in before else None
-            memo = ledger_of(after).attrs.memo
+    if session is not None and (attrs := session.attrs):
+        memo = acct.attrs.memo
+        new: dict[str, Any] = _NOTHING_SET
+        if not attrs_unchanged:  # (a commit sets none: its check is the loop below alone)
+            old = ms.lookup(before, writer).attrs if writer in before else None
             was = ledger_of(before).attrs.memo if old is not None else memo
-            new: dict[str, Any] = {}
-            changing: list[Any] = []  # (what the changed containers hold now: each walked once)
-            for k, v in attrs.items():
-                if type(v) in NO_BUFFER_TYPES:
-                    continue
-                if not attrs_unchanged and (
+            new = {
+                k: v  # set (or recorded anew) by this write: counted from now on
+                for k, v in attrs.items()
+                if type(v) not in NO_BUFFER_TYPES
+                and (
                     old is None
                     or old.get(k, _ABSENT) is not v
                     or (was is not memo and was.get(id(v)) is not memo.get(id(v)))
-                ):
-                    new[k] = v  # set (or recorded anew) by this write: counted from now on
-                elif (entry := memo.get(id(v))) is not None and entry.value is v:
-                    if entry.stamp is not None:
-                        if changed_since_recorded(entry):  # (a bare tensor: `admit` records it anew, then decides)
-                            return None
-                    elif entry.extents is None and (held := holder_extents(v)) != entry.recorded:
-                        changing.extend(held)
-            if new and (extra := attr_bytes(new)):
-                bound = _plus(bound, extra)
-            if changing:
-                bound = _plus(bound, {str(pool): n for pool, n in by_pool(changing).items()})
-    return None if _over_budget(after, bound) else bound
+                )
+            }
+        changing: list[Any] | None = None  # (what the changed containers hold now: each walked once)
+        for k, v in attrs.items():
+            if type(v) in NO_BUFFER_TYPES or (new and k in new):
+                continue
+            if (entry := memo.get(id(v))) is not None and entry.value is v:
+                if reread is not None:
+                    reread.append(entry)
+                if entry.stamp is not None:
+                    if changed_since_recorded(entry):  # (a bare tensor: `admit` records it anew, then decides)
+                        return None
+                elif entry.extents is None and (held := holder_extents(v)) != entry.recorded:
+                    changing = changing or []
+                    changing.extend(held)
+        if new and (extra := attr_bytes(new)):
+            bound = _plus(bound, extra)
+        if changing:
+            bound = _plus(bound, {str(pool): n for pool, n in by_pool(changing).items()})
+    # (`over_budget_objects`, answered from `_PASSED` when it was asked the same question last: written out)
+    global _PASSED
+    totals, budget = acct.totals, after.byte_budget
+    passed = _PASSED
+    if passed[0] is totals and passed[1] is bound and passed[2] is budget:
+        return bound
+    if over_budget_objects(after, bound):
+        return None
+    _PASSED = (totals, bound, budget)
+    return bound
+
+
+class Recheck:
+    """What a budgeted commit must re-read when it follows `within_budget_fast`'s pass of a commit of the same
+    session on the very table that commit installed: only the writer's attr tensors, each by one storage read.
+
+    Such a commit changes no attr, no attr index, no budget and no attr bound, and a ring in its steady state
+    keeps the object totals map itself: `within_budget_fast` would decide it by the same walk of the writer's
+    attrs and the same `_PASSED` memo. Kept by the shell, one per manager, read and written under its lock.
+    Weak references to the table and the tensors (the rest are numbers and the bound): it keeps nothing alive,
+    and a table or tensor that died is a miss. A session holding a container (walked by every check) or a
+    value whose stamp cannot be referenced weakly is not kept; nor while an engine pool's storage is
+    registered (its stamps are not read then). Kept from the second pass of a session in a row: at the first,
+    the shell only notes the writer and drops the table (two stores: a round robin of sessions pays no call).
+    """
+
+    __slots__ = ("bound", "stamps", "table", "totals", "writer")
+
+    def __init__(self) -> None:
+        self.table: Any = None  # the table the last commit installed (weakly), or None
+        self.writer: str | None = None  # the session of the last pass
+        self.totals: Any = None  # the object totals that pass was within budget with
+        self.bound: Surplus | None = None  # the attr bound it returned
+        self.stamps: tuple[tuple[Any, tuple[int, int, bool]], ...] = ()  # (tensor, weakly; its recorded stamp)
+
+    def within(self, base: ManagerState, after: ManagerState, writer: str, surplus: Surplus | None) -> bool:
+        """Whether the commit ``base`` -> ``after`` of session ``writer`` stays within the budget with the attr
+        bound ``surplus``, answered from the last pass (True: it does, and the next commit may be answered
+        from this one; False: ask `within_budget_fast`, then `passed`)."""
+        table = self.table
+        if (
+            table is None
+            or table() is not base
+            or self.writer != writer
+            or self.bound is not surplus
+            or ledger_of(after).totals is not self.totals
+            or accounting.POOL_STORAGES
+        ):
+            return False
+        for ref, stamp in self.stamps:
+            tensor = ref()
+            if tensor is None or storage_moved(tensor, stamp):  # (resized in place: the full check decides)
+                return False
+        self.table = weakref.ref(after)
+        return True
+
+    def passed(self, after: ManagerState, writer: str, bound: Surplus, reread: list[AttrEntry]) -> None:
+        """Keep what a commit of ``writer`` on ``after`` re-reads, after `within_budget_fast` passed the commit
+        that installs ``after`` with the attr bound ``bound``, re-reading the entries ``reread``."""
+        self.table, self.writer = None, writer
+        if accounting.POOL_STORAGES:
+            return
+        stamps = []
+        for entry in reread:
+            if entry.stamp is None:
+                if entry.extents is None:
+                    return  # a container: walked at every check, by `within_budget_fast`
+                continue  # a fixed value: nothing to re-read
+            try:
+                stamps.append((weakref.ref(entry.stamp[3]), entry.stamp[:3]))
+            except TypeError:  # (a tensor type without weak references)
+                return
+        self.stamps, self.totals, self.bound = tuple(stamps), ledger_of(after).totals, bound
+        self.table = weakref.ref(after)
 
 
 def _full_bound(state: ManagerState) -> Surplus:
@@ -133,26 +223,15 @@ def _plus(bound: Surplus, extra: Surplus) -> Surplus:
 
 
 _ABSENT = object()  # (an attr the session did not carry before the write)
+_NOTHING_SET: dict[str, Any] = {}  # (the attrs a commit sets: never written to)
 
 
-# The last (object totals, attr bound, budget) that `over_budget_objects` found within budget. Its answer is a
+# The last (object totals, attr bound, budget) that `over_budget_objects` found within budget (see
+# `within_budget_fast`). Its answer is a
 # function of the three alone, each immutable, and a ring in its steady state (one item in, one of the same
 # pool and size out) keeps the very totals map, so such a commit decides by three identity tests. Held
 # strongly, so no id can be reused meanwhile; replaced whole, so a reader never sees a torn entry.
 _PASSED: tuple[Any, Any, Any] = (None, None, None)
-
-
-def _over_budget(after: ManagerState, bound: Surplus) -> bool:
-    """`over_budget_objects`, answered from `_PASSED` when it was asked the same question last."""
-    global _PASSED
-    totals, budget = ledger_of(after).totals, after.byte_budget
-    passed = _PASSED
-    if passed[0] is totals and passed[1] is bound and passed[2] is budget:
-        return False
-    if over_budget_objects(after, bound):
-        return True
-    _PASSED = (totals, bound, budget)
-    return False
 
 
 def within_budget_in_place(

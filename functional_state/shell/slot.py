@@ -29,7 +29,7 @@ from ..errors import ObjectParkedError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState, held_object, held_session
 from ..table.state import in_place
-from .admission import Surplus, within_budget_fast
+from .admission import Recheck, Surplus, within_budget_fast
 from .cells import Cell
 
 __all__ = ["LIVE_POOLS", "NOT_INLINE", "Slot"]
@@ -45,14 +45,15 @@ class Slot:
     ``epoch`` changes with every install of the manager's retry loop (and `_take_back`): a write is taken
     back only if none landed since, which the epoch and the table's identity tell together (the installs
     here always install a new table object, so they need not count it); ``surplus`` is
-    the attr bound the budget's fast check starts from (`admit`); ``budgeted``: the table has a byte
+    the attr bound the budget's fast check starts from (`admit`), and ``recheck`` what a budgeted commit
+    following one of the same session re-reads (`Recheck`); ``budgeted``: the table has a byte
     budget. ``computing``: ``(thread, incarnation)`` for each transaction (or factory) being computed, in
     any thread; while it is empty no write can be a reentrant one, and the common write tests only that. A
     list, not a locked set: its append, remove and membership test are atomic, and it holds one entry per
     transaction in flight.
     """
 
-    __slots__ = ("acquire", "budgeted", "computing", "epoch", "lock", "release", "surplus", "table")
+    __slots__ = ("acquire", "budgeted", "computing", "epoch", "lock", "recheck", "release", "surplus", "table")
 
     def __init__(self, table: ManagerState, lock: AbstractContextManager[Any]):
         self.table = table
@@ -65,6 +66,7 @@ class Slot:
         self.surplus: Surplus | None = None  # attr bytes (aliases of objects too), at the last full check
         self.budgeted = table.byte_budget is not None  # (changes only with an installed `load`)
         self.computing: list[tuple[int, int]] = []
+        self.recheck = Recheck()  # what the next budgeted commit of the last session re-reads (see `Recheck`)
 
     def writing(self, uid: int) -> bool:
         """Whether this thread is computing a transaction (or a factory's object) for incarnation ``uid``."""
@@ -103,8 +105,18 @@ class Slot:
                 after = ms.commit(base, sid, name, payload)
             except ObjectParkedError:  # its restore calls the engine: not under the lock
                 return NOT_INLINE
-            if self.budgeted and not self._within_budget(base, after, sid, True):
-                return NOT_INLINE
+            # (A commit changes sessions in place, `in_place`: it replaces one object of a session it found.)
+            recheck = self.recheck
+            if self.budgeted and (recheck.writer != sid or not recheck.within(base, after, sid, self.surplus)):
+                again: list[Any] | None = [] if recheck.writer == sid else None  # (see `Recheck`)
+                bound = within_budget_fast(base, after, sid, True, self.surplus, again)
+                if bound is None:
+                    return NOT_INLINE
+                self.surplus = bound
+                if again is None:
+                    recheck.table, recheck.writer = None, sid
+                else:
+                    recheck.passed(after, sid, bound, again)
             self.table = after
             return None
         finally:

@@ -113,6 +113,17 @@ class _Rest:
         self.attr_only = attr_only
 
 
+def _with_attr_only(r: _Rest, attr_only: Any) -> _Rest:
+    return _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, attr_only)
+
+
+def _stepped(refs: immutables.Map, totals: immutables.Map, rest: _Rest) -> Acct:
+    """A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of a step."""
+    acct = _new(Acct)
+    acct.refs, acct.totals, acct.rest = refs, totals, rest
+    return acct
+
+
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
@@ -294,9 +305,21 @@ class Acct:
         ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
         arefs = rest.attrs.refs  # (an extent an attr holds too moves the attr-only sum when its last object goes)
+        if len(add) == 1 == len(remove) and not ov and type(a := add[0]) is not Loose and (r := remove[0])[0] == a[0]:
+            # The steady ring step, one extent out and one in, of one additive pool: the loops below written out.
+            n = refs[r] - 1
+            refs = refs.set(r, n) if n else refs.delete(r)
+            m = refs.get(a, 0)
+            refs = refs.set(a, m + 1)
+            totals = self.totals
+            if moved := (0 if m else a[2] - a[1]) - (0 if n else r[2] - r[1]):  # (a same-size step moves none)
+                totals = totals.set(a[0], totals.get(a[0], 0) + moved)
+            if arefs and ((not n and r in arefs) or (not m and a in arefs)):
+                turned = [(e, d) for e, d, held in ((r, 1, n), (a, -1, m)) if not held and e in arefs]
+                rest = _with_attr_only(rest, attr_only_flipped(rest.attr_only, turned))
+            return _stepped(refs, totals, rest)
         flips: list[tuple[Extent, int]] | None = None
-        pool, moved = None, 0  # bytes that came or left, per pool: one pool in a step, kept in two locals
-        other: dict[str, int] | None = None
+        came: dict[str, int] = {}  # bytes that came (or left: negative), per additive pool
         moves: dict[str, tuple[list[Extent], list[Extent]]] | None = None
         for e in remove:
             n = refs[e] - 1
@@ -310,11 +333,8 @@ class Acct:
             if ov and e[0] in ov:
                 moves = moves or {}
                 moves.setdefault(e[0], ([], []))[1].append(e)
-            elif pool is None or e[0] == pool:
-                pool, moved = e[0], moved - (e[2] - e[1])
             else:
-                other = other or {}
-                other[e[0]] = other.get(e[0], 0) - (e[2] - e[1])
+                came[e[0]] = came.get(e[0], 0) - (e[2] - e[1])
         for e in add:
             indexed = ov and e[0] in ov
             if type(e) is Loose and not indexed:  # a pool starts being indexed (the maps are persistent)
@@ -329,18 +349,12 @@ class Acct:
             if indexed:
                 moves = moves or {}
                 moves.setdefault(e[0], ([], []))[0].append(e)
-            elif pool is None or e[0] == pool:
-                pool, moved = e[0], moved + (e[2] - e[1])
             else:
-                other = other or {}
-                other[e[0]] = other.get(e[0], 0) + (e[2] - e[1])
+                came[e[0]] = came.get(e[0], 0) + (e[2] - e[1])
         totals = self.totals
-        if moved:  # (an item of the size of the one it replaces moves no total)
-            totals = totals.set(pool, totals.get(pool, 0) + moved)
-        if other:
-            for p, d in other.items():
-                if d:
-                    totals = totals.set(p, totals.get(p, 0) + d)
+        for p, d in came.items():
+            if d:  # (an item of the size of the one it replaces moves no total)
+                totals = totals.set(p, totals.get(p, 0) + d)
         if moves:
             indexes, unions = _moved(ov, self.refs, totals, moves)
             for p, union in unions.items():  # (only those that changed: the budget's memo recognises the same map)
@@ -348,14 +362,8 @@ class Acct:
             r = rest
             rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes, r.attr_only)
         if flips:
-            r = rest
-            rest = _Rest(
-                r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, attr_only_flipped(r.attr_only, flips)
-            )
-        # A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of this.
-        acct = _new(Acct)
-        acct.refs, acct.totals, acct.rest = refs, totals, rest
-        return acct
+            rest = _with_attr_only(rest, attr_only_flipped(rest.attr_only, flips))
+        return _stepped(refs, totals, rest)
 
     def _difference(self, old: Any, new: Any) -> Acct:
         """`swap` by the difference of the two objects' figures."""
