@@ -17,9 +17,22 @@ import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
 from functional_state.memory import accounting
 from functional_state.shell import admission
+from functional_state.shell import handle as handle_module
+from functional_state.shell import slot as slot_module
 
 KIB = 1024
 BUDGET = 8 * KIB
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_pools(monkeypatch):
+    """No engine pool in sight, whatever pools earlier tests of the run left alive (jit caches keep traced
+    ones): while a pool lives every write takes the retry loop, and while its storage is registered the stamps
+    (and the recheck that re-reads them) are off (`test_no_recheck_while_an_engine_pool_storage_is_registered`).
+    This file's managers hold no engine blocks, so hiding another test's pools changes nothing they decide."""
+    monkeypatch.setattr(accounting, "POOL_STORAGES", {})
+    monkeypatch.setattr(slot_module, "LIVE_POOLS", {})
+    monkeypatch.setattr(handle_module, "LIVE_POOLS", {})
 
 
 def kib(n: int = 1) -> np.ndarray:
