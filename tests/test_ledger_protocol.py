@@ -105,6 +105,32 @@ def test_a_user_type_is_counted_right_through_commit_fork_park_and_drop():
     assert _agree(state).get("nbytes:cpu", 0) == 0
 
 
+def _frozenset_step(self: Pair, new: Any) -> Any:
+    """A `ledger_step` pricing a commit by its delta as frozensets (each extent once in its collection, as
+    `StateObject.ledger_step` asks; `ledger_extents` returns frozensets, so their differences are natural)."""
+    if type(new) is not type(self):
+        return None
+    before, after = self.ledger_extents(), new.ledger_extents()
+    return after - before, before - after, None
+
+
+def test_a_user_types_own_delta_may_be_any_collection(monkeypatch):
+    monkeypatch.setattr(Pair, "ledger_step", _frozenset_step)
+    # (The ledger's steady-step path once indexed the delta: a frozenset of one extent in and one out raised.)
+    arrays = [np.full((256,), i, np.float32) for i in range(5)]
+    state, _ = fs.get_or_create(fs.ManagerState.create(byte_budget={"cpu": 2**30}), "a")
+    state = fs.put(state, "a", "pair", Pair.create())
+    for i, array in enumerate(arrays):  # from the third on: one array in, one out
+        state = fs.commit(state, "a", "pair", array)
+        assert _agree(state)["nbytes:cpu"] == 1024 * min(i + 1, 2)
+    for budget in (None, "1MiB"):  # the shell's one-step commit, unbudgeted and budgeted
+        m = fs.SessionStateManager(byte_budget=budget)
+        h = m.get_or_create_session("a").put("pair", Pair.create())
+        for array in arrays:
+            h.commit("pair", array)
+        assert m.stats() == m.stats(exact=True) and m.stats()["nbytes:cpu"] == 2048
+
+
 @fs.pytree_dataclass(static=("pool", "pages", "status", "recompute_source", "recompute_cost"))
 class Pages(fs.StateObject):
     """A user's type holding engine blocks by id: it reports them through `ledger_blocks` alone."""

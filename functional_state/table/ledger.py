@@ -305,8 +305,10 @@ class Acct:
         ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
         arefs = rest.attrs.refs  # (an extent an attr holds too moves the attr-only sum when its last object goes)
-        if len(add) == 1 == len(remove) and not ov and type(a := add[0]) is not Loose and (r := remove[0])[0] == a[0]:
-            # The steady ring step, one extent out and one in, of one additive pool: the loops below written out.
+        # The steady ring step (one extent out, one in, one additive pool): the loops below written out. (`min`
+        # of a one-item collection is its item: a type's delta may be any collection, a frozenset included.)
+        steady = len(add) == 1 == len(remove) and not ov
+        if steady and type(a := min(add)) is not Loose and (r := min(remove))[0] == a[0]:
             n = refs[r] - 1
             refs = refs.set(r, n) if n else refs.delete(r)
             m = refs.get(a, 0)
