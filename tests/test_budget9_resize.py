@@ -223,3 +223,31 @@ def test_a_jax_attr_over_a_torch_tensor_resized_in_place_is_recorded_anew_at_its
     h.commit("buf", kib())
     assert m.stats() == m.stats(exact=True)
     assert m.stats()["nbytes:cpu"] == BIG + 2 * KIB
+
+
+@pytest.mark.parametrize("how", ["resize_", "storage", "set_"])
+def test_a_tensor_attr_shared_by_a_fork_is_recorded_anew_for_every_session_holding_it(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fork shares the prompt (one tensor, two holders). Recording it anew once dropped one holder and added it
+    # back, so the entry kept its old extents: the fork's commit was admitted over the budget by the stale
+    # size, and every later commit of it took the full check again.
+    monkeypatch.setattr(accounting, "POOL_STORAGES", {})  # (engine pools other tests left: stamps are off then)
+    m = SessionStateManager(byte_budget=BIG * 4, release_levers=("drop",))
+    a = m.get_or_create_session("a")
+    a.put("buf", LatentBuffer.create(maxlen=2))
+    t = torch.zeros(64, dtype=torch.uint8)
+    a.set_attr("prompt", t)
+    a.commit("buf", kib())
+    b = m.fork_session("a", "b")
+    _grow(t, how)
+    b.commit("buf", kib())  # within the budget at the new size: admitted, recorded anew for a and b alike
+    assert m.stats() == m.stats(exact=True)
+    assert m.stats()["nbytes:cpu"] == BIG + 2 * KIB
+    entry = ledger_of(m.state).attrs.memo[id(t)]
+    assert entry.holders == 2 and not holders.changed_since_recorded(entry)
+    before = m.state
+    t.resize_(BIG * 8)  # past the budget, and shared: dropping the other session frees none of it
+    with pytest.raises(fs.BudgetExceededError):
+        b.commit("buf", kib())
+    assert m.state is before  # (refused: nothing installed)

@@ -192,14 +192,26 @@ class AttrIndex:
         return len(self.opened)
 
     def change(self, add: Iterable[Any] = (), remove: Iterable[Any] = ()) -> AttrIndex:
-        """The index after attr values ``remove`` left one session and ``add`` arrived in one."""
+        """The index after attr values ``remove`` left one session and ``add`` arrived in one. A value in both
+        is recorded anew (its extents and stamp read again) for every session holding it."""
         memo, refs, opened, totals = self.memo.mutate(), self.refs.mutate(), self.opened.mutate(), self.totals.mutate()
         moved: set[str] = set()  # pools where a loose extent came or left, or that hold one: a union
+        add, remove = list(add), list(remove)
+        # A value removed and added at once (resized in place, recorded anew): its entry goes whole, with the
+        # holders it keeps beyond this change, and comes back read again. (Only decrementing a shared value's
+        # holders kept its old extents: a fork's resized prompt stayed counted at its old size.)
+        renew = {id(v) for v in remove}.intersection(map(id, add)) if add and remove else ()
+        kept_holders: dict[int, int] = {}
         for value in remove:
             if holds_no_buffer(value):
                 continue
+            if id(value) in kept_holders:
+                kept_holders[id(value)] -= 1
+                continue
             entry = memo[id(value)]
-            if entry.holders > 1:
+            if id(value) in renew:
+                kept_holders[id(value)] = entry.holders - 1
+            elif entry.holders > 1:
                 memo[id(value)] = entry._replace(holders=entry.holders - 1)
                 continue
             del memo[id(value)]
@@ -224,6 +236,7 @@ class AttrIndex:
             settled = fixed(value)
             extents = frozenset(holder_extents(value))
             stamp = None if settled else _stamp(value, extents)
+            holders = 1 + kept_holders.pop(id(value), 0)
             if settled or stamp is not None:
                 for e in extents:
                     n = refs.get(e, 0)
@@ -232,9 +245,9 @@ class AttrIndex:
                         totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
                         if type(e) is Loose or e[0] in self.loose:
                             moved.add(e[0])
-                memo[id(value)] = AttrEntry(value, 1, extents, None, stamp)
+                memo[id(value)] = AttrEntry(value, holders, extents, None, stamp)
             else:
-                memo[id(value)] = AttrEntry(value, 1, None, extents)
+                memo[id(value)] = AttrEntry(value, holders, None, extents)
                 opened[id(value)] = value
         kept, loose = refs.finish(), self.loose
         if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
