@@ -115,7 +115,8 @@ class Reader:
         if storage is None:
             # `_read` already made each host-bound storage an aligned copy of its own (`_storages_on_cpu` picks
             # them by the same device rule as here); one bound for a GPU is copied there from orbax's buffer.
-            host = torch.from_numpy(np.asarray(self.arrays[node["storage"]], dtype=np.uint8))
+            raw = self.arrays[node["storage"]]  # (a host-bound one is a tensor already: `read.host_storage`)
+            host = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.asarray(raw, dtype=np.uint8))
             storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
         dtype = getattr(torch, node["dtype"])
         out = torch.empty(0, dtype=dtype, device=device).set_(

@@ -113,7 +113,9 @@ class Writer:
         if key is None:
             key = self.storages[skey] = self._key()
             raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage).detach()
-            host = raw.cpu().numpy() if raw.device.type != "cpu" else raw.numpy()
+            # A CPU storage is read through DLPack, not ``.numpy()``: that marks the storage non-resizable for good,
+            # and a model growing its tensor with ``resize_`` after a save then raised.
+            host = raw.cpu().numpy() if raw.device.type != "cpu" else np.from_dlpack(raw)
             self.keep.append(raw)
             self.arrays[key] = host
             self.leaves[key] = {"kind": "torch_storage", "nbytes": int(host.nbytes)}

@@ -46,21 +46,7 @@ def _xxhash() -> Any:
     return xxhash
 
 
-_ALIGN = 64  # what JAX needs to alias host memory through DLPack (torch's own allocator gives the same)
-
 _PARALLEL_MIN = 8 << 20  # below this many bytes, threads cost more than they save
-
-
-def aligned_empty(nbytes: int, touch: bool = False) -> np.ndarray:
-    """``nbytes`` of ``_ALIGN``-byte aligned memory, as a 1-D uint8 array; ``touch``: with every page faulted
-    in already (first touch is most of a copy's cost into fresh memory)."""
-    buf = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -buf.ctypes.data % _ALIGN
-    out = buf[start : start + nbytes]
-    if touch:
-        out[:: 4096 if nbytes > 4096 else 1] = 0  # one write per page
-    return out
-
 
 _CHUNK = 4 << 20  # copied and then hashed while still in cache
 

@@ -18,7 +18,6 @@ from .directory import import_orbax, list_steps, orbax_manager
 from .handlers import read_into
 from .manifest import (
     CHECKSUM,
-    aligned_empty,
     check_manifest,
     checksum,
     copy_checksum,
@@ -63,7 +62,7 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
     # storage is one raw chunk (`direct.plan_direct`: no copy at all, the kernel's copy is the only one), else
     # through tensorstore's read buffer (one copy).
     leaves = manifest["leaves"]
-    prepared = _prepare(leaves, on_cpu)
+    prepared, owners = _prepare(leaves, on_cpu)
     # Leaves of no bytes are not in orbax's arrays item (`in_arrays_item`), and a checkpoint of none else has none.
     stored = {key: info for key, info in leaves.items() if in_arrays_item(info)}
     arrays = _read_arrays(ocp, root, step, stored, prepared, placement) if stored else {}
@@ -78,14 +77,14 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
         algorithm = next((a for a in (CHECKSUM, "sha256") if a in info), None)
         out = prepared.get(key)
         if out is not None and got is out:  # read into its aligned buffer: what gets checked is what is used
-            return out, algorithm is None or checksum(out, algorithm) == info[algorithm]
+            return owners[key], algorithm is None or checksum(out, algorithm) == info[algorithm]
         if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
             src = np.asarray(got, dtype=np.uint8)
-            out = aligned_empty(src.nbytes)
+            out, owner = host_storage(src.nbytes)
             if algorithm is None:
                 np.copyto(out, src)
-                return out, True
-            return out, copy_checksum(src, out, algorithm) == info[algorithm]
+                return owner, True
+            return owner, copy_checksum(src, out, algorithm) == info[algorithm]
         if algorithm is None:
             return got, True  # a leaf no process could read whole (sharded over several hosts) has none
         return got, checksum(np.asarray(got), algorithm) == info[algorithm]
@@ -145,14 +144,25 @@ def _empty_leaf(key: str, info: dict[str, Any], prepared: dict[str, np.ndarray],
     return prepared.get(key, np.empty(0, np.uint8))
 
 
-def _prepare(leaves: dict[str, Any], keys: set[str]) -> dict[str, np.ndarray]:
-    """Aligned memory for each of ``keys`` (leaves sized by the manifest); none for a size a damaged manifest
-    garbles (that leaf is read into new memory, and refused)."""
-    out = {}
+def host_storage(nbytes: int) -> tuple[np.ndarray, Any]:
+    """A host buffer of ``nbytes`` that torch allocates (64-byte aligned, as JAX needs to alias it), as
+    ``(numpy view, uint8 tensor)``. The view comes through DLPack: a tensor over numpy memory, or one whose
+    ``.numpy()`` was taken, is never resizable again, and a model that grows a loaded tensor in place
+    (``resize_``) raised."""
+    import torch  # (the caller reads torch storages: a checkpoint holding them needs torch to load them)
+
+    tensor = torch.empty(nbytes, dtype=torch.uint8)
+    return np.from_dlpack(tensor), tensor
+
+
+def _prepare(leaves: dict[str, Any], keys: set[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """A `host_storage` for each of ``keys`` (leaves sized by the manifest): the views to read into, and their
+    tensors; none for a size a damaged manifest garbles (that leaf is read into new memory, and refused)."""
+    out, owners = {}, {}
     for key in keys:
-        with contextlib.suppress(MemoryError, ValueError, TypeError, KeyError):
-            out[key] = aligned_empty(leaf_nbytes(leaves[key]))
-    return out
+        with contextlib.suppress(MemoryError, ValueError, TypeError, KeyError, RuntimeError):
+            out[key], owners[key] = host_storage(leaf_nbytes(leaves[key]))
+    return out, owners
 
 
 def _storages_on_cpu(manifest: dict[str, Any], torch_device: Any) -> set[str]:
