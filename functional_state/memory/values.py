@@ -6,7 +6,9 @@ none and never will: numbers, strings, ``None``, ranges, slices, and Python's ow
 ``bytearray``: memory, but not array memory; the walk counts them zero, so the kept figures do too, and a
 ``bytearray`` grown in place changes no figure). A ``memoryview`` counts what it exports: zero over ``bytes``,
 the whole array over a numpy array. A *fixed* value holds the same buffers for its whole life: a numpy array
-(numpy refuses to resize an array anything else references, and the table references it), a JAX array
+(numpy refuses to resize an array anything else references, and the table references it; a model that
+forces it with ``ndarray.resize(refcheck=False)`` breaks numpy's own rule and is outside this contract:
+``stats(exact=True)`` still tells the truth, kept figures and the budget do not see it), a JAX array
 (immutable; one the torch bridge imported counts its torch owner, so it is fixed only if the owner is), a
 memoryview of a fixed value, a tuple of such. Every other value is *mutable*: containers (a list a model
 appends to, a dict, a plain object) and torch tensors, which ``resize_``, ``set_``, ``.data = ...``, an
