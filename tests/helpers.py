@@ -159,3 +159,16 @@ def leave_table(manager: fs.SessionStateManager, how: str) -> None:
         manager.drop_session("a")
         if how == "replaced":
             manager.get_or_create_session("a").put("x", fs.LatentBuffer.create(maxlen=2))
+
+
+def grow_in_place(t: Any, how: str, nbytes: int) -> None:
+    """Give torch tensor ``t`` ``nbytes`` of storage in place, as a model may: ``"resize_"`` (the tensor),
+    ``"storage"`` (its storage's ``resize_``) or ``"set_"`` (another storage swapped in)."""
+    import torch
+
+    if how == "resize_":
+        t.resize_(nbytes // t.element_size())
+    elif how == "storage":
+        t.untyped_storage().resize_(nbytes)
+    else:
+        t.set_(torch.zeros(nbytes // t.element_size(), dtype=t.dtype))

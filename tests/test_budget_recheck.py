@@ -19,6 +19,7 @@ from functional_state.memory import accounting
 from functional_state.shell import admission
 from functional_state.shell import handle as handle_module
 from functional_state.shell import slot as slot_module
+from helpers import grow_in_place
 
 KIB = 1024
 BUDGET = 8 * KIB
@@ -39,15 +40,17 @@ def kib(n: int = 1) -> np.ndarray:
     return np.zeros(256 * n, np.float32)
 
 
-def _steady(levers: tuple[str, ...] = ("drop",)) -> tuple[SessionStateManager, fs.SessionHandle, torch.Tensor]:
-    """A budgeted manager whose session "a" (a ring of 2, a torch prompt) committed until it is answered from
-    its recheck: the ring is full and the last commits were of "a"."""
-    m = SessionStateManager(byte_budget=BUDGET, release_levers=levers)
-    h = m.get_or_create_session("a")
+def _steady(
+    levers: tuple[str, ...] = ("drop",), m: SessionStateManager | None = None, sid: str = "a", commits: int = 4
+) -> tuple[SessionStateManager, fs.SessionHandle, torch.Tensor]:
+    """A budgeted manager (``m``, or a new one) whose session ``sid`` (a ring of 2, a torch prompt) committed
+    until it is answered from its recheck: the ring is full and the last commits were of ``sid``."""
+    m = SessionStateManager(byte_budget=BUDGET, release_levers=levers) if m is None else m
+    h = m.get_or_create_session(sid)
     h.put("buf", LatentBuffer.create(maxlen=2))
     prompt = torch.zeros(256, dtype=torch.uint8)
     h.set_attr("prompt", prompt)
-    for _ in range(4):
+    for _ in range(commits):
         h.commit("buf", kib())
     return m, h, prompt
 
@@ -85,12 +88,7 @@ def test_a_steady_commit_is_answered_by_the_recheck() -> None:
 def test_an_attr_tensor_resized_in_place_is_caught_by_the_next_commit(how: str) -> None:
     m, h, prompt = _steady()
     seen = _answered(m)
-    if how == "resize_":
-        prompt.resize_(64 * KIB)
-    elif how == "storage":
-        prompt.untyped_storage().resize_(64 * KIB)
-    else:
-        prompt.set_(torch.zeros(64 * KIB, dtype=torch.uint8))
+    grow_in_place(prompt, how, 64 * KIB)
     with pytest.raises(fs.BudgetExceededError):  # (64 KiB of prompt: over the 8 KiB budget)
         h.commit("buf", kib())
     assert seen[0] is False  # the recheck sent it to the full check
@@ -130,12 +128,7 @@ def test_a_commit_of_another_session_reads_its_own_attrs() -> None:
     # "b" steady too (a full ring of equal items: the totals map does not move), then "a" kept by the recheck;
     # "b"'s prompt resized in place must be caught at "b"'s next commit, which the recheck of "a" cannot answer.
     m, h, _ = _steady()
-    other = m.get_or_create_session("b")
-    other.put("buf", LatentBuffer.create(maxlen=2))
-    theirs = torch.zeros(256, dtype=torch.uint8)
-    other.set_attr("prompt", theirs)
-    for _ in range(3):
-        other.commit("buf", kib())
+    _, other, theirs = _steady(m=m, sid="b", commits=3)
     h.set_attr("prompt", torch.zeros(256, dtype=torch.uint8))  # ("a"'s attrs change: its recheck is built anew)
     for _ in range(3):
         h.commit("buf", kib())

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import functional_state as fs
+from helpers import grow_in_place
 
 KIB = 1024
 
@@ -65,12 +66,7 @@ def test_an_attr_grown_in_place_stays_counted_after_its_sessions_write(how: str)
         h.commit("buf", np.zeros(256, np.uint8))
     t = torch.zeros(256, dtype=torch.uint8)
     a.set_attr("t", t)
-    if how == "resize_":
-        t.resize_(6 * KIB)
-    elif how == "storage":
-        t.untyped_storage().resize_(6 * KIB)
-    else:
-        t.set_(torch.zeros(6 * KIB, dtype=torch.uint8))
+    grow_in_place(t, how, 6 * KIB)
     a.commit("buf", np.zeros(256, np.uint8))  # seen here, and within the budget: 6.75 KiB
     assert _cpu(m.stats(exact=True)) <= 8 * KIB
     with pytest.raises(fs.BudgetExceededError):  # 6 KiB + 3 KiB: over even with a's buffer parked
