@@ -4,6 +4,7 @@ places them (host-bound torch storages straight into aligned memory), and every 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 from pathlib import Path
 from typing import Any
@@ -146,13 +147,15 @@ def _empty_leaf(key: str, info: dict[str, Any], prepared: dict[str, np.ndarray],
 
 def host_storage(nbytes: int) -> tuple[np.ndarray, Any]:
     """A host buffer of ``nbytes`` that torch allocates (64-byte aligned, as JAX needs to alias it), as
-    ``(numpy view, uint8 tensor)``. The view comes through DLPack: a tensor over numpy memory, or one whose
-    ``.numpy()`` was taken, is never resizable again, and a model that grows a loaded tensor in place
-    (``resize_``) raised."""
+    ``(numpy view, uint8 tensor)``; the view is valid while the tensor lives. Not ``.numpy()``: a tensor whose
+    numpy view was taken, or one over numpy memory, is never resizable again, and a model that grew a loaded
+    tensor in place (``resize_``) raised. Not DLPack either: numpy before 2.1 imports read-only arrays."""
     import torch  # (the caller reads torch storages: a checkpoint holding them needs torch to load them)
 
     tensor = torch.empty(nbytes, dtype=torch.uint8)
-    return np.from_dlpack(tensor), tensor
+    if not nbytes:
+        return np.empty(0, np.uint8), tensor
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())), tensor
 
 
 def _prepare(leaves: dict[str, Any], keys: set[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
