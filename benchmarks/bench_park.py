@@ -129,10 +129,11 @@ def _peak_extra() -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def _over_parts(rounds: dict[str, list[float]]) -> float:
-    """Median over rounds of the small park's time over its two parts timed alone (checks + copy)."""
-    parts = zip(rounds["park@small"], rounds["checks@small"], rounds["copy@small"])
-    return statistics.median(p / (c + k) for p, c, k in parts)
+def _over_parts(rounds: dict[str, list[float]], name: str) -> float:
+    """Median over rounds of ``name``'s time for the small tensors over the small park's two parts timed alone
+    (checks + copy)."""
+    parts = zip(rounds[f"{name}@small"], rounds["checks@small"], rounds["copy@small"])
+    return statistics.median(t / (c + k) for t, c, k in parts)
 
 
 TRIP = ("park", "restore", "memcpy")
@@ -146,8 +147,7 @@ def run() -> dict:
     rounds = interleaved_rounds(fns, repeats=ROUNDS)
     t = {k: statistics.median(v) for k, v in rounds.items()}
     peak = _peak_extra()
-    parts = zip(rounds["loop_out@small"], rounds["checks@small"], rounds["copy@small"])
-    reach = statistics.median(o / (c + k) for o, c, k in parts)
+    reach = _over_parts(rounds, "loop_out")
     rows = []
     for label, nbytes in (("feat_map", FEAT_MAP_BYTES), ("small", SMALL[0] * SMALL[1])):
         gbps = lambda s, n=nbytes: f"{n / s / 1e9:.1f} GB/s"
@@ -193,7 +193,7 @@ def run() -> dict:
                 round_ratio(rounds, "loop_out@small", "park@small"),
             ),
             ("small tensors: per-tensor loop (out) / (checks + copy alone): the most a checked park can reach", reach),
-            ("small tensors: park time / (checks + copy alone)", _over_parts(rounds)),
+            ("small tensors: park time / (checks + copy alone)", _over_parts(rounds, "park")),
             (
                 "small tensors: per-tensor loop (back) / restore time",
                 round_ratio(rounds, "loop_back@small", "restore@small"),
