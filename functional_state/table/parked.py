@@ -13,6 +13,7 @@ from ..memory import holders as _holders
 from ..memory.holders import held_elsewhere
 from .ledger import held_by
 from .manager_state import ManagerState, find_object, ledger_of, locate, replace_object, session_map
+from .torch_writes import check_object
 
 _log = logging.getLogger("functional_state")
 
@@ -64,6 +65,7 @@ def park(
     sid, node = locate(state, session_id, "park")
     obj = find_object(node, name, "park")
     obj._require_resident("park")
+    check_object(state, sid, name, obj, "park")
     mine = _holders.holder_extents(obj._committed_roots())
     acct, own = ledger_of(state), held_by(obj)
     # The common case, O(size of the object): nothing else holds the storage, and (for with_sharers) the
