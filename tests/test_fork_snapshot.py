@@ -85,6 +85,15 @@ def test_a_write_in_place_to_storage_only_one_session_holds_is_its_own_and_a_lat
         fs.view(s, "c", "kv")
 
 
+def test_a_fork_records_the_tensors_an_object_holds_that_no_put_or_commit_took_in():
+    s, _ = fs.get_or_create(ManagerState.create(), "p")
+    s = fs.update_session(s, "p", lambda session: session.put("kv", DenseValue.create([torch.zeros(4)])))
+    s = fs.fork_session(s, "p", "c")  # the object was never taken in by `put`: the fork reads it
+    fs.view(s, "p", "kv")[0].add_(1.0)
+    with pytest.raises(SharedStorageWrittenError, match="'c'"):
+        fs.view(s, "c", "kv")
+
+
 def test_writable_copies_the_shared_storage_once_and_keeps_its_views_views_of_that_copy():
     base = torch.zeros(8)
     obj = PytreeValue.create({"a": base[:4], "b": base[4:], "own": torch.zeros(2)})

@@ -49,6 +49,8 @@ Versions = tuple[tuple[Any, int], ...]  # (tensor, its version when the table to
 
 # id(object) -> (a weak reference to it, its versions): only objects holding torch tensors have an entry.
 RECORDS: dict[int, tuple[weakref.ref[Any], Versions]] = {}
+# id(object) -> a weak reference to it, for the objects a fork found holding no torch tensor: read once each.
+_NONE: dict[int, weakref.ref[Any]] = {}
 _NO_TORCH_PAYLOADS = (type(None), np.ndarray, jax.Array)
 
 
@@ -56,6 +58,8 @@ def _forget(ref: weakref.ref[Any], key: int) -> None:
     entry = RECORDS.get(key)
     if entry is not None and entry[0] is ref:
         del RECORDS[key]
+    if _NONE.get(key) is ref:
+        del _NONE[key]
 
 
 def _torch_leaves(tree: Any) -> list[Any]:
@@ -141,13 +145,19 @@ def check_session(state: ManagerState, sid: str, session: SessionState, what: st
 
 
 def record_fork(state: ManagerState, sid: str, session: SessionState) -> None:
-    """Before ``session`` (``sid``) is forked: check its objects, then record every torch tensor they hold,
-    since the fork is what makes each of them shared."""
+    """Before ``session`` (``sid``) is forked: check its objects, and record each object not read before
+    (a tensor an object made itself, never taken in as a payload), since the fork makes them shared. An
+    object is read once: its tensors never change (objects are immutable), only their versions."""
     if sys.modules.get("torch") is None:
         return
-    check_session(state, sid, session, "fork_session")
-    for obj in session._objects.values():
-        record(obj)
+    for name, obj in session._objects.items():
+        key = id(obj)
+        if recorded(obj):
+            check_object(state, sid, name, obj, "fork_session")
+        elif (ref := _NONE.get(key)) is None or ref() is not obj:
+            record(obj)
+            if key not in RECORDS:
+                _NONE[key] = weakref.ref(obj, partial(_forget, key=key))
 
 
 def _private(state: ManagerState, obj: StateObject) -> StateObject:
