@@ -14,12 +14,15 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant, rule
+from hypothesis.stateful import invariant, precondition, rule
+from test_holder_index import HolderMachine
 from test_planner_machine import SIDS, PlannerMachine
 
 import functional_state as fs
-from functional_state import DenseValue, LatentBuffer, ManagerState, PytreeValue, SharedStorageWrittenError
+from functional_state import ArrayRing, DenseValue, LatentBuffer, ManagerState, PytreeValue, SharedStorageWrittenError
+from functional_state.memory.holders import buffer_keys, holders_except
 from functional_state.table import torch_writes
+from functional_state.table.manager_state import session_map
 from helpers import assert_unchanged, snapshot
 
 # --- the reproduction of the issue, and what each verb does with a shared storage written in place ---------
@@ -375,3 +378,83 @@ ForkSnapshotMachine.TestCase.settings = settings(
     suppress_health_check=list(HealthCheck),
 )
 TestForkSnapshotMachine = ForkSnapshotMachine.TestCase
+
+
+# --- the holders machine, extended: torch objects, views of one storage, attrs, and writes in place ------------
+
+
+class TorchHolderMachine(HolderMachine):
+    """`HolderMachine` (rings, forks, shared objects and attrs, parking, donation, drops) plus torch objects:
+    `DenseValue`s of a tensor, of a view of another's tensor, and torch attrs viewing them, written in place
+    through `writable` or outside it. Through `writable` no other holder ever changes; outside it, a write to a
+    storage another holder shares is refused on every holder, and one nobody shares is the owner's own."""
+
+    def _objects(self):  # what the base rules step, park and alias: the rings
+        return [(s, n) for s, n in super()._objects() if isinstance(fs.lookup(self.state, s).get(n), ArrayRing)]
+
+    def _torch(self):
+        return [
+            (s, n)
+            for s, n in super()._objects()
+            if isinstance(obj := fs.lookup(self.state, s).get(n), DenseValue) and obj.resident
+        ]
+
+    def _contents(self):
+        return {(s, n): _content(fs.lookup(self.state, s).get(n)) for s, n in super()._objects()}
+
+    @rule(data=st.data(), sid=st.sampled_from(SIDS), view=st.booleans())
+    def new_torch(self, data, sid, view):
+        self.n += 1
+        sources = self._torch()
+        value = torch.full((4,), float(self.n))
+        if view and sources:
+            src, name = data.draw(st.sampled_from(sources))
+            value = fs.lookup(self.state, src).get(name).value[0][:2]  # a second object over one storage
+        self.state, _ = fs.get_or_create(self.state, sid)
+        self.state = fs.put(self.state, sid, f"t{self.n % 2}", DenseValue.create([value]))
+
+    @precondition(lambda self: self._torch())
+    @rule(data=st.data(), to=st.sampled_from(SIDS))
+    def torch_attr(self, data, to):
+        sid, name = data.draw(st.sampled_from(self._torch()))
+        self.state, _ = fs.get_or_create(self.state, to)
+        self.state = fs.set_attr(self.state, to, "prompt", fs.lookup(self.state, sid).get(name).value[0][1:])
+
+    @precondition(lambda self: self._torch())
+    @rule(data=st.data(), sanctioned=st.booleans())
+    def write_in_place(self, data, sanctioned):
+        sid, name = data.draw(st.sampled_from(self._torch()))
+        before = self._contents()
+        if sanctioned:
+            self.state, value = fs.writable(self.state, sid, name)
+            value[0].add_(1.0)
+            self.state = fs.commit(self.state, sid, name, value)
+            shared = False
+            event("written through writable")
+        else:
+            tensor = fs.view(self.state, sid, name)[0]
+            others = holders_except(session_map(self.state), {sid: name})
+            shared = bool(buffer_keys([v for vs in others.values() for v in vs]) & buffer_keys(tensor))
+            tensor.add_(1.0)
+            event(f"written outside writable, {'shared' if shared else 'private'}")
+            if shared:  # refused wherever it is held, then the sessions holding the storage are let go
+                keys = buffer_keys(tensor)
+                holding = [s for s, session in session_map(self.state).items() if buffer_keys(session) & keys]
+                for s, n in self._torch():
+                    if s in holding and buffer_keys(fs.lookup(self.state, s).get(n)) & keys:
+                        with pytest.raises(SharedStorageWrittenError):
+                            fs.view(self.state, s, n)
+                for s in holding:
+                    self.state, _ = fs.drop_session(self.state, s)
+                return
+            fs.view(self.state, sid, name)  # the owner's own write: accepted
+        after = self._contents()
+        for key, value in before.items():
+            if key != (sid, name) and key in after:
+                assert after[key] == value, f"{key} changed by a write to {(sid, name)} (shared={shared})"
+
+
+TestTorchHolderMachine = TorchHolderMachine.TestCase
+TestTorchHolderMachine.settings = settings(
+    max_examples=150, stateful_step_count=30, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
