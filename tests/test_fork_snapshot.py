@@ -88,6 +88,16 @@ def test_a_write_in_place_to_storage_only_one_session_holds_is_its_own_and_a_lat
         fs.view(s, "c", "kv")
 
 
+def test_putting_the_written_object_into_another_session_does_not_hide_the_write():
+    s = _forked(DenseValue.create([torch.zeros(4)]))
+    fs.view(s, "p", "kv")[0].add_(1.0)
+    s, _ = fs.get_or_create(s, "d")
+    s = fs.put(s, "d", "kv", fs.lookup(s, "p").objects["kv"])  # the very object, shared a third time
+    for sid in ("c", "d"):
+        with pytest.raises(SharedStorageWrittenError):
+            fs.view(s, sid, "kv")
+
+
 def test_a_fork_records_the_tensors_an_object_holds_that_no_put_or_commit_took_in():
     s, _ = fs.get_or_create(ManagerState.create(), "p")
     s = fs.update_session(s, "p", lambda session: session.put("kv", DenseValue.create([torch.zeros(4)])))

@@ -17,7 +17,7 @@ from ..memory.holders import totals_with_attrs
 from .checks import check_state, find_object, locate, lost_error, resolve_id
 from .lru import replace_session, replace_sessions
 from .state import PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, add_to_counter, ledger_of, make_state
-from .torch_writes import RECORDS, check_object, record, record_commit
+from .torch_writes import RECORDS, check_object, record, record_commit, recorded
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
 
@@ -28,7 +28,8 @@ def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject
     """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
     sid, node = locate(state, session_id, "put")
     out = replace_session(state, sid, node, node[SESSION].put(name, obj))
-    record(obj)
+    if not recorded(obj):  # (an object put again keeps its first record: a shared write stays found)
+        record(obj)
     return out
 
 

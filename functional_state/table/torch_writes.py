@@ -43,7 +43,17 @@ from .ledger import held_by, value_extents
 from .lru import replace_session
 from .state import SESSION, ManagerState, ledger_of
 
-__all__ = ["RECORDS", "check_object", "check_session", "record", "record_commit", "record_fork", "writable"]
+__all__ = [
+    "RECORDS",
+    "check_object",
+    "check_session",
+    "check_sessions",
+    "record",
+    "record_commit",
+    "record_fork",
+    "recorded",
+    "writable",
+]
 
 Versions = tuple[tuple[Any, int], ...]  # (tensor, its version when the table took it in), per tensor leaf
 
