@@ -99,8 +99,8 @@ def record(obj: StateObject) -> None:
     versions = tuple((t, _version(t)) for t in _torch_leaves(obj)) if obj.resident else ()
     if versions:
         RECORDS[key] = (weakref.ref(obj, partial(_forget, key=key)), versions)
-    elif key in RECORDS and RECORDS[key][0]() is obj:
-        del RECORDS[key]
+    elif (entry := RECORDS.get(key)) is not None and entry[0]() is obj:
+        RECORDS.pop(key, None)  # (another thread may have let it go meanwhile)
 
 
 def record_commit(old: StateObject, new: StateObject, payload: Any) -> None:
