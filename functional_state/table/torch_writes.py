@@ -64,12 +64,13 @@ _NONE: dict[int, weakref.ref[Any]] = {}
 _NO_TORCH_PAYLOADS = (type(None), np.ndarray, jax.Array)
 
 
-def _forget(ref: weakref.ref[Any], key: int) -> None:
-    entry = RECORDS.get(key)
+def _forget(ref: weakref.ref[Any], key: int, records: dict[int, Any] = RECORDS, none: dict[int, Any] = _NONE) -> None:
+    # (the maps bound here: at interpreter exit the module's globals may be gone before the last objects)
+    entry = records.get(key)
     if entry is not None and entry[0] is ref:
-        del RECORDS[key]
-    if _NONE.get(key) is ref:
-        del _NONE[key]
+        del records[key]
+    if none.get(key) is ref:
+        del none[key]
 
 
 def _torch_leaves(tree: Any) -> list[Any]:
