@@ -98,6 +98,16 @@ def test_putting_the_written_object_into_another_session_does_not_hide_the_write
             fs.view(s, sid, "kv")
 
 
+def test_forks_parked_together_and_restored_share_one_copy_that_a_write_in_place_is_refused_on():
+    s = _forked(DenseValue.create([torch.zeros(4)]))
+    s, _ = fs.park(s, "p", "kv", with_sharers=True)
+    s, _ = fs.restore(s, "p", "kv")
+    s, _ = fs.restore(s, "c", "kv")  # the same device copy (see `restore`)
+    fs.view(s, "p", "kv")[0].add_(1.0)
+    with pytest.raises(SharedStorageWrittenError, match="'c'"):
+        fs.view(s, "c", "kv")
+
+
 def test_a_fork_records_the_tensors_an_object_holds_that_no_put_or_commit_took_in():
     s, _ = fs.get_or_create(ManagerState.create(), "p")
     s = fs.update_session(s, "p", lambda session: session.put("kv", DenseValue.create([torch.zeros(4)])))

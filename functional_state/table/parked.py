@@ -13,7 +13,7 @@ from ..memory import holders as _holders
 from ..memory.holders import held_elsewhere
 from .ledger import held_by
 from .manager_state import ManagerState, find_object, ledger_of, locate, replace_object, session_map
-from .torch_writes import check_object
+from .torch_writes import check_object, record, recorded
 
 _log = logging.getLogger("functional_state")
 
@@ -119,6 +119,8 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
     obj = find_object(node, name, "restore")
     restored = obj.restore()
     new, moved = replace_object(state, obj, restored, {sid: [name]}, "restores")
+    if not recorded(restored):  # (forks parked together share the one restored copy: see `torch_writes`)
+        record(restored)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("restore: object %r of session %r, moved %s", name, sid, moved)
     return new, moved
