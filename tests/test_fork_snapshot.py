@@ -92,10 +92,19 @@ def test_putting_the_written_object_into_another_session_does_not_hide_the_write
     s = _forked(DenseValue.create([torch.zeros(4)]))
     fs.view(s, "p", "kv")[0].add_(1.0)
     s, _ = fs.get_or_create(s, "d")
-    s = fs.put(s, "d", "kv", fs.lookup(s, "p").objects["kv"])  # the very object, shared a third time
-    for sid in ("c", "d"):
-        with pytest.raises(SharedStorageWrittenError):
-            fs.view(s, sid, "kv")
+    with pytest.raises(SharedStorageWrittenError, match="`put`"):
+        fs.put(s, "d", "kv", fs.lookup(s, "p").objects["kv"])  # the very object, shared a third time
+    with pytest.raises(SharedStorageWrittenError):
+        fs.view(s, "c", "kv")
+
+
+def test_an_object_written_in_place_while_nothing_shared_it_may_be_put_elsewhere():
+    s, _ = fs.get_or_create(ManagerState.create(), "p")
+    s = fs.put(s, "p", "kv", DenseValue.create([torch.zeros(4)]))
+    fs.view(s, "p", "kv")[0].add_(1.0)  # the owner's own write
+    s, _ = fs.get_or_create(s, "d")
+    s = fs.put(s, "d", "kv", fs.lookup(s, "p").objects["kv"])  # now shared, as written: both read the same
+    assert fs.view(s, "d", "kv")[0].tolist() == fs.view(s, "p", "kv")[0].tolist() == [1.0] * 4
 
 
 def test_forks_parked_together_and_restored_share_one_copy_that_a_write_in_place_is_refused_on():

@@ -27,8 +27,10 @@ _new = object.__new__
 def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
     """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
     sid, node = locate(state, session_id, "put")
+    if recorded(obj):  # the very object held elsewhere: a write in place it already shares is refused here
+        check_object(state, sid, name, obj, "put")
     out = replace_session(state, sid, node, node[SESSION].put(name, obj))
-    if not recorded(obj):  # (an object put again keeps its first record: a shared write stays found)
+    if not recorded(obj):
         record(obj)
     return out
 

@@ -48,6 +48,7 @@ def park(
       SharedStorageError: something else in the table holds the storage (the message says what), or the
         object's own staged payload does.
       DeletedArrayError: the object holds a JAX array that was deleted (donated); nothing changes.
+      SharedStorageWrittenError: a torch storage it shares was written in place outside `writable`.
       ObjectParkedError, NotAllocatedError, NotResidentError: the object is not resident.
       SessionStateLostError, ObjectNotFoundError: no such session or object.
 

@@ -192,6 +192,7 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
       SessionStateLostError: ``source_id`` is not in the table.
       SessionExistsError: ``new_id`` is already in the table.
       SessionAdmissionError: the table is full and cannot evict, or holds only the source (cap 1).
+      SharedStorageWrittenError: a torch storage the source shares was written in place outside `writable`.
     """
     sid, node = locate(state, source_id, "fork_session")
     nid = resolve_id(new_id, "fork_session")

@@ -139,6 +139,7 @@ def step(
     Raises:
       SessionStateLostError, ObjectNotFoundError: no such session or object.
       InvalidTypeError: ``fn`` returned something that is not a state object of the same type.
+      SharedStorageWrittenError: a torch storage it shares was written in place outside `writable`.
 
     Example:
       >>> import jax.numpy as jnp
