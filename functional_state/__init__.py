@@ -36,6 +36,7 @@ from .errors import (
     SessionStateError,
     SessionStateLostError,
     SharedStorageError,
+    SharedStorageWrittenError,
     StateConsumedError,
     StateShapeError,
 )
@@ -81,6 +82,7 @@ from .table.manager_state import (
 from .table.parked import park, restore
 from .table.session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
 from .table.step import step
+from .table.torch_writes import writable
 from .table.usage import stats, usage
 
 register_checkpoint_type(PytreeValue)  # its structure is plain static data: no hooks needed
@@ -126,6 +128,7 @@ __all__ = [
     "SessionStateLostError",
     "SessionStateManager",
     "SharedStorageError",
+    "SharedStorageWrittenError",
     "StateConsumedError",
     "StateObject",
     "StateShapeError",
@@ -178,4 +181,5 @@ __all__ = [
     "usage",
     "view",
     "with_sessions",
+    "writable",
 ]

@@ -28,6 +28,7 @@ __all__ = [
     "SessionStateError",
     "SessionStateLostError",
     "SharedStorageError",
+    "SharedStorageWrittenError",
     "StateConsumedError",
     "StateShapeError",
 ]
@@ -90,6 +91,11 @@ class NotParkedError(SessionStateError, RuntimeError):
 
 class SharedStorageError(SessionStateError, RuntimeError):
     """Parking an object would free nothing: something else in the table holds the same storage."""
+
+
+class SharedStorageWrittenError(SessionStateError, RuntimeError):
+    """A torch storage that another holder (a fork, an attr, another object) shares was written in place
+    outside `writable`: the sessions sharing it no longer hold what they were given."""
 
 
 class DeletedArrayError(SessionStateError, RuntimeError):

@@ -31,14 +31,14 @@ PUBLIC = {
     *("InvalidArgumentError", "InvalidTypeError", "KVFreeError", "NotAllocatedError", "NotParkedError"),
     *("NotResidentError", "NothingStagedError", "ObjectNotFoundError", "ObjectParkedError", "PoolChangedError"),
     *("SessionAdmissionError", "SessionExistsError", "SessionStateError", "SessionStateLostError"),
-    *("SharedStorageError", "StateConsumedError", "StateShapeError"),
+    *("SharedStorageError", "SharedStorageWrittenError", "StateConsumedError", "StateShapeError"),
     *("apply_plan", "capacity_for", "commit", "del_attr", "discard", "drop_session", "enforce_budget", "evict"),
     *("fork_session", "format_bytes", "free_released", "get_attr", "get_or_create", "get_session"),
     *("has_checkpoint", "incarnation", "load", "load_session", "lookup", "nbytes_by_device", "paged_gather"),
     *("park", "parse_bytes", "plan_release", "put", "raise_max_sessions", "read_session", "register_alias"),
     *("register_checkpoint_type", "released_blocks", "reset_session", "resolve_session_id"),
     *("resolve_session_state_config", "restore", "save", "save_session", "sessions", "set_attr", "stage"),
-    *("stats", "step", "total_nbytes", "update_session", "usage", "view", "with_sessions"),
+    *("stats", "step", "total_nbytes", "update_session", "usage", "view", "with_sessions", "writable"),
 }
 
 

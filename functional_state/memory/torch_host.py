@@ -37,6 +37,7 @@ __all__ = [
     "gather",
     "host_storage",
     "jax_alias",
+    "leaf_recipe",
     "rebuild",
     "rebuild_leaf",
     "rebuildable",
@@ -162,7 +163,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
                     storage_of(k)
                     # Restored by a contiguous copy: exact for the leaf itself unless a size-1 dim let it
                     # carry other strides (or it needs its autograd flag back): those get a recipe.
-                    recipe_of(_recipe(leaf, k, None) if 1 in shape or leaf.requires_grad else None)
+                    recipe_of(leaf_recipe(leaf, k, None) if 1 in shape or leaf.requires_grad else None)
                     continue
         tensor, owner = as_torch(leaf)
         if tensor is None:
@@ -185,7 +186,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
             shapes.append(None)
         leaf_at(i)
         storage_of(k)
-        recipe_of(_recipe(tensor, k, owner))
+        recipe_of(leaf_recipe(tensor, k, owner))
     return g
 
 
@@ -245,7 +246,7 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     g.sources, g.devices, g.sizes, g.dtypes = list(leaves), [torch.device("cpu")] * n, sizes, dtypes
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
     if unit or any(p[3] for p in props):
-        g.recipe = [_recipe(t, k, None) if 1 in t.shape or t.requires_grad else None for k, t in enumerate(leaves)]
+        g.recipe = [leaf_recipe(t, k, None) if 1 in t.shape or t.requires_grad else None for k, t in enumerate(leaves)]
     g.direct = g.recipe.count(None) == n
     return True
 
@@ -299,7 +300,8 @@ def rebuildable(cls: type) -> str:
     return ""
 
 
-def _recipe(tensor: Any, k: int, owner: Any) -> TorchLeaf:
+def leaf_recipe(tensor: Any, k: int, owner: Any) -> TorchLeaf:
+    """How to rebuild ``tensor`` (storage ``k``) over another storage (`rebuild`); ``owner``: its bridge alias."""
     cls = type(tensor)
     sub = None if owner is not None or cls is torch_module().Tensor else cls
     return TorchLeaf(

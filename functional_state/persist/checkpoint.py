@@ -49,6 +49,7 @@ from ..errors import CheckpointError, SessionExistsError, SessionStateError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
+from ..table.torch_writes import check_sessions
 from .decode import Reader, check_templates, release_sessions
 from .directory import has_checkpoint
 from .encode import AttrHooks, Writer
@@ -110,8 +111,10 @@ def save_session(
         ``path`` is something other than a checkpoint directory (a file, a broken link, another tool's
         directory), or the write failed (out of space, say); the previous checkpoint at ``path`` stays.
       SessionStateLostError: no such session.
+      SharedStorageWrittenError: a torch storage a fork shares was written in place outside `writable`.
     """
     sid, node = ms.locate(state, session_id, "save_session")
+    check_sessions(state, [(sid, ms.node_session(node))], "save_session")  # (never save a shared write)
     writer = Writer(attr_hooks, asynchronous, object_hooks)
     manifest = _manifest("session", [writer.session(ms.node_session(node), sid)])
     return write(path, manifest, writer, asynchronous)
@@ -237,6 +240,7 @@ def save(
     """
     if type(state) is not ManagerState:
         ms.check_state(state, "save")
+    check_sessions(state, ms.sessions(state).items(), "save")
     writer = Writer(attr_hooks, asynchronous, object_hooks)
     sessions = [writer.session(session, sid) for sid, session in ms.sessions(state).items()]
     manifest = _manifest("table", sessions)

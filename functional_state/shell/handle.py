@@ -24,6 +24,7 @@ from ..table import manager_state as ms
 from ..table import parked, session_edits
 from ..table.manager_state import commit as _commit
 from ..table.manager_state import held_object
+from ..table.torch_writes import RECORDS, check_object, writable
 from .cells import Cell
 from .session_ops import SessionOps
 from .slot import LIVE_POOLS, NOT_INLINE
@@ -239,7 +240,15 @@ class SessionHandle:
         return ops.apply(self._cell, "discard", ms.discard, name, names=(name,), inline=True, table_only=only) or self
 
     def view(self, name: str, include_staged: bool = True) -> Any:
-        return self.get(name).view(include_staged=include_staged)
+        obj = self.get(name)
+        if RECORDS:  # (a torch tensor another holder shares, written in place: refused before it is read)
+            check_object(self._slot.table, self._cell.session_id, name, obj, "SessionHandle.view")
+        return obj.view(include_staged=include_staged)
+
+    def writable(self, name: str) -> Any:
+        """Object ``name``'s view to write in place: its torch storages that a fork (or anything else) shares
+        are copied into this session first (see `functional_state.writable`); `commit` it afterwards."""
+        return self._ops.apply(self._cell, "writable", writable, name, names=(name,), table_only=self._only)
 
     def evict(self, name: str) -> int:
         """Release object ``name``'s committed storage; returns the bytes that left the session's accounting."""

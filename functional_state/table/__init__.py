@@ -25,6 +25,7 @@ from .manager_state import (
 )
 from .parked import park, restore
 from .session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
+from .torch_writes import writable
 from .usage import stats
 
 # `step` and `usage` are exported by `functional_state` only: here they would hide the modules `table.step`
@@ -60,4 +61,5 @@ __all__ = [
     "update_session",
     "view",
     "with_sessions",
+    "writable",
 ]

@@ -17,6 +17,7 @@ from ..memory.holders import totals_with_attrs
 from .checks import check_state, find_object, locate, lost_error, resolve_id
 from .lru import replace_session, replace_sessions
 from .state import PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, add_to_counter, ledger_of, make_state
+from .torch_writes import RECORDS, check_object, record, record_commit, recorded
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
 
@@ -26,7 +27,12 @@ _new = object.__new__
 def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
     """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
     sid, node = locate(state, session_id, "put")
-    return replace_session(state, sid, node, node[SESSION].put(name, obj))
+    if recorded(obj):  # the very object held elsewhere: a write in place it already shares is refused here
+        check_object(state, sid, name, obj, "put")
+    out = replace_session(state, sid, node, node[SESSION].put(name, obj))
+    if not recorded(obj):
+        record(obj)
+    return out
 
 
 def _object_op(
@@ -39,7 +45,12 @@ def _object_op(
 
 def stage(state: ManagerState, session_id: str | None, name: str, payload: Any) -> ManagerState:
     """Stage ``payload`` in object ``name`` of a session (see `StateObject.stage`)."""
-    return _object_op(state, session_id, name, "stage", lambda o: o.stage(payload))
+    sid, node = locate(state, session_id, "stage")
+    obj = find_object(node, name, "stage")
+    check_object(state, sid, name, obj, "stage")
+    new = obj.stage(payload)
+    record_commit(obj, new, payload)
+    return replace_session(state, sid, node, node[SESSION]._with_object(name, new))
 
 
 def commit(state: ManagerState, session_id: str | None, name: str, payload: Any = MISSING) -> ManagerState:
@@ -66,7 +77,10 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
     obj = objects.get(name)
     if obj is None:
         raise ObjectNotFoundError(no_object_message(session, name, "commit"))
+    if RECORDS:  # (a table that never held a torch tensor: no record to compare)
+        check_object(state, sid, name, obj, "commit")
     new_obj = obj.commit(payload)
+    record_commit(obj, new_obj, payload)
     new_session = _new(SessionState)
     new_session._objects = objects.set(name, new_obj)
     new_session._attrs = session._attrs
@@ -88,8 +102,10 @@ def discard(state: ManagerState, session_id: str | None, name: str) -> ManagerSt
 
 def view(state: ManagerState, session_id: str | None, name: str, include_staged: bool = True) -> Any:
     """Read object ``name`` of a session (see `StateObject.view`). Recency is unchanged."""
-    _, node = locate(state, session_id, "view")
-    return find_object(node, name, "view").view(include_staged=include_staged)
+    sid, node = locate(state, session_id, "view")
+    obj = find_object(node, name, "view")
+    check_object(state, sid, name, obj, "view")
+    return obj.view(include_staged=include_staged)
 
 
 def _pool_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

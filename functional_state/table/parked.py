@@ -13,6 +13,7 @@ from ..memory import holders as _holders
 from ..memory.holders import held_elsewhere
 from .ledger import held_by
 from .manager_state import ManagerState, find_object, ledger_of, locate, replace_object, session_map
+from .torch_writes import check_object, record, recorded
 
 _log = logging.getLogger("functional_state")
 
@@ -47,6 +48,7 @@ def park(
       SharedStorageError: something else in the table holds the storage (the message says what), or the
         object's own staged payload does.
       DeletedArrayError: the object holds a JAX array that was deleted (donated); nothing changes.
+      SharedStorageWrittenError: a torch storage it shares was written in place outside `writable`.
       ObjectParkedError, NotAllocatedError, NotResidentError: the object is not resident.
       SessionStateLostError, ObjectNotFoundError: no such session or object.
 
@@ -64,6 +66,7 @@ def park(
     sid, node = locate(state, session_id, "park")
     obj = find_object(node, name, "park")
     obj._require_resident("park")
+    check_object(state, sid, name, obj, "park")
     mine = _holders.holder_extents(obj._committed_roots())
     acct, own = ledger_of(state), held_by(obj)
     # The common case, O(size of the object): nothing else holds the storage, and (for with_sharers) the
@@ -117,6 +120,8 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
     obj = find_object(node, name, "restore")
     restored = obj.restore()
     new, moved = replace_object(state, obj, restored, {sid: [name]}, "restores")
+    if not recorded(restored):  # (forks parked together share the one restored copy: see `torch_writes`)
+        record(restored)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("restore: object %r of session %r, moved %s", name, sid, moved)
     return new, moved

@@ -31,6 +31,7 @@ from .state import (
     make_state,
     with_max_sessions,
 )
+from .torch_writes import record_fork
 
 __all__ = [
     "drop_session",
@@ -191,6 +192,7 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
       SessionStateLostError: ``source_id`` is not in the table.
       SessionExistsError: ``new_id`` is already in the table.
       SessionAdmissionError: the table is full and cannot evict, or holds only the source (cap 1).
+      SharedStorageWrittenError: a torch storage the source shares was written in place outside `writable`.
     """
     sid, node = locate(state, source_id, "fork_session")
     nid = resolve_id(new_id, "fork_session")
@@ -203,6 +205,7 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
             f"`fork_session`: the table holds at most 1 session, so a fork of {sid!r} could only replace it. "
             f"Raise the cap (`raise_max_sessions`) to keep both."
         )
+    record_fork(state, sid, node[SESSION])  # (torch tensors: a fork makes them shared; see `torch_writes`)
     touched = touch(state, sid, node, 0)
     return insert(touched, nid, node[SESSION].forked(), "fork_session", 0)
 

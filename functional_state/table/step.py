@@ -31,6 +31,7 @@ from .manager_state import (
     node_session,
     replace_session,
 )
+from .torch_writes import check_object
 
 __all__ = ["step"]
 
@@ -138,6 +139,7 @@ def step(
     Raises:
       SessionStateLostError, ObjectNotFoundError: no such session or object.
       InvalidTypeError: ``fn`` returned something that is not a state object of the same type.
+      SharedStorageWrittenError: a torch storage it shares was written in place outside `writable`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -157,6 +159,7 @@ def step(
     sid, node = locate(state, session_id, "step")
     obj = find_object(node, name, "step")
     obj._require_resident("step")
+    check_object(state, sid, name, obj, "step")
     jitted = _jitted(fn, donate)
     _check_returns_same_type(jitted, obj, args, has_aux)  # before anything is donated: a refusal changes nothing
     if donate:
