@@ -117,6 +117,19 @@ def test_forks_parked_together_and_restored_share_one_copy_that_a_write_in_place
         fs.view(s, "c", "kv")
 
 
+def test_a_write_in_place_between_two_restores_of_forks_parked_together_never_reaches_the_second():
+    # The first fork restored, wrote its (then private) copy in place, and was accepted; the second fork's
+    # restore must not hand it that written copy (it reused the memoised device copy, silently).
+    s = _forked(DenseValue.create([torch.zeros(4)]))
+    s, _ = fs.park(s, "p", "kv", with_sharers=True)
+    s, _ = fs.restore(s, "p", "kv")
+    fs.view(s, "p", "kv")[0].add_(1.0)  # nothing else holds the restored copy yet: the owner's own write
+    assert fs.view(s, "p", "kv")[0].tolist() == [1.0] * 4
+    s, _ = fs.restore(s, "c", "kv")
+    assert fs.view(s, "c", "kv")[0].tolist() == [0.0] * 4
+    assert fs.stats(s) == fs.stats(s, exact=True)
+
+
 def test_a_fork_records_the_tensors_an_object_holds_that_no_put_or_commit_took_in():
     s, _ = fs.get_or_create(ManagerState.create(), "p")
     s = fs.update_session(s, "p", lambda session: session.put("kv", DenseValue.create([torch.zeros(4)])))

@@ -45,6 +45,7 @@ from ..errors import (
 )
 from ..memory import accounting, parking
 from ..memory import holders as _holders
+from ..memory.values import write_marks
 from .pytree import MISSING, replace
 
 __all__ = ["EVICTED", "PARKED", "RESIDENT", "STATUSES", "UNALLOCATED", "StateObject", "Status"]
@@ -71,7 +72,8 @@ class StateObject(abc.ABC):
 
     # The extents this object's buffers occupy, computed once by the accounting (objects are immutable) and
     # never copied by `replace`: a memo outside the pytree, not state. `_restored` is a parked object's memo
-    # of its restore (a weak reference), so forks parked together restore to one device copy.
+    # of its restore (a weak reference and its leaves' write marks), so forks parked together restore to one
+    # device copy while nobody has written it.
     __slots__ = ("__weakref__", "_acct_cache", "_restored")
 
     # Provided by subclasses as dataclass fields.
@@ -294,11 +296,14 @@ class StateObject(abc.ABC):
                 f"`{type(self).__name__}.restore` called on a {self.status} object: only a parked object can be "
                 f"restored."
             )
-        memo = getattr(self, "_restored", None)
-        restored = memo() if memo is not None else None
-        if restored is None or _holds_deleted(restored._parkable_fields()):  # (donated since: rebuild it)
+        memo: tuple[weakref.ref[Any], tuple[int, ...]] | None = getattr(self, "_restored", None)
+        restored = memo[0]() if memo is not None else None
+        # A copy donated or written in place since is no longer what was parked: a fork restoring after its
+        # sharer wrote (its then private copy) in place gets a copy of its own.
+        if memo is None or restored is None or write_marks(restored._parkable_fields()) != memo[1]:
             restored = replace(self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy))
-            _RESTORED_SLOT.__set__(self, weakref.ref(restored))  # past the frozen __setattr__: a memo
+            marks = write_marks(restored._parkable_fields())
+            _RESTORED_SLOT.__set__(self, (weakref.ref(restored), marks))  # past the frozen __setattr__: a memo
         return restored
 
     # --- accounting --------------------------------------------------------------------------------
@@ -401,10 +406,6 @@ def _walked(obj: StateObject) -> _Walked:
         cached.extra = frozenset(e for e in extra if e not in cached) if extra else _NO_EXTRA
         ACCT_SLOT.__set__(obj, cached)  # a memo, not state (objects are immutable)
     return cached
-
-
-def _holds_deleted(values: Any) -> bool:
-    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(values))
 
 
 def check_source(source: Any, what: str, cost: Any = 1.0) -> None:

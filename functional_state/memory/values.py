@@ -32,7 +32,7 @@ import numpy as np
 
 from .aliases import alias_owner
 
-__all__ = ["NO_BUFFER_TYPES", "exported", "fixed", "holds_no_buffer", "mutable"]
+__all__ = ["NO_BUFFER_TYPES", "exported", "fixed", "holds_no_buffer", "mutable", "write_marks"]
 
 NO_BUFFER_TYPES: frozenset[type] = frozenset(
     {int, float, complex, bool, str, bytes, bytearray, type(None), range, slice}
@@ -109,3 +109,18 @@ def mutable(value: Any) -> bool:
       (True, True, False)
     """
     return not fixed(value)
+
+
+def write_marks(values: Any) -> tuple[int, ...]:
+    """Per leaf of ``values``: -1 once a JAX array is deleted (donated), a torch tensor's version (raised by each
+    in-place write), else 0; two readings differ when anything wrote or donated a leaf in between."""
+    return tuple(_write_mark(x) for x in jax.tree_util.tree_leaves(values))
+
+
+def _write_mark(x: Any) -> int:
+    if isinstance(x, jax.Array):
+        return -1 if x.is_deleted() else 0
+    try:
+        return int(x._version)
+    except (AttributeError, RuntimeError):  # (not a tensor; an inference-mode tensor keeps no counter)
+        return 0
