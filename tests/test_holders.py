@@ -6,6 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+from test_holder_index import SIDS, HolderMachine
 
 import functional_state as fs
 from functional_state import ManagerState
@@ -59,3 +63,34 @@ def test_a_tensor_attr_resized_in_place_is_recorded_anew_when_another_attr_of_it
     assert (t.untyped_storage().data_ptr() == address) == (grown is _grown_at_the_same_address)
     state = fs.update_session(state, "a", lambda s: s.set_attr("note", 1))
     _assert_kept_equals_walk(state, nbytes)
+
+
+class AttrHolderMachine(HolderMachine):
+    """The holder machine (`tests/test_holder_index.py`) with an array held as a fixed attr and inside a list
+    attr at once, and objects removed through `update_session`: its invariants (the ledger's holder answer
+    equals the walk, its counts a fresh build, ``stats()`` the exact walk) checked there too."""
+
+    @precondition(lambda self: self._resident())
+    @rule(data=st.data(), to=st.sampled_from(SIDS), let_go=st.booleans())
+    def fixed_and_in_a_list(self, data, to, let_go):
+        sid, name = data.draw(st.sampled_from(self._resident()))
+        storage = fs.lookup(self.state, sid).get(name).storage
+        self.state, _ = fs.get_or_create(self.state, to)
+        self.state = fs.set_attr(self.state, to, "x_fixed", storage)
+        box = [storage]
+        self.lists.append(box)
+        self.state = fs.set_attr(self.state, data.draw(st.sampled_from(self._sessions())), "x_both", box)
+        if let_go and name in fs.lookup(self.state, sid):  # the object goes: attrs alone may hold the storage
+            self.state = fs.update_session(self.state, sid, lambda s: s.remove(name))
+
+    @precondition(lambda self: self._objects())
+    @rule(data=st.data())
+    def remove_object(self, data):
+        sid, name = data.draw(st.sampled_from(self._objects()))
+        self.state = fs.update_session(self.state, sid, lambda s: s.remove(name))
+
+
+TestAttrHolderMachine = AttrHolderMachine.TestCase
+TestAttrHolderMachine.settings = settings(
+    max_examples=15, stateful_step_count=15, deadline=None, suppress_health_check=list(HealthCheck)
+)
