@@ -1,5 +1,5 @@
-"""A KV restore the byte budget refuses keeps the K/V restorable with an engine whose ``reload`` consumes its
-offload token (engine-managed host memory: issue 34, item 5)."""
+"""`free_acquired` (`table/engine_blocks.py`): a KV restore the byte budget refuses keeps the K/V restorable
+with an engine whose ``reload`` consumes its offload token (engine-managed host memory: issue 34, item 5)."""
 
 from __future__ import annotations
 
