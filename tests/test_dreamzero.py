@@ -398,7 +398,8 @@ def test_tensors_enter_by_reference_and_are_counted_once():
     assert isinstance(stored, jax.Array) and stored.dtype == jax.numpy.bfloat16
     assert stored.unsafe_buffer_pointer() == video_out.data_ptr()  # a permuted view, aliased
     assert session.get("stitched_frames").view()[0].unsafe_buffer_pointer() == frame.data_ptr()
-    assert session.get("vae_encoder_out").view()[0] is chunk  # the ring keeps the torch tensor itself
+    kept = session.get("vae_encoder_out").view()[0]  # the ring keeps a torch tensor: its own copy (issue 34)
+    assert type(kept) is torch.Tensor and torch.equal(kept, chunk) and kept.data_ptr() != chunk.data_ptr()
     assert report()["copied_count"] == 0
     back = a.get_concatenated_video_latents()
     assert back.untyped_storage().data_ptr() == video_out.untyped_storage().data_ptr()
@@ -568,7 +569,8 @@ def test_the_encoder_step_is_one_commit_of_the_torch_tensor_and_no_bridge_crossi
     chunk = _chunk(1)
     state.append_vae_encoder_chunk(chunk)
     obs = state.observation_latents(2)
-    assert fs.sessions(manager.state)["s"].get("vae_encoder_out").view()[-1] is chunk
+    kept = fs.sessions(manager.state)["s"].get("vae_encoder_out").view()[-1]
+    assert type(kept) is torch.Tensor and torch.equal(kept, chunk)  # a torch copy, never a JAX alias
     assert report()["wrapped_count"] == 0 and report()["copied_count"] == 0 and transactions == []
     assert torch.equal(obs[:, :, :1], _chunk(0)) and torch.equal(obs[:, :, 1:], chunk)
 

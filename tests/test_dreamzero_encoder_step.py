@@ -89,7 +89,9 @@ def test_the_observation_follows_the_ring_through_park_fork_evict_and_loss(chang
         for n in (1, 2, 3):
             _same(adapter.observation_latents(n), bespoke.observation_latents(n))
     ring = adapter._session.state.get(_ENCODER)
-    assert isinstance(ring, fs.LatentBuffer) and ring.resident and ring.view()[-1] is later[-1]
+    kept = ring.view()[-1]  # a copy of the caller's chunk (issue 34: a reused buffer never reaches the ring)
+    assert isinstance(ring, fs.LatentBuffer) and ring.resident and _bits(kept) == _bits(later[-1])
+    assert kept.untyped_storage().data_ptr() != later[-1].untyped_storage().data_ptr()
     # The ring stays the session's state object, seen by the accounting: every byte of every ring, and no other.
     rings = [x for s in fs.sessions(manager.state).values() for x in s.get(_ENCODER).view()]
     assert manager.stats()["total_nbytes"] == sum(fs.nbytes_by_device(*rings).values())
@@ -126,3 +128,29 @@ def test_a_strict_adapter_refuses_the_encoder_step_once_its_session_left():
         with pytest.raises(fs.SessionStateLostError, match="'a': this state object refers to a session"):
             use()
     assert "a" not in manager
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_caller_that_reuses_its_output_buffer_never_changes_the_window(window):
+    # The ring kept the caller's chunk by reference: an encoder writing each chunk into one preallocated buffer
+    # changed every frame of the adapter's window, while the bespoke history had copied them (`torch.cat`).
+    bespoke, adapter = (
+        BespokeDreamZeroState(),
+        DreamZeroStateAdapter("s", SessionStateManager(), vae_encoder_window=window),
+    )
+    out = torch.empty_like(_chunk(0))
+    for i in range(6):
+        out.copy_(_chunk(i))
+        bespoke.append_vae_encoder_chunk(out)
+        adapter.append_vae_encoder_chunk(out)
+        # The bespoke keeps its first chunk itself (no copy before its first torch.cat), so its oldest frame
+        # reads the caller's buffer: compared on the frames it copied.
+        for n in range(1, min(window, max(i, 1)) + 1):
+            _same(adapter.observation_latents(n), bespoke.observation_latents(n))
+    out.zero_()  # the caller's buffer, written after the last append
+    for n in range(1, window + 1):
+        _same(adapter.observation_latents(n), bespoke.observation_latents(n))
+        _same(adapter.observation_latents(n)[:, :, -1:], _chunk(5))
+    adapter.vae_encoder_out = out.copy_(_chunk(7))  # a ring seeded wholesale keeps its own copy too
+    out.zero_()
+    _same(adapter.vae_encoder_out, _chunk(7))

@@ -523,3 +523,36 @@ def test_the_same_object_under_two_names_is_parked_under_both_at_once():
     assert after["nbytes:cpu"] <= 768
     x, y = fs.lookup(enforced, "a").get("x"), fs.lookup(enforced, "b").get("y")
     assert x is y and x.parked
+
+
+# --- mutation sample (issue 34): decisions the suite did not pin ------------------------------------------
+
+
+def test_several_parks_in_one_plan_keep_the_host_pool_within_its_budget():
+    # Each park was checked against the host pool's budget as if it were the plan's only one: three 4 KiB
+    # parks into a pool with room for 5 KiB were all planned.
+    state = _table(n=3, kib=4, budget={"cpu": 64 * KIB, "cpu/unpinned_host": 5 * KIB})
+    assert plan_release(state, "cpu", 8 * KIB, levers=["park"]) is None  # room for one park only
+    plan = plan_release(state, "cpu", 8 * KIB, levers=["park", "drop"])
+    assert [a.kind for a in plan.actions].count("park") == 1  # then drops (s0's takes its host copy along)
+    assert "s1/cache: host pool 'cpu/unpinned_host' has no room" in str(plan)
+    after = apply_plan(state, plan)
+    assert fs.stats(after, exact=True).get("nbytes:cpu/unpinned_host", 0) <= 5 * KIB
+
+
+def test_an_object_is_never_evicted_together_with_its_recompute_source():
+    # Candidates are chosen while every source is resident; a source evicted earlier in the same plan must
+    # rule out what it would have rebuilt (nothing could recompute it then).
+    state = _one(
+        {
+            "src": DenseValue.create([torch.zeros(256)]),
+            "a": LatentBuffer.create(recompute_source="src", recompute_cost=1).commit(torch.zeros(256)),
+            "b": LatentBuffer.create(recompute_source="a", recompute_cost=2).commit(torch.zeros(256)),
+            "c": LatentBuffer.create(recompute_source="src", recompute_cost=3).commit(torch.zeros(256)),
+        }
+    )
+    plan = plan_release(state, "cpu", 2 * KIB, protect=["keep"], levers=["evict"])
+    assert [(a.kind, a.name) for a in plan.actions] == [("evict", "a"), ("evict", "c")]
+    assert "s0/b: its recompute source 'a' leaves in this plan" in str(plan)
+    after = fs.lookup(apply_plan(state, plan), "s0")
+    assert after.get("b").resident and after.get("src").resident

@@ -5,7 +5,14 @@ import numpy as np
 import pytest
 
 import functional_state as fs
-from functional_state import ArrayRing, InvalidTypeError, LatentBuffer, ManagerState, StateConsumedError
+from functional_state import (
+    ArrayRing,
+    InvalidTypeError,
+    LatentBuffer,
+    ManagerState,
+    PytreeValue,
+    StateConsumedError,
+)
 from helpers import assert_unchanged, snapshot
 
 
@@ -137,3 +144,46 @@ def test_step_on_a_latent_buffer_of_jax_arrays():
     state = fs.put(state, "a", "buf", LatentBuffer.create(maxlen=2).commit(jnp.zeros(3)))
     state = fs.step(state, "a", "buf", lambda b, x: b.commit(x), jnp.ones(3), donate=True)
     assert [float(x[0]) for x in fs.view(state, "a", "buf")] == [0.0, 1.0]
+
+
+def _twice(kind):
+    """An object holding one JAX-owned buffer under two leaves (issue 34, item 2)."""
+    x = jnp.arange(4.0) + 1
+    if kind == "pytree":
+        return PytreeValue.create({"p": x, "q": x})
+    return LatentBuffer.create().commit(x).commit(x)
+
+
+def _update_twice(obj):
+    if isinstance(obj, PytreeValue):
+        tree = obj.view()
+        return obj.commit({"p": tree["p"] + 1, "q": tree["q"] * 2})
+    a, b = obj.view()
+    return obj._replace(items=(a + 1, b * 2))
+
+
+_WANT = [[2.0, 3.0, 4.0, 5.0], [2.0, 4.0, 6.0, 8.0]]
+
+
+@pytest.mark.parametrize("kind", ["pytree", "latent"])
+def test_a_donating_step_copies_a_buffer_the_object_holds_twice(kind):
+    # It raised XLA's "Attempt to donate the same buffer twice": only holders outside the object were copied.
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "obj", _twice(kind))
+    new = fs.step(state, "a", "obj", _update_twice, donate=True)
+    got = fs.view(new, "a", "obj")
+    got = [got["p"], got["q"]] if kind == "pytree" else list(got)
+    np.testing.assert_array_equal(np.asarray(got), _WANT)
+    assert fs.stats(new, exact=True)["deleted_arrays"] == 0
+    assert fs.stats(new) == fs.stats(new, exact=True)
+
+
+@pytest.mark.parametrize("kind", ["pytree", "latent"])
+def test_a_donating_shell_step_copies_a_buffer_the_object_holds_twice(kind):
+    m = fs.SessionStateManager()
+    h = m.get_or_create_session("a").put("obj", _twice(kind))
+    h.step("obj", _update_twice, donate=True)
+    got = h.view("obj")
+    got = [got["p"], got["q"]] if kind == "pytree" else list(got)
+    np.testing.assert_array_equal(np.asarray(got), _WANT)
+    assert m.stats()["deleted_arrays"] == 0

@@ -276,3 +276,19 @@ def test_missing_diffusers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
         require_diffusers()
     with pytest.raises(ImportError):  # also an ImportError, for code that guards optional imports
         WanEncoderStream(object(), SessionStateManager())
+
+
+@pytest.mark.parametrize("dim_mult", [[1, 2, 2], [1, 2, 4, 4]])
+def test_empty_outputs_have_the_latent_grid_of_the_vae(dim_mult: list[int]) -> None:
+    # `_empty_latents` read `vae.spatial_compression_ratio`, a config value that defaults to 8 whatever the
+    # encoder's real downsampling: with dim_mult=[1, 2, 2] a session returned (1, 8, 1, 4, 4), then
+    # (1, 8, 0, 2, 2), and `torch.cat` of its outputs failed.
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, num_res_blocks=1, dim_mult=dim_mult)
+    stream = WanEncoderStream(vae.eval(), SessionStateManager())
+    stream.begin("s")
+    x = torch.randn(1, 3, 6, 18, 26, generator=torch.Generator().manual_seed(3))  # not multiples of 8
+    outs = [stream.encode("s", x[:, :, t : t + 1]) for t in range(6)]
+    assert [o.shape[2] > 0 for o in outs] == [True, False, False, False, True, False]  # empty between chunks
+    assert len({o.shape[:2] + o.shape[3:] for o in outs}) == 1, [tuple(o.shape) for o in outs]
+    assert torch.cat(outs, 2).shape[2] == sum(o.shape[2] for o in outs)

@@ -113,9 +113,13 @@ def register_checkpoint_type(cls: T | None = None, *, codec: ObjectCodec | None 
     where) -> (static, fields)`` and ``decode(cls, static, fields, context) -> obj``); subclass it to change
     one of them.
 
+    A name belongs to one class: registering another class under a taken name (a user class named
+    ``DenseValue``, say) is refused, except for the same class defined anew (same module and qualname: a
+    reloaded module), which takes the name over.
+
     Raises:
       InvalidTypeError: ``cls`` is not a StateObject subclass. InvalidArgumentError: ``name`` is not a
-        non-empty str.
+        non-empty str, or another class has it (pass ``name=`` to choose another).
     """
 
     def register(c: T) -> T:
@@ -129,13 +133,26 @@ def register_checkpoint_type(cls: T | None = None, *, codec: ObjectCodec | None 
             return c  # registered already (where it is defined): keep its codec
         handler = ObjectCodec() if codec is None else codec
         previous = _BY_NAME.get(key)
-        if previous is not None and previous[0] is not c:  # the name now means another class (a reloaded module)
-            _BY_TYPE.pop(previous[0], None)
+        if previous is not None and previous[0] is not c:
+            _refuse_taken(key, previous[0], c)
+            _BY_TYPE.pop(previous[0], None)  # the same class, defined anew (a reloaded module): it takes the name
         _BY_TYPE[c] = (key, handler)
         _BY_NAME[key] = (c, handler)
         return c
 
     return register if cls is None else register(cls)
+
+
+def _refuse_taken(key: str, taken: type, c: type) -> None:
+    """Raise unless ``c`` is the class registered under ``key`` defined anew (same module and qualname)."""
+    if (taken.__module__, taken.__qualname__) == (c.__module__, c.__qualname__):
+        return
+    raise InvalidArgumentError(
+        f"`register_checkpoint_type`: the checkpoint type name {key!r} is taken by "
+        f"{taken.__module__}.{taken.__qualname__}, so {c.__module__}.{c.__qualname__} cannot have it (checkpoints "
+        f"record a type by its name alone). Register it under a name of its own, e.g. "
+        f"`register_checkpoint_type({c.__name__}, name={c.__module__ + '.' + c.__qualname__!r})`."
+    )
 
 
 def codec_for(cls: type) -> tuple[str, ObjectCodec] | None:

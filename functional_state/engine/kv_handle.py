@@ -20,7 +20,7 @@ from ..errors import (
 from ..memory import accounting
 from .paged_kv import PagedKVPool, is_torch
 
-__all__ = ["BlockIds", "PagedKVHandle", "paged_gather"]
+__all__ = ["BlockIds", "OffloadToken", "PagedKVHandle", "paged_gather"]
 
 
 def paged_gather(layer: Any, block_ids: Any) -> Any:
@@ -121,6 +121,23 @@ def _unflatten_ids(capacity: int, children: Any) -> BlockIds:
 jax.tree_util.register_pytree_node(BlockIds, _flatten_ids, _unflatten_ids)
 
 
+class OffloadToken:
+    """The engine's ``offload`` token of a parked handle, in a box every table holding that parked handle
+    shares: a restore that is not installed puts its reloaded blocks back through ``offload`` and stores the
+    new token here (an engine's ``reload`` may consume the token it is given)."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: Any) -> None:
+        self.token = token
+
+    def _accounting_children(self) -> tuple[Any, ...]:
+        return (self.token,)  # a token of host arrays is host memory the accounting counts
+
+    def __repr__(self) -> str:
+        return f"OffloadToken({self.token!r})"
+
+
 def _not_checkpointable(where: str) -> str:
     return (
         f"{where} is a PagedKVHandle: its K/V lives in an engine's pool, which a session checkpoint does not own. "
@@ -150,7 +167,7 @@ class PagedKVHandle(StateObject):
     pool: PagedKVPool
     block_ids: BlockIds  # committed block ids (a tuple of ints): data, so a commit never retraces
     staged: BlockIds | None  # staged block ids, or None
-    host_copy: Any  # the engine's offload token while parked, else None
+    host_copy: OffloadToken | None  # the engine's offload token while parked, else None
     status: Status
     recompute_source: str | None
     recompute_cost: float
@@ -253,7 +270,7 @@ class PagedKVHandle(StateObject):
                 f"`PagedKVHandle.park`: pool {self.pool.name!r} offers no offload; evict the handle instead "
                 f"(its K/V can be recomputed from {self.recompute_source!r})."
             )
-        token = self.pool.offload_fn(self.block_ids)
+        token = OffloadToken(self.pool.offload_fn(self.block_ids))
         return self._replace(status=PARKED, host_copy=token, block_ids=self._ids(()))
 
     def restore(self) -> PagedKVHandle:
@@ -266,8 +283,8 @@ class PagedKVHandle(StateObject):
             raise NotParkedError(
                 f"`PagedKVHandle.restore` called on a {self.status} handle: only a parked one can be restored."
             )
-        assert self.pool.reload_fn is not None
-        ids = self.pool.check_ids(self.pool.reload_fn(self.host_copy), "PagedKVPool reload")
+        assert self.pool.reload_fn is not None and self.host_copy is not None
+        ids = self.pool.check_ids(self.pool.reload_fn(self.host_copy.token), "PagedKVPool reload")
         return self._replace(status=RESIDENT, host_copy=None, block_ids=self._ids(ids))
 
     @property

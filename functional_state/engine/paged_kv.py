@@ -108,6 +108,8 @@ class PagedKVPool:
       offload: optional ``offload(block_ids) -> token``: copy the blocks to engine-managed host memory (it
         must not free them: the manager frees device blocks when their last holder lets go).
       reload: optional ``reload(token) -> block_ids``: allocate blocks, copy the token back, return their ids.
+        It may consume the token: a restore that is then refused (the byte budget) offloads the blocks again
+        for a new token before freeing them.
       free_block_count: optional ``() -> int``: the engine's free blocks now (`stats` reports pool bytes).
       name: shown in errors and in `stats` keys (default ``"pool<uid>"``).
 

@@ -11,12 +11,16 @@ the blocks a change that will not be installed allocated (a refused restore's ``
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from ..engine.kv_handle import PagedKVHandle
 from ..engine.paged_kv import PagedKVPool, pool_by_uid
 from ..errors import KVFreeError
 from .ledger import LOG_CUT, Acct
-from .manager_state import ManagerState, check_state, ledger_of
+from .manager_state import ManagerState, check_state, ledger_of, session_map
+
+_log = logging.getLogger("functional_state")
 
 __all__ = ["free_acquired", "free_released", "released_blocks"]
 
@@ -109,9 +113,10 @@ def free_acquired(before: ManagerState, after: ManagerState) -> dict[PagedKVPool
     ``after`` and none held in ``before``.
 
     For a `restore` (or a handle's restore on access) that is then refused, by the byte budget or a failing
-    ``free``: the engine's ``reload`` allocated blocks for ``after`` that no state will hold. ``before`` is
-    untouched: its parked handles keep their host copies (an offload token stays valid after ``reload``, as
-    forks parked together rely on), so a later restore reloads the same K/V. Blocks a caller allocated and
+    ``free``: the engine's ``reload`` allocated blocks for ``after`` that no state will hold. Each handle
+    ``before`` holds parked and ``after`` restored first puts those blocks back through the engine's
+    ``offload`` and keeps the new token in the parked handle's `OffloadToken` (an engine's ``reload`` may
+    consume its token), so a later restore reloads the same K/V. Blocks a caller allocated and
     committed in a refused write are the caller's: call this only for changes whose new blocks the library
     allocated. Each block is freed once, as in `free_released` (whose mirror image this is).
 
@@ -131,7 +136,30 @@ def free_acquired(before: ManagerState, after: ManagerState) -> dict[PagedKVPool
       >>> {p.name: ids for p, ids in free_acquired(parked, restored).items()}, freed
       ({'kv': (3,)}, [3])
     """
+    if released_between(ledger_of(after), ledger_of(before)):
+        _offload_again(before, after)
     return free_released(after, before)
+
+
+def _offload_again(before: ManagerState, after: ManagerState) -> None:
+    """Each handle parked in ``before`` and restored in ``after`` (its reload is being undone) puts its
+    reloaded K/V back through the engine's ``offload`` into the parked handle's token: an engine whose
+    ``reload`` consumed the token would otherwise have lost it. Read only on this refused path."""
+    old_sessions = session_map(before)
+    for sid, session in session_map(after).items():
+        old = old_sessions.get(sid)
+        if old is None or old is session:
+            continue
+        for name, obj in session._objects.items():
+            parked = old._objects.get(name)
+            if not (isinstance(obj, PagedKVHandle) and isinstance(parked, PagedKVHandle) and obj is not parked):
+                continue
+            box, offload = parked.host_copy, obj.pool.offload_fn
+            if parked.parked and not obj.parked and obj.block_ids and box is not None and offload is not None:
+                try:
+                    box.token = offload(obj.block_ids)
+                except Exception:  # the blocks still go back; a later restore reloads the old token
+                    _log.warning("a refused KV restore could not offload its blocks again", exc_info=True)
 
 
 def _free_failed(pool: PagedKVPool, ids: tuple[int, ...], done: list[str], e: Any) -> str:

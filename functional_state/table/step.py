@@ -69,7 +69,7 @@ def _protected(state: ManagerState, retained: Iterable[Any]) -> tuple[list[Acct]
 
 def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[Any] = ()) -> tuple[StateObject, int]:
     """``obj`` (an object ``state`` holds once, under the name being stepped) with every JAX array that
-    anything else may read replaced by a copy; and how many.
+    anything else may read, or that ``obj`` holds more than once, replaced by a copy; and how many.
 
     "Anything else" is every other holder in ``state`` (answered by its ledger: objects, their unaccounted
     leaves, attr values, in O(size of ``obj``)) and everything in ``retained``. Compared by extent, so
@@ -80,16 +80,20 @@ def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[A
     tables, walked = _protected(state, retained)
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     new_leaves = []
+    donated: set[Extent] = set()  # XLA refuses one buffer donated twice: a leaf repeated in obj is copied
     for leaf in leaves:
         if isinstance(leaf, jax.Array) and not leaf.is_deleted():
             extents = value_extents(leaf)
             if (
                 not extents  # an empty buffer: no address to compare, and a copy costs nothing
+                or not donated.isdisjoint(extents)
                 or held_elsewhere(acct, extents, own)
                 or any(held_elsewhere(t, extents) for t in tables)
                 or not walked.isdisjoint(extents)
             ):
                 leaf = jnp.array(leaf, copy=True)
+            else:
+                donated.update(extents)
         new_leaves.append(leaf)
     copied = sum(a is not b for a, b in zip(leaves, new_leaves))
     return jax.tree_util.tree_unflatten(treedef, new_leaves), copied

@@ -9,7 +9,7 @@ name                       bucket                                            why
 ``stitched_frames``        `LatentBuffer` ring of 4                          accumulated, reset per window
 ``video_latents``          `LatentBuffer` append buffer (host memory)        accumulated over the session
 ``vae_encoder_out``        `LatentBuffer` ring of ``vae_encoder_window``      bounded: the reader needs only
-                           latent frames (torch tensors, by reference)       the last few frames
+                           latent frames (torch tensors, copied in)          the last few frames
 ``vae_enc_feat_map``       `DenseValue` (603 MiB at deploy shapes)           replaced whole or item by item,
                                                                              no recompute source: parkable
 counters, conditioning     attrs                                             assigned wholesale by the model
@@ -24,8 +24,9 @@ from the state each time it is used: the list a caller assigns is copied in, not
 Torch tensors enter through `torch_bridge.wrap` (a JAX alias when DLPack allows, the tensor itself
 otherwise; never a copy) and come back as torch tensors over the same storage, bit-identical. The encoder
 ring is the exception: it is written and read back on every model step, where a JAX alias each way would cost
-several times the step's own ``torch.cat`` (issue 24), so it keeps the torch tensors themselves (a
-`LatentBuffer` carries any array type by reference; accounting, park and checkpoint treat them alike).
+several times the step's own ``torch.cat`` (issue 24), so it keeps torch tensors (a `LatentBuffer` carries
+any array type; accounting, park and checkpoint treat them alike): a copy of each frame it keeps, as the
+bespoke history's ``torch.cat`` copies, so a caller reusing its output buffer never changes the window.
 """
 
 from __future__ import annotations
@@ -256,21 +257,21 @@ class DreamZeroStateAdapter(ResetRules):
 
     # VAE encoder ring
     def _encoder_frames(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        # Each frame the ring keeps is its own copy, as the bespoke history's torch.cat makes one: a caller that
+        # reuses its output buffer must not change the window. Only the frames the ring keeps are copied (a view
+        # would keep the whole chunk alive and the ring would no longer bound memory).
         t = chunk.shape[2]
-        if t == 1:
-            return [chunk]  # the steady state: one latent frame per chunk, kept by reference
-        # A multi-frame chunk is split, and only the frames the ring keeps are materialized: a view would keep
-        # the whole chunk alive and the ring would no longer bound memory.
         keep = range(max(0, t - self._window), t)
         return [chunk[:, :, i : i + 1].clone(memory_format=torch.contiguous_format) for i in keep]
 
     def append_vae_encoder_chunk(self, chunk: torch.Tensor) -> None:
         """Append an encoded chunk (B, C, T, H, W); frames beyond the window are dropped, oldest first."""
-        # The steady state (one latent frame per chunk) in one commit into the ring, the tensor kept by reference.
+        # The steady state (one latent frame per chunk) in one commit into the ring, of a copy of the tensor.
         # A ring the session lost (reset, eviction) is rebuilt in one transaction instead, as is a multi-frame chunk.
         if type(chunk) is torch.Tensor and chunk.dim() == 5 and chunk.size(2) == 1:
             try:
-                (self._handle.commit_held if self._strict else self._handle.commit)(ENCODER, chunk)
+                frame = chunk.clone(memory_format=torch.contiguous_format)  # ours: see `_encoder_frames`
+                (self._handle.commit_held if self._strict else self._handle.commit)(ENCODER, frame)
                 return
             except (ObjectNotFoundError, NotAllocatedError):
                 pass

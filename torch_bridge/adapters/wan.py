@@ -133,6 +133,11 @@ class WanEncoderStream:
         self.manager = _manager_of(store_or_manager)
         self.park_between_calls = park_between_calls
         self._conv_count = sum(isinstance(m, wan.WanCausalConv3d) for m in vae.encoder.modules())
+        # Halvings of height and width, read off the encoder itself: `vae.spatial_compression_ratio` is a config
+        # value (default 8) that need not match `dim_mult`, and an empty output must have the grid of the others.
+        self._halvings = sum(
+            isinstance(m, wan.WanResample) and m.mode.startswith("downsample") for m in vae.encoder.modules()
+        )
         self._in_channels = vae.config.in_channels
         self._dtype = next(vae.parameters()).dtype
 
@@ -223,9 +228,9 @@ class WanEncoderStream:
             same batch, channels, height and width.
 
         Returns:
-          ``(batch, 2 * z_dim, n, height / 8, width / 8)``: the ``quant_conv`` output (the latent
-          distribution's parameters: mean, then log-variance) of the ``n`` chunks completed by this call
-          (``n`` may be 0).
+          ``(batch, 2 * z_dim, n, height / 8, width / 8)`` (a factor of 2 per encoder downsampling: 8 for the
+          default ``dim_mult``): the ``quant_conv`` output (the latent distribution's parameters: mean, then
+          log-variance) of the ``n`` chunks completed by this call (``n`` may be 0).
 
         Raises:
           SessionStateLostError: the session is unknown.
@@ -275,9 +280,9 @@ class WanEncoderStream:
 
     def _empty_latents(self, frames: torch.Tensor) -> torch.Tensor:
         b, _, _, h, w = frames.shape
-        ratio = self.vae.spatial_compression_ratio or 8
+        h, w = h >> self._halvings, w >> self._halvings  # (pad right and bottom by 1, 3x3 conv of stride 2: h // 2)
         z2 = self.vae.quant_conv.out_channels
-        return torch.empty((b, z2, 0, h // ratio, w // ratio), dtype=self._dtype, device=frames.device)
+        return torch.empty((b, z2, 0, h, w), dtype=self._dtype, device=frames.device)
 
     def __repr__(self) -> str:
         return f"WanEncoderStream({self._conv_count} cached convs, park_between_calls={self.park_between_calls})"
