@@ -462,3 +462,71 @@ def test_every_manifest_field_edited_and_resealed_is_refused_or_loads_cleanly(ck
                 pytest.fail(f"editing {at} to {value!r} raised {type(e).__name__}: {e}")
             assert len(state) == 0
     assert outcomes["refused"] > 5 * outcomes["loaded"], outcomes
+
+
+# --- mutants that survived the suite (issue 34) -----------------------------------------------------------------
+
+
+class _Pose:
+    """An attr type a checkpoint cannot hold: saved and loaded through hooks."""
+
+    def __init__(self, xyz: list[float]) -> None:
+        self.xyz = xyz
+
+
+def test_attr_and_object_import_hooks_are_applied_on_load(tmp_path):
+    # Mutant that survived: `Reader` returning the exported value without calling the import hook (every test
+    # used an identity hook, so the two were the same).
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "pose", _Pose([1.0, 2.0, 3.0]))
+    s = fs.put(s, "a", "o", fs.DenseValue.create(torch.arange(3.0)))
+    attr_hooks = {"pose": (lambda p: {"xyz": p.xyz}, lambda d: _Pose(d["xyz"]))}
+    object_hooks = {"o": (lambda o: [o.value], lambda v: fs.DenseValue.create(v[0] * 2))}
+    fs.save_session(s, "a", tmp_path / "ck", attr_hooks=attr_hooks, object_hooks=object_hooks)
+    t = fs.load_session(ManagerState.create(), "a", tmp_path / "ck", attr_hooks=attr_hooks, object_hooks=object_hooks)
+    pose = fs.get_attr(t, "a", "pose")
+    assert isinstance(pose, _Pose) and pose.xyz == [1.0, 2.0, 3.0]
+    assert torch.equal(fs.view(t, "a", "o"), torch.arange(3.0) * 2)
+
+
+@pytest.mark.parametrize("edit", ["renamed", "stripped-with-a-new-field"])
+def test_a_current_manifest_without_its_checksum_and_with_a_field_no_earlier_one_has_is_refused(ck, edit):
+    # Mutant that survived: `check_manifest` without its unsealed-manifest field check (a current manifest whose
+    # checksum field was renamed, or stripped beside a field earlier versions never wrote, loaded unverified).
+    manifest = json.loads(_meta(ck).read_text())
+    seal = manifest.pop("manifest_xxh3_128")
+    manifest["manifest_xxh3_12" if edit == "renamed" else "transfer"] = seal
+    _meta(ck).write_text(json.dumps(manifest))
+    _refused(ck, "no checksum")
+
+
+@pytest.mark.parametrize(
+    "field, edit",
+    [
+        ("nbytes", lambda m: m["leaves"][_storage_key(m)].update(nbytes=-1)),
+        (
+            "shape",
+            lambda m: m["leaves"][m["sessions"][0]["objects"]["j"]["fields"]["storage"]["key"]].update(shape=[-2, -3]),
+        ),
+        ("offset", lambda m: _torch_node(m).update(offset=-4)),
+    ],
+)
+def test_negative_counts_are_refused_naming_the_field(ck, field, edit):
+    # Mutant that survived: the count check accepting negative numbers.
+    _resealed(ck, edit)
+    _refused(ck, field)
+
+
+def test_negative_table_counters_are_refused(table_ck):
+    _resealed(table_ck, lambda m: m["table"].update(counters=[1, 2, -3, 4, 5]))
+    _refused(table_ck, "counters", table=True)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_copy_checksum_copies_and_hashes_the_last_byte_past_whole_chunks(chunks):
+    # Mutant that survived: `copy_checksum` losing the last byte of a leaf of 4 MiB * k + 1 bytes.
+    n = manifest_module._CHUNK * chunks + 1
+    src = np.random.default_rng(chunks).integers(0, 256, n, dtype=np.uint8)
+    out = np.zeros(n, np.uint8)
+    assert manifest_module.copy_checksum(src, out) == manifest_module.checksum(src)
+    assert out[-1] == src[-1] and np.array_equal(out, src)
