@@ -1,13 +1,14 @@
 """A 600 MiB checkpoint load with the untrusted-input checks (issue 35) against the loader before them,
 interleaved in fresh processes.
 
-    python benchmarks/ab_checkpoint_checks.py OLD_TREE NEW_TREE [rounds]
+    python benchmarks/ab_checkpoint_checks.py OLD_TREE NEW_TREE [rounds] [warm|cold]
 
 OLD_TREE is a checkout of the loader before the checks (``git worktree add --detach /tmp/old f0b77d6``). One
 checkpoint (40 torch storages of 15 MiB of random float32, and a few small leaves) is written once by NEW_TREE
 (the format on disk did not change); each round runs one subprocess per tree (alternating which goes first)
-that loads it ``LOADS`` times with ``read_session`` (page cache warm for both: what differs is CPU work) and
-reports the median; the figure is the median of the rounds. NEW_TREE's child also times the checks alone.
+that loads it ``LOADS`` times with ``read_session`` (page cache warm, or dropped before each load with
+``cold``) and reports the median wall and CPU time (all threads: what the checks add, less disturbed by other users of
+the cores); the figure is the median of the rounds. NEW_TREE's child also times the checks alone.
 """
 
 from __future__ import annotations
@@ -35,14 +36,24 @@ fs.save_session(s, "a", sys.argv[1])
 CHILD = r"""
 import json, os, statistics, sys, time
 import functional_state as fs
-path = sys.argv[1]
+path, cold = sys.argv[1], sys.argv[3] == "cold"
+def drop():  # the checkpoint's pages out of the page cache (written back first), as a cold read finds them
+    for d, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(d, n), os.O_RDONLY)
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
 fs.read_session("a", path)  # warm: imports, page cache
-times = []
+times, cpu = [], []
 for _ in range(int(sys.argv[2])):
-    t0 = time.perf_counter()
+    if cold:
+        drop()
+    t0, c0 = time.perf_counter(), time.process_time()
     fs.read_session("a", path)
     times.append(time.perf_counter() - t0)
-out = {"load": statistics.median(times)}
+    cpu.append(time.process_time() - c0)
+out = {"load": statistics.median(times), "cpu": statistics.median(cpu)}
 try:
     from functional_state.persist import confined, direct, directory, manifest, validate
 except ImportError:
@@ -76,6 +87,7 @@ def _run(tree: str, code: str, *args: str) -> str:
 def main() -> None:
     old, new = sys.argv[1], sys.argv[2]
     rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 5
+    cache = sys.argv[4] if len(sys.argv) > 4 else "warm"
     work = tempfile.mkdtemp(prefix="fs-ab-checks-")
     try:
         path = os.path.join(work, "ck")
@@ -84,15 +96,17 @@ def main() -> None:
         got: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
         for i in range(rounds):
             for label in ("old", "new") if i % 2 == 0 else ("new", "old"):
-                got[label].append(json.loads(_run(old if label == "old" else new, CHILD, path, str(LOADS))))
+                got[label].append(json.loads(_run(old if label == "old" else new, CHILD, path, str(LOADS), cache)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     a = statistics.median(r["load"] for r in got["old"])
     b = statistics.median(r["load"] for r in got["new"])
     checks = statistics.median(r["checks"] for r in got["new"])
+    ca, cb = (statistics.median(r["cpu"] for r in got[k]) for k in ("old", "new"))
     fa, fb = min(r["load"] for r in got["old"]), min(r["load"] for r in got["new"])
-    print(f"checkpoint on disk: {nbytes / 2**20:.0f} MiB; {rounds} rounds of {LOADS} warm loads per process")
+    print(f"checkpoint on disk: {nbytes / 2**20:.0f} MiB; {rounds} rounds of {LOADS} {cache} loads per process")
     print(f"read_session  before {a * 1e3:7.1f} ms  with checks {b * 1e3:7.1f} ms  after/before {b / a:.3f}")
+    print(f"CPU time of a load, all threads: before {ca * 1e3:.1f} ms  with checks {cb * 1e3:.1f} ms  {cb / ca:.3f}")
     print(
         f"fastest round (the least disturbed on a shared machine): {fa * 1e3:.1f} ms  {fb * 1e3:.1f} ms  {fb / fa:.3f}"
     )
