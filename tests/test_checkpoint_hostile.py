@@ -350,9 +350,11 @@ def test_json_nested_past_the_bound_is_refused_by_every_reader(ck, table_ck, dep
         manifest_module.seal(manifest) if depth < 500 else None  # (json.dumps itself recurses past ~1000)
         text = json.dumps(manifest) if depth < 500 else _deep_text(manifest, depth)
         _meta(path).write_text(text)
-    _refused(ck, "nest")
-    _refused(table_ck, "nest", table=True)
-    assert fs.has_checkpoint(ck) is False
+    _refused(ck, "nests|recursion")  # (past the parser's own limit: its RecursionError, as a CheckpointError)
+    _refused(table_ck, "nests|recursion", table=True)
+    # A poll answers without raising: past the parser's limit the step is not a checkpoint; within it the step
+    # counts, and the load refuses it.
+    assert fs.has_checkpoint(ck) is (depth < 500)
 
 
 def _deep_text(manifest: dict, depth: int) -> str:
@@ -361,11 +363,15 @@ def _deep_text(manifest: dict, depth: int) -> str:
     return json.dumps(manifest).replace('"@@"', inner)
 
 
-def test_the_depth_scan_ignores_brackets_inside_strings():
-    from functional_state.persist.confined import json_depth
+def test_the_depth_check_counts_containers_not_brackets_inside_strings():
+    from functional_state.persist.confined import check_depth, load_json
 
-    assert json_depth(b'{"a": "[[[[{{{{", "b": [1, [2]]}') == 3
-    assert json_depth(b'{"a": "\\"[[[["}') == 1
+    value = load_json(b'{"a": "[[[[{{{{", "b": [1, [2, {"c": []}]]}', "here")
+    check_depth(value, "here", 5)  # the object, "b", its inner list, the object in it, "c"
+    with pytest.raises(CheckpointError, match="here: the JSON nests more than the 4 levels"):
+        check_depth(value, "here", 4)
+    with pytest.raises(CheckpointError, match="not valid JSON"):  # past the parser's own limit: no RecursionError
+        load_json(b"[" * 100_000 + b"]" * 100_000, "here")
 
 
 # --- 8. ambiguity ---------------------------------------------------------------------------------------------

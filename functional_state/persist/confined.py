@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import CheckpointError
 
-MAX_DEPTH = 200  # JSON nesting a manifest may have: a session's deepest pytree, with room to spare
+MAX_DEPTH = 200  # JSON nesting a manifest may have (`check_depth`): a session's deepest pytree, with room to spare
 
 MAX_JSON_BYTES = 256 << 20  # a manifest (or an OCDBT value) larger than this is refused unread
 
@@ -141,31 +138,28 @@ def _refuse_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+def check_depth(value: Any, where: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse a parsed JSON ``value`` nested deeper than ``limit`` arrays and objects: what is built from it
+    recurses (the seal's canonical dump, the decoder), so no RecursionError can come from a crafted depth.
 
-
-def json_depth(data: bytes) -> int:
-    """The deepest nesting of arrays and objects in the JSON text ``data`` (brackets within strings aside)."""
-    raw = np.frombuffer(_STRING.sub(b'""', data), np.uint8)
-    depth, deepest = 0, 0
-    for start in range(0, raw.size, _SCAN):  # a piece at a time: a step per byte is 8 bytes per byte of text
-        part = raw[start : start + _SCAN]
-        step = ((part == ord("[")) | (part == ord("{"))).astype(np.int64)
-        step -= (part == ord("]")) | (part == ord("}"))
-        running = np.cumsum(step) + depth
-        deepest, depth = max(deepest, int(running.max())), int(running[-1])
-    return deepest
-
-
-_SCAN = 1 << 20
+    Raises:
+      CheckpointError: naming ``where`` and the depth found.
+    """
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        x, depth = stack.pop()
+        children = x.values() if isinstance(x, dict) else x if isinstance(x, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise CheckpointError(f"{where}: the JSON nests more than the {limit} levels allowed.")
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
 def load_json(data: bytes, where: str) -> Any:
-    """``data`` parsed as JSON; `CheckpointError` for text that is not, nests deeper than `MAX_DEPTH`, or
-    repeats a key in one object (the seal covers the parsed value, so a repeated key must not pick one)."""
-    depth = json_depth(data)
-    if depth > MAX_DEPTH:
-        raise CheckpointError(f"{where}: the JSON nests {depth} levels deep, more than the {MAX_DEPTH} allowed.")
+    """``data`` parsed as JSON; `CheckpointError` for text that is not, that nests past the parser's recursion
+    limit, or that repeats a key in one object (the seal covers the parsed value, so a repeated key must not
+    pick one). What a load builds from the value is bounded further by `check_depth`."""
     try:
         return json.loads(data, object_pairs_hook=_refuse_duplicates)
     except (ValueError, RecursionError) as e:

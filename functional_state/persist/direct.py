@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from ..errors import CheckpointError
-from .confined import load_json, open_inside, relative_parts
+from .confined import check_depth, load_json, open_inside, relative_parts
 from .validate import StoredLeaf
 
 T = TypeVar("T")
@@ -170,6 +170,7 @@ def stored_leaves(entries: dict[bytes, Any], where: str) -> dict[str, StoredLeaf
         if last != ".zarray":
             continue
         meta = load_json(value, f"{where}: {name}/.zarray") if isinstance(value, bytes) else None
+        check_depth(meta, f"{where}: {name}/.zarray", 8)
         shape = meta.get("shape") if isinstance(meta, dict) else None
         if not (
             isinstance(meta, dict) and isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)

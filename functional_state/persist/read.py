@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
-from .confined import check_tree
+from .confined import check_depth, check_tree
 from .decode import decode_sharding
 from .direct import DirectReads, database, stored_leaves
 from .directory import import_orbax, list_steps, orbax_manager, read_manifest
@@ -64,6 +64,7 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
             f"{step_dir}: its manifest is missing, unreadable or not functional_state's; the checkpoint is "
             f"damaged or another tool wrote this directory."
         )
+    check_depth(manifest, f"{root}: the manifest")
     check_manifest(manifest, root)
     leaves = manifest["leaves"]
     stored = {key: info for key, info in leaves.items() if in_arrays_item(info)}
