@@ -66,6 +66,7 @@ else:
         t0 = time.perf_counter()
         confined.check_tree(root / "0", str(root))
         m = directory.read_manifest(root / "0")
+        confined.check_depth(m, str(root))
         manifest.check_manifest(m, root)
         entries = direct.database(os.path.normpath(root / "0" / "arrays"))
         stored = {k: v for k, v in m["leaves"].items() if manifest.in_arrays_item(v)}

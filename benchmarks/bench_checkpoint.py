@@ -198,6 +198,7 @@ def _checks_alone(root: Path, n: int = 7) -> float:
         t0 = time.perf_counter()
         confined.check_tree(root / str(step), str(root))
         m = directory.read_manifest(root / str(step))
+        confined.check_depth(m, str(root))
         manifest.check_manifest(m, root)
         entries = direct.database(os.path.normpath(root / str(step) / "arrays"))
         stored = {k: v for k, v in m["leaves"].items() if manifest.in_arrays_item(v)}
