@@ -185,6 +185,28 @@ def _timed_load(kv: dz.SelfAttnKV, ck: Path, hooks: dict[str, Any]) -> float:
     return elapsed
 
 
+def _checks_alone(root: Path, n: int = 7) -> float:
+    """Median seconds of the untrusted-input checks a load runs before orbax reads (issue 35): the step's tree
+    (no links, regular files only), the manifest read and checked, the arrays database listed, and every
+    leaf's declared size against what it holds. What a load pays for them, measured apart from the load."""
+    from functional_state.persist import confined, direct, directory, manifest, validate
+
+    root = root.absolute()
+    step = max(int(p.name) for p in root.iterdir() if p.name.isdigit())
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        confined.check_tree(root / str(step), str(root))
+        m = directory.read_manifest(root / str(step))
+        confined.check_depth(m, str(root))
+        manifest.check_manifest(m, root)
+        entries = direct.database(os.path.normpath(root / str(step) / "arrays"))
+        stored = {k: v for k, v in m["leaves"].items() if manifest.in_arrays_item(v)}
+        validate.check_stored(stored, direct.stored_leaves(entries, str(root)), str(root))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def _cold_raw_read(path: Path, nbytes: int) -> float:
     _same_cache_state(path)
     return _raw_read(path, nbytes)
@@ -372,6 +394,7 @@ def run() -> dict:
         cache = _same_cache_state(work / "ck0")
         disk = sum(p.stat().st_size for p in (work / "ck0").rglob("*") if p.is_file())
         helpers = _step_helpers(work / "ck0")
+        checks = _checks_alone(work / "ck0")
         steps = _step_rounds(store, kv, hooks, work, nbytes)
         quiet, busy = steps["quiet"], steps["busy"]
     finally:
@@ -402,6 +425,13 @@ def run() -> dict:
         ("async save duration, median (writes at lowered priority)", fmt_time(med(steps["save_s"])), "-"),
         ("async save: the model's thread waits (copies + checksums), median", fmt_time(med(steps["return_s"])), "-"),
     ]
+    rows.append(
+        (
+            "load: the untrusted-input checks alone (issue 35) / share of the median load",
+            fmt_time(checks),
+            f"{checks / med(loads):.1%}",
+        )
+    )
     rows += [(f"step scan: {k}", fmt_time(v), f"{v / helpers['has_checkpoint']:.1f}x") for k, v in helpers.items()]
     ours_w = med([t / w for w, t in zip(raw_w, saves)])
     ours_r = med([t / r for r, t in zip(raw_r, loads)])
@@ -492,12 +522,16 @@ def run() -> dict:
             "time one `has_checkpoint` poll against orbax's step helpers on the same directory. The load streams "
             "each of the checkpoint's data files on a thread of its own while the raw read is one sequential "
             "np.fromfile, so on a disk that rewards parallel streams the median ratio falls below 1: the "
-            "fastest-rounds ratio is the conservative comparison."
+            "fastest-rounds ratio is the conservative comparison. The checks row times, apart from the load, what "
+            "a load checks before orbax reads (issue 35: the step's tree, the manifest, the arrays database, every "
+            "leaf's size against it); the load figures include them. A side-by-side against the loader before the "
+            "checks is benchmarks/ab_checkpoint_checks.py (fresh processes, interleaved, page cache warm)."
         ),
         "figures": {
             **{"saves": saves, "loads": loads, "raw_w": raw_w, "raw_r": raw_r, "quiet": quiet, "busy": busy},
             **{"step_ratios": steps["ratio"], "raw_step_ratios": steps["raw_ratio"], "async_save_s": steps["save_s"]},
             "async_return_s": steps["return_s"],
             **{"st_w": st_w, "st_r": st_r, "st_raw_w": st_raw_w, "st_raw_r": st_raw_r, "step_helpers": helpers},
+            "checks_s": checks,
         },
     }

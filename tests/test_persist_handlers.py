@@ -93,21 +93,24 @@ def test_a_load_reads_host_bound_storages_into_their_aligned_buffers(tmp_path, m
     assert loaded[0].data_ptr() % 64 == 0  # what JAX needs to alias it
 
 
-def test_a_buffer_of_the_wrong_size_is_never_read_into(tmp_path):
-    """The buffer a load reads into is sized by the manifest: where that size disagrees with the stored array,
-    the handler reads into new memory instead (never past or short of the buffer), and the bytes used are the
-    ones the leaf's checksum verified, copied into aligned memory of the array's own size."""
+def test_a_size_that_disagrees_with_the_stored_array_is_refused_before_a_buffer_is_made(tmp_path):
+    """The buffer a load reads into is sized by the manifest: where that size disagrees with the stored array
+    (a consistent, resealed manifest, not a damaged seal), the load is refused before any buffer is allocated
+    (issue 35: declared bytes equal to stored bytes). Before, it read into new memory of the stored size and
+    loaded."""
     t = torch.arange(1 << 12, dtype=torch.float32)
     fs.save_session(_state(t, np.arange(3)), "a", tmp_path / "ck")
     path = next((tmp_path / "ck").glob("[0-9]*")) / "manifest" / "metadata"
     manifest = json.loads(path.read_text())
     key = max(manifest["leaves"], key=lambda k: manifest["leaves"][k]["nbytes"])
-    manifest["leaves"][key]["nbytes"] -= 64
-    del manifest[manifest_module._SEAL]
-    manifest_module.seal(manifest)  # a consistent manifest with a wrong size, not a damaged seal
-    path.write_text(json.dumps(manifest))
-    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
-    assert torch.equal(loaded[0], t) and loaded[0].data_ptr() % 64 == 0
+    for delta in (-64, 64):
+        edited = json.loads(json.dumps(manifest))
+        edited["leaves"][key]["nbytes"] += delta
+        del edited[manifest_module._SEAL]
+        manifest_module.seal(edited)
+        path.write_text(json.dumps(edited))
+        with pytest.raises(CheckpointError, match="bytes"):
+            fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
     manifest["leaves"][key][manifest_module.CHECKSUM] = "0" * 32  # and bytes that fail their checksum are refused
     del manifest[manifest_module._SEAL]
     manifest_module.seal(manifest)
@@ -196,6 +199,16 @@ def test_a_failed_load_waits_for_its_own_direct_reads_not_another_loads(tmp_path
         original(reads)
 
     monkeypatch.setattr(handlers_module, "read_direct", read_direct)
+    # A load checks the arrays database before orbax reads and would find the damaged tree node there; the
+    # failure this needs is one inside orbax's restore (a file changed after that check), so the damaged
+    # checkpoint's check is handed an empty listing.
+    database, check_stored = read_module.database, read_module.check_stored
+    monkeypatch.setattr(read_module, "database", lambda root: {} if "damaged" in root else database(root))
+    monkeypatch.setattr(
+        read_module,
+        "check_stored",
+        lambda leaves, stored, where: "damaged" in where or check_stored(leaves, stored, where),
+    )
     t, a = torch.arange(64.0), np.arange(4)
     for name in ("healthy", "damaged"):
         fs.save_session(_state(t, a), "a", tmp_path / name)

@@ -143,8 +143,8 @@ def read_session(
         raise CheckpointError(f"{path}: holds sessions {sorted(entries)[:8]}, not {sid!r}.")
     try:
         return Reader(arrays, attr_hooks, torch_device, object_hooks, templates).session(entries[sid])
-    except CheckpointError:
-        raise
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from e  # (the reader knows the node, not the path)
     except Exception as e:
         raise CheckpointError(f"{path}: session {sid!r} cannot be rebuilt ({type(e).__name__}: {e}).") from e
 
@@ -284,6 +284,8 @@ def load(
             state = install_session(state, entry["id"], reader.session(entry))
     except BaseException as e:
         release_sessions(ms.sessions(state).values(), e)
+        if isinstance(e, CheckpointError):
+            raise CheckpointError(f"{path}: {e}") from e  # (the reader knows the node, not the path)
         if isinstance(e, (SessionStateError, KeyboardInterrupt)) or not isinstance(e, Exception):
             raise
         raise CheckpointError(f"{path}: a session cannot be rebuilt ({type(e).__name__}: {e}).") from e

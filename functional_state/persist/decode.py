@@ -22,6 +22,7 @@ from .encode import AttrHooks
 from .manifest import (
     import_torch,
 )
+from .validate import TORCH_ITEMSIZE, numeric_dtype
 
 
 def _owner_type(name: str | None) -> type | None:
@@ -86,6 +87,8 @@ class Reader:
         if t == "b":
             return base64.b64decode(node["v"])
         if t == "np":
+            if numeric_dtype(node["dtype"]) is None:
+                raise CheckpointError(f"a scalar node has dtype {node['dtype']!r}, which is not a numeric dtype.")
             return np.dtype(node["dtype"]).type(node["v"] if isinstance(node["v"], int) else float(node["v"]))
         if t in ("list", "tuple"):
             items = [self.value(v) for v in node["items"]]
@@ -118,10 +121,22 @@ class Reader:
             raw = self.arrays[node["storage"]]  # (a host-bound one is a tensor already: `read.host_storage`)
             host = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.asarray(raw, dtype=np.uint8))
             storage = self.storages[skey] = host.to(device) if device.type != "cpu" else host
+        if node["dtype"] not in TORCH_ITEMSIZE:  # (a name looked up on torch: only its dtypes)
+            raise CheckpointError(f"a tensor node names dtype {node['dtype']!r}, which is not a torch dtype.")
         dtype = getattr(torch, node["dtype"])
-        out = torch.empty(0, dtype=dtype, device=device).set_(
-            storage.untyped_storage(), node["offset"], node["shape"], node["stride"]
-        )
+        shape, stride, offset = node["shape"], node["stride"], node["offset"]
+        # `set_` grows a storage to fit the view it is given: a view past its storage's bytes would expose (or
+        # allocate) memory the checkpoint never held.
+        end = offset if 0 in shape else offset + 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+        if (
+            min([offset, *shape, *stride]) < 0
+            or end * TORCH_ITEMSIZE[node["dtype"]] > storage.untyped_storage().nbytes()
+        ):
+            raise CheckpointError(
+                f"a tensor node's view (offset {offset}, shape {shape}, stride {stride}, {node['dtype']}) runs past "
+                f"its storage {node['storage']!r} of {storage.untyped_storage().nbytes()} bytes."
+            )
+        out = torch.empty(0, dtype=dtype, device=device).set_(storage.untyped_storage(), offset, shape, stride)
         if node.get("parameter"):  # (shares ``out``'s storage, as the saved parameter shared its own)
             return torch.nn.Parameter(out, requires_grad=bool(node.get("requires_grad")))
         return out.requires_grad_(True) if node.get("requires_grad") else out
@@ -204,6 +219,8 @@ def _decode_static(node: dict[str, Any]) -> Any:
     if node["t"] == "tuple":
         return tuple(_decode_static(v) for v in node["items"])
     if node["t"] == "dtype":
+        if numeric_dtype(node["v"]) is None:
+            raise CheckpointError(f"a static dtype {node['v']!r} is not a numeric dtype.")
         return np.dtype(node["v"])
     if node["t"] == "f":
         return float(node["v"])

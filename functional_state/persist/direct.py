@@ -13,9 +13,13 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
+
+from ..errors import CheckpointError
+from .confined import check_depth, load_json, open_inside, relative_parts
+from .validate import StoredLeaf
 
 T = TypeVar("T")
 
@@ -29,13 +33,30 @@ T = TypeVar("T")
 _RAW_CHUNK = {"compressor": None, "filters": None, "dtype": "|u1", "order": "C", "zarr_format": 2}
 
 
-def plan_direct(specs: list[dict[str, Any]], outs: list[Any]) -> dict[int, tuple[Any, Path, int, int, bytes | None]]:
+# ``{key: inline bytes or (data file relative to the database's directory, offset, length)}``, None: unreadable
+Database = dict[bytes, Any] | None
+
+
+class DataFile(NamedTuple):
+    """A data file of a database: ``name`` (relative, checked by `database`) inside directory ``root``."""
+
+    root: Path
+    name: str
+
+    def __str__(self) -> str:
+        return str(self.root / self.name)
+
+
+def plan_direct(
+    specs: list[dict[str, Any]], outs: list[Any], databases: dict[str, Database] | None = None
+) -> dict[int, tuple[Any, Any, int, int, bytes | None]]:
     """``{index: (out, data file, offset, length, inline bytes)}`` for the leaves this can read straight into
-    their ``outs``; the others are left out (tensorstore reads them)."""
-    found: dict[int, tuple[Any, Path, int, int, bytes | None]] = {}
+    their ``outs``; the others are left out (tensorstore reads them). ``databases``: the entries of databases
+    already listed (`database`), by directory."""
+    found: dict[int, tuple[Any, Any, int, int, bytes | None]] = {}
     if not hasattr(os, "preadv"):  # a platform without it (Windows): tensorstore reads every leaf
         return found
-    databases: dict[str, dict[bytes, Any] | None] = {}
+    databases = dict(databases or {})
     for i, (spec, out) in enumerate(zip(specs, outs)):
         store = spec.get("kvstore", {})
         base = store.get("base")
@@ -51,8 +72,12 @@ def plan_direct(specs: list[dict[str, Any]], outs: list[Any]) -> dict[int, tuple
         root = _local_directory(base)
         if root is None or _local_directory(store.get("manifest", base)) != root:
             continue
+        root = os.path.normpath(root)
         if root not in databases:
-            databases[root] = _entries(root)
+            try:
+                databases[root] = database(root)
+            except CheckpointError:
+                databases[root] = None
         entries = databases[root]
         name = str(store.get("path", "")).rstrip("/")
         if entries is None or not name:
@@ -73,7 +98,8 @@ def plan_direct(specs: list[dict[str, Any]], outs: list[Any]) -> dict[int, tuple
         if isinstance(chunk, bytes) and len(chunk) == n:
             found[i] = (out, Path(root), 0, n, chunk)
         elif isinstance(chunk, tuple) and chunk[2] == n:
-            found[i] = (out, Path(root) / chunk[0], chunk[1], n, None)
+            # (`database` refused an id that leaves the directory; `read_direct` opens it without following links)
+            found[i] = (out, DataFile(Path(root), chunk[0]), chunk[1], n, None)
     return found
 
 
@@ -86,33 +112,73 @@ def _local_directory(base: Any) -> str | None:
     return None
 
 
-def _entries(root: str) -> dict[bytes, Any] | None:
-    """``{key: inline bytes or (data file relative to root, offset, length)}`` of the newest version of the OCDBT
-    database at ``root``; None where its tree is not one this reads (a leaf node at the root is what orbax
-    writes: a node holds up to 100 MB of keys)."""
+def database(root: str) -> dict[bytes, Any]:
+    """The entries of the newest version of the OCDBT database at ``root``: ``{key: inline bytes or (data file
+    relative to root, offset, length)}``.
+
+    Raises:
+      CheckpointError: a tree this does not read (a leaf node at the root is what orbax writes: a node holds up
+        to 100 MB of keys), an unreadable database, or a data file id that is absolute or leaves ``root``.
+    """
     import tensorstore as ts
 
     try:
         kv = ts.KvStore.open({"driver": "file", "path": root.rstrip("/") + "/"}).result()
         versions = ts.ocdbt.dump(kv).result().get("versions") or []
-        if not versions or versions[-1].get("root_height") != 0 or "location" not in versions[-1].get("root", {}):
-            return None
-        node = ts.ocdbt.dump(kv, versions[-1]["root"]["location"]).result()
-        entries: dict[bytes, Any] = {}
-        for entry in node["entries"]:
-            key = entry["key"]
-            if "inline_value" in entry:
-                entries[key] = bytes(entry["inline_value"])
-            else:
-                # "value:<base prefix>:<file>:<offset>:<length>"
-                prefix, offset, length = entry["indirect_value"].rsplit(":", 2)
-                kind, base_path, relative = prefix.split(":", 2)
-                if kind != "value":
-                    return None
-                entries[key] = (os.path.join(base_path, relative), int(offset), int(length))
-        return entries
-    except Exception:  # not a database this understands: tensorstore reads it, and says what is wrong
-        return None
+        node = None
+        if versions and versions[-1].get("root_height") == 0 and "location" in versions[-1].get("root", {}):
+            node = ts.ocdbt.dump(kv, versions[-1]["root"]["location"]).result()
+    except Exception as e:
+        raise CheckpointError(
+            f"{root}: the arrays database cannot be read: the checkpoint is damaged ({type(e).__name__}: {e})."
+        ) from e
+    if node is None:
+        raise CheckpointError(f"{root}: the arrays database is not one this version reads (no single root node).")
+    entries: dict[bytes, Any] = {}
+    for entry in node["entries"]:
+        key = entry["key"]
+        if key in entries:
+            raise CheckpointError(f"{root}: the arrays database holds the key {key!r} twice.")
+        if "inline_value" in entry:
+            entries[key] = bytes(entry["inline_value"])
+            continue
+        # "value:<base prefix>:<file>:<offset>:<length>"
+        try:
+            prefix, offset, length = entry["indirect_value"].rsplit(":", 2)
+            kind, base_path, relative = prefix.split(":", 2)
+            location = (os.path.join(base_path, relative), int(offset), int(length))
+        except (KeyError, ValueError, TypeError) as e:
+            raise CheckpointError(f"{root}: the arrays database entry {key!r} is not one this reads ({e}).") from e
+        if kind != "value" or location[1] < 0 or location[2] < 0:
+            raise CheckpointError(f"{root}: the arrays database entry {key!r} is not a value this reads.")
+        relative_parts(location[0], f"{root}: the data file of {key!r}")  # inside root, or refused
+        entries[key] = location
+    return entries
+
+
+def stored_leaves(entries: dict[bytes, Any], where: str) -> dict[str, StoredLeaf]:
+    """What the database ``entries`` hold for each array (by name): its zarr shape and dtype, and the bytes its
+    chunks take where they are stored uncompressed."""
+    chunk_bytes: dict[str, int] = {}
+    for key, value in entries.items():
+        name, _, last = key.decode(errors="replace").rpartition("/")
+        if last != ".zarray":
+            chunk_bytes[name] = chunk_bytes.get(name, 0) + (len(value) if isinstance(value, bytes) else value[2])
+    out: dict[str, StoredLeaf] = {}
+    for key, value in entries.items():
+        name, _, last = key.decode(errors="replace").rpartition("/")
+        if last != ".zarray":
+            continue
+        meta = load_json(value, f"{where}: {name}/.zarray") if isinstance(value, bytes) else None
+        check_depth(meta, f"{where}: {name}/.zarray", 8)
+        shape = meta.get("shape") if isinstance(meta, dict) else None
+        if not (
+            isinstance(meta, dict) and isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)
+        ):
+            raise CheckpointError(f"{where}: the array {name!r} has no zarr shape this reads.")
+        raw = meta.get("compressor") is None and not meta.get("filters")
+        out[name] = StoredLeaf(tuple(shape), str(meta.get("dtype")), chunk_bytes.get(name, 0) if raw else None)
+    return out
 
 
 # Files read at once (orbax writes the arrays into a few data files). One stream per file, each one ``preadv``
@@ -125,11 +191,11 @@ def _entries(root: str) -> dict[bytes, Any] | None:
 READ_THREADS = 2
 
 
-def read_direct(reads: list[tuple[Any, Path, int, int, bytes | None]]) -> None:
+def read_direct(reads: list[tuple[Any, Any, int, int, bytes | None]]) -> None:
     """Fill each ``out`` from its data file: a stream per file (a lone file, a stream per half), in offset order,
     each run of chunks that lie end to end one ``preadv`` into their buffers (the kernel's readahead then
     streams the file as it does a plain sequential read)."""
-    by_file: dict[Path, list[tuple[int, memoryview]]] = {}
+    by_file: dict[DataFile, list[tuple[int, memoryview]]] = {}
     for out, path, offset, length, inline in reads:
         if inline is not None:
             out[:] = np.frombuffer(inline, np.uint8)
@@ -151,7 +217,7 @@ def read_direct(reads: list[tuple[Any, Path, int, int, bytes | None]]) -> None:
 
     def one_stream(key: Any) -> None:
         path, chunks = key[0], streams[key]
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_inside(path.root, path.name, f"{path.root}: a direct read")
         try:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -189,6 +255,7 @@ class DirectReads:
         self._lock = threading.Lock()
         self._running: set[threading.Thread] = set()
         self.errors: list[BaseException] = []
+        self.databases: dict[str, Database] = {}  # the databases this load listed already, by directory
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
@@ -234,7 +301,7 @@ class DirectReads:
             thread.join()
 
 
-def _read_run(fd: int, path: Path, offset: int, views: list[memoryview]) -> None:
+def _read_run(fd: int, path: Any, offset: int, views: list[memoryview]) -> None:
     """Read the bytes at ``offset`` into ``views``, end to end, however short the reads the kernel returns."""
     while views:
         got = os.preadv(fd, views, offset)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
+from .confined import load_json, read_inside
 from .manifest import (
     FORMAT,
 )
@@ -161,20 +162,31 @@ def _is_marked(root: Path) -> bool:
 
 def list_steps(root: Path) -> dict[int, dict[str, Any] | None]:
     """Each complete step directory in ``root`` (what orbax counts as one), with its manifest when that is a
-    functional_state manifest (else None: damaged, or another tool's directory)."""
+    functional_state manifest (else None: damaged, crafted, a symlink, or another tool's directory)."""
     if not root.is_dir():
         return {}
     out: dict[int, dict[str, Any] | None] = {}
-    for p in root.iterdir():
-        if _STEP_NAME.fullmatch(p.name) and p.is_dir():
-            out[int(p.name)] = _step_manifest(p)
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if _STEP_NAME.fullmatch(entry.name) and (entry.is_symlink() or entry.is_dir(follow_symlinks=False)):
+                out[int(entry.name)] = None if entry.is_symlink() else _step_manifest(Path(entry.path))
     return out
+
+
+def read_manifest(step_dir: Path) -> Any:
+    """The parsed manifest of ``step_dir``, read as untrusted input (`confined.read_inside`, `confined.load_json`).
+
+    Raises:
+      CheckpointError: the manifest is missing, not a regular file inside the step, or not bounded JSON.
+    """
+    where = f"{step_dir}: the manifest"
+    return load_json(read_inside(step_dir, "manifest/metadata", where), where)
 
 
 def _step_manifest(step_dir: Path) -> dict[str, Any] | None:
     try:
-        manifest = json.loads((step_dir / "manifest" / "metadata").read_bytes())
-    except (OSError, ValueError):
+        manifest = read_manifest(step_dir)
+    except CheckpointError:
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
 
@@ -231,7 +243,7 @@ def _latest_step(root: Path) -> int | None:
     must refuse as foreign rather than overwrite."""
     try:
         steps = list_steps(root)
-    except OSError:
+    except (OSError, CheckpointError):
         return None
     return max(steps) if steps and steps[max(steps)] is not None else None
 

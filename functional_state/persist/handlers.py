@@ -105,7 +105,7 @@ def _types() -> tuple[type, type]:
             # The threads are the load's own (`DirectReads`): a load that fails waits for its reads, not another's.
             reads = next((a.reads for a in args if isinstance(a, ReadInto) and a.reads is not None), None)
             group = reads if isinstance(reads, DirectReads) else DirectReads()
-            direct = await group.run(plan_direct, specs, [getattr(a, "out", None) for a in args])
+            direct = await group.run(plan_direct, specs, [getattr(a, "out", None) for a in args], group.databases)
             reading = group.run(read_direct, list(direct.values()))
             rest = [i for i in range(len(infos)) if i not in direct]
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import numpy as np
 
 from .._version import __version__
 from ..errors import CheckpointError
+from .validate import check_fields
 
 FORMAT = "functional-state checkpoint"
 
@@ -78,7 +80,7 @@ def in_parallel(fn: Callable[[Any], Any], jobs: list[Any], nbytes: int) -> list[
 def leaf_nbytes(info: dict[str, Any]) -> int:
     if "nbytes" in info:
         return int(info["nbytes"])
-    return int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(info["dtype"]).itemsize
+    return math.prod(info["shape"]) * np.dtype(info["dtype"]).itemsize  # (Python ints: a crafted shape cannot wrap)
 
 
 def in_arrays_item(info: dict[str, Any]) -> bool:
@@ -99,10 +101,6 @@ _SEAL = "manifest_xxh3_128"
 
 _UNSEALED_FIELDS = frozenset({"format", "layout", "library_version", "kind", "sessions", "leaves", "table"})
 
-_LEAF_KINDS = frozenset({"jax", "torch_storage", "numpy"})
-
-_COUNTERS = 5  # hits, misses, evictions, parks, restores
-
 
 def _canonical(manifest: dict[str, Any]) -> bytes:
     body = {k: v for k, v in manifest.items() if k != _SEAL}
@@ -118,7 +116,7 @@ def check_manifest(manifest: Any, root: Path) -> None:
     before anything is built from it."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{root} is an orbax checkpoint, but not one functional_state wrote.")
-    if manifest.get("layout") != LAYOUT:
+    if type(manifest.get("layout")) is not int or manifest["layout"] != LAYOUT:  # (`True == 1`: no bool)
         raise CheckpointError(
             f"{root} has checkpoint layout {manifest.get('layout')!r} (written by functional-state "
             f"{manifest.get('library_version')}); this version ({__version__}) reads layout {LAYOUT}."
@@ -132,43 +130,4 @@ def check_manifest(manifest: Any, root: Path) -> None:
             f"{root}: the manifest has no checksum but has fields {extra} no unchecksummed (earlier) manifest has: "
             f"the checkpoint is corrupted."
         )
-    _check_fields(manifest, root)
-
-
-def _check_fields(manifest: dict[str, Any], root: Path) -> None:
-    def bad(what: str, expected: str) -> CheckpointError:
-        return CheckpointError(f"{root}: the manifest's {what} is not {expected}; the checkpoint is damaged.")
-
-    def count(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-    if manifest.get("kind") not in ("session", "table"):
-        raise bad("kind", "'session' or 'table'")
-    sessions, leaves = manifest.get("sessions"), manifest.get("leaves")
-    if not isinstance(sessions, list) or not all(
-        isinstance(e, dict)
-        and isinstance(e.get("id"), str)
-        and isinstance(e.get("objects"), dict)
-        and isinstance(e.get("attrs"), dict)
-        for e in sessions
-    ):
-        raise bad("'sessions'", "a list of sessions (each with an id, objects and attrs)")
-    if not isinstance(leaves, dict) or not all(
-        isinstance(info, dict) and info.get("kind") in _LEAF_KINDS for info in leaves.values()
-    ):
-        raise bad("'leaves'", f"a mapping of leaf keys to leaves of kinds {sorted(_LEAF_KINDS)}")
-    for key, info in leaves.items():
-        if info["kind"] == "jax":
-            if not (isinstance(info.get("shape"), list) and all(map(count, info["shape"]))):
-                raise bad(f"leaf {key!r} shape", "a list of sizes")
-            if not isinstance(info.get("dtype"), str) or not isinstance(info.get("sharding"), dict):
-                raise bad(f"leaf {key!r}", "a JAX array with a dtype and a sharding")
-        elif not count(info.get("nbytes")):
-            raise bad(f"leaf {key!r} nbytes", "a byte count")
-    if manifest["kind"] == "table":
-        table = manifest.get("table")
-        if not isinstance(table, dict) or not {"max_sessions", "byte_budget", "evict_when_full"} <= set(table):
-            raise bad("'table'", "the table's configuration and counters")
-        counters = table.get("counters")
-        if not (isinstance(counters, list) and len(counters) == _COUNTERS and all(map(count, counters))):
-            raise bad("table counters", f"{_COUNTERS} counts (hits, misses, evictions, parks, restores)")
+    check_fields(manifest, str(root))

@@ -13,9 +13,10 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
+from .confined import check_depth, check_tree
 from .decode import decode_sharding
-from .direct import DirectReads
-from .directory import import_orbax, list_steps, orbax_manager
+from .direct import DirectReads, database, stored_leaves
+from .directory import import_orbax, list_steps, orbax_manager, read_manifest
 from .handlers import read_into
 from .manifest import (
     CHECKSUM,
@@ -26,6 +27,7 @@ from .manifest import (
     in_parallel,
     leaf_nbytes,
 )
+from .validate import check_stored
 
 
 def read_checkpoint(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -51,22 +53,33 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
         what = "does not exist" if not root.exists() else "holds no complete checkpoint"
         raise CheckpointError(f"{root} {what} (expected a directory written by functional_state's save).")
     step = max(steps)
+    step_dir = root / str(step)
+    # Nothing of the step is read by orbax or tensorstore (which follow links) before it is known to hold only
+    # regular files and directories.
+    check_tree(step_dir, str(root))
     manifest = steps[step]
     if manifest is None:
+        read_manifest(step_dir)  # (raises what is wrong with it, where that is its file or its JSON)
         raise CheckpointError(
-            f"{root / str(step)}: its manifest is missing, unreadable or not functional_state's; the checkpoint is "
+            f"{step_dir}: its manifest is missing, unreadable or not functional_state's; the checkpoint is "
             f"damaged or another tool wrote this directory."
         )
+    check_depth(manifest, f"{root}: the manifest")
     check_manifest(manifest, root)
+    leaves = manifest["leaves"]
+    stored = {key: info for key, info in leaves.items() if in_arrays_item(info)}
+    databases: dict[str, Any] = {}
+    if stored:  # every declared size against what the data holds, before a buffer is allocated for it
+        arrays_dir = os.path.normpath(step_dir / "arrays")
+        databases[arrays_dir] = database(arrays_dir)
+        check_stored(stored, stored_leaves(databases[arrays_dir], str(root)), str(root))
     on_cpu = _storages_on_cpu(manifest, torch_device)
     # Host-bound storages are read straight into aligned memory JAX can alias: from the data file itself where a
     # storage is one raw chunk (`direct.plan_direct`: no copy at all, the kernel's copy is the only one), else
     # through tensorstore's read buffer (one copy).
-    leaves = manifest["leaves"]
     prepared, owners = _prepare(leaves, on_cpu)
     # Leaves of no bytes are not in orbax's arrays item (`in_arrays_item`), and a checkpoint of none else has none.
-    stored = {key: info for key, info in leaves.items() if in_arrays_item(info)}
-    arrays = _read_arrays(ocp, root, step, stored, prepared, placement) if stored else {}
+    arrays = _read_arrays(ocp, root, step, stored, prepared, placement, databases) if stored else {}
     for key in leaves.keys() - stored.keys():
         arrays[key] = _empty_leaf(key, leaves[key], prepared, placement)
     missing = [key for key in leaves if arrays.get(key) is None]
@@ -77,17 +90,14 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
         got, info = arrays[key], leaves[key]
         algorithm = next((a for a in (CHECKSUM, "sha256") if a in info), None)
         out = prepared.get(key)
+        if algorithm is None:  # (`check_fields` refused a byte leaf without one)
+            return got, info["kind"] == "jax"  # a leaf no process could read whole (sharded over hosts) has none
         if out is not None and got is out:  # read into its aligned buffer: what gets checked is what is used
-            return owners[key], algorithm is None or checksum(out, algorithm) == info[algorithm]
+            return owners[key], checksum(out, algorithm) == info[algorithm]
         if key in on_cpu:  # copied out once, aligned, and the copy is what gets checked
             src = np.asarray(got, dtype=np.uint8)
             out, owner = host_storage(src.nbytes)
-            if algorithm is None:
-                np.copyto(out, src)
-                return owner, True
             return owner, copy_checksum(src, out, algorithm) == info[algorithm]
-        if algorithm is None:
-            return got, True  # a leaf no process could read whole (sharded over several hosts) has none
         return got, checksum(np.asarray(got), algorithm) == info[algorithm]
 
     keys = sorted(leaves, key=lambda k: -leaf_nbytes(leaves[k]))  # largest first, so the cores finish together
@@ -104,11 +114,19 @@ def _read_step(root: Path, placement: Any, torch_device: Any) -> tuple[dict[str,
 
 
 def _read_arrays(
-    ocp: Any, root: Path, step: int, leaves: dict[str, Any], prepared: dict[str, np.ndarray], placement: Any
+    ocp: Any,
+    root: Path,
+    step: int,
+    leaves: dict[str, Any],
+    prepared: dict[str, np.ndarray],
+    placement: Any,
+    databases: dict[str, Any],
 ) -> dict[str, Any]:
-    """The ``leaves`` of ``step`` that orbax's arrays item holds, restored (``prepared`` ones into their buffers)."""
+    """The ``leaves`` of ``step`` that orbax's arrays item holds, restored (``prepared`` ones into their buffers);
+    ``databases``: the arrays database's entries, listed already (`direct.database`)."""
     manager = orbax_manager(ocp, root, ocp.CheckpointManagerOptions(create=False))
     reads = DirectReads()  # this load's own direct reads
+    reads.databases.update(databases)
     try:
         abstract: dict[str, Any] = {}
         for key, info in leaves.items():
