@@ -146,7 +146,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         formatter_class=_Formatter,
         description="Run the benchmarks side by side and print their tables (from a source checkout); "
         "BENCHMARKS.md is rewritten only with --write. "
-        f"Benchmarks: {', '.join(names) if names else '(none found: not a source checkout)'}.",
+        f"Benchmarks: {', '.join(names) if names else '(none here: they ship with the repository, not the package)'}.",
     )
     # Names are checked in `parse`: argparse's `choices` on an empty nargs="*" positional checks the default
     # too, and fails when another option is unknown.
@@ -165,9 +165,14 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, a
         (commands[args.command] if args.command else parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         known = benchmark_names()
+        if not known:
+            commands["bench"].error(
+                "the benchmarks ship with the repository, not with the installed package: "
+                "clone it and run `functional-state bench` (or `make bench`) from the checkout"
+            )
         for name in args.names:
             if name not in known:
-                choices = ", ".join(map(repr, known)) or "none: not a source checkout"
+                choices = ", ".join(map(repr, known))
                 commands["bench"].error(f"argument NAME: invalid choice: {name!r} (choose from {choices})")
     return parser, args
 

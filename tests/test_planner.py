@@ -25,7 +25,7 @@ from functional_state import (
     parse_bytes,
     plan_release,
 )
-from functional_state.budget import normalize_budget
+from functional_state.memory.budget import normalize_budget
 from helpers import assert_unchanged, promised_frees, snapshot
 
 KIB = 1024

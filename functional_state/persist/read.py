@@ -15,8 +15,8 @@ import numpy as np
 from ..errors import CheckpointError
 from .decode import decode_sharding
 from .direct import DirectReads
-from .directory import import_orbax, list_steps, orbax_manager
-from .handlers import read_into
+from .directory import list_steps, orbax_manager
+from .handlers import import_orbax, read_into
 from .manifest import (
     CHECKSUM,
     check_manifest,
