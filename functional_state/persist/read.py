@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
+from ..memory.shardings import single_device_sharding
 from .decode import decode_sharding
 from .direct import DirectReads
 from .directory import list_steps, orbax_manager
@@ -194,7 +195,7 @@ def _placement_for(placement: Any, key: str, info: dict[str, Any]) -> Any:
     if callable(placement) and not isinstance(placement, (jax.Device, jax.sharding.Sharding)):
         placement = placement(key)
     if isinstance(placement, jax.Device):
-        return jax.sharding.SingleDeviceSharding(placement)
+        return single_device_sharding(placement)
     if isinstance(placement, jax.sharding.Sharding):
         return placement
     raise CheckpointError(
