@@ -327,6 +327,10 @@ class BudgetMachine(RuleBasedStateMachine):
         levers=st.sampled_from([("park",), ("drop",), ("park", "evict", "drop")]),
     )
     def plan_and_apply(self, data, need_kib, levers):
+        if need_kib and not _cpu(self.state):  # a pool that holds nothing: the call is refused, with why
+            with pytest.raises(fs.InvalidArgumentError, match="holds nothing in pool 'cpu'"):
+                plan_release(self.state, "cpu", need_kib * KIB, levers=levers)
+            return
         plan = plan_release(
             self.state, "cpu", need_kib * KIB, protect=self.protected & set(self._live()), levers=levers
         )
