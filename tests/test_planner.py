@@ -490,7 +490,7 @@ def test_planner_decisions_are_logged(caplog):
         fs.enforce_budget(state)
         fs.enforce_budget(_table(n=3, budget={"cpu": 10 * KIB}), levers=["drop"])
     records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "functional_state"]
-    assert any(level == logging.DEBUG and "park  s0/cache" in msg for level, msg in records), records
+    assert any(level == logging.INFO and "park  s0/cache" in msg for level, msg in records), records
     assert any(level == logging.INFO and "drop  s0" in msg for level, msg in records), records
 
 
