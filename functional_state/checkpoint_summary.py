@@ -106,11 +106,11 @@ def summarize(path: str | os.PathLike[str]) -> CheckpointSummary:
       CheckpointError: ``path`` holds no complete checkpoint, or its manifest is not one this version reads.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp, functional_state as fs
+      >>> import tempfile, functional_state as fs
       >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
       >>> s = fs.put(s, "a", "ring", fs.ArrayRing.create(2, (3,)))
       >>> d = tempfile.mkdtemp()
-      >>> fs.save(s, d)
+      >>> _ = fs.save(s, d)
       >>> info = summarize(d)
       >>> [(x.id, [o.name for o in x.objects]) for x in info.sessions], info.pools
       ([('a', ['ring'])], {'cpu': 32})
