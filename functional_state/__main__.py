@@ -80,7 +80,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{inspect,demo,ab,bench}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench,inspect}", parser_class=_Parser)
 
     def add_common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
