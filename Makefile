@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 NOTORCH := .venv-notorch
 LOWEST := .venv-lowest
 
-.PHONY: demo test test-lowest test-pythons docs notebooks lint typecheck check-core-install bench ab clean-venv
+.PHONY: demo test test-lowest test-pythons test-newest docs notebooks lint typecheck check-core-install bench ab clean-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -100,6 +100,28 @@ test-pythons:
 		rm -rf build $$venv; \
 	done
 
+# The newest releases, as a new user's `pip install` gets them: jax, jaxlib, flax, orbax-checkpoint, equinox and
+# numpy with no constraints (only pyproject.toml's ranges), on Python 3.13, without torch. The package is the
+# wheel `python -m build` builds from the sdist it builds first; every test module runs against that install
+# (the ones that need torch skip, saying why: tests/conftest.py), then the sdist is installed over it, and
+# scripts/smoke_install.py checks each install from outside the tree. The test tools keep their pins.
+NEWEST_PYTHON ?= /root/.pyenv/versions/3.13.0/bin/python
+NEWEST := .venv-py-newest
+NEWEST_TOOLS = $(shell grep -E '^(pytest|hypothesis|chex|mktestdocs)==' constraints.txt)
+test-newest: $(STAMP)
+	rm -rf $(NEWEST) dist
+	$(PY) -m build -q --outdir dist . >/dev/null
+	$(NEWEST_PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade "$$(ls dist/*.whl)[checkpoint,flax,equinox]" \
+		jax jaxlib flax orbax-checkpoint equinox numpy $(NEWEST_TOOLS)
+	$(NEWEST)/bin/python -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|numpy|flax|orbax-checkpoint|equinox) '
+	! $(NEWEST)/bin/python -c 'import torch' 2>/dev/null
+	cd scripts && ../$(NEWEST)/bin/python smoke_install.py
+	$(NEWEST)/bin/pytest -q -p no:cacheprovider tests
+	$(NEWEST)/bin/python -m pip install -q --no-deps --force-reinstall dist/*.tar.gz
+	cd scripts && ../$(NEWEST)/bin/python smoke_install.py
+	rm -rf build dist $(NEWEST)
+
 # Rewrites BENCHMARKS.md (`functional-state bench` without --write only prints).
 bench: $(STAMP)
 	$(PY) benchmarks/run.py --write $(BENCH)
@@ -108,4 +130,4 @@ ab: $(STAMP)
 	$(PY) -m functional_state ab
 
 clean-venv:
-	rm -rf $(VENV) $(NOTORCH) $(LOWEST) .venv-py3.12 .venv-py3.13
+	rm -rf $(VENV) $(NOTORCH) $(LOWEST) .venv-py3.12 .venv-py3.13 $(NEWEST)

@@ -19,9 +19,9 @@ import torch
 
 import functional_state as fs
 from _timing import fmt_time, interleaved_medians
-from functional_state.config import enable_override
 from functional_state.memory import parking
 from functional_state.policy import enforce
+from functional_state.shell.config import enable_override
 from torch_bridge import harness as dz
 from torch_bridge.adapters import DreamZeroSessions
 from torch_bridge.adapters.dreamzero_store import estimate_session_nbytes

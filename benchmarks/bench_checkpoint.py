@@ -20,7 +20,7 @@ import torch
 
 import functional_state as fs
 from _timing import fmt_time
-from functional_state.config import enable_override
+from functional_state.shell.config import enable_override
 from torch_bridge import harness as dz
 from torch_bridge.adapters import DreamZeroSessions
 
@@ -232,7 +232,7 @@ def _step_helpers(root: Path) -> dict[str, float]:
     """Median seconds of one `has_checkpoint` poll against orbax's own step helpers on the same directory
     (issue 23: why `has_checkpoint` keeps its own scan)."""
     from _timing import interleaved_medians
-    from functional_state.persist.directory import import_orbax
+    from functional_state.persist.handlers import import_orbax
 
     ocp = import_orbax()
     name_format = ocp.path.step.standard_name_format()

@@ -3,7 +3,7 @@ with the full 603 MiB VAE feat map."""
 
 from __future__ import annotations
 
-from functional_state.config import enable_override
+from functional_state.shell.config import enable_override
 from torch_bridge import harness as dz
 
 MIB = 2**20

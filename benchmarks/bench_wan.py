@@ -17,7 +17,7 @@ import torch
 
 from _timing import fmt_time, interleaved_rounds, round_ratio
 from functional_state import SessionStateManager
-from functional_state.parking import park_values, restore_values
+from functional_state.memory.parking import park_values, restore_values
 from torch_bridge import harness
 from torch_bridge.adapters.wan import FEAT_MAP, WanEncoderStream
 

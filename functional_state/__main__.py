@@ -1,7 +1,8 @@
 """``python -m functional_state`` and the ``functional-state`` command: the parser, and the dispatch.
 
-The commands drive the torch adapters, so they live in `torch_bridge.cli`; the parser lives here and imports
-neither torch nor the command line's extras, so ``--help`` and ``--version`` work on a core-only install, and
+``inspect`` runs here (`functional_state.checkpoint_summary`: no torch). The other commands drive the torch
+adapters, so they live in `torch_bridge.cli`; the parser lives here and imports neither torch nor the command
+line's extras, so ``--help`` and ``--version`` work on a core-only install, and
 a command whose extra is missing says in one line what to install.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from ._version import __version__
 
 PROG = "functional-state"
-COMMANDS = ("demo", "ab", "bench")
+COMMANDS = ("demo", "ab", "bench", "inspect")
 _BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"  # present in a source checkout only
 
 
@@ -74,12 +75,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     """The ``functional-state`` parser and its subcommands' own parsers, by command name."""
     parser = _Parser(
         prog=PROG,
-        description="functional-state: immutable per-session state for world models. Run the demo, the A/B "
-        "equivalence check, or the benchmarks.",
+        description="functional-state: immutable per-session state for world models. Inspect or verify a "
+        "checkpoint; run the demo, the A/B equivalence check, or the benchmarks.",
         formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench,inspect}", parser_class=_Parser)
 
     def add_common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -146,13 +147,40 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         formatter_class=_Formatter,
         description="Run the benchmarks side by side and print their tables (from a source checkout); "
         "BENCHMARKS.md is rewritten only with --write. "
-        f"Benchmarks: {', '.join(names) if names else '(none found: not a source checkout)'}.",
+        f"Benchmarks: {', '.join(names) if names else '(none here: they ship with the repository, not the package)'}.",
     )
     # Names are checked in `parse`: argparse's `choices` on an empty nargs="*" positional checks the default
     # too, and fails when another option is unknown.
     bench.add_argument("names", nargs="*", metavar="NAME", default=[], help="benchmarks to run; all when none is named")
     bench.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md with the results")
-    return parser, {"demo": demo, "ab": ab, "bench": bench}
+    inspect = sub.add_parser(
+        "inspect",
+        help="print a checkpoint's sessions, objects, bytes per pool and metadata; --verify checks checksums",
+        formatter_class=_Formatter,
+        description="Read the checkpoint at PATH (a directory `save` or `save_session` wrote) from its manifest, "
+        "without loading it into a manager, and print its sessions, their objects and bytes, the bytes per pool "
+        "a load places them in, and its metadata. With --verify, read every array and check its checksum too. "
+        "Exits 1 if the checkpoint cannot be read or a checksum fails. Needs the [checkpoint] extra, not torch.",
+    )
+    inspect.add_argument("path", metavar="PATH", help="the checkpoint directory")
+    inspect.add_argument("--verify", action="store_true", help="read every array and check its checksum")
+    return parser, {"demo": demo, "ab": ab, "bench": bench, "inspect": inspect}
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """``functional-state inspect PATH [--verify]``: print the summary; 1 if unreadable or a checksum fails."""
+    from . import checkpoint_summary
+    from .errors import CheckpointError
+
+    try:
+        print(checkpoint_summary.render(checkpoint_summary.summarize(args.path)))
+        if args.verify:
+            checked = checkpoint_summary.verify(args.path)
+            print(f"verified: every checksum of the {checked} leaves matches")
+    except (CheckpointError, ImportError) as e:
+        print(f"{PROG} inspect: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def parse(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -165,9 +193,14 @@ def parse(argv: Sequence[str] | None = None) -> tuple[argparse.ArgumentParser, a
         (commands[args.command] if args.command else parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "bench":
         known = benchmark_names()
+        if not known:
+            commands["bench"].error(
+                "the benchmarks ship with the repository, not with the installed package: "
+                "clone it and run `functional-state bench` (or `make bench`) from the checkout"
+            )
         for name in args.names:
             if name not in known:
-                choices = ", ".join(map(repr, known)) or "none: not a source checkout"
+                choices = ", ".join(map(repr, known))
                 commands["bench"].error(f"argument NAME: invalid choice: {name!r} (choose from {choices})")
     return parser, args
 
@@ -178,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "inspect":
+        return _inspect(args)
     if importlib.util.find_spec("torch") is None:
         print(
             f"{PROG} {args.command}: the command line drives the torch adapters and needs PyTorch: "

@@ -150,3 +150,100 @@ def test_the_public_face_is_the_documented_set_and_each_layer_exports_its_part()
     assert set(exported) | set(errors.__all__) | {"__version__", "step", "usage"} == PUBLIC
     for layer in layers:
         assert all(getattr(layer, n) is getattr(fs, n) for n in layer.__all__), layer.__name__
+
+
+# Every import counts, a deferred one inside a function too: a circle through a deferred import still ties two
+# modules together (neither can be read, tested or moved alone), only `if TYPE_CHECKING:` imports do not.
+ROOTS = {"functional_state": PKG, "torch_bridge": PKG.parent / "torch_bridge"}
+
+
+def _all_modules() -> dict[str, Path]:
+    """Absolute dotted name (``functional_state.table.state``) -> file, for both packages."""
+    out = {}
+    for top, root in ROOTS.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            out[".".join([top, *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
+    return out
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """The nodes of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    out: list[ast.AST] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack += node.orelse
+            continue
+        out.append(node)
+        stack += ast.iter_child_nodes(node)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (absolute or relative, at the top or deferred)."""
+    modules = _all_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package[: len(package) - node.level + 1], *([base] if base else [])])
+                for alias in node.names:
+                    full = f"{base}.{alias.name}"
+                    targets.add(full if full in modules else base)
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_import_circle():
+    circles = import_circles(import_graph())
+    assert not circles, f"import circles (break each: move the shared name down a layer): {circles}"
+
+
+def test_the_circle_check_sees_a_circle():
+    # The check itself can fail: a deferred import back from handlers to directory closes a circle.
+    graph = import_graph()
+    graph["functional_state.persist.handlers"].add("functional_state.persist.directory")
+    assert ["functional_state.persist.directory", "functional_state.persist.handlers"] in import_circles(graph)

@@ -225,3 +225,18 @@ def test_latest_under_vmap_still_refuses_a_short_ring_eagerly_and_under_jit():
         jax.vmap(lambda r: r.latest(2))(batch)
     with pytest.raises(Exception, match="asked for k=2 frames but the ring holds only 1"):
         jax.block_until_ready(jax.jit(jax.vmap(lambda r: r.latest(2)))(batch))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_torch_tensor_is_told_the_ring_holds_jax_arrays_and_what_holds_tensors(dtype):
+    # Regression: a torch frame was told to call `.astype(...)` (torch tensors have none) or that its
+    # dtype `torch.float32` mismatched `float32`, with no word that the ring holds JAX arrays only.
+    torch = pytest.importorskip("torch", reason="the message for a torch frame needs torch to build one")
+    ring = ArrayRing.create(2, (4, 3)).commit(_frame(1))
+    snap = snapshot(ring)
+    with pytest.raises(InvalidTypeError) as e:
+        ring.commit(torch.zeros((4, 3), dtype=getattr(torch, dtype)))
+    message = str(e.value)
+    assert "holds JAX arrays" in message and "torch.Tensor" in message and "astype" not in message
+    assert all(name in message for name in ("LatentBuffer", "DenseValue", "PytreeValue", "torch_bridge.to_jax"))
+    assert_unchanged(ring, snap)

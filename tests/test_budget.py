@@ -1,10 +1,10 @@
-"""Sizes and budgets (functional_state.budget): exact integer parsing, and only the pools stats() names."""
+"""Sizes and budgets (functional_state.memory.budget): exact integer parsing, and only the pools stats() names."""
 
 import pytest
 
 import functional_state as fs
 from functional_state import InvalidArgumentError, ManagerState, format_bytes, parse_bytes, plan_release
-from functional_state.budget import normalize_budget
+from functional_state.memory.budget import normalize_budget
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from torch_bridge import cli
+from functional_state.__main__ import main as fs_main
+from torch_bridge import cli, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +22,7 @@ def _run(*args, **kw):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["nope"], "functional-state: error: argument {demo,ab,bench}: invalid choice: 'nope'"),
+        (["nope"], "functional-state: error: argument {demo,ab,bench,inspect}: invalid choice: 'nope'"),
         (
             ["demo", "--steps", "0"],
             "functional-state demo: error: argument --steps: expected a positive integer, got 0",
@@ -71,7 +72,11 @@ def test_help_describes_every_option_with_its_default(sub):
 
 def test_no_arguments_prints_help_instead_of_running_the_demo():
     out = _run()
-    assert out.returncode == 0 and out.stdout.startswith("usage: functional-state") and "{demo,ab,bench}" in out.stdout
+    assert (
+        out.returncode == 0
+        and out.stdout.startswith("usage: functional-state")
+        and "{demo,ab,bench,inspect}" in out.stdout
+    )
 
 
 def test_version():
@@ -105,8 +110,8 @@ def test_version_and_help_import_neither_torch_nor_the_cli_extras(args):
 def test_bench_rewrites_benchmarks_md_only_with_write(monkeypatch):
     calls = []
     monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
-    assert cli.main(["bench", "ring"]) == 0
-    assert cli.main(["bench", "--write", "ring"]) == 0
+    assert fs_main(["bench", "ring"]) == 0
+    assert fs_main(["bench", "--write", "ring"]) == 0
     assert "--write" not in calls[0] and calls[0][-1] == "ring"
     assert "--write" in calls[1] and calls[1][-1] == "ring"
 
@@ -136,15 +141,15 @@ def test_ab_exits_nonzero_when_a_digest_differs(monkeypatch, capsys):
             "path": "bespoke" if flag == "0" else "manager",
         }
 
-    monkeypatch.setattr(cli, "_rollout_process", fake)
-    assert cli.main(["ab"]) == 1
+    monkeypatch.setattr(runner, "_rollout_process", fake)
+    assert fs_main(["ab"]) == 1
     assert "DIFFER" in capsys.readouterr().out
     monkeypatch.setattr(
-        cli,
+        runner,
         "_rollout_process",
         lambda flag, fields, on_step: {"digest": "d", "path": "bespoke" if flag == "0" else "manager"},
     )
-    assert cli.main(["ab"]) == 0
+    assert fs_main(["ab"]) == 0
 
 
 def test_ab_child_reports_every_step_and_runs_the_path_the_flag_picks():
@@ -153,7 +158,7 @@ def test_ab_child_reports_every_step_and_runs_the_path_the_flag_picks():
     fields = {"camera_hw": [24, 40], "vae_encoder": "stand-in", "feat_map_bytes": 4096, "feat_map_entries": 4}
     for flag, path in (("0", "bespoke"), ("1", "manager")):
         seen = []
-        out = cli._rollout_process(flag, {**fields, "steps": 3, "sessions": 2}, lambda seen=seen: seen.append(1))
+        out = runner._rollout_process(flag, {**fields, "steps": 3, "sessions": 2}, lambda seen=seen: seen.append(1))
         assert out["path"] == path and len(out["digest"]) == 64
         steps.append(len(seen))
     assert steps == [3, 3]
@@ -223,4 +228,18 @@ def test_console_script_is_installed():
     script = Path(sys.executable).with_name("functional-state")
     assert script.exists()
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "{demo,ab,bench}" in out.stdout
+    assert out.returncode == 0 and "{demo,ab,bench" in out.stdout
+
+
+@pytest.mark.parametrize("argv", [["bench"], ["bench", "ring"]])
+def test_bench_from_an_install_says_the_benchmarks_ship_with_the_repository(monkeypatch, capsys, argv):
+    # From an installed package `bench` said "invalid choice ... (choose from none: ...)", or with no name
+    # ran on until a path was missing.
+    import functional_state.__main__ as entry
+
+    monkeypatch.setattr(entry, "_BENCH_DIR", ROOT / "no-such-benchmarks")
+    with pytest.raises(SystemExit) as e:
+        entry.parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "ship with the repository" in err and "choose from" not in err

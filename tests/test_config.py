@@ -3,7 +3,7 @@ import logging
 import pytest
 
 from functional_state import InvalidArgumentError, resolve_session_state_config
-from functional_state.config import ENV_ENABLE, ENV_MAX_SESSIONS
+from functional_state.shell.config import ENV_ENABLE, ENV_MAX_SESSIONS
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +54,7 @@ def test_enable_precedence(monkeypatch, env, arg, expected):
 def test_max_sessions_precedence(monkeypatch, caplog, env, arg, expected, warns):
     if env is not None:
         monkeypatch.setenv(ENV_MAX_SESSIONS, env)
-    with caplog.at_level(logging.WARNING, logger="functional_state.config"):
+    with caplog.at_level(logging.WARNING, logger="functional_state.shell.config"):
         assert resolve_session_state_config(max_sessions=arg)[1] == expected
     assert any(ENV_MAX_SESSIONS in r.message for r in caplog.records) is warns
 
@@ -67,7 +67,7 @@ def test_bad_max_sessions_argument(bad):
 
 @pytest.mark.parametrize("preset", [None, "0", "garbage"])
 def test_enable_override_sets_and_restores(monkeypatch, preset):
-    from functional_state.config import enable_override
+    from functional_state.shell.config import enable_override
 
     if preset is not None:
         monkeypatch.setenv(ENV_ENABLE, preset)

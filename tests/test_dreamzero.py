@@ -14,7 +14,7 @@ import torch
 
 import functional_state as fs
 from functional_state import SessionStateManager, nbytes_by_device
-from functional_state.config import enable_override
+from functional_state.shell.config import enable_override
 from torch_bridge import harness as rollout
 from torch_bridge import report, reset_report, unwrap
 from torch_bridge.adapters import (

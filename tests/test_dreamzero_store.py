@@ -16,7 +16,7 @@ from functional_state import (
     SessionStateLostError,
     incarnation,
 )
-from functional_state.config import ENV_MAX_SESSIONS, enable_override
+from functional_state.shell.config import ENV_MAX_SESSIONS, enable_override
 from torch_bridge import harness as rollout
 from torch_bridge.adapters import (
     BespokeDreamZeroCache,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import functional_state as fs
 from functional_state import LatentBuffer, ManagerState
 from functional_state.memory import accounting
-from tests.helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, snapshot
 
 
 def _pools(s: dict) -> dict:

@@ -419,7 +419,7 @@ def test_an_evicted_session_is_named_as_evicted_and_its_handle_keeps_working(cap
     with caplog.at_level("DEBUG", logger="functional_state"):
         m.get_or_create_session("b")
     # (Logged by the table's LRU eviction; the shell's short miss path does not repeat it.)
-    assert any(r.levelname == "DEBUG" and "LRU eviction: session 'a'" in r.getMessage() for r in caplog.records)
+    assert any(r.levelname == "INFO" and "LRU eviction: session 'a'" in r.getMessage() for r in caplog.records)
     for lost in (lambda: m.get_session("a"), lambda: m.park("a", "buf"), lambda: m.fork_session("a", "c")):
         with pytest.raises(SessionStateLostError, match=r"'a' was evicted \(LRU.*max_sessions=1"):
             lost()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import functional_state as fs
-from tests.helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, snapshot
 
 nnx = pytest.importorskip("flax.nnx")
 from functional_state.nnx import SessionCaches  # noqa: E402

@@ -29,7 +29,7 @@ from functional_state import (
     PoolChangedError,
     SessionStateManager,
 )
-from functional_state.engine_blocks import free_acquired
+from functional_state.table.engine_blocks import free_acquired
 from helpers import assert_unchanged, snapshot
 from torch_bridge.harness.paged_engine import EngineError, ReferenceKVEngine
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from functional_state import DenseValue
-from functional_state.parking import park_values, restore_values
+from functional_state.memory.parking import park_values, restore_values
 
 
 def _pinned(x: jax.Array) -> jax.Array:

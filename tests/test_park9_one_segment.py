@@ -8,7 +8,7 @@ to back, and the restore one allocation per storage, bit for bit.
 import torch
 
 from functional_state.memory import host_buffers, parking
-from functional_state.parking import park_values, restore_values
+from functional_state.memory.parking import park_values, restore_values
 
 
 def _tensors(n: int, numel: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from functional_state import (
     ObjectParkedError,
     SharedStorageError,
 )
-from functional_state.parking import park_values, restore_values
+from functional_state.memory.parking import park_values, restore_values
 from helpers import assert_unchanged, snapshot
 from torch_bridge import to_jax
 
@@ -276,7 +276,7 @@ SHARDED = textwrap.dedent(
     import json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from functional_state.parking import park_values, restore_values
+    from functional_state.memory.parking import park_values, restore_values
     import functional_state as fs
 
     mesh = Mesh(np.array(jax.devices()), ("x",))

@@ -26,7 +26,7 @@ from functional_state import (
     apply_plan,
     plan_release,
 )
-from functional_state.planner import over_budget
+from functional_state.policy.enforce import over_budget
 from helpers import assert_unchanged, promised_frees, snapshot
 from torch_bridge.harness.paged_engine import ReferenceKVEngine
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import functional_state as fs
-from tests.helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, snapshot
 
 
 class Pair(typing.NamedTuple):

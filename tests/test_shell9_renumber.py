@@ -20,7 +20,7 @@ from functional_state import LatentBuffer, SessionStateManager
 from functional_state.table import manager_state as ms
 from functional_state.table.renumber import continued
 from functional_state.table.usage import stats
-from tests.helpers import assert_unchanged, race, snapshot
+from helpers import assert_unchanged, race, snapshot
 
 
 def _table(budget: Any = None) -> fs.ManagerState:

@@ -18,7 +18,7 @@ from functional_state.core.pytree import _make_replace
 from functional_state.errors import InvalidTypeError
 from functional_state.table import lru
 from functional_state.table.state import COMPACT_AT
-from tests.helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, snapshot
 
 
 def _fields(buf: fs.LatentBuffer) -> list:

@@ -35,33 +35,27 @@ def typed_getters(session: fs.SessionState) -> int:
     return len(buf) + ring.capacity + (0 if ring_or_none is None else int(ring_or_none.size))
 
 
-def readme_torch_pipeline(manager: fs.SessionStateManager) -> None:
-    # README.md's "Inside a torch pipeline" block, verbatim (tests/test_readme.py keeps the two equal): what a
-    # user pastes must type-check as it stands.
-    from torch_bridge import to_jax, to_torch
-    from torch_bridge.adapters import DreamZeroStateAdapter, request_session
-    from torch_bridge.harness.cosmos3_bespoke import (
-        Cosmos3Shapes,
-        Cosmos3TransformerCache,
-        build_freqs_gen,
-        encode_und_kv,
-    )
+def readme_torch_pipeline() -> None:
+    # README.md's adapters block, verbatim (tests/test_readme.py keeps the two equal): what a user pastes must
+    # type-check as it stands.
+    import torch
 
-    t = torch.arange(8, dtype=torch.float32)
-    a = to_jax(t, strict=True)  # a JAX array over the same memory (pointers checked; strict: never the tensor back)
-    print(a.unsafe_buffer_pointer() == t.data_ptr(), to_torch(a) is not None)
+    import functional_state as fs
+    from torch_bridge.adapters import DreamZeroStateAdapter, request_session
+
+    manager = fs.SessionStateManager()
 
     # DreamZero: the same surface as the bespoke per-session state, over a manager session.
     state = DreamZeroStateAdapter("robot-0", manager, vae_encoder_window=2)
     window = state.accumulate_frames(torch.zeros(352, 640, 3, dtype=torch.uint8))  # stitched camera frame
     state.append_vae_encoder_chunk(torch.zeros(1, 32, 1, 44, 80, dtype=torch.bfloat16))
     latents = state.observation_latents(1)  # None until the first chunk is encoded
-    print(window.shape, latents.shape if latents is not None else None)
+    shapes = tuple(window.shape), latents is not None and tuple(latents.shape)
+    print(*shapes)  # (1, 352, 640, 3) (1, 32, 1, 44, 80)
 
-    # Cosmos3: per-request encode-once K/V, dropped when the request ends (also on error).
-    shapes = Cosmos3Shapes(num_layers=2)
-    transformer = Cosmos3TransformerCache()
+    # Cosmos3: per-request encode-once K/V (per layer) and M-RoPE tables, dropped when the request ends.
     with request_session(manager, "request-7") as kv:
-        transformer.cached_kv, transformer.freqs_gen = encode_und_kv(shapes, seed=0), build_freqs_gen(shapes)
-        kv.capture_from_transformer(transformer, is_negative=False)  # the cond branch, stored once
+        layers = [(torch.randn(1, 2, 16, 8), torch.randn(1, 2, 16, 8)) for _ in range(2)]
+        kv.set_branch(False, layers, (torch.ones(16, 8), torch.zeros(16, 8)))  # the cond branch, stored once
+        print(kv.is_branch_initialized(False))  # True
     print("request-7" in manager)  # False

@@ -30,6 +30,7 @@ from functional_state import (
     register_alias,
 )
 from functional_state.memory.accounting import alias_owner
+from functional_state.memory.shardings import is_single_device
 
 from . import _report
 
@@ -355,7 +356,7 @@ def to_torch(array: jax.Array | torch.Tensor) -> torch.Tensor:
             "`to_torch`: the JAX array was deleted (donated to a jitted call); it has no memory left."
         )
     # One device buffer, read off the sharding's type (the shard list costs a fifth of a whole import).
-    if type(array.sharding) is not _SINGLE_DEVICE and len(array.addressable_shards) != 1:
+    if not is_single_device(array.sharding) and len(array.addressable_shards) != 1:
         raise InvalidArgumentError(
             f"`to_torch`: the array spans {len(array.addressable_shards)} device buffers; gather it to one device "
             f"first (e.g. `jax.device_put(a, jax.devices()[0])`)."
@@ -369,9 +370,6 @@ def to_torch(array: jax.Array | torch.Tensor) -> torch.Tensor:
     if _TORCH_DIRECT and exporter.__dlpack_device__()[0] == _CPU:
         return _torch_direct(array)
     return torch.from_dlpack(array)
-
-
-_SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
 
 
 def _torch_direct(array: jax.Array) -> torch.Tensor:

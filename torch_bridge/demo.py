@@ -3,7 +3,7 @@
 DreamZero sessions stream through diffusers' real Wan causal VAE encoder (the rest of the pipeline is the
 harness's stand-ins) while Cosmos3 requests share the manager; then the memory per session and per pool, the
 park bandwidth, the A/B check in fresh processes, the bytes-per-step plot and six sessions under a byte budget
-for two. `torch_bridge.cli` parses the command and holds the console, the progress bars and the A/B runner.
+for two. `torch_bridge.runner` holds the console, the progress bars and the A/B runner.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import cli
+from . import runner
 
 DEPLOY_CAMERA_HW = (180, 320)  # what DreamZero serves: three such cameras, stitched to 352x640
 FEAT_MAP = "vae_enc_feat_map"  # the DreamZero session object holding the VAE encoder's feat cache
@@ -43,7 +43,7 @@ def _provenance(vae_encoder: str, feat_map_mib: float) -> tuple[str, str]:
     if vae_encoder == "wan":
         real = (
             "the VAE encoder: diffusers' AutoencoderKLWan encoder (WanEncoder3d, Wan 2.1's causal conv layout, "
-            f"base_dim {cli.load_harness().WAN_BASE_DIM}, random init, seeded), its feat cache the model's own"
+            f"base_dim {runner.load_harness().WAN_BASE_DIM}, random init, seeded), its feat cache the model's own"
         )
         return real, stand_ins
     return (
@@ -59,9 +59,11 @@ def _run_concurrent(args: argparse.Namespace, console: Any) -> tuple[Any, float,
     from torch_bridge.adapters import DreamZeroStateAdapter, request_session
     from torch_bridge.harness import Cosmos3Shapes, Cosmos3TransformerCache, build_freqs_gen, encode_und_kv
 
-    dz = cli.load_harness()
+    dz = runner.load_harness()
     manager = SessionStateManager()
-    cfg = cli.rollout_config(cli.rollout_fields(args, steps=args.steps, sessions=args.sessions, prompt_every=10**9))
+    cfg = runner.rollout_config(
+        runner.rollout_fields(args, steps=args.steps, sessions=args.sessions, prompt_every=10**9)
+    )
     nets = dz.Networks(cfg)
     shapes = Cosmos3Shapes(
         num_layers=28, num_heads=16, head_dim=128, text_len=300, padded_text_len=512, media_tokens=4096
@@ -70,7 +72,7 @@ def _run_concurrent(args: argparse.Namespace, console: Any) -> tuple[Any, float,
     cosmos_peak: list[int] = []
     lock = threading.Lock()
 
-    with cli.progress_bar(console) as progress:
+    with runner.progress_bar(console) as progress:
         dz_task = progress.add_task("DreamZero steps", total=args.sessions * args.steps)
         c3_task = progress.add_task("Cosmos3 requests", total=args.requests)
 
@@ -136,8 +138,8 @@ def _memory_table(manager: Any, console: Any) -> None:
         label = ", ".join(sids) if len(sids) <= 2 else f"{sids[0]} .. {sids[-1]}"
         table.add_column(label + (" (each)" if len(sids) > 1 else ""), justify="right")
     for i, (name, (bucket, kind)) in enumerate(_DREAMZERO_COMPONENTS.items()):
-        table.add_row(name, bucket, kind, *(f"{key[i] / cli.MIB:.3f}" for key in columns))
-    table.add_row("in all", "", "", *(f"{key[-1] / cli.MIB:.3f}" for key in columns), style="bold")
+        table.add_row(name, bucket, kind, *(f"{key[i] / runner.MIB:.3f}" for key in columns))
+    table.add_row("in all", "", "", *(f"{key[-1] / runner.MIB:.3f}" for key in columns), style="bold")
     console.print(table)
 
 
@@ -199,17 +201,17 @@ def _park_bandwidth(manager: Any, rounds: int = 5) -> dict[str, float]:
 def _plot(args: argparse.Namespace, console: Any) -> tuple[Path, dict[str, Any]]:
     """Bytes per step of one session, bespoke vs manager-backed, as a PNG; returns its path and each path's
     last trace entry."""
-    matplotlib = cli.require_extra("matplotlib", "cli", "demo")
+    matplotlib = runner.require_extra("matplotlib", "cli", "demo")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from functional_state.config import enable_override
+    from functional_state.shell.config import enable_override
 
-    cfg = cli.rollout_config(
-        cli.rollout_fields(args, steps=args.plot_steps, sessions=1, prompt_every=10**9, trace_bytes=True)
+    cfg = runner.rollout_config(
+        runner.rollout_fields(args, steps=args.plot_steps, sessions=1, prompt_every=10**9, trace_bytes=True)
     )
     traces = {}
-    with cli.progress_bar(console) as progress:
+    with runner.progress_bar(console) as progress:
         for enabled, label in ((False, "bespoke"), (True, "manager-backed")):
             task = progress.add_task(f"rollout, {label}", total=cfg.steps)
 
@@ -217,14 +219,14 @@ def _plot(args: argparse.Namespace, console: Any) -> tuple[Path, dict[str, Any]]
                 progress.advance(task)
 
             with enable_override(enabled):
-                traces[label] = cli.load_harness().run_rollout(cfg, progress=advance).bytes_trace
+                traces[label] = runner.load_harness().run_rollout(cfg, progress=advance).bytes_trace
     final = {label: trace[-1] for label, trace in traces.items()}
-    feat_mib = final["manager-backed"]["vae_enc_feat_map"] / cli.MIB
+    feat_mib = final["manager-backed"]["vae_enc_feat_map"] / runner.MIB
     fig, (ax_enc, ax_total) = plt.subplots(1, 2, figsize=(12, 4.6))
     for label, trace in traces.items():
         steps = range(1, len(trace) + 1)
-        ax_enc.plot(steps, [t["vae_encoder_out"] / cli.MIB for t in trace], label=label)
-        ax_total.plot(steps, [t["total"] / cli.MIB for t in trace], label=label)
+        ax_enc.plot(steps, [t["vae_encoder_out"] / runner.MIB for t in trace], label=label)
+        ax_total.plot(steps, [t["total"] / runner.MIB for t in trace], label=label)
     ax_enc.set(title="VAE encoder output held", xlabel="step", ylabel="MiB")
     ax_total.set(title=f"whole session, deduplicated (feat cache {feat_mib:.1f} MiB)", xlabel="step", ylabel="MiB")
     for ax in (ax_enc, ax_total):
@@ -253,29 +255,29 @@ def _budget_demo(args: argparse.Namespace, console: Any) -> dict[str, Any]:
     import dataclasses
 
     from functional_state import format_bytes
-    from functional_state.config import enable_override
+    from functional_state.shell.config import enable_override
 
     steps = args.budget_steps
     # With the stand-in, the feat map must dominate a session as at deploy shapes (603 of 627 MiB); a smaller
     # one would leave mostly the stitched frames, which the pending body frames keep alive, so parking could
     # free little. The real encoder's feat cache dominates at any shape.
     feat_map_mib = max(args.feat_map_mib, 16.0)
-    cfg = cli.rollout_config(
-        cli.rollout_fields(
+    cfg = runner.rollout_config(
+        runner.rollout_fields(
             args,
             steps=steps,
             sessions=6,
-            feat_map_bytes=int(feat_map_mib * cli.MIB),
+            feat_map_bytes=int(feat_map_mib * runner.MIB),
             prompt_every=10**9,
             trace_pools=True,
         )
     )
     results = {}
-    with cli.progress_bar(console) as progress, enable_override(True):
+    with runner.progress_bar(console) as progress, enable_override(True):
 
         def run(label: str, run_cfg: Any) -> None:
             task = progress.add_task(label, total=steps)
-            results[label] = cli.load_harness().run_rollout(run_cfg, progress=lambda _: progress.advance(task))
+            results[label] = runner.load_harness().run_rollout(run_cfg, progress=lambda _: progress.advance(task))
 
         run("count cap only", cfg)
         budget = 2 * max(results["count cap only"].totals.values())  # what two whole sessions hold, measured
@@ -323,11 +325,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from functional_state import format_bytes
 
-    cli.pin_threads()
+    runner.pin_threads()
     t_start = time.perf_counter()
     recap: list[tuple[str, str]] = []
-    with cli.open_console("demo") as console:
-        cfg = cli.rollout_config(cli.rollout_fields(args, steps=args.steps, sessions=args.sessions))
+    with runner.open_console("demo") as console:
+        cfg = runner.rollout_config(runner.rollout_fields(args, steps=args.steps, sessions=args.sessions))
         encoder = "real Wan VAE encoder (diffusers)" if args.vae_encoder == "wan" else "stand-in VAE encoder"
         console.rule("functional-state demo: immutable per-session state behind DreamZero and Cosmos3 adapters")
         console.print(
@@ -341,7 +343,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
         manager, seconds, cosmos_peak = _run_concurrent(args, console)
         console.print(
-            f"   done in {seconds:.1f}s; Cosmos3 requests retained up to {cosmos_peak / cli.MIB:.0f} MiB while live "
+            f"   done in {seconds:.1f}s; Cosmos3 requests retained up to {cosmos_peak / runner.MIB:.0f} MiB while live "
             f"(both CFG branches), and their sessions were dropped when each request ended"
         )
         console.print("\n2. Memory per DreamZero session (manager-backed)")
@@ -364,7 +366,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
 
         console.print("\n3. A/B equivalence: the same rollout in fresh processes, only the flag flipped")
-        matches = cli.run_ab(console, cli.ab_runs(args))
+        matches = runner.run_ab(console, runner.ab_runs(args))
         ok = all(matches)
         console.print(f"   {'every digest matched' if ok else 'DIGESTS DIFFER'}")
         recap.insert(

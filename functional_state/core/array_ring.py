@@ -116,6 +116,13 @@ class ArrayRing(StateObject):
         return ring.allocate() if allocate else ring
 
     def _check_payload(self, payload: Any) -> None:
+        if type(payload).__module__.partition(".")[0] == "torch":  # (torch is never imported here)
+            raise InvalidTypeError(
+                f"`ArrayRing.commit`: got a {type(payload).__module__}.{type(payload).__name__}; an ArrayRing holds "
+                f"JAX arrays (a preallocated ring a jitted step writes in place). For torch tensors use a "
+                f"`LatentBuffer` (an append buffer or ring of tensors), a `DenseValue` or a `PytreeValue`, or convert "
+                f"the frame without a copy first: `torch_bridge.to_jax(frame)`."
+            )
         shape = tuple(getattr(payload, "shape", ()))
         dtype = getattr(payload, "dtype", None)
         if shape != self.frame_shape:

@@ -9,7 +9,7 @@ Lifecycle (every call returns a new object; the receiver is never changed)::
          +-----------reset()---- parked
 
 ``park()`` moves committed storage to host memory and ``restore()`` brings it back where it was, bit for
-bit (see `functional_state.parking`); a parked object cannot be read until it is restored.
+bit (see `functional_state.memory.parking`); a parked object cannot be read until it is restored.
 
 The status is static pytree metadata: it changes the structure (an evicted object holds no storage), so
 a jitted function over an object traces once per status, never once per step.
@@ -261,7 +261,7 @@ class StateObject(abc.ABC):
         return replace(self, status=EVICTED, host_copy=None, **self._released_storage()), freed
 
     def park(self: S) -> S:
-        """Return a parked copy: committed storage moved to host memory (see `functional_state.parking`),
+        """Return a parked copy: committed storage moved to host memory (see `functional_state.memory.parking`),
         the staged payload left where it is. The receiver still holds its device storage: memory is released
         when nothing references the resident version any more (the shell drops it at once).
 

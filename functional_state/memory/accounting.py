@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from .aliases import OWNED, Loose, alias_owner, register_alias
+from .shardings import is_single_device
 from .values import NO_BUFFER_TYPES, exported
 
 __all__ = ["WalkReport", "alias_owner", "nbytes_by_device", "register_alias", "total_nbytes"]
@@ -223,9 +224,6 @@ def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
     out.append(Loose(("cpu", start + lo, start + hi)))
 
 
-_SINGLE_DEVICE = jax.sharding.SingleDeviceSharding
-
-
 def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
     owner = alias_owner(a)
     if owner is not None and not raw:
@@ -238,7 +236,7 @@ def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, 
         return
     sharding = a.sharding
     memory_kind = getattr(sharding, "memory_kind", None)
-    if type(sharding) is _SINGLE_DEVICE:  # one buffer: read it directly (building shard objects is ~2/3 of it)
+    if is_single_device(sharding):  # one buffer: read it directly (building shard objects is ~2/3 of it)
         size = a.on_device_size_in_bytes()
         if size:
             start = a.unsafe_buffer_pointer()

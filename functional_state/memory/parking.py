@@ -46,6 +46,7 @@ import jax
 
 from ..errors import DeletedArrayError
 from . import accounting, host_buffers, torch_host
+from .shardings import copy_to
 from .torch_host import TorchLeaf as TorchLeaf
 from .torch_host import as_torch as as_torch
 from .torch_host import host_storage as host_storage
@@ -196,7 +197,7 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
         targets = [a.sharding.with_memory_kind("pinned_host") for a in arrays]
         # Never the source itself: ``device_put`` to the sharding an array already has (one in ``pinned_host``
         # already) returns that array, and a host copy that is the source dies when the source is donated.
-        hosts = jax.device_put(arrays, targets, may_alias=False)
+        hosts = copy_to(arrays, targets)
         for same, a, host in zip(jax_index.values(), arrays, hosts):
             recipe = JaxLeaf(host, a.sharding)
             for i in same:  # one host array per distinct array, so its restore is one array again
@@ -291,9 +292,8 @@ def restore_values(parked: ParkedStorage) -> Any:
     out: list[Any] = list(parked.slots)
     recipes: dict[int, JaxLeaf] = {id(x): x for x in out if isinstance(x, JaxLeaf)}  # each once
     if recipes:
-        restored = jax.device_put(  # (a copy, not the host array itself: see `park_values`)
-            [r.host for r in recipes.values()], [r.sharding for r in recipes.values()], may_alias=False
-        )
+        # (a copy, not the host array itself: see `park_values`)
+        restored = copy_to([r.host for r in recipes.values()], [r.sharding for r in recipes.values()])
         by_recipe = dict(zip(recipes, restored))
         for i, leaf in enumerate(parked.slots):
             if isinstance(leaf, JaxLeaf):

@@ -18,6 +18,7 @@ from ..engine.kv_handle import kv_keys
 from ..engine.paged_kv import pool_by_uid
 from ..errors import CheckpointError, InvalidArgumentError
 from ..memory.parking import jax_alias
+from ..memory.shardings import single_device_sharding
 from .encode import AttrHooks
 from .manifest import (
     import_torch,
@@ -38,13 +39,13 @@ def _owner_type(name: str | None) -> type | None:
 def decode_sharding(info: dict[str, Any]) -> Any:
     devices = {d.id: d for d in jax.devices()}
     if info["kind"] == "single" and info["device"] in devices:
-        return jax.sharding.SingleDeviceSharding(devices[info["device"]])
+        return single_device_sharding(devices[info["device"]])
     if info["kind"] == "named" and all(i in devices for i in info["device_ids"]):
         mesh_devices = np.array([devices[i] for i in info["device_ids"]]).reshape(info["mesh_shape"])
         mesh = jax.sharding.Mesh(mesh_devices, tuple(info["axis_names"]))
         spec = jax.sharding.PartitionSpec(*[tuple(p) if isinstance(p, list) else p for p in info["spec"]])
         return jax.sharding.NamedSharding(mesh, spec)
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return single_device_sharding(jax.devices()[0])
 
 
 def check_templates(templates: Any) -> dict[str, Any]:

@@ -18,21 +18,12 @@ from typing import Any
 
 from ..errors import CheckpointError
 from .confined import load_json, read_inside
+from .handlers import registry as type_handlers
 from .manifest import (
     FORMAT,
 )
 
 _log = logging.getLogger("functional_state")
-
-
-def import_orbax() -> Any:
-    try:
-        import orbax.checkpoint as ocp
-    except ImportError as e:  # pragma: no cover - the checkpoint extra is missing
-        raise ImportError(
-            "functional_state checkpoints need orbax-checkpoint: pip install 'functional-state[checkpoint]'"
-        ) from e
-    return ocp
 
 
 _MARKER = "_FUNCTIONAL_STATE"  # in a checkpoint directory: written by functional_state, before its first step
@@ -202,8 +193,6 @@ def orbax_manager(ocp: Any, root: Path, options: Any, manifest: Future[dict[str,
     where given, is the manifest the save writes once it is complete (its checksums are computed while the
     arrays are written: `store.write`).
     """
-    from .handlers import registry as type_handlers
-
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
     arrays = ocp.handlers.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=type_handlers())
     registry.add("arrays", ocp.args.PyTreeSave, arrays)

@@ -17,6 +17,7 @@ from ..core.state_object import PARKED, RESIDENT
 from ..errors import CheckpointError
 from ..memory import accounting
 from ..memory.parking import JaxLeaf, TorchLeaf, host_storage, rebuild_leaf
+from ..memory.shardings import is_single_device
 from .manifest import (
     CHECKSUM,
     checksum,
@@ -262,7 +263,7 @@ def _encode_static(value: Any, where: str) -> Any:
 
 def _encode_sharding(s: Any) -> dict[str, Any]:
     memory_kind = getattr(s, "memory_kind", None)
-    if isinstance(s, jax.sharding.SingleDeviceSharding):
+    if is_single_device(s):
         device: Any = next(iter(s.device_set))
         return {"kind": "single", "device": device.id, "platform": device.platform, "memory_kind": memory_kind}
     if isinstance(s, jax.sharding.NamedSharding):

@@ -24,7 +24,16 @@ from typing import Any
 import numpy as np
 
 from .direct import DirectReads, errors_deferred, plan_direct, read_direct
-from .directory import import_orbax
+
+
+def import_orbax() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - the checkpoint extra is missing
+        raise ImportError(
+            "functional_state checkpoints need orbax-checkpoint: pip install 'functional-state[checkpoint]'"
+        ) from e
+    return ocp
 
 
 @functools.cache

@@ -13,11 +13,12 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
+from ..memory.shardings import single_device_sharding
 from .confined import check_depth, check_tree
 from .decode import decode_sharding
 from .direct import DirectReads, database, stored_leaves
-from .directory import import_orbax, list_steps, orbax_manager, read_manifest
-from .handlers import read_into
+from .directory import list_steps, orbax_manager, read_manifest
+from .handlers import import_orbax, read_into
 from .manifest import (
     CHECKSUM,
     check_manifest,
@@ -212,7 +213,7 @@ def _placement_for(placement: Any, key: str, info: dict[str, Any]) -> Any:
     if callable(placement) and not isinstance(placement, (jax.Device, jax.sharding.Sharding)):
         placement = placement(key)
     if isinstance(placement, jax.Device):
-        return jax.sharding.SingleDeviceSharding(placement)
+        return single_device_sharding(placement)
     if isinstance(placement, jax.sharding.Sharding):
         return placement
     raise CheckpointError(

@@ -16,12 +16,12 @@ from ..errors import CheckpointError
 from .directory import (
     discard_step,
     drop_steps_before,
-    import_orbax,
     make_durable,
     orbax_manager,
     prepare_directory,
 )
 from .encode import Writer
+from .handlers import import_orbax
 from .manifest import in_arrays_item, seal
 from .priority import background_begin, background_end
 

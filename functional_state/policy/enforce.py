@@ -47,8 +47,9 @@ def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
         )
     for action in plan.actions:
         sid = action.session_ids[0]
-        # Drops lose a session (info); parks and evictions lose nothing a recompute cannot rebuild (debug).
-        _log.log(logging.INFO if action.kind == "drop" else logging.DEBUG, "release plan for %r: %s", plan.pool, action)
+        # One line per action, what and why (a drop loses a session; a park or eviction under pressure costs
+        # a restore or a recompute later): what a server's operator wants to see at INFO.
+        _log.info("release for pool %r: %s", plan.pool, action)
         if action.kind == "park":
             state, _ = park(state, sid, action.name, with_sharers=len(action.holders) > 1)  # type: ignore[arg-type]
         elif action.kind == "evict":
@@ -181,7 +182,13 @@ def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[s
                 held=held,
                 releasable=releasable,
             )
-        _log.debug("enforce_budget: pool %r over budget by %s\n%s", str(pool), format_bytes(held - limit), found)
+        _log.debug(
+            "enforce_budget: pool %r over its budget by %s; %d action(s) free %s",
+            str(pool),
+            format_bytes(held - limit),
+            len(found.actions),
+            format_bytes(found.freed),
+        )
         current = apply_plan(current, found)
         planned[pool] = found
 

@@ -151,7 +151,7 @@ def plan_release(
     *,
     levers: Iterable[str] = LEVERS,
 ) -> ReleasePlan | None:
-    """Plan releasing at least ``need_bytes`` from ``pool``; None when that is impossible (nothing changes).
+    """Plan releasing at least ``need_bytes`` from ``pool``; None when releasing all allowed falls short.
 
     Args:
       state: the table (unchanged: planning is pure).
@@ -162,8 +162,8 @@ def plan_release(
       levers: which levers may be used, in the fixed order park, evict, drop.
 
     Raises:
-      InvalidArgumentError: a pool `stats` never names, a negative or absurd need, ids not in the table, an
-        unknown lever.
+      InvalidArgumentError: a pool `stats` never names, a pool the table holds nothing in (with a need), a
+        negative or absurd need, ids not in the table, an unknown lever.
 
     Example:
       >>> import torch, functional_state as fs
@@ -324,6 +324,12 @@ def plan_release(
             )
             take(step.priced(ledger))
     if not done():
+        if not snap.held.get(target, 0):  # a pool the table holds nothing in: a wrong pool, not a short plan
+            held = ", ".join(f"{p} {format_bytes(n)}" for p, n in sorted(snap.held.items(), key=str) if n) or "none"
+            raise InvalidArgumentError(
+                f"`plan_release`: the table holds nothing in pool {pool!r}, so there is nothing there to release "
+                f"(its pools: {held}). Name a pool stats() reports as `nbytes:<pool>`."
+            )
         _log.debug(
             "plan_release: no plan frees %s in pool %r (freeable: %s)", format_bytes(need), pool, format_bytes(freed)
         )

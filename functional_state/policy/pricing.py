@@ -202,7 +202,7 @@ def park_effect(obj: Any, ledger: Ledger) -> tuple[frozenset[Extent], frozenset[
     """``(committed, parked)``: the extents of ``obj``'s committed storage (all must be free for `park` to
     proceed), and the extents the parked object holds, its host copies as fresh extents of their host pool.
 
-    This follows `functional_state.parking.park_values` leaf by leaf: a torch storage (or the storage a bridge
+    This follows `functional_state.memory.parking.park_values` leaf by leaf: a torch storage (or the storage a bridge
     alias lives in) moves whole, to pinned host memory from a GPU and pageable memory from the CPU; a JAX array
     moves to its ``pinned_host`` memory kind; anything else (numpy arrays) stays as it is, and stays held. The
     staged payload stays too. `enforce_budget` measures the applied plan, so a drift between the two is

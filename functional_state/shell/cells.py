@@ -66,6 +66,16 @@ def evicted_reason(max_sessions: int) -> str:
     return f"evicted (LRU: the table holds at most max_sessions={max_sessions})"
 
 
+def _log_detached(sid: str, reason: str) -> None:
+    """Once per incarnation that leaves with live handles (the eviction itself is logged where it happens)."""
+    _log.info(
+        "session %r %s: its live handles keep their own copy; writes through them no longer reach the table "
+        "(`handle.in_table` is False)",
+        sid,
+        reason,
+    )
+
+
 def _holds(state: ManagerState, sid: str, uid: int) -> bool:
     return ms.held_session(state, sid, uid) is not None
 
@@ -169,6 +179,7 @@ class Cells:
             if cell is not None:
                 cell.session = session  # first: a lock-free reader that sees `left` must find the copy
                 cell.left = reason
+                _log_detached(gone, reason)
                 if len(self._detached) < self._sweep_at:  # (`_keep_detached`, written out)
                     self._detached.append(weakref.ref(cell))
                 else:
@@ -214,11 +225,14 @@ class Cells:
         writes never pay for it)."""
         for d in left:
             self._departed.append((d.sid, d.reason))
-            if d.closed or d.reason.startswith("dropped"):
+            cell = self.live.pop(d.uid, None)
+            # Once per incarnation: the eviction itself is logged where it happens (the LRU, the budget plan).
+            if cell is not None and not d.closed:
+                _log_detached(d.sid, d.reason)
+            elif d.closed:  # a caller's drop: its handles refuse writes from now on
                 _log.info("session %r %s", d.sid, d.reason)
             else:
                 _log.debug("session %r %s", d.sid, d.reason)
-            cell = self.live.pop(d.uid, None)
             self.handles.pop(d.uid, None)
             if cell is not None:
                 if undo is not None:  # (None: nothing can take this write back)

@@ -43,7 +43,7 @@ class SessionStateConfig(NamedTuple):
 
     enabled: bool
     max_sessions: int
-    byte_budget: dict[str, int] | None  # {pool: bytes}; see `functional_state.budget`
+    byte_budget: dict[str, int] | None  # {pool: bytes}; see `functional_state.memory.budget`
 
 
 def resolve_session_state_config(
@@ -60,7 +60,7 @@ def resolve_session_state_config(
       enable: the config value; None means off.
       max_sessions: the config cap; None means 64.
       byte_budget: bytes per pool, e.g. ``{"cuda:0": "40GiB"}`` or one size for every device pool; None for
-        none (see `functional_state.budget.normalize_budget`).
+        none (see `functional_state.memory.budget.normalize_budget`).
 
     Returns:
       ``SessionStateConfig(enabled, max_sessions, byte_budget)``, the budget normalized to ``{pool: bytes}``.

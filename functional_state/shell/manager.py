@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import ObjectParkedError, SessionStateLostError
 from ..persist import checkpoint as _ckpt
@@ -32,6 +32,7 @@ from . import slot as slots
 from .admission import Decision, admit, checked_levers, rebase
 from .cells import Cell, Cells, Undo, evicted_reason
 from .handle import SessionHandle
+from .hints import manager_attribute_error
 from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
@@ -97,6 +98,11 @@ class SessionStateManager:
 
     def __bool__(self) -> bool:
         return True  # an empty manager is still a manager
+
+    if not TYPE_CHECKING:  # (hidden from type checkers, which would otherwise accept any attribute)
+
+        def __getattr__(self, name: str) -> Any:
+            raise manager_attribute_error(self, name)
 
     def _run(
         self,

@@ -5,6 +5,7 @@ Each raises the library error that says what was wrong and what to pass instead;
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from ..core.session import no_object_message
@@ -58,11 +59,17 @@ def resolve_session_id(session_id: str | None) -> str:
 
 def lost_error(state: ManagerState, sid: str, what: str) -> SessionStateLostError:
     """The error for a session ``state`` does not hold, saying why that happens and what to do."""
+    # The near ids of a typo; a table too large to scan on an error path is not scanned.
+    near = difflib.get_close_matches(sid, list(state._nodes.keys()), n=3) if len(state) <= _NEAR_IDS_SCAN else []
+    hint = f" Near ids in the table: {', '.join(map(repr, near))}." if near else ""
     return SessionStateLostError(
         f"`{what}`: session {sid!r} is not in the table: it was never created, or it was evicted "
         f"(LRU cap {state.max_sessions}) or dropped. A continuation cannot resume it; start a new "
-        f"session with `get_or_create`."
+        f"session with `get_or_create`.{hint}"
     )
+
+
+_NEAR_IDS_SCAN = 10_000
 
 
 def locate(state: ManagerState, session_id: Any, what: str) -> tuple[str, Node]:

@@ -21,6 +21,8 @@ import immutables
 
 from ..core.session import SessionState
 from ..errors import SessionAdmissionError
+from ..memory.accounting import total_nbytes
+from ..memory.budget import format_bytes
 from .recency_log import MAX_DEPTH, Log, append, at, entries
 from .state import (
     COLD,
@@ -139,8 +141,15 @@ def insert(
                     break
                 i += 1
             start = base + i + 1
-        if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("LRU eviction: session %r leaves the full table (%d sessions) for %r", victim_id, size, sid)
+        if _log.isEnabledFor(logging.INFO):  # (the bytes are counted only for a reader of the log)
+            _log.info(
+                "LRU eviction: session %r (%d objects, %s) left the table, full at max_sessions=%d, for %r",
+                victim_id,
+                len(victim[SESSION].objects),
+                format_bytes(total_nbytes(victim[SESSION])),
+                config.max_sessions,
+                sid,
+            )
         nodes = nodes.delete(victim_id)
         if evicted is not None:
             evicted.append((victim_id, victim[UID], victim[SESSION]))

@@ -31,7 +31,7 @@ def _holding(state: ManagerState, obj: StateObject) -> dict[str, list[str]]:
 def park(
     state: ManagerState, session_id: str | None, name: str, *, with_sharers: bool = False
 ) -> tuple[ManagerState, dict[str, int]]:
-    """Move object ``name``'s committed storage to host memory (see `functional_state.parking`).
+    """Move object ``name``'s committed storage to host memory (see `functional_state.memory.parking`).
 
     Parking frees device memory only if nothing else holds the storage, so it is refused when something
     does: another object or an attr of the session, or another session. The very same object held

@@ -99,7 +99,7 @@ class Config:
     """What `ManagerState.create` fixed: the count cap, the byte budget and the eviction mode."""
 
     max_sessions: int
-    byte_budget: dict[str, int] | None  # pool -> bytes ("*": every device pool); see functional_state.budget
+    byte_budget: dict[str, int] | None  # pool -> bytes ("*": every device pool); see functional_state.memory.budget
     evict_when_full: bool
 
 

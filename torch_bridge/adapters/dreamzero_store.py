@@ -45,7 +45,7 @@ from functional_state import (
     resolve_session_id,
     resolve_session_state_config,
 )
-from functional_state.config import parse_bool as _parse_bool
+from functional_state.shell.config import parse_bool as _parse_bool
 
 from .dreamzero import DreamZeroStateAdapter
 from .dreamzero_bespoke import BespokeDreamZeroState

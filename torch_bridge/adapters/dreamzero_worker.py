@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from functional_state import CheckpointError, has_checkpoint
-from functional_state.config import enable_override
+from functional_state.shell.config import enable_override
 
 from .. import harness as dz
 from .dreamzero_store import DreamZeroSessions
