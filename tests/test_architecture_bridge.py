@@ -28,10 +28,6 @@ TOP = {
 
 # Adapter-side modules allowed to import the harness, each with why.
 UPWARD_OK = {
-    "adapters": "lazy re-export of the Cosmos3 reference names moved to the harness (old import path)",
-    "adapters.dreamzero_rollout": "shim: the rollout's old import path and `python -m` entry",
-    "adapters.paged_engine": "shim: the reference engine's old import path",
-    "adapters.cosmos3_bespoke": "shim: the Cosmos3 reference cache's old import path",
     "adapters.dreamzero_worker": "a restart/migration worker that serves the harness rollout; kept at its path",
 }
 
@@ -138,18 +134,13 @@ def test_no_private_name_crosses_a_module():
     assert not crossing, crossing
 
 
-def test_the_harness_face_is_the_documented_set_and_old_paths_are_the_same_objects():
+def test_the_harness_face_is_the_documented_set_and_the_adapters_keep_no_old_paths():
     pytest.importorskip("torch")
     from torch_bridge import adapters, harness
-    from torch_bridge.adapters import cosmos3_bespoke, dreamzero_rollout, paged_engine
 
     assert set(harness.__all__) == HARNESS_PUBLIC, (
         sorted(set(harness.__all__) - HARNESS_PUBLIC),
         sorted(HARNESS_PUBLIC - set(harness.__all__)),
     )
-    for shim in (cosmos3_bespoke, dreamzero_rollout, paged_engine):
-        assert all(getattr(shim, n) is getattr(harness, n) for n in shim.__all__ if n != "main"), shim.__name__
-    assert adapters.Cosmos3Shapes is harness.Cosmos3Shapes
-    assert adapters.Cosmos3TransformerCache is harness.Cosmos3TransformerCache
-    with pytest.raises(AttributeError):
-        _ = adapters.no_such_name
+    for name in ("Cosmos3Shapes", "Cosmos3TransformerCache", "cosmos3_bespoke", "dreamzero_rollout", "paged_engine"):
+        assert not hasattr(adapters, name), name  # nothing was released: no shim keeps an old import path

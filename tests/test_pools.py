@@ -8,7 +8,7 @@ import functional_state as fs
 from functional_state import DenseValue, InvalidArgumentError, ManagerState, Pool, SessionStateManager, Usage
 from functional_state.memory.budget import limit_for, normalize_budget
 from helpers import assert_unchanged, snapshot
-from torch_bridge.adapters.paged_engine import ReferenceKVEngine
+from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
 KIB = 1024
 

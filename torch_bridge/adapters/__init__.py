@@ -3,8 +3,6 @@
 The A/B harness (stand-in networks, the synthetic rollout, reference engines) lives in `torch_bridge.harness`.
 """
 
-from typing import TYPE_CHECKING, Any
-
 from .cosmos3 import BranchStateError as BranchStateError
 from .cosmos3 import Cosmos3StateAdapter as Cosmos3StateAdapter
 from .cosmos3 import request_session as request_session
@@ -30,19 +28,3 @@ __all__ = [
     "dreamzero_component_nbytes",
     "request_session",
 ]
-
-_MOVED_TO_HARNESS = {"Cosmos3Shapes", "Cosmos3TransformerCache"}
-
-if TYPE_CHECKING:
-    from ..harness.cosmos3_bespoke import Cosmos3Shapes as Cosmos3Shapes
-    from ..harness.cosmos3_bespoke import Cosmos3TransformerCache as Cosmos3TransformerCache
-
-
-def __getattr__(name: str) -> Any:
-    # The Cosmos3 reference cache moved to the harness (issue 20; not in __all__ any more). It is still
-    # importable from here, on first use only: the harness imports the adapters, so an eager import here would make the two packages circular.
-    if name in _MOVED_TO_HARNESS:
-        from ..harness import cosmos3_bespoke
-
-        return getattr(cosmos3_bespoke, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
