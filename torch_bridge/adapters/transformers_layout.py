@@ -1,0 +1,194 @@
+"""The K/V layout of a transformers causal LM, and its `Cache` objects built over a session's tensors.
+
+A session holds its cache as one flat tuple of tensors (`CacheLayout.flat`): each layer's keys and values,
+then, for a `StaticCache`, each layer's filled length (the 0-d tensor its ``update`` advances in place). A
+cache is rebuilt around those very tensors for each call (`CacheLayout.cache_over`): nothing is copied, and
+``DynamicCache.update``'s ``torch.cat`` onto an empty cache is skipped.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+from transformers import DynamicCache, StaticCache
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer, get_layer_types_and_kwargs
+
+from functional_state import SessionStateError
+
+__all__ = ["CACHE_KWARGS", "CacheLayout", "CacheLayoutError", "ModelMismatchError", "TokenShapeError", "cache_kwarg"]
+
+# The forward argument that takes the cache: transformers' name for it, then the spellings of its renaming.
+CACHE_KWARGS = ("past_key_values", "cache", "past_key_value")
+KINDS = ("dynamic", "static")
+
+
+class CacheLayoutError(SessionStateError, ValueError):
+    """A cache (or a session's tensors) of another layout than the model's: layer count, heads, head size,
+    dtype, device, or cache kind."""
+
+
+class ModelMismatchError(SessionStateError, ValueError):
+    """A session whose cache another model (or another cache kind) made."""
+
+
+class TokenShapeError(SessionStateError, ValueError):
+    """A token batch of the wrong shape, dtype or length."""
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name ``model.forward`` takes its cache under (``past_key_values`` in transformers 5.23).
+
+    Raises:
+      CacheLayoutError: the forward takes none of `CACHE_KWARGS` by name.
+    """
+    params = inspect.signature(model.forward).parameters
+    for name in CACHE_KWARGS:
+        if name in params:
+            return name
+    raise CacheLayoutError(
+        f"`{type(model).__name__}.forward` takes no cache argument named any of {list(CACHE_KWARGS)}; pass "
+        f"`cache_kwarg=` the name it uses."
+    )
+
+
+def _t(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} on {t.device}"
+
+
+class CacheLayout(NamedTuple):
+    """What every session of one model holds: per layer, keys and values of shape ``(1, heads, T, head_dim)``."""
+
+    model: str  # the model's class and config name: what a session is stamped with
+    kind: str  # "dynamic" or "static"
+    layers: int
+    heads: int  # key/value heads
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    max_len: int | None  # a StaticCache's length; None for a DynamicCache
+
+    @classmethod
+    def of(cls, model: Any, kind: str, max_len: int | None) -> CacheLayout:
+        """The layout of ``model``'s cache of kind ``kind``.
+
+        Raises:
+          CacheLayoutError: an unknown kind, a StaticCache without a positive ``max_len``, or a model with
+            layers other than full attention (sliding windows, linear attention keep more than K/V).
+        """
+        if kind not in KINDS:
+            raise CacheLayoutError(f"`SessionCaches`: cache must be one of {list(KINDS)}, got {kind!r}.")
+        if kind == "static" and (not isinstance(max_len, int) or max_len < 1):
+            raise CacheLayoutError(
+                f"`SessionCaches`: a static cache needs max_cache_len, a positive int; got {max_len!r}."
+            )
+        config = model.config.get_text_config(decoder=True)
+        types, _ = get_layer_types_and_kwargs(config)
+        others = sorted({t for t in types if t != "full_attention"})
+        if others:
+            raise CacheLayoutError(
+                f"`SessionCaches`: {type(model).__name__} has {others} layers; only full-attention layers (whose "
+                f"cache is K and V alone) are supported."
+            )
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        param = next(model.parameters())
+        name = f"{type(model).__name__}({getattr(config, 'name_or_path', '') or config.model_type})"
+        return cls(
+            name, kind, len(types), heads, head_dim, param.dtype, param.device, max_len if kind == "static" else None
+        )
+
+    @property
+    def stamp(self) -> str:
+        """The session attr value that names this layout (compared before a session is stepped)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.model} {self.kind} cache: {self.layers} layers x {self.heads} heads x {self.head_dim}, {dtype}, max {self.max_len}"
+
+    def empty(self) -> tuple[torch.Tensor, ...]:
+        """A new session's tensors: nothing cached yet."""
+        n = self.max_len or 0
+        kv = [
+            torch.zeros(1, self.heads, n, self.head_dim, dtype=self.dtype, device=self.device)
+            for _ in range(2 * self.layers)
+        ]
+        lengths = (
+            [torch.zeros((), dtype=torch.int64, device=self.device) for _ in range(self.layers)]
+            if self.kind == "static"
+            else []
+        )
+        return (*kv, *lengths)
+
+    def length(self, flat: tuple[torch.Tensor, ...]) -> int:
+        """Tokens cached in ``flat``."""
+        return int(flat[2 * self.layers]) if self.kind == "static" else int(flat[0].shape[-2])
+
+    def check(self, flat: Any, what: str, batch: int = 1) -> None:
+        """Raise `CacheLayoutError` unless ``flat`` is a session's tensors of this layout."""
+        n = 2 * self.layers + (self.layers if self.kind == "static" else 0)
+        if not isinstance(flat, tuple) or len(flat) != n or not all(isinstance(t, torch.Tensor) for t in flat):
+            raise CacheLayoutError(
+                f"{what}: expected {n} tensors ({self.stamp}), got {type(flat).__name__} of {len(flat) if isinstance(flat, tuple) else '?'}."
+            )
+        for i, t in enumerate(flat[: 2 * self.layers]):
+            shape_ok = t.dim() == 4 and t.shape[0] == batch and t.shape[1] == self.heads and t.shape[3] == self.head_dim
+            len_ok = self.kind == "dynamic" or t.shape[2] == self.max_len
+            if not (shape_ok and len_ok and t.dtype == self.dtype and t.device == self.device):
+                seq = self.max_len if self.kind == "static" else "T"
+                raise CacheLayoutError(
+                    f"{what}: layer {i // 2}'s {'values' if i % 2 else 'keys'} are {_t(t)}; this model's are "
+                    f"{str(self.dtype).removeprefix('torch.')}[{batch}, {self.heads}, {seq}, {self.head_dim}] on "
+                    f"{self.device}. Use the cache of this model ({self.stamp})."
+                )
+
+    def flat(self, cache: Any, what: str) -> tuple[torch.Tensor, ...]:
+        """The tensors of a transformers ``cache`` of this layout, the very tensors (no copy).
+
+        Raises:
+          CacheLayoutError: ``cache`` is of another kind or layer count, or its tensors of another shape.
+        """
+        want = StaticCache if self.kind == "static" else DynamicCache
+        if not isinstance(cache, want):
+            raise CacheLayoutError(
+                f"{what}: expected a transformers {want.__name__} ({self.stamp}), got {type(cache).__name__}."
+            )
+        if len(cache.layers) != self.layers:
+            raise CacheLayoutError(
+                f"{what}: the cache has {len(cache.layers)} layers, this model {self.layers} ({self.stamp}); "
+                f"use a cache this model filled."
+            )
+        held: list[Any] = list(cache.layers)
+        if not all(layer.is_initialized for layer in held):
+            return self.empty()
+        kv = tuple(t for layer in held for t in (layer.keys, layer.values))
+        lengths = tuple(layer.cumulative_length for layer in held) if self.kind == "static" else ()
+        flat = (*kv, *lengths)
+        self.check(flat, what, batch=kv[0].shape[0] if kv[0].dim() == 4 else 1)
+        return flat
+
+    def cache_over(self, flat: tuple[torch.Tensor, ...]) -> Any:
+        """A transformers cache whose layers are ``flat``'s tensors (written in place, for a StaticCache)."""
+        layers: list[Any] = []
+        for i in range(self.layers):
+            k, v = flat[2 * i], flat[2 * i + 1]
+            if self.kind == "static":
+                layer: Any = StaticLayer(self.max_len or 0)
+                layer.batch_size, layer.num_heads = k.shape[:2]
+                layer.k_head_dim, layer.v_head_dim = k.shape[-1], v.shape[-1]
+                layer.cumulative_length = flat[2 * self.layers + i]
+            else:
+                layer = DynamicLayer()
+            layer.dtype, layer.device = k.dtype, k.device
+            layer.keys, layer.values, layer.is_initialized = k, v, True
+            layers.append(layer)
+        cache: Any = StaticCache.__new__(StaticCache) if self.kind == "static" else DynamicCache()
+        if self.kind == "static":
+            Cache.__init__(cache, layers=layers)  # StaticCache's own init would allocate every layer anew
+        else:
+            cache.layers = layers
+        return cache
+
+    def after(self, cache: Any) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``cache`` after a call (a DynamicCache's are new, a StaticCache's the same)."""
+        kv = tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+        return (*kv, *(layer.cumulative_length for layer in cache.layers)) if self.kind == "static" else kv
