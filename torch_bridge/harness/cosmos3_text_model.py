@@ -42,7 +42,8 @@ def tiny_qwen2(*, layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.bfl
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
-    return transformers.Qwen2ForCausalLM(config).to(dtype).eval()
+    model: Any = transformers.Qwen2ForCausalLM(config)
+    return model.to(dtype).eval()
 
 
 def text_ids(text_len: int, padded_text_len: int, *, seed: int, pad_id: int = 0) -> torch.Tensor:
