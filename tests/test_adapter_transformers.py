@@ -168,6 +168,66 @@ def test_a_static_batched_step_of_eight_sessions_gives_each_its_greedy_tokens():
     assert all(torch.equal(a, b) for a, b in zip(others, caches.manager.get_session("s1").view("kv")))
 
 
+@torch.no_grad()
+def fed(kind, prompt, tokens):
+    """The bare model's logits after ``prompt`` then ``tokens``, one by one, with its own cache."""
+    cache = bare_cache(kind)
+    logits = MODEL(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+    for t in tokens:
+        logits = MODEL(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits
+    return logits
+
+
+def test_batched_rows_are_copied_again_after_a_single_step_a_fork_or_a_new_session_under_the_same_id():
+    """`step_many` keeps a batch buffer whose rows mirror the sessions; a row must be refreshed whenever its
+    session's cache changed otherwise (here: single steps, a restore, a session ended and begun anew)."""
+    caches = sessions("static")
+    ids = ["s0", "s1", "s2", "s3"]
+    prompts = {sid: PROMPTS[i] for i, sid in enumerate(ids)}
+    fed_tokens = {sid: [] for sid in ids}
+    for sid in ids:
+        caches.begin(sid, torch.tensor([prompts[sid]]))
+
+    def batched(tokens):
+        logits = caches.step_many(ids, torch.tensor([[t] for t in tokens]))
+        for sid, t in zip(ids, tokens):
+            fed_tokens[sid].append(t)
+        return logits
+
+    batched([1, 2, 3, 4])
+    batched([5, 6, 7, 8])
+    for sid, t in zip(ids, [9, 10, 11, 12]):  # single steps: every row is stale now
+        caches.step(sid, torch.tensor([[t]]))
+        fed_tokens[sid].append(t)
+    caches.park("s0")  # restored at the next step: new tensors
+    caches.end("s3")  # begun anew under the same id, at the same length: a row naming "s3" must not be reused
+    prompts["s3"], fed_tokens["s3"] = PROMPTS[5] + [1, 2, 3], []
+    caches.begin("s3", torch.tensor([prompts["s3"]]))
+    caches.fork("s1", "s1-beam")  # s1's next write copies its shared tensors first
+    batched([13, 14, 15, 16])
+    logits = batched([17, 18, 19, 20])
+    for row, sid in enumerate(ids):
+        want = fed("static", prompts[sid], fed_tokens[sid])
+        torch.testing.assert_close(logits[row], want[0], rtol=0, atol=1e-5)
+        assert int(logits[row, -1].argmax()) == int(want[0, -1].argmax())
+
+
+def test_a_session_begun_anew_under_the_same_id_with_the_same_write_count_gets_its_own_row():
+    """The old session's tensors are gone (maybe their addresses reused) and the new ones were written as
+    often: only the row's weak references tell them apart."""
+    caches = sessions("static")
+    ids = ["a", "b"]
+    for sid, p in zip(ids, PROMPTS):
+        caches.begin(sid, torch.tensor([p]))
+    caches.step_many(ids, torch.tensor([[1], [2]]))
+    caches.end("b")
+    caches.begin("b", torch.tensor([PROMPTS[4]]))
+    caches.step("b", torch.tensor([[6]]))  # as many writes in place as the old "b" had
+    logits = caches.step_many(ids, torch.tensor([[3], [4]]))
+    want = fed("static", PROMPTS[4], [6, 4])
+    torch.testing.assert_close(logits[1], want[0], rtol=0, atol=1e-5)
+
+
 RESUME = """
 import sys, torch
 sys.path[:0] = {path!r}

@@ -30,6 +30,7 @@ import torch
 from functional_state import DenseValue, InvalidArgumentError, SessionExistsError, SessionStateManager
 
 from .transformers_layout import (
+    BatchRows,
     CacheLayout,
     CacheLayoutError,
     ModelMismatchError,
@@ -75,6 +76,12 @@ class SessionCaches:
         self.layout = CacheLayout.of(model, cache, max_cache_len)
         self.name = name
         self.cache_kwarg = cache_kwarg or find_cache_kwarg(model)
+        self._batch: BatchRows | None = None
+
+    def release_batch(self) -> int:
+        """Free the batch buffer `step_many` keeps (outside the manager's accounting); returns its bytes."""
+        freed, self._batch = (self._batch.nbytes if self._batch else 0), None
+        return freed
 
     # --- sessions ---------------------------------------------------------------------------------------
     def begin(self, session_id: str, input_ids: torch.Tensor | None = None, *, cache: Any = None) -> Any:
@@ -135,8 +142,9 @@ class SessionCaches:
         """Step several StaticCache sessions of one length in one batched call; row ``i`` of ``input_ids``
         (shape ``(len(session_ids), n)``) is session ``session_ids[i]``'s.
 
-        The rows are gathered into one batch and only the ``n`` new positions are written back to each
-        session. Batched matmuls may round differently from single ones in the last bits.
+        The sessions' caches are rows of one batch buffer the adapter keeps (`BatchRows`): a row is copied in
+        only when its session changed since the last batched step, and only the ``n`` new positions are
+        written back. Batched matmuls may round differently from single ones in the last bits.
 
         Returns:
           The logits, shape ``(len(session_ids), n, vocab)``.
@@ -159,18 +167,14 @@ class SessionCaches:
         self._check_tokens(input_ids, len(ids), lengths, what)
         flats = [h.writable(self.name) for h, _ in resident]
         n, start = input_ids.shape[1], lengths[0]
-        layers = 2 * self.layout.layers
-        batch = tuple(torch.cat([f[i] for f in flats]) for i in range(layers))
-        batch += tuple(torch.tensor(start, device=self.layout.device) for _ in range(self.layout.layers))
-        cache = self.layout.cache_over(batch)
+        if self._batch is None or len(self._batch.marks) != len(ids):
+            self._batch = BatchRows(self.layout, len(ids))
+        cache = self._batch.gather(ids, flats, start)
         with torch.no_grad():
             out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache})
-            for row, ((h, _), flat) in enumerate(zip(resident, flats)):
-                for i in range(layers):
-                    flat[i][:, :, start : start + n].copy_(batch[i][row : row + 1, :, start : start + n])
-                for t in flat[layers:]:
-                    t.add_(n)
-                h.commit(self.name, flat)
+            self._batch.scatter(ids, flats, start, n)
+        for (h, _), flat in zip(resident, flats):
+            h.commit(self.name, flat)
         return out.logits
 
     def fork(self, source_id: str, new_id: str) -> None:

@@ -9,6 +9,7 @@ cache is rebuilt around those very tensors for each call (`CacheLayout.cache_ove
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -192,3 +193,66 @@ class CacheLayout(NamedTuple):
         """The tensors of ``cache`` after a call (a DynamicCache's are new, a StaticCache's the same)."""
         kv = tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
         return (*kv, *(layer.cumulative_length for layer in cache.layers)) if self.kind == "static" else kv
+
+
+class _Mark(NamedTuple):
+    """A row's session and the tensors it was last equal to: weakly held (a row never keeps a session's
+    memory alive, and a live referent is never another tensor at a reused address) with their torch
+    versions (counts of writes in place)."""
+
+    session_id: str
+    refs: tuple[Any, ...]
+    versions: tuple[int, ...]
+
+    @classmethod
+    def of(cls, session_id: str, flat: tuple[torch.Tensor, ...]) -> _Mark:
+        return cls(session_id, tuple(weakref.ref(t) for t in flat), tuple(t._version for t in flat))
+
+    def matches(self, session_id: str, flat: tuple[torch.Tensor, ...]) -> bool:
+        return (
+            self.session_id == session_id
+            and all(r() is t for r, t in zip(self.refs, flat))
+            and self.versions == tuple(t._version for t in flat)
+        )
+
+
+class BatchRows:
+    """The batch-sized K/V a batched `StaticCache` step runs on, its rows mirroring sessions' caches.
+
+    A row is copied in from its session only when the session's tensors changed since this buffer last
+    matched them (another pointer: a fork's copy, a restore, a load; another torch version: a single step):
+    between consecutive batched steps of the same sessions only the new positions move. The buffer is the
+    adapter's own (``nbytes``), outside the manager's accounting; `SessionCaches.release_batch` frees it.
+    """
+
+    def __init__(self, layout: CacheLayout, rows: int):
+        self.layout = layout
+        shape = (rows, layout.heads, layout.max_len or 0, layout.head_dim)
+        self.kv = tuple(torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(2 * layout.layers))
+        self.marks: list[_Mark | None] = [None] * rows
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.kv)
+
+    def gather(self, ids: list[str], flats: list[tuple[torch.Tensor, ...]], start: int) -> Any:
+        """A cache over the rows, each row holding its session's first ``start`` positions."""
+        n = 2 * self.layout.layers
+        for row, (sid, flat) in enumerate(zip(ids, flats)):
+            mark = self.marks[row]
+            if mark is None or not mark.matches(sid, flat[:n]):
+                # Positions past `start` may hold another session's K/V: the causal mask never reads them.
+                for dst, src in zip(self.kv, flat[:n]):
+                    dst[row : row + 1, :, :start].copy_(src[:, :, :start])
+        lengths = tuple(torch.tensor(start, device=self.layout.device) for _ in range(self.layout.layers))
+        return self.layout.cache_over((*self.kv, *lengths))
+
+    def scatter(self, ids: list[str], flats: list[tuple[torch.Tensor, ...]], start: int, n: int) -> None:
+        """Write positions ``start:start+n`` of each row back into its session's tensors (and advance them)."""
+        k = 2 * self.layout.layers
+        for row, (sid, flat) in enumerate(zip(ids, flats)):
+            for src, dst in zip(self.kv, flat[:k]):
+                dst[:, :, start : start + n].copy_(src[row : row + 1, :, start : start + n])
+            for t in flat[k:]:
+                t.add_(n)
+            self.marks[row] = _Mark.of(sid, flat[:k])
