@@ -21,6 +21,7 @@ from torch_bridge.adapters.transformers import (  # noqa: E402
     SessionCaches,
     TokenShapeError,
 )
+from torch_bridge.adapters.transformers_layout import BatchRows  # noqa: E402
 
 MAX_LEN = 24
 KINDS = ["dynamic", "static"]
@@ -133,15 +134,18 @@ def test_several_tokens_in_one_step_equal_the_bare_model(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_filled_cache_is_adopted_by_reference_without_a_copy(kind):
+def test_a_filled_cache_is_adopted_a_dynamic_one_by_reference_without_a_copy(kind):
     cache = bare_cache(kind)
     with torch.no_grad():
         MODEL(input_ids=torch.tensor([PROMPTS[1]]), past_key_values=cache, use_cache=True)
     caches = sessions(kind)
     caches.begin("a", cache=cache)
     held = caches.manager.get_session("a").view("kv")
-    assert held[0].data_ptr() == cache.layers[0].keys.data_ptr()
-    assert held[3].data_ptr() == cache.layers[1].values.data_ptr()
+    if kind == "dynamic":  # the very tensors
+        assert held[0].data_ptr() == cache.layers[0].keys.data_ptr()
+        assert held[3].data_ptr() == cache.layers[1].values.data_ptr()
+    else:  # stacked into the session's two tensors, once
+        assert torch.equal(held[0][3], cache.layers[1].values) and held[1].tolist() == [4, 4]
     got = caches.step("a", torch.tensor([[5]]))
     assert torch.equal(got, alone(kind, PROMPTS[1], forced=[5])[1])
 
@@ -212,9 +216,26 @@ def test_batched_rows_are_copied_again_after_a_single_step_a_fork_or_a_new_sessi
         assert int(logits[row, -1].argmax()) == int(want[0, -1].argmax())
 
 
+def test_a_batch_row_is_copied_again_for_other_tensors_of_the_same_session_id_and_write_counts():
+    """A session's tensors replaced by others (begun anew, their address maybe reused) written as often:
+    only the row's weak references tell them apart."""
+    layout = sessions("static").layout
+    rows = BatchRows(layout, 1)
+    old = layout.empty()
+    old[0].fill_(1.0)
+    rows.gather(["b"], [old], 2)  # the row now holds the old tensors' ones
+    rows.scatter(["b"], [old], 2, 0)
+    new = layout.empty()
+    for t_new, t_old in zip(new, old):
+        while t_new._version < t_old._version:
+            t_new.add_(0)
+    assert [t._version for t in new] == [t._version for t in old]
+    cache = rows.gather(["b"], [new], 2)
+    assert not cache.layers[0].keys[0, :, :2].any()  # the new session's zeros, not the old row
+
+
 def test_a_session_begun_anew_under_the_same_id_with_the_same_write_count_gets_its_own_row():
-    """The old session's tensors are gone (maybe their addresses reused) and the new ones were written as
-    often: only the row's weak references tell them apart."""
+    """The old session's tensors are gone (maybe their addresses reused): its row is not reused."""
     caches = sessions("static")
     ids = ["a", "b"]
     for sid, p in zip(ids, PROMPTS):
@@ -222,7 +243,7 @@ def test_a_session_begun_anew_under_the_same_id_with_the_same_write_count_gets_i
     caches.step_many(ids, torch.tensor([[1], [2]]))
     caches.end("b")
     caches.begin("b", torch.tensor([PROMPTS[4]]))
-    caches.step("b", torch.tensor([[6]]))  # as many writes in place as the old "b" had
+    caches.step("b", torch.tensor([[6]]))
     logits = caches.step_many(ids, torch.tensor([[3], [4]]))
     want = fed("static", PROMPTS[4], [6, 4])
     torch.testing.assert_close(logits[1], want[0], rtol=0, atol=1e-5)
@@ -283,6 +304,17 @@ def test_a_cache_of_another_layer_count_is_refused_and_no_session_is_created(kin
     assert "a" not in caches.manager
     with pytest.raises(CacheLayoutError, match="expected a transformers"):
         caches.begin("a", cache=bare_cache("static" if kind == "dynamic" else "dynamic"))
+    assert "a" not in caches.manager
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cache_of_a_batch_of_two_is_refused_and_no_session_is_created(kind):
+    cache = bare_cache(kind)
+    with torch.no_grad():
+        MODEL(input_ids=torch.tensor(PROMPTS[:2]), past_key_values=cache, use_cache=True)
+    caches = sessions(kind)
+    with pytest.raises(CacheLayoutError, match="this model's are float32\\[" + ("4, 1," if kind == "static" else "1,")):
+        caches.begin("a", cache=cache)
     assert "a" not in caches.manager
 
 

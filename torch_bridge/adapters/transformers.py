@@ -85,8 +85,8 @@ class SessionCaches:
 
     # --- sessions ---------------------------------------------------------------------------------------
     def begin(self, session_id: str, input_ids: torch.Tensor | None = None, *, cache: Any = None) -> Any:
-        """Start session ``session_id``: from ``cache`` (a transformers cache this model filled, adopted
-        without a copy) or empty, then run ``input_ids`` (the prompt, shape ``(1, n)``) if given.
+        """Start session ``session_id``: from ``cache`` (a transformers cache this model filled, of batch 1: a
+        DynamicCache's tensors adopted without a copy, a StaticCache's stacked once) or empty, then run ``input_ids`` (the prompt, shape ``(1, n)``) if given.
 
         Returns:
           The logits of ``input_ids`` (shape ``(1, n, vocab)``), or None without them.
@@ -99,8 +99,7 @@ class SessionCaches:
         """
         what = f"`SessionCaches.begin({session_id!r})`"
         flat = self.layout.empty() if cache is None else self.layout.flat(cache, what)
-        if flat[0].shape[0] != 1:
-            raise CacheLayoutError(f"{what}: the cache holds a batch of {flat[0].shape[0]}; a session holds one row.")
+        self.layout.check(flat, what)  # one row: a session is one sequence
         if input_ids is not None:
             self._check_tokens(input_ids, 1, [self.layout.length(flat)], what)
         existed = session_id in self.manager
@@ -135,7 +134,7 @@ class SessionCaches:
         cache = self.layout.cache_over(flat)
         with torch.no_grad():
             out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache})
-        h.commit(self.name, self.layout.after(cache))
+        h.commit(self.name, self.layout.after(cache, flat))
         return out.logits
 
     def step_many(self, session_ids: Sequence[str], input_ids: torch.Tensor) -> Any:

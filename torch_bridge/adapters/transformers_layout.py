@@ -1,8 +1,11 @@
 """The K/V layout of a transformers causal LM, and its `Cache` objects built over a session's tensors.
 
-A session holds its cache as one flat tuple of tensors (`CacheLayout.flat`): each layer's keys and values,
-then, for a `StaticCache`, each layer's filled length (the 0-d tensor its ``update`` advances in place). A
-cache is rebuilt around those very tensors for each call (`CacheLayout.cache_over`): nothing is copied, and
+A session holds its cache as a tuple of tensors (`CacheLayout.flat`). A `DynamicCache`: each layer's keys and
+values, the very tensors the model's ``torch.cat`` made. A `StaticCache`: two tensors, every layer's keys and
+values stacked (``(2 * layers, 1, heads, max_len, head_dim)``, layer ``i``'s keys at ``2 * i``) and the
+layers' filled lengths (``(layers,)``, the counters its ``update`` advances in place), so a write in place,
+a fork's copy, a park or a batched step handles two storages, not three per layer. A cache is rebuilt
+around views of those tensors for each call (`CacheLayout.cache_over`): nothing is copied, and
 ``DynamicCache.update``'s ``torch.cat`` onto an empty cache is skipped.
 """
 
@@ -108,42 +111,49 @@ class CacheLayout(NamedTuple):
 
     def empty(self) -> tuple[torch.Tensor, ...]:
         """A new session's tensors: nothing cached yet."""
-        n = self.max_len or 0
-        kv = [
-            torch.zeros(1, self.heads, n, self.head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(2 * self.layers)
-        ]
-        lengths = (
-            [torch.zeros((), dtype=torch.int64, device=self.device) for _ in range(self.layers)]
-            if self.kind == "static"
-            else []
-        )
-        return (*kv, *lengths)
+        if self.kind == "static":
+            kv = torch.zeros(self._static_shape(1), dtype=self.dtype, device=self.device)
+            return kv, torch.zeros(self.layers, dtype=torch.int64, device=self.device)
+        shape = (1, self.heads, 0, self.head_dim)
+        return tuple(torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * self.layers))
+
+    def _static_shape(self, batch: int) -> tuple[int, ...]:
+        return (2 * self.layers, batch, self.heads, self.max_len or 0, self.head_dim)
 
     def length(self, flat: tuple[torch.Tensor, ...]) -> int:
         """Tokens cached in ``flat``."""
-        return int(flat[2 * self.layers]) if self.kind == "static" else int(flat[0].shape[-2])
+        return int(flat[1][0]) if self.kind == "static" else int(flat[0].shape[-2])
 
     def check(self, flat: Any, what: str, batch: int = 1) -> None:
         """Raise `CacheLayoutError` unless ``flat`` is a session's tensors of this layout."""
-        n = 2 * self.layers + (self.layers if self.kind == "static" else 0)
+        n = 2 if self.kind == "static" else 2 * self.layers
         if not isinstance(flat, tuple) or len(flat) != n or not all(isinstance(t, torch.Tensor) for t in flat):
             raise CacheLayoutError(
                 f"{what}: expected {n} tensors ({self.stamp}), got {type(flat).__name__} of {len(flat) if isinstance(flat, tuple) else '?'}."
             )
-        for i, t in enumerate(flat[: 2 * self.layers]):
+        if self.kind == "static":
+            kv, lengths = flat
+            if kv.shape != self._static_shape(batch) or kv.dtype != self.dtype or kv.device != self.device:
+                raise CacheLayoutError(
+                    f"{what}: the stacked keys and values are {_t(kv)}; this model's are "
+                    f"{str(self.dtype).removeprefix('torch.')}{list(self._static_shape(batch))} on {self.device}. "
+                    f"Use the cache of this model ({self.stamp})."
+                )
+            if lengths.shape != (self.layers,) or lengths.dtype != torch.int64:
+                raise CacheLayoutError(f"{what}: the lengths are {_t(lengths)}; expected int64[{self.layers}].")
+            return
+        for i, t in enumerate(flat):
             shape_ok = t.dim() == 4 and t.shape[0] == batch and t.shape[1] == self.heads and t.shape[3] == self.head_dim
-            len_ok = self.kind == "dynamic" or t.shape[2] == self.max_len
-            if not (shape_ok and len_ok and t.dtype == self.dtype and t.device == self.device):
-                seq = self.max_len if self.kind == "static" else "T"
+            if not (shape_ok and t.dtype == self.dtype and t.device == self.device):
                 raise CacheLayoutError(
                     f"{what}: layer {i // 2}'s {'values' if i % 2 else 'keys'} are {_t(t)}; this model's are "
-                    f"{str(self.dtype).removeprefix('torch.')}[{batch}, {self.heads}, {seq}, {self.head_dim}] on "
+                    f"{str(self.dtype).removeprefix('torch.')}[{batch}, {self.heads}, T, {self.head_dim}] on "
                     f"{self.device}. Use the cache of this model ({self.stamp})."
                 )
 
     def flat(self, cache: Any, what: str) -> tuple[torch.Tensor, ...]:
-        """The tensors of a transformers ``cache`` of this layout, the very tensors (no copy).
+        """The tensors of a transformers ``cache`` of this layout: a DynamicCache's very tensors (no copy); a
+        StaticCache's stacked into the two a session holds (one copy, once).
 
         Raises:
           CacheLayoutError: ``cache`` is of another kind or layer count, or its tensors of another shape.
@@ -162,21 +172,32 @@ class CacheLayout(NamedTuple):
         if not all(layer.is_initialized for layer in held):
             return self.empty()
         kv = tuple(t for layer in held for t in (layer.keys, layer.values))
-        lengths = tuple(layer.cumulative_length for layer in held) if self.kind == "static" else ()
-        flat = (*kv, *lengths)
-        self.check(flat, what, batch=kv[0].shape[0] if kv[0].dim() == 4 else 1)
-        return flat
+        batch = kv[0].shape[0] if kv[0].dim() == 4 else 1
+        if self.kind == "static":
+            for i, t in enumerate(kv):  # checked one by one first: torch.stack would fail on a mismatch
+                if t.shape != self._static_shape(batch)[1:] or t.dtype != self.dtype or t.device != self.device:
+                    raise CacheLayoutError(
+                        f"{what}: layer {i // 2}'s {'values' if i % 2 else 'keys'} are {_t(t)}; this model's are "
+                        f"{str(self.dtype).removeprefix('torch.')}{list(self._static_shape(batch)[1:])} on "
+                        f"{self.device}. Use the cache of this model ({self.stamp})."
+                    )
+            lengths = torch.stack([layer.cumulative_length.to(torch.int64) for layer in held])
+            return torch.stack(kv), lengths.to(self.device)
+        self.check(kv, what, batch=batch)
+        return kv
 
     def cache_over(self, flat: tuple[torch.Tensor, ...]) -> Any:
         """A transformers cache whose layers are ``flat``'s tensors (written in place, for a StaticCache)."""
         layers: list[Any] = []
+        static = self.kind == "static"
+        kv = flat[0] if static else flat
         for i in range(self.layers):
-            k, v = flat[2 * i], flat[2 * i + 1]
-            if self.kind == "static":
+            k, v = kv[2 * i], kv[2 * i + 1]
+            if static:
                 layer: Any = StaticLayer(self.max_len or 0)
                 layer.batch_size, layer.num_heads = k.shape[:2]
                 layer.k_head_dim, layer.v_head_dim = k.shape[-1], v.shape[-1]
-                layer.cumulative_length = flat[2 * self.layers + i]
+                layer.cumulative_length = flat[1][i]  # a view: `update` advances the session's counter
             else:
                 layer = DynamicLayer()
             layer.dtype, layer.device = k.dtype, k.device
@@ -189,10 +210,12 @@ class CacheLayout(NamedTuple):
             cache.layers = layers
         return cache
 
-    def after(self, cache: Any) -> tuple[torch.Tensor, ...]:
-        """The tensors of ``cache`` after a call (a DynamicCache's are new, a StaticCache's the same)."""
-        kv = tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
-        return (*kv, *(layer.cumulative_length for layer in cache.layers)) if self.kind == "static" else kv
+    def after(self, cache: Any, flat: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The session's tensors after a call on ``cache`` (built over ``flat``): a DynamicCache's new ones,
+        or ``flat`` itself, written in place."""
+        if self.kind == "static":
+            return flat
+        return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
 
 
 class _Mark(NamedTuple):
@@ -227,32 +250,26 @@ class BatchRows:
 
     def __init__(self, layout: CacheLayout, rows: int):
         self.layout = layout
-        shape = (rows, layout.heads, layout.max_len or 0, layout.head_dim)
-        self.kv = tuple(torch.zeros(shape, dtype=layout.dtype, device=layout.device) for _ in range(2 * layout.layers))
+        self.kv = torch.zeros(layout._static_shape(rows), dtype=layout.dtype, device=layout.device)
         self.marks: list[_Mark | None] = [None] * rows
 
     @property
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.kv)
+        return self.kv.untyped_storage().nbytes()
 
     def gather(self, ids: list[str], flats: list[tuple[torch.Tensor, ...]], start: int) -> Any:
         """A cache over the rows, each row holding its session's first ``start`` positions."""
-        n = 2 * self.layout.layers
         for row, (sid, flat) in enumerate(zip(ids, flats)):
             mark = self.marks[row]
-            if mark is None or not mark.matches(sid, flat[:n]):
+            if mark is None or not mark.matches(sid, flat):
                 # Positions past `start` may hold another session's K/V: the causal mask never reads them.
-                for dst, src in zip(self.kv, flat[:n]):
-                    dst[row : row + 1, :, :start].copy_(src[:, :, :start])
-        lengths = tuple(torch.tensor(start, device=self.layout.device) for _ in range(self.layout.layers))
-        return self.layout.cache_over((*self.kv, *lengths))
+                self.kv[:, row : row + 1, :, :start].copy_(flat[0][:, :, :, :start])
+        lengths = torch.full((self.layout.layers,), start, dtype=torch.int64, device=self.layout.device)
+        return self.layout.cache_over((self.kv, lengths))
 
     def scatter(self, ids: list[str], flats: list[tuple[torch.Tensor, ...]], start: int, n: int) -> None:
         """Write positions ``start:start+n`` of each row back into its session's tensors (and advance them)."""
-        k = 2 * self.layout.layers
         for row, (sid, flat) in enumerate(zip(ids, flats)):
-            for src, dst in zip(self.kv, flat[:k]):
-                dst[:, :, start : start + n].copy_(src[row : row + 1, :, start : start + n])
-            for t in flat[k:]:
-                t.add_(n)
-            self.marks[row] = _Mark.of(sid, flat[:k])
+            flat[0][:, :, :, start : start + n].copy_(self.kv[:, row : row + 1, :, start : start + n])
+            flat[1].add_(n)
+            self.marks[row] = _Mark.of(sid, flat)
