@@ -170,6 +170,8 @@ def test_a_static_batched_step_of_eight_sessions_gives_each_its_greedy_tokens():
     others = [t.clone() for t in caches.manager.get_session("s1").view("kv")]
     caches.step("s0", torch.tensor([[1]]))
     assert all(torch.equal(a, b) for a, b in zip(others, caches.manager.get_session("s1").view("kv")))
+    # The batch buffer (outside the manager's accounting): 2 layers' K and V of 8 rows, freed on request.
+    assert caches.release_batch() == 4 * 8 * 2 * MAX_LEN * 16 * 4 and caches.release_batch() == 0
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +57,9 @@ class SessionCaches:
       cache_kwarg: the forward argument taking the cache; found in ``model.forward``'s signature if not
         given (``past_key_values``, or a later spelling of it).
 
+    Different sessions may be stepped from different threads; one session is stepped by one thread at a
+    time (two concurrent steps of one session would both start from the same cache).
+
     Raises:
       CacheLayoutError: an unknown ``cache``, a static cache without ``max_cache_len``, a model whose layers
         are not all full attention, or a forward with no cache argument.
@@ -77,10 +81,12 @@ class SessionCaches:
         self.name = name
         self.cache_kwarg = cache_kwarg or find_cache_kwarg(model)
         self._batch: BatchRows | None = None
+        self._batch_lock = threading.Lock()
 
     def release_batch(self) -> int:
         """Free the batch buffer `step_many` keeps (outside the manager's accounting); returns its bytes."""
-        freed, self._batch = (self._batch.nbytes if self._batch else 0), None
+        with self._batch_lock:
+            freed, self._batch = (self._batch.nbytes if self._batch else 0), None
         return freed
 
     # --- sessions ---------------------------------------------------------------------------------------
@@ -166,12 +172,13 @@ class SessionCaches:
         self._check_tokens(input_ids, len(ids), lengths, what)
         flats = [h.writable(self.name) for h, _ in resident]
         n, start = input_ids.shape[1], lengths[0]
-        if self._batch is None or len(self._batch.marks) != len(ids):
-            self._batch = BatchRows(self.layout, len(ids))
-        cache = self._batch.gather(ids, flats, start)
-        with torch.no_grad():
-            out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache})
-            self._batch.scatter(ids, flats, start, n)
+        with self._batch_lock:  # one batched call at a time runs on the kept buffer
+            if self._batch is None or len(self._batch.marks) != len(ids):
+                self._batch = BatchRows(self.layout, len(ids))
+            cache = self._batch.gather(ids, flats, start)
+            with torch.no_grad():
+                out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache})
+                self._batch.scatter(ids, flats, start, n)
         for (h, _), flat in zip(resident, flats):
             h.commit(self.name, flat)
         return out.logits
