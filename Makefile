@@ -15,14 +15,15 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]' --config-settings editable_mode=compat
 	touch $(STAMP)
 
-# The demo installs only what it runs (torch, the CLI's rich/matplotlib/psutil, diffusers' Wan encoder), with
+# The demo installs only what it runs (torch, the CLI's rich/matplotlib/psutil, diffusers' Wan encoder,
+# transformers' Qwen2 and Llama), with
 # pip's progress shown; where `make test`'s full [dev] install is already there (a superset) it uses that.
 # One torch/OpenMP thread: default threads oversubscribe a shared box.
 DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "make demo: installing functional-state[torch,cli,diffusers] into $(VENV) (the first time only)"
-	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[torch,cli,diffusers]' \
+	@echo "make demo: installing functional-state[torch,cli,diffusers,transformers] into $(VENV) (the first time only)"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[torch,cli,diffusers,transformers]' \
 		--config-settings editable_mode=compat
 	touch $(DEMO_STAMP)
 

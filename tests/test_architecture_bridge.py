@@ -23,6 +23,7 @@ TOP = {
     "cli": "face",
     "demo": "face",
     "runner": "face",
+    "demo_text_model": "face",
     "": "face",
 }
 

@@ -190,6 +190,9 @@ def test_demo_runs_end_to_end_and_writes_the_plot(tmp_path):
     for component in ("stitched_frames", "video_latents", "vae_encoder_out", "vae_enc_feat_map"):
         assert component in text
     assert "parking kept every session, bit-identical" in text and "differ (sessions lost)" in text
+    if importlib.util.find_spec("transformers") is not None:  # section 6: real transformers K/V
+        assert "stored == formula == stats(), 0 copies, 0 bytes after" in text
+        assert "8/8 Llama sessions (idle ones parked) bit-identical to each alone" in text
     png = tmp_path / "dreamzero_bytes_per_step.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and str(png) in text
 

@@ -10,7 +10,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import ManagerState, PagedKVHandle, PagedKVPool, SessionStateManager
-from functional_state.engine_blocks import free_acquired
+from functional_state.table.engine_blocks import free_acquired
 
 BLOCK = 4 * 8 * 4  # block_size 4 x 8 floats, float32
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import runner
+from . import demo_text_model, runner
 
 DEPLOY_CAMERA_HW = (180, 320)  # what DreamZero serves: three such cameras, stitched to 352x640
 FEAT_MAP = "vae_enc_feat_map"  # the DreamZero session object holding the VAE encoder's feat cache
@@ -411,10 +411,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 f"{'identical' if budget['identical'] else 'DIFFER'}; drop-only lost {budget['drop_lost']}",
             )
         )
-        ok = ok and budget_ok and held == "held"
+        text_ok = demo_text_model.text_model_section(console, recap)
+        ok = ok and budget_ok and held == "held" and text_ok
         real, stand_ins = _provenance(args.vae_encoder, args.feat_map_mib)
-        recap.append(("real model code", real))
-        recap.append(("stand-ins (this repository)", f"{stand_ins}; Cosmos3's K/V"))
+        recap += [("real model code", real), ("stand-ins (this repository)", f"{stand_ins}; Cosmos3's K/V in 1")]
         console.print()
         _recap(console, recap, ok, time.perf_counter() - t_start)
     return 0 if ok else 1

@@ -1,0 +1,182 @@
+"""`torch_bridge.adapters.transformers.SessionCaches` against the bare transformers model with its own caches.
+
+Per token at 8 sessions, round robin: the bare side holds one `DynamicCache` per session and calls the model;
+the library side calls `SessionCaches.step` (the session's tensors looked up, a cache rebuilt around them, the
+new tensors committed), and again with every session parked after each of its tokens (restored by the next
+`step`), its cache over 1 MiB. Then a batched `StaticCache` step of 8 sessions: `step_many` against the bare
+model called on one batch-8 `StaticCache`. Every side decodes the same tokens from the same prompts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import transformers
+
+from _timing import fmt_time, interleaved_rounds, round_ratio
+from torch_bridge.adapters.transformers import SessionCaches
+
+SESSIONS, PROMPT, MAX_LEN = 8, 160, 512
+CALLS = 32  # tokens per timed run (4 per session)
+REPEATS = 11
+
+
+def _model() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _p99(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]
+
+
+def _prompts() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(1, 256, (SESSIONS, PROMPT), generator=g)
+
+
+def _per_token(model: transformers.LlamaForCausalLM) -> tuple[dict, dict[str, list[float]], int]:
+    """Timed functions: bare, library, library with park every token; and the per-token samples."""
+    prompts, token = _prompts(), torch.tensor([[3]])
+    bare_caches = [transformers.DynamicCache(config=model.config) for _ in range(SESSIONS)]
+    with torch.no_grad():
+        for j, cache in enumerate(bare_caches):
+            model(input_ids=prompts[j : j + 1], past_key_values=cache, use_cache=True)
+    lib, parked = SessionCaches(model), SessionCaches(model)
+    for j in range(SESSIONS):
+        lib.begin(f"s{j}", prompts[j : j + 1])
+        parked.begin(f"s{j}", prompts[j : j + 1])
+        parked.park(f"s{j}")
+    cache_bytes = sum(t.untyped_storage().nbytes() for t in parked.manager.get_session("s0").view("kv"))
+    samples: dict[str, list[float]] = {"bare": [], "library": [], "park": [], "copies": []}
+    bare_copy = [transformers.DynamicCache(config=model.config) for _ in range(SESSIONS)]
+    with torch.no_grad():
+        for j, cache in enumerate(bare_copy):
+            model(input_ids=prompts[j : j + 1], past_key_values=cache, use_cache=True)
+
+    def bare() -> None:
+        with torch.no_grad():
+            for i in range(CALLS):
+                t0 = time.perf_counter()
+                model(input_ids=token, past_key_values=bare_caches[i % SESSIONS], use_cache=True)
+                samples["bare"].append(time.perf_counter() - t0)
+
+    def library() -> None:
+        for i in range(CALLS):
+            t0 = time.perf_counter()
+            lib.step(f"s{i % SESSIONS}", token)
+            samples["library"].append(time.perf_counter() - t0)
+
+    def park() -> None:
+        for i in range(CALLS):
+            t0 = time.perf_counter()
+            parked.step(f"s{i % SESSIONS}", token)  # restores the parked cache first
+            parked.park(f"s{i % SESSIONS}")
+            samples["park"].append(time.perf_counter() - t0)
+
+    def copies() -> None:  # the floor of a park and a restore: the bare model, and its cache copied out and back
+        with torch.no_grad():
+            for i in range(CALLS):
+                t0 = time.perf_counter()
+                cache = bare_copy[i % SESSIONS]
+                model(input_ids=token, past_key_values=cache, use_cache=True)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys.clone().clone(), layer.values.clone().clone()
+                samples["copies"].append(time.perf_counter() - t0)
+
+    return {"bare": bare, "library": library, "park": park, "copies": copies}, samples, cache_bytes
+
+
+def _batched(model: transformers.LlamaForCausalLM) -> tuple[dict, dict[str, list[float]]]:
+    prompts, tokens = _prompts(), torch.full((SESSIONS, 1), 3)
+    bare_cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN)
+    with torch.no_grad():
+        model(input_ids=prompts, past_key_values=bare_cache, use_cache=True)
+    lib = SessionCaches(model, cache="static", max_cache_len=MAX_LEN)
+    ids = [f"s{j}" for j in range(SESSIONS)]
+    for j, sid in enumerate(ids):
+        lib.begin(sid, prompts[j : j + 1])
+    samples: dict[str, list[float]] = {"bare": [], "library": []}
+
+    def bare() -> None:
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model(input_ids=tokens, past_key_values=bare_cache, use_cache=True)
+            samples["bare"].append(time.perf_counter() - t0)
+
+    def library() -> None:
+        t0 = time.perf_counter()
+        lib.step_many(ids, tokens)
+        samples["library"].append(time.perf_counter() - t0)
+
+    return {"bare": bare, "library": library}, samples
+
+
+def run() -> dict:
+    torch.set_num_threads(1)  # a shared machine: one thread, as `make demo` runs
+    model = _model()
+    fns, samples, cache_bytes = _per_token(model)
+    rounds = interleaved_rounds(fns, repeats=REPEATS)
+    step_ratio, park_ratio = round_ratio(rounds, "library", "bare"), round_ratio(rounds, "park", "bare")
+    park_floor = round_ratio(rounds, "park", "copies")
+    bfns, bsamples = _batched(model)
+    brounds = interleaved_rounds(bfns, repeats=4 * REPEATS)
+    batch_ratio = round_ratio(brounds, "library", "bare")
+    rows, figures = [], {"cache_bytes": cache_bytes}
+    labels = {
+        "bare": "8 sessions: bare model, a DynamicCache each",
+        "library": "8 sessions: `SessionCaches.step`",
+        "park": "8 sessions: `step`, then `park` (every token)",
+        "copies": "8 sessions: bare model, its cache then copied out and back",
+    }
+    for key, label in labels.items():
+        med, p99 = statistics.median(samples[key]), _p99(samples[key])
+        figures[f"{key}_s"], figures[f"{key}_p99_s"] = med, p99
+        ratio = "" if key == "bare" else f"{med / statistics.median(samples['bare']):.2f}x"
+        rows.append((label, fmt_time(med), fmt_time(p99), ratio))
+    for key, label in (("bare", "batch of 8: bare model, one StaticCache"), ("library", "batch of 8: `step_many`")):
+        med, p99 = statistics.median(bsamples[key]), _p99(bsamples[key])
+        figures[f"batched_{key}_s"], figures[f"batched_{key}_p99_s"] = med, p99
+        ratio = "" if key == "bare" else f"{med / statistics.median(bsamples['bare']):.2f}x"
+        rows.append((label, fmt_time(med), fmt_time(p99), ratio))
+    figures.update(step_ratio=step_ratio, park_ratio=park_ratio, park_floor=park_floor, batch_ratio=batch_ratio)
+    return {
+        "title": "transformers decode per session: `SessionCaches` against the bare model with its own caches",
+        "header": ("what (one token per session)", "median per call", "p99", "vs bare"),
+        "rows": rows,
+        "ratio": ("SessionCaches.step / bare model, 8 sessions (goal <= 1.1)", step_ratio),
+        "extra_ratios": [
+            (f"step + park every token / bare, {cache_bytes / 2**20:.2f} MiB caches (goal <= 1.3)", park_ratio),
+            ("step + park every token / bare model + two copies of its cache", park_floor),
+            ("step_many(8) StaticCache / bare batched call (goal <= 1.2)", batch_ratio),
+        ],
+        "notes": (
+            "A random-init transformers Llama (4 layers, hidden 256, 4 heads of 64, vocabulary 256), one torch "
+            f"thread, prompts of {PROMPT} tokens, then one token per call, {CALLS} calls per run round robin over "
+            f"{SESSIONS} sessions; the StaticCache holds {MAX_LEN} positions. Ratios are medians over "
+            f"{REPEATS} interleaved rounds of each round's ratio (the batched one over {4 * REPEATS}); the "
+            "median and p99 columns are over every call. The garbage collector is on. `step_many` runs the "
+            "8 sessions as rows of a batch buffer it keeps (copied in only when a session changed) and writes back only the new "
+            "positions. Parking a CPU tensor copies it to host memory and restoring copies it back: the "
+            "`copies` row is that floor without the library. Measured on a "
+            "machine shared with other jobs: the figures are noisy."
+        ),
+        "figures": figures,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=1, default=str))

@@ -1,0 +1,446 @@
+"""`torch_bridge.adapters.transformers.SessionCaches`: sessions of a real (tiny, random-init) transformers Llama.
+
+Every session's tokens and logits equal, bit for bit, that session decoded alone by the bare model with its
+own cache: interleaved greedy decode with idle sessions parked, beam forks (a StaticCache fork stays a
+snapshot), a checkpoint resumed in a fresh process. Bad input is refused with a specific error, nothing changed.
+"""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import functional_state as fs  # noqa: E402
+from torch_bridge.adapters.transformers import (  # noqa: E402
+    CacheLayoutError,
+    ModelMismatchError,
+    SessionCaches,
+    TokenShapeError,
+)
+from torch_bridge.adapters.transformers_layout import BatchRows  # noqa: E402
+
+MAX_LEN = 24
+KINDS = ["dynamic", "static"]
+PROMPTS = [
+    [5, 17, 42, 8],
+    [3, 9, 1, 60],
+    [11, 2, 7, 7],
+    [40, 41, 42, 43],
+    [1, 2, 3, 4],
+    [9, 9, 8, 8],
+    [70, 6, 5, 4],
+    [13, 31, 13, 31],
+]
+STEPS = 5
+
+
+def llama(layers=2, seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODEL = llama()
+
+
+def sessions(kind, model=MODEL, manager=None):
+    return SessionCaches(model, manager, cache=kind, max_cache_len=MAX_LEN if kind == "static" else None)
+
+
+def bare_cache(kind, model=MODEL):
+    if kind == "static":
+        return transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN)
+    return transformers.DynamicCache(config=model.config)
+
+
+@torch.no_grad()
+def alone(kind, tokens, forced=()):
+    """The reference: the bare model with its own cache; prompt, then ``forced`` tokens, then greedy."""
+    cache = bare_cache(kind)
+    logits = MODEL(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True).logits
+    out = [logits]
+    for i in range(STEPS):
+        nxt = forced[i] if i < len(forced) else int(logits[0, -1].argmax())
+        logits = MODEL(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True).logits
+        out.append(logits)
+    return out
+
+
+def greedy(logits):
+    return logits[:, -1:].argmax(-1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_eight_interleaved_sessions_with_idle_ones_parked_equal_each_decoded_alone_bit_for_bit(kind):
+    caches = sessions(kind)
+    got = {i: [caches.begin(f"s{i}", torch.tensor([p]))] for i, p in enumerate(PROMPTS)}
+    for step in range(STEPS):
+        for i in range(len(PROMPTS)):
+            sid = f"s{i}"
+            got[i].append(caches.step(sid, greedy(got[i][-1])))
+            if (i + step) % 3 == 0:
+                caches.park(sid)  # idle until its next turn: restored by `step`
+                assert caches.manager.get_session(sid).state.get("kv").parked
+    for i, p in enumerate(PROMPTS):
+        want = alone(kind, p)
+        assert all(torch.equal(a, b) for a, b in zip(got[i], want, strict=True)), f"session {i}"
+        assert caches.length(f"s{i}") == len(p) + STEPS
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_beams_forked_from_one_prompt_equal_each_beam_decoded_alone_and_the_parent_stays_a_snapshot(kind):
+    caches = sessions(kind)
+    prompt = PROMPTS[0]
+    caches.begin("p", torch.tensor([prompt]))
+    before = [t.clone() for t in caches.manager.get_session("p").view("kv")]
+    firsts = [4, 50, 77]
+    beams = {}
+    for b, first in enumerate(firsts):
+        caches.fork("p", f"beam{b}")
+        logits = [caches.step(f"beam{b}", torch.tensor([[first]]))]
+        for _ in range(STEPS - 1):
+            logits.append(caches.step(f"beam{b}", greedy(logits[-1])))
+        beams[b] = logits
+    for b, first in enumerate(firsts):
+        want = alone(kind, prompt, forced=[first])[1:]
+        assert all(torch.equal(a, w) for a, w in zip(beams[b], want, strict=True)), f"beam {b}"
+    after = caches.manager.get_session("p").view("kv")
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # no beam's write reached the parent
+    assert caches.length("p") == len(prompt)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_several_tokens_in_one_step_equal_the_bare_model(kind):
+    caches = sessions(kind)
+    caches.begin("a", torch.tensor([PROMPTS[0][:2]]))
+    got = caches.step("a", torch.tensor([PROMPTS[0][2:]]))
+    cache = bare_cache(kind)
+    with torch.no_grad():
+        MODEL(input_ids=torch.tensor([PROMPTS[0][:2]]), past_key_values=cache, use_cache=True)
+        want = MODEL(input_ids=torch.tensor([PROMPTS[0][2:]]), past_key_values=cache, use_cache=True).logits
+    assert torch.equal(got, want) and caches.length("a") == 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_filled_cache_is_adopted_a_dynamic_one_by_reference_without_a_copy(kind):
+    cache = bare_cache(kind)
+    with torch.no_grad():
+        MODEL(input_ids=torch.tensor([PROMPTS[1]]), past_key_values=cache, use_cache=True)
+    caches = sessions(kind)
+    caches.begin("a", cache=cache)
+    held = caches.manager.get_session("a").view("kv")
+    if kind == "dynamic":  # the very tensors
+        assert held[0].data_ptr() == cache.layers[0].keys.data_ptr()
+        assert held[3].data_ptr() == cache.layers[1].values.data_ptr()
+    else:  # stacked into the session's two tensors, once
+        assert torch.equal(held[0][3], cache.layers[1].values) and held[1].tolist() == [4, 4]
+    got = caches.step("a", torch.tensor([[5]]))
+    assert torch.equal(got, alone(kind, PROMPTS[1], forced=[5])[1])
+
+
+def test_a_static_batched_step_of_eight_sessions_gives_each_its_greedy_tokens():
+    caches = sessions("static")
+    ids = [f"s{i}" for i in range(len(PROMPTS))]
+    last = torch.cat([caches.begin(sid, torch.tensor([p])) for sid, p in zip(ids, PROMPTS)])
+    tokens = []
+    for _ in range(STEPS):
+        tok = greedy(last)
+        tokens.append(tok)
+        logits = caches.step_many(ids, tok)
+        last = logits
+    for i, p in enumerate(PROMPTS):
+        want = alone("static", p)
+        want_tokens = [int(w[0, -1].argmax()) for w in want[:STEPS]]
+        assert [int(t[i, 0]) for t in tokens] == want_tokens, f"session {i}"
+        assert torch.allclose(last[i], want[STEPS][0], atol=1e-5)  # a batched matmul may round otherwise
+        assert caches.length(ids[i]) == len(p) + STEPS
+    # Each session's tensors are its own: a single step on one leaves the others as they were.
+    others = [t.clone() for t in caches.manager.get_session("s1").view("kv")]
+    caches.step("s0", torch.tensor([[1]]))
+    assert all(torch.equal(a, b) for a, b in zip(others, caches.manager.get_session("s1").view("kv")))
+    # The batch buffer (outside the manager's accounting): 2 layers' K and V of 8 rows, freed on request.
+    assert caches.release_batch() == 4 * 8 * 2 * MAX_LEN * 16 * 4 and caches.release_batch() == 0
+
+
+@torch.no_grad()
+def fed(kind, prompt, tokens):
+    """The bare model's logits after ``prompt`` then ``tokens``, one by one, with its own cache."""
+    cache = bare_cache(kind)
+    logits = MODEL(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
+    for t in tokens:
+        logits = MODEL(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits
+    return logits
+
+
+def test_batched_rows_are_copied_again_after_a_single_step_a_fork_or_a_new_session_under_the_same_id():
+    """`step_many` keeps a batch buffer whose rows mirror the sessions; a row must be refreshed whenever its
+    session's cache changed otherwise (here: single steps, a restore, a session ended and begun anew)."""
+    caches = sessions("static")
+    ids = ["s0", "s1", "s2", "s3"]
+    prompts = {sid: PROMPTS[i] for i, sid in enumerate(ids)}
+    fed_tokens = {sid: [] for sid in ids}
+    for sid in ids:
+        caches.begin(sid, torch.tensor([prompts[sid]]))
+
+    def batched(tokens):
+        logits = caches.step_many(ids, torch.tensor([[t] for t in tokens]))
+        for sid, t in zip(ids, tokens):
+            fed_tokens[sid].append(t)
+        return logits
+
+    batched([1, 2, 3, 4])
+    batched([5, 6, 7, 8])
+    for sid, t in zip(ids, [9, 10, 11, 12]):  # single steps: every row is stale now
+        caches.step(sid, torch.tensor([[t]]))
+        fed_tokens[sid].append(t)
+    caches.park("s0")  # restored at the next step: new tensors
+    caches.end("s3")  # begun anew under the same id, at the same length: a row naming "s3" must not be reused
+    prompts["s3"], fed_tokens["s3"] = PROMPTS[5] + [1, 2, 3], []
+    caches.begin("s3", torch.tensor([prompts["s3"]]))
+    caches.fork("s1", "s1-beam")  # s1's next write copies its shared tensors first
+    batched([13, 14, 15, 16])
+    logits = batched([17, 18, 19, 20])
+    for row, sid in enumerate(ids):
+        want = fed("static", prompts[sid], fed_tokens[sid])
+        torch.testing.assert_close(logits[row], want[0], rtol=0, atol=1e-5)
+        assert int(logits[row, -1].argmax()) == int(want[0, -1].argmax())
+
+
+def test_a_batch_row_is_copied_again_for_other_tensors_of_the_same_session_id_and_write_counts():
+    """A session's tensors replaced by others (begun anew, their address maybe reused) written as often:
+    only the row's weak references tell them apart."""
+    layout = sessions("static").layout
+    rows = BatchRows(layout, 1)
+    old = layout.empty()
+    old[0].fill_(1.0)
+    rows.gather(["b"], [old], 2)  # the row now holds the old tensors' ones
+    rows.scatter(["b"], [old], 2, 0)
+    new = layout.empty()
+    for t_new, t_old in zip(new, old):
+        while t_new._version < t_old._version:
+            t_new.add_(0)
+    assert [t._version for t in new] == [t._version for t in old]
+    cache = rows.gather(["b"], [new], 2)
+    assert not cache.layers[0].keys[0, :, :2].any()  # the new session's zeros, not the old row
+
+
+def test_a_session_begun_anew_under_the_same_id_with_the_same_write_count_gets_its_own_row():
+    """The old session's tensors are gone (maybe their addresses reused): its row is not reused."""
+    caches = sessions("static")
+    ids = ["a", "b"]
+    for sid, p in zip(ids, PROMPTS):
+        caches.begin(sid, torch.tensor([p]))
+    caches.step_many(ids, torch.tensor([[1], [2]]))
+    caches.end("b")
+    caches.begin("b", torch.tensor([PROMPTS[4]]))
+    caches.step("b", torch.tensor([[6]]))
+    logits = caches.step_many(ids, torch.tensor([[3], [4]]))
+    want = fed("static", PROMPTS[4], [6, 4])
+    torch.testing.assert_close(logits[1], want[0], rtol=0, atol=1e-5)
+
+
+RESUME = """
+import sys, torch
+sys.path[:0] = {path!r}
+from test_adapter_transformers import MODEL, sessions
+caches = sessions({kind!r})
+caches.load("a", {ckpt!r})
+logits = caches.step("a", torch.tensor([[{token}]]))
+torch.save(logits, {out!r})
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_checkpoint_resumed_in_a_fresh_process_continues_bit_for_bit(kind, tmp_path):
+    caches = sessions(kind)
+    caches.begin("a", torch.tensor([PROMPTS[2]]))
+    caches.step("a", torch.tensor([[7]]))
+    caches.save("a", tmp_path / "a")
+    want = caches.step("a", torch.tensor([[9]]))
+    script = RESUME.format(
+        path=[".", "tests"], kind=kind, ckpt=str(tmp_path / "a"), token=9, out=str(tmp_path / "l.pt")
+    )
+    subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True, timeout=300)
+    assert torch.equal(torch.load(tmp_path / "l.pt"), want)
+
+
+# --- bad input: a specific error, nothing changed ----------------------------------------------------------
+
+
+def counts(manager):
+    """The manager's figures, less its lookup counters (a refused call still looked the session up)."""
+    return {k: v for k, v in manager.stats().items() if k not in ("hits", "misses")}
+
+
+def snap(caches, sid):
+    return [t.clone() for t in caches.manager.get_session(sid).view("kv")], counts(caches.manager)
+
+
+def assert_same(caches, sid, before):
+    tensors, stats = before
+    assert all(torch.equal(a, b) for a, b in zip(tensors, caches.manager.get_session(sid).view("kv"), strict=True))
+    assert counts(caches.manager) == stats
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cache_of_another_layer_count_is_refused_and_no_session_is_created(kind):
+    other = llama(layers=3)
+    cache = bare_cache(kind, other)
+    with torch.no_grad():
+        other(input_ids=torch.tensor([PROMPTS[0]]), past_key_values=cache, use_cache=True)
+    caches = sessions(kind)
+    with pytest.raises(CacheLayoutError, match="3 layers, this model 2"):
+        caches.begin("a", cache=cache)
+    assert "a" not in caches.manager
+    with pytest.raises(CacheLayoutError, match="expected a transformers"):
+        caches.begin("a", cache=bare_cache("static" if kind == "dynamic" else "dynamic"))
+    assert "a" not in caches.manager
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cache_of_a_batch_of_two_is_refused_and_no_session_is_created(kind):
+    cache = bare_cache(kind)
+    with torch.no_grad():
+        MODEL(input_ids=torch.tensor(PROMPTS[:2]), past_key_values=cache, use_cache=True)
+    caches = sessions(kind)
+    with pytest.raises(CacheLayoutError, match="this model's are float32\\[" + ("4, 1," if kind == "static" else "1,")):
+        caches.begin("a", cache=cache)
+    assert "a" not in caches.manager
+
+
+def test_a_cache_of_another_model_with_other_heads_is_refused():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+    other = transformers.LlamaForCausalLM(config).eval()
+    cache = transformers.DynamicCache(config=other.config)
+    with torch.no_grad():
+        other(input_ids=torch.tensor([PROMPTS[0]]), past_key_values=cache, use_cache=True)
+    with pytest.raises(CacheLayoutError, match="layer 0's keys are float32\\[1, 4, 4, 16\\]"):
+        sessions("dynamic").begin("a", cache=cache)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_session_of_another_model_is_refused_unchanged(kind):
+    manager = fs.SessionStateManager()
+    mine = sessions(kind, manager=manager)
+    theirs = sessions(kind, model=llama(layers=3), manager=manager)
+    theirs.begin("t", torch.tensor([PROMPTS[0]]))
+    before = snap(theirs, "t")
+    with pytest.raises(ModelMismatchError, match="3 layers"):
+        mine.step("t", torch.tensor([[1]]))
+    with pytest.raises(ModelMismatchError):
+        sessions("static" if kind == "dynamic" else "dynamic", manager=manager).step("t", torch.tensor([[1]]))
+    assert_same(theirs, "t", before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "tokens, match",
+    [
+        (torch.tensor([1]), "shape \\[1, n >= 1\\]"),
+        (torch.tensor([[1], [2]]), "got torch.int64 \\[2, 1\\]"),
+        (torch.zeros(1, 1), "integer tokens"),
+        (torch.zeros(1, 0, dtype=torch.long), "n >= 1"),
+        ([[1]], "got list"),
+    ],
+)
+def test_a_token_batch_of_the_wrong_shape_is_refused_unchanged(kind, tokens, match):
+    caches = sessions(kind)
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    before = snap(caches, "a")
+    with pytest.raises(TokenShapeError, match=match):
+        caches.step("a", tokens)
+    assert_same(caches, "a", before)
+
+
+def test_a_static_overflow_and_a_batch_of_unequal_lengths_are_refused_unchanged():
+    caches = sessions("static")
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    caches.begin("b", torch.tensor([PROMPTS[1][:3]]))
+    before = snap(caches, "a")
+    with pytest.raises(TokenShapeError, match="overflow the StaticCache of 24"):
+        caches.step("a", torch.ones(1, MAX_LEN, dtype=torch.long))
+    with pytest.raises(TokenShapeError, match="hold \\[4, 3\\] tokens"):
+        caches.step_many(["a", "b"], torch.ones(2, 1, dtype=torch.long))
+    with pytest.raises(fs.InvalidArgumentError, match="distinct"):
+        caches.step_many(["a", "a"], torch.ones(2, 1, dtype=torch.long))
+    assert_same(caches, "a", before)
+    with pytest.raises(fs.InvalidArgumentError, match="cache='static'"):
+        sessions("dynamic").step_many(["a"], torch.ones(1, 1, dtype=torch.long))
+
+
+def test_beginning_twice_and_stepping_a_session_never_begun_are_refused():
+    caches = sessions("dynamic")
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    with pytest.raises(fs.SessionExistsError, match="`end` it first"):
+        caches.begin("a")
+    with pytest.raises(fs.SessionStateLostError):
+        caches.step("nobody", torch.tensor([[1]]))
+    caches.manager.get_or_create_session("bare")
+    with pytest.raises(ModelMismatchError, match="no stamp"):
+        caches.step("bare", torch.tensor([[1]]))
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_not_left_in_the_table(tmp_path):
+    theirs = sessions("dynamic", model=llama(layers=3))
+    theirs.begin("t", torch.tensor([PROMPTS[0]]))
+    theirs.save("t", tmp_path / "t")
+    mine = sessions("dynamic")
+    with pytest.raises(ModelMismatchError):
+        mine.load("t", tmp_path / "t")
+    assert "t" not in mine.manager
+
+
+class Renamed(torch.nn.Module):
+    """A causal LM whose forward takes its cache under the later spelling (``cache``)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids, cache=None, use_cache=True):
+        return self.inner(input_ids=input_ids, past_key_values=cache, use_cache=use_cache)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_forward_taking_the_cache_under_its_new_name_works_alike(kind):
+    renamed = SessionCaches(Renamed(MODEL), cache=kind, max_cache_len=MAX_LEN if kind == "static" else None)
+    assert renamed.cache_kwarg == "cache"
+    got = renamed.begin("a", torch.tensor([PROMPTS[3]]))
+    assert torch.equal(got, alone(kind, PROMPTS[3])[0])
+
+
+def test_a_forward_with_no_cache_argument_and_unsupported_configs_are_refused():
+    class NoCache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config, self.w = MODEL.config, torch.nn.Linear(1, 1)
+
+        def forward(self, input_ids):
+            return input_ids
+
+    with pytest.raises(CacheLayoutError, match="no cache argument"):
+        SessionCaches(NoCache())
+    with pytest.raises(CacheLayoutError, match="max_cache_len"):
+        SessionCaches(MODEL, cache="static")
+    with pytest.raises(CacheLayoutError, match="one of"):
+        SessionCaches(MODEL, cache="paged")
