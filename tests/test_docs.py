@@ -40,7 +40,12 @@ API_PAGES = {
     "torch_bridge": ["torch_bridge"],
     "torch_bridge.adapters": ["adapters/dreamzero", "adapters/cosmos3"],
 }
-TOPIC_PAGES = [p for pages in API_PAGES.values() for p in pages] + ["adapters/wan", "nnx", "equinox"]
+TOPIC_PAGES = [p for pages in API_PAGES.values() for p in pages] + [
+    "adapters/wan",
+    "adapters/transformers",
+    "nnx",
+    "equinox",
+]
 LEDGER_PROTOCOL = ("ledger_step", "ledger_extents", "ledger_blocks", "ledger_leaf_extents")
 
 
