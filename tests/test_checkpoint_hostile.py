@@ -601,6 +601,12 @@ def test_a_pytree_description_jax_would_crash_on_is_refused_at_load(ck, aux):
     assert "object 'p': field 'structure' holds" in out.stdout
 
 
+def test_a_table_load_checks_its_objects_too(table_ck):
+    # Regression: `load` rebuilt a table's objects through the same unchecked path (a 2**40-frame ring loaded).
+    _resealed(table_ck, _OBJECT_EDITS["ring capacity huge"][2])
+    _refused(table_ck, "session 'a': object 'j': field 'capacity' holds 1099511627776", table=True)
+
+
 def _ring(**fields) -> fs.ArrayRing:
     good = fs.ArrayRing.create(2, (2,), jnp.float32).commit(jnp.ones(2, jnp.float32))
     return good._replace(**fields)
