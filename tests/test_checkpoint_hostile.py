@@ -38,6 +38,7 @@ def _state() -> ManagerState:
     s = fs.put(s, "a", "ring", fs.LatentBuffer.create(maxlen=3).commit(torch.arange(1024.0)))
     s = fs.put(s, "a", "j", fs.ArrayRing.create(2, (2,), jnp.float32))
     s = fs.put(s, "a", "d", fs.DenseValue.create([np.arange(4.0)]))
+    s = fs.put(s, "a", "p", fs.PytreeValue.create({"k": jnp.zeros((2, 3))}))
     s = fs.set_attr(s, "a", "x", np.float32(2.5))
     return fs.set_attr(s, "a", "n", [1, {"k": "v"}])
 
@@ -422,6 +423,242 @@ def test_a_table_configuration_of_the_wrong_type_is_refused(table_ck, table):
     _refused(table_ck, "table|sessions", table=True)
 
 
+# --- 9. decoded objects keep their type's invariants (`ObjectCodec.check`) ----------------------------------------
+
+
+def _obj(m: dict, name: str) -> dict:
+    return m["sessions"][0]["objects"][name]
+
+
+def _v(value) -> dict:
+    return {"t": "v", "v": value}
+
+
+def _leaf_of(m: dict, name: str, field: str) -> dict:
+    return _obj(m, name)["fields"][field]
+
+
+def _aval(m: dict) -> dict:
+    """The PytreeValue's one aval: ``{"t": "tuple", "items": [shape node, dtype node]}``."""
+    return _obj(m, "p")["static"]["avals"]["items"][0]
+
+
+_OBJECT_EDITS = {
+    # ArrayRing "j" (capacity 2, frame (2,), float32), resident:
+    "ring capacity huge": ("j", "capacity", lambda m: _obj(m, "j")["static"].update(capacity=_v(2**40))),
+    "ring capacity vs storage": ("j", "capacity", lambda m: _obj(m, "j")["static"].update(capacity=_v(3))),
+    "ring capacity zero": ("j", "capacity", lambda m: _obj(m, "j")["static"].update(capacity=_v(0))),
+    "ring frame_shape vs storage": (
+        "j",
+        "frame_shape",
+        lambda m: _obj(m, "j")["static"]["frame_shape"]["items"][0].update(v=3),
+    ),
+    "ring frame_shape negative": (
+        "j",
+        "frame_shape",
+        lambda m: _obj(m, "j")["static"]["frame_shape"]["items"][0].update(v=-1),
+    ),
+    "ring dtype vs storage": ("j", "dtype", lambda m: _obj(m, "j")["static"]["dtype"].update(v="int32")),
+    "ring dtype a str": ("j", "dtype", lambda m: _obj(m, "j")["static"].update(dtype=_v("float32"))),
+    "ring storage when evicted": ("j", "storage", lambda m: _obj(m, "j")["static"].update(status=_v("evicted"))),
+    "ring staged shape": (
+        "j",
+        "staged",
+        lambda m: _obj(m, "j")["fields"].update(staged=dict(_leaf_of(m, "j", "storage"))),
+    ),
+    "ring head shape": ("j", "head", lambda m: _obj(m, "j")["fields"].update(head=dict(_leaf_of(m, "j", "storage")))),
+    "ring size a python int": ("j", "size", lambda m: _obj(m, "j")["fields"].update(size=_v(1))),
+    # LatentBuffer "ring" (maxlen 3, one torch item), resident:
+    "buffer staged a str": ("ring", "staged", lambda m: _obj(m, "ring")["fields"].update(staged=_v("x"))),
+    "buffer maxlen 0": ("ring", "maxlen", lambda m: _obj(m, "ring")["static"].update(maxlen=_v(0))),
+    "buffer maxlen -1": ("ring", "maxlen", lambda m: _obj(m, "ring")["static"].update(maxlen=_v(-1))),
+    "buffer maxlen float": (
+        "ring",
+        "maxlen",
+        lambda m: _obj(m, "ring")["static"].update(maxlen={"t": "f", "v": "1.5"}),
+    ),
+    "buffer maxlen bool": ("ring", "maxlen", lambda m: _obj(m, "ring")["static"].update(maxlen=_v(True))),
+    "buffer more items than maxlen": (
+        "ring",
+        "items",
+        lambda m: (
+            _obj(m, "ring")["static"].update(maxlen=_v(1)),
+            _leaf_of(m, "ring", "items")["items"].append(_leaf_of(m, "ring", "items")["items"][0]),
+        ),
+    ),
+    "buffer items a list": ("ring", "items", lambda m: _leaf_of(m, "ring", "items").update(t="list")),
+    "buffer items not arrays": ("ring", "items", lambda m: _leaf_of(m, "ring", "items").update(items=[_v(1)])),
+    "buffer item a pair holding a str": (
+        "ring",
+        "items",
+        lambda m: _leaf_of(m, "ring", "items").update(items=[{"t": "tuple", "items": [_torch_node(m), _v("x")]}]),
+    ),
+    "buffer items a str": ("ring", "items", lambda m: _obj(m, "ring")["fields"].update(items=_v("abc"))),
+    "buffer items when unallocated": (
+        "ring",
+        "items",
+        lambda m: _obj(m, "ring")["static"].update(status=_v("unallocated")),
+    ),
+    # Every object's common fields:
+    "status an int": ("d", "status", lambda m: _obj(m, "d")["static"].update(status=_v(1))),
+    "status unknown": ("j", "status", lambda m: _obj(m, "j")["static"].update(status=_v("bogus"))),
+    "status parked": ("ring", "status", lambda m: _obj(m, "ring")["static"].update(status=_v("parked"))),
+    "status a str of another case": ("p", "status", lambda m: _obj(m, "p")["static"].update(status=_v("Resident"))),
+    "recompute_source an int": (
+        "j",
+        "recompute_source",
+        lambda m: _obj(m, "j")["static"].update(recompute_source=_v(5)),
+    ),
+    "recompute_source empty": (
+        "ring",
+        "recompute_source",
+        lambda m: _obj(m, "ring")["static"].update(recompute_source=_v("")),
+    ),
+    "recompute_cost a str": ("j", "recompute_cost", lambda m: _obj(m, "j")["static"].update(recompute_cost=_v("x"))),
+    "recompute_cost negative": (
+        "ring",
+        "recompute_cost",
+        lambda m: _obj(m, "ring")["static"].update(recompute_cost={"t": "f", "v": "-1.0"}),
+    ),
+    "recompute_cost nan": (
+        "d",
+        "recompute_cost",
+        lambda m: _obj(m, "d")["static"].update(recompute_cost={"t": "f", "v": "nan"}),
+    ),
+    "parked when evicted": (
+        "ring",
+        "parked",
+        lambda m: (
+            _obj(m, "ring").update(parked=True),
+            _obj(m, "ring")["static"].update(status=_v("evicted")),
+            _leaf_of(m, "ring", "items").update(items=[]),
+        ),
+    ),
+    # DenseValue "d" (a tuple of one numpy array) and PytreeValue "p" ({"k": f32[2,3]}):
+    "dense source names another object": (
+        "d",
+        "recompute_source",
+        lambda m: _obj(m, "d")["static"].update(recompute_source=_v("j")),
+    ),
+    "dense value a list": ("d", "value", lambda m: _leaf_of(m, "d", "value").update(t="list")),
+    "dense value a str": ("d", "value", lambda m: _obj(m, "d")["fields"].update(value=_v("abc"))),
+    "dense value when evicted": ("d", "value", lambda m: _obj(m, "d")["static"].update(status=_v("evicted"))),
+    "dense staged an int": ("d", "staged", lambda m: _obj(m, "d")["fields"].update(staged=_v(3))),
+    "pytree aval shape vs leaf": ("p", "leaves", lambda m: _aval(m)["items"][0]["items"][1].update(v=4)),
+    "pytree aval dtype vs leaf": ("p", "leaves", lambda m: _aval(m)["items"][1].update(v="int32")),
+    "pytree aval dtype not numeric": ("p", "avals", lambda m: _aval(m)["items"][1].update(v="object")),
+    "pytree aval shape negative": ("p", "avals", lambda m: _aval(m)["items"][0]["items"][1].update(v=-3)),
+    "pytree avals vs structure": (
+        "p",
+        "avals",
+        lambda m: _obj(m, "p")["static"]["avals"]["items"].append(_aval(m)),
+    ),
+    "pytree leaves when unallocated": (
+        "p",
+        "leaves",
+        lambda m: _obj(m, "p")["static"].update(status=_v("unallocated")),
+    ),
+    "pytree source": ("p", "recompute_source", lambda m: _obj(m, "p")["static"].update(recompute_source=_v("j"))),
+    "pytree staged of another layout": (
+        "p",
+        "staged",
+        lambda m: _obj(m, "p")["fields"].update(staged={"t": "dict", "items": [["k", _leaf_of(m, "j", "storage")]]}),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_OBJECT_EDITS))
+def test_a_decoded_object_that_breaks_its_types_invariants_is_refused_naming_the_field(ck, case):
+    # Regression (issue 35 follow-up): objects were rebuilt as `cls(**fields, **static)`, bypassing the factories'
+    # validation, so each of these edits loaded (a ring claiming 2**40 frames over a 2-frame storage, a buffer
+    # whose staged item is a str, an int status, leaves that disagree with their avals, ...).
+    name, field, edit = _OBJECT_EDITS[case]
+    _resealed(ck, edit)
+    error = _refused(ck, f"session 'a': object '{name}': field '{field}' holds")
+    assert "expected" in str(error)
+
+
+@pytest.mark.parametrize("aux", [{"t": "tuple", "items": []}, {"t": "tuple", "items": [_v("k"), _v("k")]}])
+def test_a_pytree_description_jax_would_crash_on_is_refused_at_load(ck, aux):
+    # Regression: a dict node described with fewer (or repeated) keys than children loaded (plain structures
+    # were not built at load), and the first `view()` handed the description to jax's own node builder, which
+    # trusts it: a segfault or a raw RuntimeError. Run in a child process, so a crash fails the test only.
+    _resealed(ck, lambda m: _obj(m, "p")["static"]["structure"]["items"][1]["items"].__setitem__(1, aux))
+    code = textwrap.dedent(
+        f"""
+        import functional_state as fs
+        try:
+            t = fs.load_session(fs.ManagerState.create(), "a", {str(ck)!r})
+        except fs.CheckpointError as e:
+            print("REFUSED", e)
+        else:
+            fs.get_session(t, "a")[1].objects["p"].view()
+            print("VIEWED")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "REFUSED" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+    assert "object 'p': field 'structure' holds" in out.stdout
+
+
+def test_a_table_load_checks_its_objects_too(table_ck):
+    # Regression: `load` rebuilt a table's objects through the same unchecked path (a 2**40-frame ring loaded).
+    _resealed(table_ck, _OBJECT_EDITS["ring capacity huge"][2])
+    _refused(table_ck, "session 'a': object 'j': field 'capacity' holds 1099511627776", table=True)
+
+
+def _ring(**fields) -> fs.ArrayRing:
+    good = fs.ArrayRing.create(2, (2,), jnp.float32).commit(jnp.ones(2, jnp.float32))
+    return good._replace(**fields)
+
+
+@pytest.mark.parametrize(
+    "field, ring",
+    [
+        ("head", lambda: _ring(head=jnp.array(2, jnp.int32))),  # == capacity: the next write lands past the ring
+        ("head", lambda: _ring(head=jnp.array(-1, jnp.int32))),
+        ("size", lambda: _ring(size=jnp.array(3, jnp.int32))),  # more frames than the ring can hold
+        ("size", lambda: _ring(size=jnp.array(1, jnp.int16))),
+        ("staged", lambda: _ring(staged=jnp.ones(3, jnp.float32))),
+        ("staged", lambda: _ring(staged=jnp.ones(2, jnp.int32))),
+    ],
+)
+def test_a_ring_whose_saved_counters_or_staged_frame_break_its_invariants_is_refused(tmp_path, field, ring):
+    # Regression: head and size are data (not in the manifest), so a crafted data file (here: a ring built past
+    # its factory, saved as is) put the ring's next write outside its storage or made `latest` read unwritten
+    # frames; both loaded.
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    fs.save_session(fs.put(s, "a", "j", ring()), "a", tmp_path / "ck")
+    _refused(tmp_path / "ck", f"object 'j': field '{field}' holds")
+
+
+def test_a_user_type_gets_the_common_checks_and_adds_its_own(tmp_path, monkeypatch):
+    from functional_state.core import codec
+
+    monkeypatch.setattr(codec, "_BY_TYPE", dict(codec._BY_TYPE))  # (nothing registered here outlives the test)
+    monkeypatch.setattr(codec, "_BY_NAME", dict(codec._BY_NAME))
+
+    class GainCodec(codec.ObjectCodec):
+        def check(self, obj, where):
+            super().check(obj, where)
+            if float(np.min(obj.value)) < 0:
+                raise codec.field_error(where, "value", obj.value, "gains >= 0")
+
+    gain = type("Gain", (fs.DenseValue,), {"__module__": "user_models", "__qualname__": "Gain"})
+    fs.register_checkpoint_type(gain, codec=GainCodec())
+
+    def saved(tag: str, value, status: str = "resident") -> Path:
+        obj = gain(value=value, staged=None, host_copy=None, status=status, recompute_source=None, recompute_cost=1.0)
+        s, _ = fs.get_or_create(ManagerState.create(), "a")
+        fs.save_session(fs.put(s, "a", "g", obj), "a", tmp_path / tag)
+        return tmp_path / tag
+
+    t = fs.load_session(ManagerState.create(), "a", saved("good", np.ones(3)))
+    assert type(fs.get_session(t, "a")[1].objects["g"]) is gain
+    _refused(saved("own", np.array([1.0, -1.0])), "object 'g': field 'value' holds .*expected gains >= 0")
+    _refused(saved("common", np.ones(3), "bogus"), "object 'g': field 'status' holds 'bogus'")  # for free
+
+
 # --- the resealed-edit sweep ----------------------------------------------------------------------------------
 
 
@@ -444,9 +681,34 @@ def _set(m, at, value):
 _HOSTILE = [None, -1, 2**40, "../x", "os:system", [], {}, True, 1.5, [2**31]]
 
 
+def _get(m, at):
+    for k in at:
+        m = m[k]
+    return m
+
+
+def _checked_field(at: tuple) -> bool:
+    """Whether ``at`` is in an object node: what a load checks against the object's type (`ObjectCodec.check`),
+    its leaves' shapes and dtypes and its node's form."""
+    return len(at) > 4 and at[2] == "objects"
+
+
+def _may_hold(at: tuple, value) -> bool:
+    """Whether ``value`` at ``at`` (in an object node) is one its field may hold, so the load may accept it."""
+    name, field = at[3], at[5] if at[4] in ("static", "fields") else at[4]
+    if field == "structure":  # the key of the dict the PytreeValue holds: another key is another (valid) dict
+        return at[6:] == ("items", 1, "items", 1, "items", 0, "v")
+    allowed = {
+        ("ring", "maxlen"): [None, 2**40],  # unbounded, or bounded above the one item it holds
+        ("d", "value"): [[]],  # the node's items: an empty tuple is a DenseValue's value too
+    }.get((name, field), [])
+    return (field == "parked" and value is True) or any(value == v and type(value) is type(v) for v in allowed)
+
+
 def test_every_manifest_field_edited_and_resealed_is_refused_or_loads_cleanly(ck):
     """Each field of the manifest, replaced by each hostile value and resealed: the load raises a
-    `CheckpointError` naming the path or loads; never another exception, a hang, or a read outside."""
+    `CheckpointError` naming the path or loads; never another exception, a hang, or a read outside. An edit
+    inside an object node loads only where the value is one the field may hold (`_may_hold`)."""
     good = json.loads(_meta(ck).read_text())
     fields = [at for at in _paths(good) if at and at[0] != "manifest_xxh3_128"]
     assert len(fields) > 100
@@ -461,6 +723,8 @@ def test_every_manifest_field_edited_and_resealed_is_refused_or_loads_cleanly(ck
             try:
                 fs.load_session(state, "a", ck)
                 outcomes["loaded"] += 1
+                unchanged = value == _get(good, at) and type(value) is type(_get(good, at))
+                assert unchanged or not _checked_field(at) or _may_hold(at, value), f"editing {at} to {value!r} loaded"
             except CheckpointError as e:
                 assert str(ck) in str(e), (at, value, e)
                 outcomes["refused"] += 1

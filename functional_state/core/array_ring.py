@@ -11,7 +11,7 @@ import numpy as np
 
 from .._repr import short
 from ..errors import InvalidArgumentError, InvalidTypeError, StateShapeError
-from .codec import register_checkpoint_type
+from .codec import ObjectCodec, field_error, refused_field, register_checkpoint_type
 from .pytree import pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status, check_source
 
@@ -27,7 +27,76 @@ def _raise_short_window(size: Any, k: int, capacity: int) -> None:
     )
 
 
-@register_checkpoint_type
+def _check_capacity(capacity: Any, what: str) -> None:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+        raise InvalidArgumentError(f"`{what}`: capacity must be a positive int, got {capacity!r}.")
+
+
+def _checked_frame_shape(frame_shape: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(frame_shape, (tuple, list)) or not all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in frame_shape
+    ):
+        raise InvalidTypeError(
+            f"`{what}`: frame_shape must be a tuple of ints (e.g. (16,) for 16-vectors), got {frame_shape!r}."
+        )
+    shape = tuple(int(d) for d in frame_shape)
+    if any(d < 0 for d in shape):
+        raise InvalidArgumentError(f"`{what}`: frame_shape must be non-negative, got {shape}.")
+    return shape
+
+
+def _checked_dtype(dtype: Any, what: str) -> np.dtype:
+    dt = np.dtype(dtype)
+    stored = np.dtype(jax.dtypes.canonicalize_dtype(dt))
+    if stored != dt:
+        raise InvalidArgumentError(
+            f"`{what}`: dtype {dt} is not available with jax_enable_x64 off: JAX would store {stored}, and a ring "
+            f"that reports one dtype and stores another would cast every frame. Pass dtype={stored.name!r}, or "
+            f"enable x64 (`jax.config.update('jax_enable_x64', True)`)."
+        )
+    return dt
+
+
+class _RingCodec(ObjectCodec):
+    """The default codec, whose check holds a decoded ring to what `ArrayRing.create` and its verbs keep: its
+    configuration valid, its storage ``[capacity, *frame_shape]`` of its dtype while resident (else None), a
+    staged frame of the frame's shape and dtype, ``0 <= head < capacity`` and ``0 <= size <= capacity``."""
+
+    def check(self, obj: Any, where: str) -> None:
+        super().check(obj, where)
+        with refused_field(where, "capacity", obj.capacity):
+            _check_capacity(obj.capacity, "ArrayRing")
+        with refused_field(where, "frame_shape", obj.frame_shape):
+            if _checked_frame_shape(obj.frame_shape, "ArrayRing") != obj.frame_shape:
+                raise InvalidTypeError("`ArrayRing`: frame_shape must be a tuple of ints.")
+        if not isinstance(obj.dtype, np.dtype):
+            raise field_error(where, "dtype", obj.dtype, "a numpy dtype")
+        with refused_field(where, "dtype", obj.dtype):
+            _checked_dtype(obj.dtype, "ArrayRing")
+        storage = obj.storage
+        if obj.status != RESIDENT:
+            if storage is not None:
+                raise field_error(where, "storage", storage, f"None (the ring is {obj.status})")
+        elif not (isinstance(storage, jax.Array) and storage.ndim == 1 + len(obj.frame_shape)):
+            raise field_error(where, "storage", storage, f"a JAX array of shape [capacity, *{obj.frame_shape}]")
+        else:  # the storage is the data (its bytes checksummed): the configuration must describe it
+            for field, held, stored in (
+                ("capacity", obj.capacity, storage.shape[0]),
+                ("frame_shape", obj.frame_shape, tuple(storage.shape[1:])),
+                ("dtype", obj.dtype, storage.dtype),
+            ):
+                if held != stored:
+                    raise field_error(where, field, held, f"{stored!r}, as its storage {short(storage)} holds")
+        if obj.staged is not None:
+            with refused_field(where, "staged", obj.staged):
+                obj._check_payload(obj.staged)
+        for field, top in (("head", obj.capacity - 1), ("size", obj.capacity)):
+            x = getattr(obj, field)
+            if not (isinstance(x, jax.Array) and x.shape == () and x.dtype == jnp.int32 and 0 <= int(x) <= top):
+                raise field_error(where, field, x, f"an int32 JAX scalar in [0, {top}] (capacity {obj.capacity})")
+
+
+@register_checkpoint_type(codec=_RingCodec())
 @pytree_dataclass(static=("capacity", "frame_shape", "dtype", "status", "recompute_source", "recompute_cost"))
 class ArrayRing(StateObject):
     """The last ``capacity`` frames of shape ``frame_shape``, in one ``[capacity, *frame_shape]`` array.
@@ -79,26 +148,9 @@ class ArrayRing(StateObject):
             32 bits, and the ring never casts).
           InvalidTypeError: ``frame_shape`` is not a tuple or list of ints.
         """
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise InvalidArgumentError(f"`ArrayRing.create`: capacity must be a positive int, got {capacity!r}.")
-        if not isinstance(frame_shape, (tuple, list)) or not all(
-            isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in frame_shape
-        ):
-            raise InvalidTypeError(
-                f"`ArrayRing.create`: frame_shape must be a tuple of ints (e.g. (16,) for 16-vectors), got "
-                f"{frame_shape!r}."
-            )
-        shape = tuple(int(d) for d in frame_shape)
-        if any(d < 0 for d in shape):
-            raise InvalidArgumentError(f"`ArrayRing.create`: frame_shape must be non-negative, got {shape}.")
-        dt = np.dtype(dtype)
-        stored = np.dtype(jax.dtypes.canonicalize_dtype(dt))
-        if stored != dt:
-            raise InvalidArgumentError(
-                f"`ArrayRing.create`: dtype {dt} is not available with jax_enable_x64 off: JAX would store "
-                f"{stored}, and a ring that reports one dtype and stores another would cast every frame. Pass "
-                f"dtype={stored.name!r}, or enable x64 (`jax.config.update('jax_enable_x64', True)`)."
-            )
+        _check_capacity(capacity, "ArrayRing.create")
+        shape = _checked_frame_shape(frame_shape, "ArrayRing.create")
+        dt = _checked_dtype(dtype, "ArrayRing.create")
         check_source(recompute_source, "ArrayRing.create", recompute_cost)
         ring = cls(
             storage=None,

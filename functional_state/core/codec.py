@@ -15,6 +15,18 @@ turns an object into two mappings and back:
 object its host copy stands for, and parked again on load). A type whose fields are not all checkpointable,
 or that renames a field between versions, subclasses it.
 
+A load never trusts what it reads (a manifest's seal is a checksum, not a signature): after ``decode`` the
+loader calls the codec's ``check(obj, where)``, which raises `CheckpointError` (made with `field_error`, or
+with `refused_field` around the type's own validators) unless the object keeps its type's invariants. The
+default checks what every `StateObject` has (``status`` one a load produces, ``recompute_source`` and
+``recompute_cost`` of their types); a type's codec extends it with what its factory guarantees::
+
+    class AccumulatorCodec(ObjectCodec):
+        def check(self, obj, where):
+            super().check(obj, where)
+            if obj.total is not None and tuple(obj.total.shape) != obj.shape:
+                raise field_error(where, "total", obj.total, f"an array of shape {obj.shape} (its `shape`)")
+
 A user's type registers where it is defined, with a codec when the default does not fit (an `enum.Enum`
 static field, say, which a manifest cannot hold)::
 
@@ -38,15 +50,31 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, overload
 
-from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError
+from .._repr import short
+from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, SessionStateError
 from .pytree import MISSING
-from .state_object import StateObject
+from .state_object import EVICTED, RESIDENT, UNALLOCATED, StateObject, check_source
 
-__all__ = ["DecodeContext", "ObjectCodec", "codec_for", "codec_named", "refuse", "register_checkpoint_type"]
+__all__ = [
+    "LOADED_STATUSES",
+    "DecodeContext",
+    "ObjectCodec",
+    "codec_for",
+    "codec_named",
+    "field_error",
+    "refuse",
+    "refused_field",
+    "register_checkpoint_type",
+]
+
+# The statuses a decoded object may have: a parked object is written as the resident object it stands for
+# and parked again after the check (its host copy is never in a checkpoint).
+LOADED_STATUSES = (RESIDENT, EVICTED, UNALLOCATED)
 
 T = TypeVar("T", bound=type)
 
@@ -88,6 +116,64 @@ class ObjectCodec:
     def decode(self, cls: type, static: dict[str, Any], fields: dict[str, Any], context: DecodeContext) -> Any:
         """The resident object a record describes (what ``encode`` returned, read back)."""
         return cls(**fields, **static, host_copy=None)
+
+    def check(self, obj: Any, where: str) -> None:
+        """Raise `CheckpointError` unless ``obj``, just decoded, keeps its type's invariants (the loader calls it
+        on every decoded object before installing it). The default checks the fields every `StateObject` has;
+        a type's codec extends it (``super().check(obj, where)`` first) with what its factory guarantees.
+
+        Raises:
+          CheckpointError: naming ``where``, the field, what it holds and what was expected.
+        """
+        status = obj.status
+        if not (isinstance(status, str) and status in LOADED_STATUSES):
+            raise field_error(
+                where, "status", status, f"one of {list(LOADED_STATUSES)} (a parked object is saved resident)"
+            )
+        with refused_field(where, "recompute_source", obj.recompute_source):
+            check_source(obj.recompute_source, f"{type(obj).__name__}.recompute_source")
+        with refused_field(where, "recompute_cost", obj.recompute_cost):
+            check_source(None, f"{type(obj).__name__}.recompute_cost", obj.recompute_cost)
+
+
+def field_error(where: str, field: str, found: Any, expected: str) -> CheckpointError:
+    """The `CheckpointError` for a decoded object whose ``field`` holds ``found`` where ``expected`` was due.
+
+    Example:
+      >>> field_error("session 'a': object 'kv'", "capacity", 2**40, "4, as its storage holds")
+      CheckpointError("session 'a': object 'kv': field 'capacity' holds 1099511627776 (int), expected 4, ...")
+    """
+    return CheckpointError(
+        f"{where}: field {field!r} holds {_found(found)}, expected {expected}. The checkpoint was edited or damaged "
+        f"after it was saved; load another one, or save this state again."
+    )
+
+
+@contextlib.contextmanager
+def refused_field(where: str, field: str, found: Any) -> Iterator[None]:
+    """Run a type's own validator (a factory's check) on a decoded field: its refusal (a `SessionStateError`)
+    becomes a `CheckpointError` naming ``where``, ``field`` and what it holds, with the validator's message as
+    what was expected.
+
+    Example:
+      >>> from functional_state.core.state_object import check_source
+      >>> with refused_field("session 'a': object 'kv'", "recompute_cost", -1.0):
+      ...     check_source(None, "LatentBuffer", -1.0)
+      Traceback (most recent call last):
+      ...
+      functional_state.errors.CheckpointError: session 'a': object 'kv': field 'recompute_cost' holds -1.0 (float), ...
+    """
+    try:
+        yield
+    except SessionStateError as e:
+        raise field_error(where, field, found, f"what the type's own check allows ({e})") from e
+
+
+def _found(x: Any) -> str:
+    """What a field holds, for a message: an array's dtype and shape, else a bounded repr and the type."""
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"a {type(x).__name__} {short(x)}"
+    return f"{short(x)} ({type(x).__name__})"
 
 
 _BY_TYPE: dict[type, tuple[str, ObjectCodec]] = {}

@@ -6,7 +6,7 @@ from typing import Any
 
 from .._repr import short
 from ..errors import InvalidArgumentError, InvalidTypeError
-from .codec import register_checkpoint_type
+from .codec import ObjectCodec, field_error, refused_field, register_checkpoint_type
 from .pytree import pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status
 
@@ -34,7 +34,25 @@ def _check_value(value: Any, what: str) -> Any:
     )
 
 
-@register_checkpoint_type
+class _DenseCodec(ObjectCodec):
+    """The default codec, whose check holds a decoded value to what `DenseValue.create` and its verbs keep: the
+    value (and a staged one) an array, a tuple of arrays and Nones, or None (None unless resident), and no
+    recompute source (nothing can rebuild it: a source would let the planner drop it)."""
+
+    def check(self, obj: Any, where: str) -> None:
+        super().check(obj, where)
+        if obj.recompute_source is not None:
+            raise field_error(where, "recompute_source", obj.recompute_source, "None (a DenseValue has no source)")
+        if obj.status != RESIDENT and obj.value is not None:
+            raise field_error(where, "value", obj.value, f"None (the value is {obj.status})")
+        for field in ("value", "staged"):
+            x = getattr(obj, field)
+            with refused_field(where, field, x):
+                if _check_value(x, "DenseValue") is not x:  # (a list would come back a tuple)
+                    raise InvalidTypeError("`DenseValue`: a sequence value is a tuple.")
+
+
+@register_checkpoint_type(codec=_DenseCodec())
 @pytree_dataclass(static=("status", "recompute_source", "recompute_cost"))
 class DenseValue(StateObject):
     """One value the model replaces wholesale, or item by item: a cache like DreamZero's VAE feat map.

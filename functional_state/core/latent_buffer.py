@@ -6,10 +6,11 @@ import dataclasses
 from typing import Any
 
 import immutables
+import jax
 
 from .._repr import short
 from ..errors import InvalidArgumentError
-from .codec import register_checkpoint_type
+from .codec import ObjectCodec, field_error, refused_field, register_checkpoint_type
 from .pytree import MISSING, pytree_dataclass
 from .state_object import (
     ACCT_SLOT,
@@ -26,7 +27,39 @@ from .state_object import (
 __all__ = ["LatentBuffer"]
 
 
-@register_checkpoint_type
+def _check_maxlen(maxlen: Any, what: str) -> None:
+    if maxlen is not None and (isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0):
+        raise InvalidArgumentError(f"`{what}`: maxlen must be a positive int or None, got {maxlen!r}.")
+
+
+def _arrays(tree: Any) -> bool:
+    """Whether every leaf of ``tree`` is an array (an item is an array, or a tuple/list/dict of them: a KV pair)."""
+    return all(hasattr(x, "shape") and hasattr(x, "dtype") for x in jax.tree_util.tree_leaves(tree))
+
+
+class _BufferCodec(ObjectCodec):
+    """The default codec, whose check holds a decoded buffer to what `LatentBuffer.create` and its verbs keep:
+    ``maxlen`` a positive int or None, ``items`` a tuple of arrays (or tuples, lists, dicts of arrays: a KV
+    pair), no more than ``maxlen`` of them (none unless resident), ``staged`` one such item or None."""
+
+    def check(self, obj: Any, where: str) -> None:
+        super().check(obj, where)
+        with refused_field(where, "maxlen", obj.maxlen):
+            _check_maxlen(obj.maxlen, "LatentBuffer")
+        items = obj.items
+        if not isinstance(items, tuple) or not _arrays(items):
+            raise field_error(where, "items", items, "a tuple of items whose leaves are arrays (numpy, torch, JAX)")
+        if obj.status != RESIDENT and items:
+            raise field_error(where, "items", items, f"() (the buffer is {obj.status})")
+        if obj.maxlen is not None and len(items) > obj.maxlen:
+            raise field_error(where, "items", items, f"at most maxlen={obj.maxlen} items")
+        if not _arrays(obj.staged):
+            raise field_error(
+                where, "staged", obj.staged, "an item whose leaves are arrays (numpy, torch, JAX), or None"
+            )
+
+
+@register_checkpoint_type(codec=_BufferCodec())
 @pytree_dataclass(static=("maxlen", "status", "recompute_source", "recompute_cost"))
 class LatentBuffer(StateObject):
     """Items in commit order; unbounded, or a ring of ``maxlen`` that drops the oldest.
@@ -76,8 +109,7 @@ class LatentBuffer(StateObject):
           InvalidArgumentError: ``maxlen`` is not a positive int or None, or ``recompute_source`` is not a
             non-empty str or None.
         """
-        if maxlen is not None and (isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen <= 0):
-            raise InvalidArgumentError(f"`LatentBuffer.create`: maxlen must be a positive int or None, got {maxlen!r}.")
+        _check_maxlen(maxlen, "LatentBuffer.create")
         check_source(recompute_source, "LatentBuffer.create", recompute_cost)
         return cls(
             items=(),

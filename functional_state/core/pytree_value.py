@@ -18,7 +18,7 @@ import numpy as np
 
 from .._repr import short
 from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, StateShapeError
-from .codec import DecodeContext, ObjectCodec, register_checkpoint_type
+from .codec import DecodeContext, ObjectCodec, field_error, refused_field, register_checkpoint_type
 from .pytree import MISSING, pytree_dataclass
 from .state_object import RESIDENT, UNALLOCATED, StateObject, Status
 
@@ -66,6 +66,8 @@ def _example(desc: Any) -> Any:
     name, (kind, aux), children = desc
     typ = _resolve_type(name)
     kids = [_example(c) for c in children]
+    if _type_name(typ) in _PLAIN:  # built here: jax's own nodes trust their node data (a crafted one crashed it)
+        return _plain_example(typ, kind, aux, kids)
     if issubclass(typ, tuple) and hasattr(typ, "_fields"):  # NamedTuples have no registry entry of their own
         return typ(*kids)
     node = jax.tree_util.PyTreeDef.from_node_data_and_children(
@@ -74,6 +76,19 @@ def _example(desc: Any) -> Any:
         [jax.tree_util.tree_structure(0)] * len(kids),
     )
     return jax.tree_util.tree_unflatten(node, kids)
+
+
+def _plain_example(typ: type, kind: str, aux: Any, kids: list[Any]) -> Any:
+    """A dict, list, tuple or None of ``kids``, refusing node data that `_describe` never writes for one."""
+    if typ is dict:
+        if kind == "list" and isinstance(aux, tuple) and len(aux) == len(kids) == len(set(aux)):
+            return dict(zip(aux, kids))
+    elif (kind, aux) == ("v", None) and (typ is not type(None) or not kids):
+        return typ(kids) if typ is not type(None) else None
+    raise InvalidTypeError(
+        f"`PytreeValue`: a {typ.__name__} node described with data {(kind, aux)!r} and {len(kids)} children, which "
+        f"no {typ.__name__} has."
+    )
 
 
 def _build(desc: Any) -> Any:
@@ -167,6 +182,50 @@ class _Codec(ObjectCodec):
                     f"defines the type first."
                 ) from e
         return super().decode(cls, static, fields, context)
+
+    def check(self, obj: Any, where: str) -> None:
+        """Also: no recompute source; ``avals`` a shape and dtype per leaf of ``structure``; the leaves (None
+        unless resident) and a staged tree of exactly that layout."""
+        super().check(obj, where)
+        if obj.recompute_source is not None:
+            raise field_error(where, "recompute_source", obj.recompute_source, "None (a PytreeValue has no source)")
+        avals = obj.avals
+        if not (isinstance(avals, tuple) and all(_is_aval(a) for a in avals)):
+            raise field_error(where, "avals", avals, "a tuple of (shape: tuple of ints >= 0, dtype name) per leaf")
+        try:
+            td = obj.treedef
+        except Exception as e:  # (a description that no type's unflatten accepts)
+            raise field_error(where, "structure", obj.structure, f"a tree description ({type(e).__name__}: {e})") from e
+        if _describe(td) != obj.structure:  # (commits compare descriptions: another spelling would refuse them all)
+            raise field_error(
+                where, "structure", obj.structure, f"the description its tree gives, {short(_describe(td))}"
+            )
+        leaf_count = td.num_leaves
+        if leaf_count != len(avals):
+            raise field_error(where, "avals", avals, f"{leaf_count} leaves, as its structure has")
+        if obj.status != RESIDENT:
+            if obj.leaves is not None:
+                raise field_error(where, "leaves", obj.leaves, f"None (the value is {obj.status})")
+        else:
+            with refused_field(where, "leaves", obj.leaves):
+                if not isinstance(obj.leaves, tuple) or _flatten(list(obj.leaves), "PytreeValue")[2] != avals:
+                    raise StateShapeError(f"`PytreeValue`: expected a tuple of {len(avals)} leaves, as its avals")
+        if obj.staged is not None:
+            with refused_field(where, "staged", obj.staged):
+                obj._checked_leaves(obj.staged, "PytreeValue")
+
+
+def _is_aval(aval: Any) -> bool:
+    """Whether ``aval`` is a ``(shape, dtype name)`` a leaf can have (allocating it makes no other shape)."""
+    if not (isinstance(aval, tuple) and len(aval) == 2 and isinstance(aval[0], tuple) and isinstance(aval[1], str)):
+        return False
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in aval[0]):
+        return False
+    try:
+        dt = jnp.dtype(aval[1])
+    except (TypeError, ValueError):
+        return False
+    return dt.name == aval[1] and (dt == np.bool_ or bool(jnp.issubdtype(dt, jnp.number)))
 
 
 def _template_layout(template: Any, where: str) -> tuple[Any, Any, Any]:

@@ -11,9 +11,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..core.codec import DecodeContext, codec_named
+from ..core.codec import DecodeContext, ObjectCodec, codec_named, field_error
 from ..core.pytree import MISSING
 from ..core.session import SessionState
+from ..core.state_object import RESIDENT
 from ..engine.kv_handle import kv_keys
 from ..engine.paged_kv import pool_by_uid
 from ..errors import CheckpointError, InvalidArgumentError
@@ -24,6 +25,8 @@ from .manifest import (
     import_torch,
 )
 from .validate import TORCH_ITEMSIZE, numeric_dtype
+
+_DEFAULT_CODEC = ObjectCodec()  # the checks of a codec that has no `check` of its own (a duck-typed one)
 
 
 def _owner_type(name: str | None) -> type | None:
@@ -154,7 +157,13 @@ class Reader:
         fields = {k: self.value(v) for k, v in node["fields"].items()}
         static = {k: _decode_static(v) for k, v in node["static"].items()}
         obj: Any = codec.decode(cls, static, fields, DecodeContext(name, where, self.templates.get(name, MISSING)))
-        return obj.park() if node.get("parked") else obj
+        # Nothing the manifest says is trusted (its seal is a checksum): the type's invariants are checked here,
+        # the one place a load builds objects, before the object is parked or installed.
+        (codec.check if hasattr(codec, "check") else _DEFAULT_CODEC.check)(obj, where)
+        parked = node.get("parked", False)
+        if not isinstance(parked, bool) or (parked and obj.status != RESIDENT):
+            raise field_error(where, "parked", parked, f"a bool, true only for a resident object (it is {obj.status})")
+        return obj.park() if parked else obj
 
     def session(self, node: dict[str, Any]) -> SessionState:
         objects: dict[str, Any] = {}
