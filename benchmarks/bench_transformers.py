@@ -17,6 +17,7 @@ import transformers
 
 from _timing import fmt_time, interleaved_rounds, round_ratio
 from torch_bridge.adapters.transformers import SessionCaches
+from torch_bridge.harness.text_models import tiny_llama
 
 SESSIONS, PROMPT, MAX_LEN = 8, 160, 512
 CALLS = 32  # tokens per timed run (4 per session)
@@ -24,17 +25,7 @@ REPEATS = 11
 
 
 def _model() -> transformers.LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=1024,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(layers=4, hidden=256, kv_heads=4, vocab=256, max_positions=1024)
 
 
 def _p99(xs: list[float]) -> float:

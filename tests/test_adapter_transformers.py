@@ -22,6 +22,7 @@ from torch_bridge.adapters.transformers import (  # noqa: E402
     TokenShapeError,
 )
 from torch_bridge.adapters.transformers_layout import BatchRows  # noqa: E402
+from torch_bridge.harness.text_models import tiny_llama  # noqa: E402
 
 MAX_LEN = 24
 KINDS = ["dynamic", "static"]
@@ -39,17 +40,7 @@ STEPS = 5
 
 
 def llama(layers=2, seed=0):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    return tiny_llama(layers=layers, seed=seed)
 
 
 MODEL = llama()
@@ -321,16 +312,7 @@ def test_a_cache_of_a_batch_of_two_is_refused_and_no_session_is_created(kind):
 
 
 def test_a_cache_of_another_model_with_other_heads_is_refused():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-    )
-    other = transformers.LlamaForCausalLM(config).eval()
+    other = tiny_llama(kv_heads=4)
     cache = transformers.DynamicCache(config=other.config)
     with torch.no_grad():
         other(input_ids=torch.tensor([PROMPTS[0]]), past_key_values=cache, use_cache=True)

@@ -18,8 +18,8 @@ from torch_bridge.harness.cosmos3_text_model import (  # noqa: E402
     encode_und_kv,
     placement_figures,
     text_ids,
-    tiny_qwen2,
 )
+from torch_bridge.harness.text_models import tiny_qwen2  # noqa: E402
 
 MODEL = tiny_qwen2()
 TEXT_LEN, MEDIA = 7, 24

@@ -234,17 +234,9 @@ MAX_LEN = 16
 
 
 def _llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
+    from torch_bridge.harness.text_models import tiny_llama
+
+    return tiny_llama()
 
 
 def _cache(model, tree=None):

@@ -22,17 +22,9 @@ def _sessions_check() -> tuple[bool, str]:
     import transformers
 
     from torch_bridge.adapters.transformers import SessionCaches
+    from torch_bridge.harness.text_models import tiny_llama
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = tiny_llama()
     prompts = [[i + 1, 2 * i + 3, 5, 7] for i in range(8)]
     caches = SessionCaches(model)
     last = {i: caches.begin(f"s{i}", torch.tensor([p])) for i, p in enumerate(prompts)}
@@ -47,7 +39,7 @@ def _sessions_check() -> tuple[bool, str]:
     same = 0
     with torch.no_grad():
         for i, p in enumerate(prompts):
-            cache = transformers.DynamicCache(config=config)
+            cache = transformers.DynamicCache(config=model.config)
             logits = model(input_ids=torch.tensor([p]), past_key_values=cache, use_cache=True).logits
             want = []
             for _ in range(6):
@@ -65,7 +57,8 @@ def text_model_section(console: Any, recap: list[tuple[str, str]]) -> bool:
         console.print("   skipped: install the [transformers] extra to run it")
         recap.append(("real transformers K/V", "skipped (no [transformers] extra)"))
         return True
-    from torch_bridge.harness.cosmos3_text_model import PLACEMENTS, placement_figures, tiny_qwen2
+    from torch_bridge.harness.cosmos3_text_model import PLACEMENTS, placement_figures
+    from torch_bridge.harness.text_models import tiny_qwen2
 
     model = tiny_qwen2(layers=4)
     rich_table = importlib.import_module("rich.table")

@@ -19,7 +19,7 @@ from functional_state import SessionStateManager
 from ..adapters.cosmos3 import request_session
 from ..adapters.cosmos3_footprint import CFG_MODES, cosmos3_footprint
 
-__all__ = ["PLACEMENTS", "build_freqs_gen", "encode_und_kv", "placement_figures", "tiny_qwen2"]
+__all__ = ["PLACEMENTS", "build_freqs_gen", "encode_und_kv", "placement_figures"]
 
 # CFG placement -> the branches (is_negative) each rank holds: one rank, both branches on one rank, or one
 # branch on each of two CFG ranks.
@@ -28,22 +28,6 @@ PLACEMENTS: dict[str, list[list[bool]]] = {
     "sequential": [[False, True]],
     "parallel": [[False], [True]],
 }
-
-
-def tiny_qwen2(*, layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Any:
-    """A random-init `Qwen2ForCausalLM` at test size (hidden 64, 4 query and 2 K/V heads of 16), seeded."""
-    torch.manual_seed(seed)
-    config = transformers.Qwen2Config(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-    )
-    model: Any = transformers.Qwen2ForCausalLM(config)
-    return model.to(dtype).eval()
 
 
 def text_ids(text_len: int, padded_text_len: int, *, seed: int, pad_id: int = 0) -> torch.Tensor:
