@@ -23,12 +23,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..core.session import SessionState
 from ..errors import InvalidArgumentError, StaleEpochError
 from .checks import locate
-from .session_edits import set_attr
+from .session_edits import update_session
 from .state import ManagerState, node_session
 
-__all__ = ["EPOCH_ATTR", "MODEL_ATTR", "check_epoch", "claim", "epoch_of", "model_of", "session_epoch"]
+__all__ = [
+    "EPOCH_ATTR",
+    "MODEL_ATTR",
+    "check_epoch",
+    "claim",
+    "claimed",
+    "epoch_of",
+    "model_of",
+    "session_epoch",
+]
 
 EPOCH_ATTR = "functional_state.epoch"  # int: 0 until the first claim
 
@@ -79,10 +89,15 @@ def claim(state: ManagerState, session_id: str | None, *, model: str | None = No
       >>> epoch_of(claim(s, "a", above=6), "a")
       7
     """
+    sid, _ = locate(state, session_id, "claim")
+    return update_session(state, sid, lambda session: claimed(session, model=model, above=above, sid=sid))
+
+
+def claimed(session: SessionState, *, model: str | None = None, above: int = 0, sid: str = "") -> SessionState:
+    """The session-level `claim` (what a shell handle's ``transact`` applies): ``session`` at its next epoch."""
     if not isinstance(above, int) or isinstance(above, bool) or above < 0:
         raise InvalidArgumentError(f"`claim`: above must be an epoch (an int >= 0), got {above!r}.")
-    sid, node = locate(state, session_id, "claim")
-    attrs = node_session(node).attrs
+    attrs = session.attrs
     if model is not None:
         if not isinstance(model, str) or not model:
             raise InvalidArgumentError(f"`claim`: model must be a non-empty str naming the model, got {model!r}.")
@@ -91,8 +106,8 @@ def claim(state: ManagerState, session_id: str | None, *, model: str | None = No
             raise InvalidArgumentError(
                 f"`claim`: session {sid!r} belongs to model {held!r}, not {model!r}; a session cannot change model."
             )
-        state = set_attr(state, sid, MODEL_ATTR, model)
-    return set_attr(state, sid, EPOCH_ATTR, max(session_epoch(attrs), above) + 1)
+        session = session.set_attr(MODEL_ATTR, model)
+    return session.set_attr(EPOCH_ATTR, max(session_epoch(attrs), above) + 1)
 
 
 def check_epoch(state: ManagerState, session_id: str | None, epoch: int | None, what: str) -> int:

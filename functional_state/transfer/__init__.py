@@ -7,10 +7,10 @@ epoch checks fence a superseded owner; `checkpoint_info` reads a checkpoint's fi
 """
 
 from ..persist.info import CheckpointInfo, SessionInfo, checkpoint_info
-from ..table.ownership import EPOCH_ATTR, MODEL_ATTR, claim, epoch_of, model_of
+from ..table.ownership import EPOCH_ATTR, MODEL_ATTR, claim, claimed, epoch_of, model_of
 from .blob import SessionBlob
 from .exporting import export_session
-from .importing import import_session
+from .importing import import_session, read_blob
 from .placement import Placement, SessionFigures, placement
 
 __all__ = [
@@ -23,9 +23,11 @@ __all__ = [
     "SessionInfo",
     "checkpoint_info",
     "claim",
+    "claimed",
     "epoch_of",
     "export_session",
     "import_session",
     "model_of",
     "placement",
+    "read_blob",
 ]

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..core.session import SessionState
 from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, StaleEpochError, TransferError
 from ..persist.checkpoint import check_free, install_session
 from ..persist.confined import check_depth
@@ -22,7 +23,7 @@ from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from .blob import TRANSFER, SessionBlob
 
-__all__ = ["import_session"]
+__all__ = ["import_session", "read_blob"]
 
 
 def import_session(
@@ -68,6 +69,49 @@ def import_session(
       >>> fs.view(t, "robot", "ring")[0].tolist()
       [1.0, 1.0]
     """
+    target = None if as_id is None else ms.resolve_id(as_id, "import_session")
+    if target is not None:
+        check_free(state, target, False)  # (refused before the blob is read)
+    sid, session = read_blob(
+        blob,
+        epoch=epoch,
+        model=model,
+        placement=placement,
+        attr_hooks=attr_hooks,
+        object_hooks=object_hooks,
+        templates=templates,
+        free_in=state if target is None else None,
+    )
+    try:
+        return install_session(state, target if target is not None else sid, session)
+    except BaseException as e:
+        release_sessions([session], e)
+        raise
+
+
+def read_blob(
+    blob: SessionBlob,
+    *,
+    epoch: int | None = None,
+    model: str | None = None,
+    placement: Any = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
+    free_in: ManagerState | None = None,
+) -> tuple[str, SessionState]:
+    """``(session id, the SessionState)`` a blob carries, checked whole and built (what `import_session`
+    installs; a shell installs it with ``SessionStateManager.install_session``). See `import_session` for the
+    arguments and errors; ``free_in``: a table in which the blob's id must not be live (checked before the
+    buffers are copied).
+
+    Example:
+      >>> import numpy as np, functional_state as fs
+      >>> from functional_state.transfer import export_session
+      >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "robot")
+      >>> read_blob(export_session(s, "robot"))[0]
+      'robot'
+    """
     if not isinstance(blob, SessionBlob):
         raise InvalidTypeError(
             f"`import_session`: expected a SessionBlob (`export_session`), got {type(blob).__name__}."
@@ -86,20 +130,15 @@ def import_session(
             f"`import_session`: {where} is at epoch {info['epoch']}, not {epoch}: "
             + ("it was exported by a superseded owner." if info["epoch"] < epoch else "the caller's record is stale.")
         )
-    target = ms.resolve_id(as_id if as_id is not None else sid, "import_session")
-    check_free(state, target, False)
+    if free_in is not None:
+        check_free(free_in, sid, False)
     arrays = _owned_arrays(blob, where, placement)
     try:
-        session = Reader(arrays, attr_hooks, None, object_hooks, templates).session(entry)
+        return sid, Reader(arrays, attr_hooks, None, object_hooks, templates).session(entry)
     except CheckpointError as e:
         raise TransferError(f"{where}: {e}") from e
     except Exception as e:
         raise TransferError(f"{where}: the session cannot be rebuilt ({type(e).__name__}: {e}).") from e
-    try:
-        return install_session(state, target, session)
-    except BaseException as e:
-        release_sessions([session], e)
-        raise
 
 
 def _checked(blob: SessionBlob) -> tuple[str, dict[str, Any]]:
