@@ -32,6 +32,7 @@ BENCHES = [
     "wan",
     "nnx",
     "scaling",
+    "transfer",
 ]
 
 

@@ -21,7 +21,7 @@ def _run(*args, **kw):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["nope"], "functional-state: error: argument {demo,ab,bench}: invalid choice: 'nope'"),
+        (["nope"], "functional-state: error: argument {demo,ab,bench,serve-demo}: invalid choice: 'nope'"),
         (
             ["demo", "--steps", "0"],
             "functional-state demo: error: argument --steps: expected a positive integer, got 0",
@@ -71,7 +71,11 @@ def test_help_describes_every_option_with_its_default(sub):
 
 def test_no_arguments_prints_help_instead_of_running_the_demo():
     out = _run()
-    assert out.returncode == 0 and out.stdout.startswith("usage: functional-state") and "{demo,ab,bench}" in out.stdout
+    assert (
+        out.returncode == 0
+        and out.stdout.startswith("usage: functional-state")
+        and "{demo,ab,bench,serve-demo}" in out.stdout
+    )
 
 
 def test_version():
@@ -223,4 +227,4 @@ def test_console_script_is_installed():
     script = Path(sys.executable).with_name("functional-state")
     assert script.exists()
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "{demo,ab,bench}" in out.stdout
+    assert out.returncode == 0 and "{demo,ab,bench,serve-demo}" in out.stdout
