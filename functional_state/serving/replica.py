@@ -43,6 +43,18 @@ class SessionReplica:
       init: ``init(handle)``, what a new session holds before its first step.
       hooks: ``attr_hooks`` / ``object_hooks`` for saves and transfers (engine KV, say).
       **manager: `SessionStateManager` arguments (``byte_budget``, ``max_sessions``).
+
+    Example (in-process; ``ray.remote(SessionReplica)`` makes the same class an actor):
+      >>> import numpy as np, functional_state as fs
+      >>> def init(h): h.put("ring", fs.LatentBuffer.create(maxlen=2))
+      >>> def step(h, x): h.commit("ring", np.full(2, x)); return x
+      >>> a, b = (SessionReplica(n, model="wm@1", step=step, init=init) for n in ("a", "b"))
+      >>> epoch = a.open("s"); a.step("s", epoch, 1.0)
+      1.0
+      >>> moved = b.accept(*a.export("s", epoch), epoch); a.release("s", epoch)
+      True
+      >>> moved, b.steps("s"), [x.tolist() for x in fs.view(b.manager.state, "s", "ring")]
+      (2, 1, [[1.0, 1.0]])
     """
 
     def __init__(
