@@ -33,6 +33,7 @@ BENCHES = [
     "nnx",
     "transformers",
     "scaling",
+    "transfer",
 ]
 
 

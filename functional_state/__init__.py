@@ -37,8 +37,10 @@ from .errors import (
     SessionStateLostError,
     SharedStorageError,
     SharedStorageWrittenError,
+    StaleEpochError,
     StateConsumedError,
     StateShapeError,
+    TransferError,
 )
 from .memory.accounting import nbytes_by_device, register_alias, total_nbytes
 from .memory.budget import capacity_for, format_bytes, parse_bytes
@@ -129,9 +131,11 @@ __all__ = [
     "SessionStateManager",
     "SharedStorageError",
     "SharedStorageWrittenError",
+    "StaleEpochError",
     "StateConsumedError",
     "StateObject",
     "StateShapeError",
+    "TransferError",
     "Usage",
     "__version__",
     "apply_plan",

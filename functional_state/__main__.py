@@ -80,7 +80,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         formatter_class=_Formatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench,inspect}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,ab,bench,inspect,serve-demo}", parser_class=_Parser)
 
     def add_common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -164,7 +164,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     inspect.add_argument("path", metavar="PATH", help="the checkpoint directory")
     inspect.add_argument("--verify", action="store_true", help="read every array and check its checksum")
-    return parser, {"demo": demo, "ab": ab, "bench": bench, "inspect": inspect}
+    serve = sub.add_parser(
+        "serve-demo",
+        help="sessions across 3 Ray replicas: one killed mid-rollout, a rebalance (the [ray] extra)",
+        formatter_class=_Formatter,
+        description="Start a local Ray, serve sessions on 3 replica actors, kill one mid-rollout and resume its "
+        "sessions from their checkpoints with a replay, rebalance onto a replacement, and print where each session "
+        "went and whether every rollout matches an uninterrupted one. Exits 1 if any differs.",
+    )
+    serve.add_argument("--sessions", type=_positive_int, default=12, help="sessions")
+    serve.add_argument("--steps", type=_positive_int, default=8, help="steps per session")
+    return parser, {"demo": demo, "ab": ab, "bench": bench, "inspect": inspect, "serve-demo": serve}
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -213,6 +223,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "inspect":
         return _inspect(args)
+    if args.command == "serve-demo":  # (no torch: the Ray side needs only the core)
+        from .serving.demo import main as serve_demo
+
+        return serve_demo(sessions=args.sessions, steps=args.steps)
     if importlib.util.find_spec("torch") is None:
         print(
             f"{PROG} {args.command}: the command line drives the torch adapters and needs PyTorch: "

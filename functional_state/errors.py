@@ -29,8 +29,10 @@ __all__ = [
     "SessionStateLostError",
     "SharedStorageError",
     "SharedStorageWrittenError",
+    "StaleEpochError",
     "StateConsumedError",
     "StateShapeError",
+    "TransferError",
 ]
 
 
@@ -141,3 +143,13 @@ class KVFreeError(SessionStateError, RuntimeError):
 
 class CheckpointError(SessionStateError, RuntimeError):
     """A checkpoint cannot be written (a value it cannot hold) or read (absent, damaged, another layout)."""
+
+
+class TransferError(CheckpointError):
+    """A session transfer blob cannot be imported: truncated, tampered with, or exported by another model."""
+
+
+class StaleEpochError(SessionStateError, RuntimeError):
+    """A session's ownership epoch is not the one the call was made under: another owner claimed it since
+    (an export, import or save by a replica that no longer owns the session), or a checkpoint already holds
+    a newer epoch of it."""

@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[1] / "functional_state"
 # The layer order, bottom first: a module may import its own layer and the ones before it, never a later one.
 # Top-level modules are the base (errors, _version, _repr) or the face (__init__, __main__ and the shims kept
 # for old import paths), which may import anything.
-LAYERS = ["base", "memory", "core", "engine", "table", "policy", "persist", "shell", "face"]
+LAYERS = ["base", "memory", "core", "engine", "table", "policy", "persist", "transfer", "shell", "serving", "face"]
 BASE = {"errors", "_version", "_repr"}
 
 MAX_LINES = 420  # "about 400": a module a reader takes in at one sitting
@@ -32,6 +32,7 @@ PUBLIC = {
     *("NotResidentError", "NothingStagedError", "ObjectNotFoundError", "ObjectParkedError", "PoolChangedError"),
     *("SessionAdmissionError", "SessionExistsError", "SessionStateError", "SessionStateLostError"),
     *("SharedStorageError", "SharedStorageWrittenError", "StateConsumedError", "StateShapeError"),
+    *("StaleEpochError", "TransferError"),
     *("apply_plan", "capacity_for", "commit", "del_attr", "discard", "drop_session", "enforce_budget", "evict"),
     *("fork_session", "format_bytes", "free_released", "get_attr", "get_or_create", "get_session"),
     *("has_checkpoint", "incarnation", "load", "load_session", "lookup", "nbytes_by_device", "paged_gather"),

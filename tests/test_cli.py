@@ -22,7 +22,7 @@ def _run(*args, **kw):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["nope"], "functional-state: error: argument {demo,ab,bench,inspect}: invalid choice: 'nope'"),
+        (["nope"], "functional-state: error: argument {demo,ab,bench,inspect,serve-demo}: invalid choice: 'nope'"),
         (
             ["demo", "--steps", "0"],
             "functional-state demo: error: argument --steps: expected a positive integer, got 0",
@@ -75,7 +75,7 @@ def test_no_arguments_prints_help_instead_of_running_the_demo():
     assert (
         out.returncode == 0
         and out.stdout.startswith("usage: functional-state")
-        and "{demo,ab,bench,inspect}" in out.stdout
+        and "{demo,ab,bench,inspect,serve-demo}" in out.stdout
     )
 
 
@@ -231,7 +231,7 @@ def test_console_script_is_installed():
     script = Path(sys.executable).with_name("functional-state")
     assert script.exists()
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "{demo,ab,bench" in out.stdout
+    assert out.returncode == 0 and "{demo,ab,bench,inspect,serve-demo}" in out.stdout
 
 
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "ring"]])

@@ -457,7 +457,9 @@ def test_enforce_budget_refuses_a_plan_that_does_not_hold(monkeypatch):
     # Regression (issue 19): enforce_budget installed whatever the applied plans left, over budget or not.
     state = _table(n=3, budget={"cpu": 10 * KIB})
     snap = snapshot(state)
-    monkeypatch.setattr(fs.policy.enforce, "apply_plan", lambda s, plan: s)  # a plan that frees nothing it promised
+    monkeypatch.setattr(
+        fs.policy.enforce, "apply_plan", lambda s, plan, **_: s
+    )  # a plan that frees nothing it promised
     with pytest.raises(BudgetExceededError, match="even after the release plan for it") as e:
         fs.enforce_budget(state)
     assert (e.value.pool, e.value.budget, e.value.held) == ("cpu", 10 * KIB, 12 * KIB + 192)

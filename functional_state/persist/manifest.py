@@ -111,7 +111,7 @@ def seal(manifest: dict[str, Any]) -> None:
     manifest[_SEAL] = _xxhash().xxh3_128(_canonical(manifest)).hexdigest()
 
 
-def check_manifest(manifest: Any, root: Path) -> None:
+def check_manifest(manifest: Any, root: Path | str) -> None:
     """Refuse a manifest that is not ours, of another layout, fails its checksum, or lacks what a load reads,
     before anything is built from it."""
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StaleEpochError
 from .directory import (
     discard_step,
     drop_steps_before,
@@ -21,6 +21,7 @@ from .directory import (
     prepare_directory,
 )
 from .encode import Writer
+from .fencing import check_not_behind
 from .handlers import import_orbax
 from .manifest import in_arrays_item, seal
 from .priority import background_begin, background_end
@@ -185,6 +186,13 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
         if earlier is not None:
             earlier._finished.wait()  # its outcome is for its own caller's wait()
         step = prepare_directory(root)
+        try:
+            check_not_behind(root, manifest)  # (under the lock: no save of this process can slip between)
+        except StaleEpochError:
+            if sealed is not None:  # no thread of this save reads the caller's buffers once it is refused
+                with contextlib.suppress(Exception):
+                    sealed.result()
+            raise
         # Orbax keeps every step: `drop_steps_before` removes the old ones itself, in a way a kill cannot
         # leave half done.
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..core.state_object import Extent
@@ -29,9 +29,18 @@ _log = logging.getLogger("functional_state")
 
 __all__ = ["apply_plan", "enforce_budget"]
 
+# A spill lever (`apply_plan`): offered a session before it is dropped; True once it has it elsewhere.
+Spill = Callable[[ManagerState, str], Any]
 
-def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
+
+def apply_plan(state: ManagerState, plan: ReleasePlan, *, spill: Spill | None = None) -> ManagerState:
     """Carry out ``plan`` on the state it was made for; returns the new state (the input is unchanged).
+
+    Args:
+      spill: called as ``spill(state, session_id)`` before each drop, with the table still holding the
+        session: it may hand the session elsewhere (a peer replica, the object store: `export_session`) and
+        returns True once it has. A spilled session leaves the table without counting as an eviction; one
+        whose spill returned anything else or raised (logged) is dropped as before.
 
     Raises:
       InvalidArgumentError: the plan was made for another state (plan again on the state you apply).
@@ -54,9 +63,22 @@ def apply_plan(state: ManagerState, plan: ReleasePlan) -> ManagerState:
             state, _ = park(state, sid, action.name, with_sharers=len(action.holders) > 1)  # type: ignore[arg-type]
         elif action.kind == "evict":
             state, _ = evict(state, sid, action.name)  # type: ignore[arg-type]
+        elif spill is not None and _spilled(spill, state, sid):
+            state, _ = drop_session(state, sid)  # it lives on elsewhere: not lost, so not an eviction
         else:
             state = _drop_as_eviction(state, sid)
     return state
+
+
+def _spilled(spill: Spill, state: ManagerState, sid: str) -> bool:
+    try:
+        done = spill(state, sid) is True
+    except Exception:
+        _log.warning("spilling session %r failed; it is dropped", sid, exc_info=True)
+        return False
+    if not done:
+        _log.info("spilling session %r was declined; it is dropped", sid)
+    return done
 
 
 def _drop_as_eviction(state: ManagerState, sid: str) -> ManagerState:
@@ -131,7 +153,9 @@ def attr_bytes(attrs: Any) -> dict[str, int]:
     return {str(pool): n for pool, n in by_pool(extents_of(dict(attrs))).items()} if attrs else {}
 
 
-def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[str] = LEVERS) -> ManagerState:
+def enforce_budget(
+    state: ManagerState, protect: Any = (), *, levers: Iterable[str] = LEVERS, spill: Spill | None = None
+) -> ManagerState:
     """Bring every pool within the table's byte budget, releasing what `plan_release` chooses.
 
     Pools are planned one at a time, each on the state the plans before it left, and the result is measured
@@ -141,6 +165,9 @@ def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[s
       state: the table (unchanged).
       protect: a session id, or ids, never touched.
       levers: which levers may be used (see `plan_release`).
+      spill: offered each session a plan drops, before it is dropped (see `apply_plan`). A spill is a side
+        effect: if a later pool cannot be brought within budget, the error leaves this table as it was while
+        the spilled sessions live on where they went too (claim them there: the copy here is then stale).
 
     Returns:
       The state within budget; ``state`` itself when every pool already is.
@@ -189,7 +216,7 @@ def enforce_budget(state: ManagerState, protect: Any = (), *, levers: Iterable[s
             len(found.actions),
             format_bytes(found.freed),
         )
-        current = apply_plan(current, found)
+        current = apply_plan(current, found, spill=spill)
         planned[pool] = found
 
 

@@ -325,6 +325,15 @@ class SessionStateManager:
             _ckpt.release_sessions(ms.sessions(table).values(), e)
             raise
 
+    def install_session(self, session_id: str, session: Any) -> SessionHandle:
+        """Install a `SessionState` read elsewhere (`transfer.read_blob`) under the free id ``session_id``."""
+        plan = partial(_ckpt.install_session, sid=session_id, session=session)
+        try:
+            return self._run(lambda s: (plan(s), None), session_id, then=partial(self._new_handle, session_id))
+        except BaseException as e:  # not installed (the id is taken, or over budget): its KV blocks go back
+            _ckpt.release_sessions([session], e)
+            raise
+
     def drop_session(self, session_id: str | None) -> bool:
         """Remove a session from the table; True if it was there. Live handles keep their last state to
         read, and refuse writes (which could reach no session): `SessionStateLostError`."""

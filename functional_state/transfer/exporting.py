@@ -1,0 +1,89 @@
+"""`export_session`: one session of a table as a `SessionBlob`, with no filesystem and no extra copy of host
+storages (the buffers are views of them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._version import __version__
+from ..persist.encode import AttrHooks, Writer
+from ..persist.manifest import FORMAT, LAYOUT, in_arrays_item, seal
+from ..table import manager_state as ms
+from ..table.manager_state import ManagerState
+from ..table.ownership import MODEL_ATTR, check_epoch
+from ..table.torch_writes import check_sessions
+from .blob import TRANSFER, SessionBlob
+
+__all__ = ["export_session"]
+
+
+def export_session(
+    state: ManagerState,
+    session_id: str | None,
+    *,
+    epoch: int | None = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+) -> SessionBlob:
+    """Session ``session_id`` of ``state`` as a `SessionBlob`: everything `save_session` would write, in memory.
+
+    The buffers of host torch storages and numpy arrays are views of them, not copies: import the blob (or
+    ``ray.put`` its buffers) before the session is written in place again. A JAX array becomes host bytes (a
+    device array is copied to the host once). Engine-owned KV (`PagedKVHandle`) goes through the engine's
+    export hook, as for a checkpoint: pass ``object_hooks={name: (export, import)}``; without one it is refused.
+
+    Args:
+      epoch: the ownership epoch the caller holds the session at (`claim`); None skips the check.
+      attr_hooks, object_hooks: as for `save_session`.
+
+    Returns:
+      The blob; ``state`` is unchanged (recency too).
+
+    Raises:
+      SessionStateLostError: no such session. StaleEpochError: the session is at another epoch than ``epoch``.
+      CheckpointError: an object or attr a checkpoint cannot hold (named), or a KV handle without a hook.
+      SharedStorageWrittenError: a storage a fork shares was written in place outside `writable`.
+
+    Example:
+      >>> import numpy as np, functional_state as fs
+      >>> from functional_state.transfer import export_session
+      >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "robot")
+      >>> s = fs.commit(fs.put(s, "robot", "ring", fs.LatentBuffer.create(maxlen=2)), "robot", "ring", np.ones(4))
+      >>> export_session(s, "robot").nbytes
+      32
+    """
+    sid, node = ms.locate(state, session_id, "export_session")
+    at = check_epoch(state, sid, epoch, "export_session")
+    session = ms.node_session(node)
+    check_sessions(state, [(sid, session)], "export_session")
+    writer = Writer(attr_hooks, False, object_hooks)
+    entry = writer.session(session, sid)
+    writer.checksums()
+    keys = [key for key, info in writer.leaves.items() if in_arrays_item(info)]
+    model = session.attrs.get(MODEL_ATTR)
+    manifest = {
+        "format": FORMAT,
+        "layout": LAYOUT,
+        "library_version": __version__,
+        "kind": "session",
+        "sessions": [entry],
+        "leaves": writer.leaves,
+        TRANSFER: {
+            "session_id": sid,
+            "epoch": at,
+            "model": model if isinstance(model, str) else None,
+            "buffers": keys,
+        },
+    }
+    seal(manifest)
+    return SessionBlob(manifest, tuple(_host_bytes(writer.arrays[key]) for key in keys))
+
+
+def _host_bytes(data: Any) -> np.ndarray:
+    """``data`` as 1-D host uint8: a view where it is contiguous host memory already."""
+    if isinstance(data, jax.Array):
+        data = np.asarray(data)  # (a CPU array: a view; a device array: its one host copy)
+    return np.ascontiguousarray(data).reshape(-1).view(np.uint8)

@@ -1,0 +1,247 @@
+"""`import_session`: a `SessionBlob` checked whole (the checkpoint's untrusted-input checks, its buffers' sizes
+and checksums, its epoch and model) and only then built and installed, or refused with the table unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..core.session import SessionState
+from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, StaleEpochError, TransferError
+from ..persist.checkpoint import check_free, install_session
+from ..persist.confined import check_depth
+from ..persist.decode import Reader, check_templates, decode_sharding, release_sessions
+from ..persist.encode import AttrHooks
+from ..persist.fencing import manifest_epoch
+from ..persist.manifest import CHECKSUM, check_manifest, copy_checksum, in_parallel
+from ..persist.read import host_storage
+from ..persist.validate import StoredLeaf, check_stored
+from ..table import manager_state as ms
+from ..table.manager_state import ManagerState
+from .blob import TRANSFER, SessionBlob
+
+__all__ = ["import_session", "read_blob"]
+
+
+def import_session(
+    state: ManagerState,
+    blob: SessionBlob,
+    *,
+    as_id: str | None = None,
+    epoch: int | None = None,
+    model: str | None = None,
+    placement: Any = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
+) -> ManagerState:
+    """``state`` holding the session ``blob`` carries (under ``as_id`` if given) as its most recent session.
+
+    Everything is checked before anything is allocated or built: the manifest's seal and every node (the
+    checks a checkpoint load makes, `persist.validate`), the buffers' count and sizes, the epoch and the
+    model; then each buffer is copied into memory of the new session's own, its checksum computed in the same
+    pass (the blob's buffers may be read-only object-store memory).
+
+    Args:
+      epoch: the epoch the caller expects the session at (a router's record); None skips the check.
+      model: this table's model identity: a blob naming another model (or none, when this is given) is refused.
+      placement: where JAX leaves go: None (the sharding they were exported with, when its devices are here),
+        a ``jax.Device`` or a ``jax.sharding.Sharding``. Torch tensors go to the device they were on.
+      attr_hooks, object_hooks, templates: as for `load_session` (engine KV comes back through ``object_hooks``).
+
+    Returns:
+      The new table; ``state`` is unchanged.
+
+    Raises:
+      TransferError: the blob is truncated, damaged or tampered with, or from another model (named).
+      StaleEpochError: the blob's epoch is not ``epoch``. SessionExistsError: the id is live in ``state``.
+      Nothing changes unless the import fully succeeds; KV blocks an import hook took are handed back.
+
+    Example:
+      >>> import numpy as np, functional_state as fs
+      >>> from functional_state.transfer import export_session, import_session
+      >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "robot")
+      >>> s = fs.commit(fs.put(s, "robot", "ring", fs.LatentBuffer.create(maxlen=2)), "robot", "ring", np.ones(2))
+      >>> t = import_session(fs.ManagerState.create(), export_session(s, "robot"))
+      >>> fs.view(t, "robot", "ring")[0].tolist()
+      [1.0, 1.0]
+    """
+    target = None if as_id is None else ms.resolve_id(as_id, "import_session")
+    if target is not None:
+        check_free(state, target, False)  # (refused before the blob is read)
+    sid, session = read_blob(
+        blob,
+        epoch=epoch,
+        model=model,
+        placement=placement,
+        attr_hooks=attr_hooks,
+        object_hooks=object_hooks,
+        templates=templates,
+        free_in=state if target is None else None,
+    )
+    try:
+        return install_session(state, target if target is not None else sid, session)
+    except BaseException as e:
+        release_sessions([session], e)
+        raise
+
+
+def read_blob(
+    blob: SessionBlob,
+    *,
+    epoch: int | None = None,
+    model: str | None = None,
+    placement: Any = None,
+    attr_hooks: AttrHooks | None = None,
+    object_hooks: AttrHooks | None = None,
+    templates: Mapping[str, Any] | None = None,
+    free_in: ManagerState | None = None,
+) -> tuple[str, SessionState]:
+    """``(session id, the SessionState)`` a blob carries, checked whole and built (what `import_session`
+    installs; a shell installs it with ``SessionStateManager.install_session``). See `import_session` for the
+    arguments and errors; ``free_in``: a table in which the blob's id must not be live (checked before the
+    buffers are copied).
+
+    Example:
+      >>> import numpy as np, functional_state as fs
+      >>> from functional_state.transfer import export_session
+      >>> s, _ = fs.get_or_create(fs.ManagerState.create(), "robot")
+      >>> read_blob(export_session(s, "robot"))[0]
+      'robot'
+    """
+    if not isinstance(blob, SessionBlob):
+        raise InvalidTypeError(
+            f"`import_session`: expected a SessionBlob (`export_session`), got {type(blob).__name__}."
+        )
+    check_templates(templates)
+    sid, entry = _checked(blob)
+    where = f"transfer blob of session {sid!r}"
+    info = blob.manifest[TRANSFER]
+    if model is not None and info["model"] != model:
+        raise TransferError(
+            f"{where}: it belongs to model {info['model']!r}, and this table serves {model!r}; a session moves only "
+            f"between replicas of one model. Import it where that model is served."
+        )
+    if epoch is not None and info["epoch"] != epoch:
+        raise StaleEpochError(
+            f"`import_session`: {where} is at epoch {info['epoch']}, not {epoch}: "
+            + ("it was exported by a superseded owner." if info["epoch"] < epoch else "the caller's record is stale.")
+        )
+    if free_in is not None:
+        check_free(free_in, sid, False)
+    arrays = _owned_arrays(blob, where, placement)
+    try:
+        return sid, Reader(arrays, attr_hooks, None, object_hooks, templates).session(entry)
+    except CheckpointError as e:
+        raise TransferError(f"{where}: {e}") from e
+    except Exception as e:
+        raise TransferError(f"{where}: the session cannot be rebuilt ({type(e).__name__}: {e}).") from e
+
+
+def _checked(blob: SessionBlob) -> tuple[str, dict[str, Any]]:
+    """The blob's session id and manifest entry, once its manifest and buffers passed every check."""
+    manifest = blob.manifest
+    info = manifest.get(TRANSFER) if isinstance(manifest, dict) else None
+    sid = info.get("session_id") if isinstance(info, dict) else None
+    where = f"transfer blob of session {sid!r}"
+    try:
+        check_depth(manifest, where)  # (before anything recurses into it)
+    except CheckpointError as e:
+        raise TransferError(str(e)) from e
+    try:
+        check_manifest(manifest, where)  # (format, layout, its seal, then every field and node)
+    except CheckpointError as e:
+        raise TransferError(str(e)) from e
+    assert isinstance(info, dict)  # (the seal covers it: `check_manifest` refused a manifest without one)
+    keys, leaves = info.get("buffers"), manifest["leaves"]
+    with_bytes = sorted(k for k, leaf in leaves.items() if _nbytes(leaf))
+    if not (
+        isinstance(sid, str)
+        and isinstance(info.get("epoch"), int)
+        and not isinstance(info["epoch"], bool)
+        and info["epoch"] >= 0
+        and (info.get("model") is None or isinstance(info["model"], str))
+        and isinstance(keys, list)
+        and sorted(keys) == with_bytes
+        and manifest["sessions"][0]["id"] == sid
+        and manifest_epoch(manifest["sessions"][0]) == info["epoch"]
+    ):
+        raise TransferError(
+            f"{where}: its transfer record (session id, epoch, model, buffer keys) disagrees with its manifest; "
+            f"the blob is damaged or crafted."
+        )
+    if not isinstance(blob.buffers, (tuple, list)) or len(blob.buffers) != len(keys):
+        got = len(blob.buffers) if isinstance(blob.buffers, (tuple, list)) else type(blob.buffers).__name__
+        raise TransferError(f"{where}: it names {len(keys)} buffers and carries {got}; the blob is truncated.")
+    stored = {}
+    for key, buf in zip(keys, blob.buffers):
+        if not isinstance(buf, (np.ndarray, memoryview, bytes, bytearray)):
+            raise TransferError(f"{where}: buffer {key!r} is a {type(buf).__name__}, not host bytes.")
+        n = _as_bytes(buf).nbytes
+        leaf = leaves[key]
+        shape = tuple(leaf["shape"]) if leaf["kind"] == "jax" and n == _nbytes(leaf) else (n,)
+        stored[key] = StoredLeaf(shape, leaf["dtype"] if leaf["kind"] == "jax" else "uint8", n)
+    try:
+        check_stored(leaves, stored, where)
+    except CheckpointError as e:
+        raise TransferError(f"{e} (a buffer was truncated or swapped)") from e
+    return sid, manifest["sessions"][0]
+
+
+def _as_bytes(buf: Any) -> np.ndarray:
+    """A buffer as 1-D uint8, without a copy where it is contiguous (object-store memory is)."""
+    if isinstance(buf, np.ndarray):
+        return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+    return np.frombuffer(buf, np.uint8)
+
+
+def _nbytes(leaf: dict[str, Any]) -> int:
+    if leaf["kind"] == "jax":
+        return int(np.prod(leaf["shape"], dtype=object)) * np.dtype(leaf["dtype"]).itemsize
+    return int(leaf["nbytes"])
+
+
+def _owned_arrays(blob: SessionBlob, where: str, placement: Any) -> dict[str, Any]:
+    """Each leaf's data in memory the new session owns, checksummed as it is copied; leaves of no bytes
+    rebuilt from the manifest."""
+    leaves, keys = blob.manifest["leaves"], blob.manifest[TRANSFER]["buffers"]
+
+    def copy(job: tuple[str, Any]) -> tuple[str, Any, Any]:
+        key, buf = job
+        src = _as_bytes(buf)
+        if leaves[key]["kind"] == "torch_storage":
+            out, owner = host_storage(src.nbytes)  # (aligned, resizable: as a checkpoint load gives)
+        else:
+            out = owner = np.empty(src.nbytes, np.uint8)
+        return copy_checksum(src, out), out, owner
+
+    jobs = list(zip(keys, blob.buffers))
+    done = in_parallel(copy, jobs, sum(int(_as_bytes(b).nbytes) for b in blob.buffers))
+    arrays: dict[str, Any] = {}
+    for (key, _), (digest, out, owner) in zip(jobs, done):
+        if digest != leaves[key].get(CHECKSUM):
+            raise TransferError(
+                f"{where}: buffer {key!r} fails its checksum ({CHECKSUM}); the blob was damaged or tampered with in "
+                f"transit. Export it again."
+            )
+        arrays[key] = owner if leaves[key]["kind"] == "torch_storage" else out
+    for key, leaf in leaves.items():
+        if leaf["kind"] == "jax":
+            host = arrays.get(key, np.empty(0, np.uint8)).view(np.dtype(leaf["dtype"])).reshape(leaf["shape"])
+            arrays[key] = jax.device_put(host, _sharding(placement, leaf))
+        elif key not in arrays:
+            arrays[key] = np.empty(0, np.uint8)
+    return arrays
+
+
+def _sharding(placement: Any, leaf: dict[str, Any]) -> Any:
+    if placement is None:
+        return decode_sharding(leaf["sharding"])
+    if isinstance(placement, jax.Device):
+        return jax.sharding.SingleDeviceSharding(placement)
+    if isinstance(placement, jax.sharding.Sharding):
+        return placement
+    raise InvalidArgumentError(f"`import_session`: placement must be a jax.Device or a Sharding, got {placement!r}.")
