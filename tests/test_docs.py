@@ -39,6 +39,8 @@ API_PAGES = {
     "functional_state": ["state_objects", "table", "shell", "budget", "checkpoints", "errors"],
     "torch_bridge": ["torch_bridge"],
     "torch_bridge.adapters": ["adapters/dreamzero", "adapters/cosmos3"],
+    "functional_state.transfer": ["transfer"],
+    "functional_state.serving": ["serving"],
 }
 TOPIC_PAGES = [p for pages in API_PAGES.values() for p in pages] + [
     "adapters/wan",
