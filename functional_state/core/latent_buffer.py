@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 import immutables
-import jax
 
 from .._repr import short
 from ..errors import InvalidArgumentError
@@ -32,31 +31,23 @@ def _check_maxlen(maxlen: Any, what: str) -> None:
         raise InvalidArgumentError(f"`{what}`: maxlen must be a positive int or None, got {maxlen!r}.")
 
 
-def _arrays(tree: Any) -> bool:
-    """Whether every leaf of ``tree`` is an array (an item is an array, or a tuple/list/dict of them: a KV pair)."""
-    return all(hasattr(x, "shape") and hasattr(x, "dtype") for x in jax.tree_util.tree_leaves(tree))
-
-
 class _BufferCodec(ObjectCodec):
     """The default codec, whose check holds a decoded buffer to what `LatentBuffer.create` and its verbs keep:
-    ``maxlen`` a positive int or None, ``items`` a tuple of arrays (or tuples, lists, dicts of arrays: a KV
-    pair), no more than ``maxlen`` of them (none unless resident), ``staged`` one such item or None."""
+    ``maxlen`` a positive int or None, ``items`` a tuple of no more than ``maxlen`` items (none unless
+    resident). An item may be any value a checkpoint holds (arrays, numbers, containers of them), as `commit`
+    takes any: the decoder has already bounded each leaf."""
 
     def check(self, obj: Any, where: str) -> None:
         super().check(obj, where)
         with refused_field(where, "maxlen", obj.maxlen):
             _check_maxlen(obj.maxlen, "LatentBuffer")
         items = obj.items
-        if not isinstance(items, tuple) or not _arrays(items):
-            raise field_error(where, "items", items, "a tuple of items whose leaves are arrays (numpy, torch, JAX)")
+        if not isinstance(items, tuple):
+            raise field_error(where, "items", items, "a tuple of items")
         if obj.status != RESIDENT and items:
             raise field_error(where, "items", items, f"() (the buffer is {obj.status})")
         if obj.maxlen is not None and len(items) > obj.maxlen:
             raise field_error(where, "items", items, f"at most maxlen={obj.maxlen} items")
-        if not _arrays(obj.staged):
-            raise field_error(
-                where, "staged", obj.staged, "an item whose leaves are arrays (numpy, torch, JAX), or None"
-            )
 
 
 @register_checkpoint_type(codec=_BufferCodec())

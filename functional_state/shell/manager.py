@@ -309,29 +309,26 @@ class SessionStateManager:
         target, session, plan, dropped = session_load(
             self._slot.table, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
         )
-        try:
-            return self._run(plan, target, dropped=dropped, then=partial(self._new_handle, target))
-        except BaseException as e:  # not installed (the id was taken meanwhile, or it exceeds the budget)
-            _ckpt.release_sessions([session], e)
-            raise
+        return self._installing([session], plan, target, dropped=dropped, then=partial(self._new_handle, target))
 
     def load(self, path: Any, *, placement: Any = None, torch_device: Any = None, **hooks: Any) -> None:
         """Replace the whole table by the one a `save` wrote (its sessions, recency, counters, config). Handles
         on the sessions it replaces keep their own copies, as after a drop."""
         table, plan, dropped = table_load(path, placement=placement, torch_device=torch_device, **hooks)
-        try:
-            self._run(plan, dropped=dropped)
-        except BaseException as e:
-            _ckpt.release_sessions(ms.sessions(table).values(), e)
-            raise
+        self._installing(ms.sessions(table).values(), plan, dropped=dropped)
 
     def install_session(self, session_id: str, session: Any) -> SessionHandle:
         """Install a `SessionState` read elsewhere (`transfer.read_blob`) under the free id ``session_id``."""
         plan = partial(_ckpt.install_session, sid=session_id, session=session)
+        then = partial(self._new_handle, session_id)
+        return self._installing([session], lambda s: (plan(s), None), session_id, then=then)
+
+    def _installing(self, sessions: Any, plan: Any, *args: Any, **kw: Any) -> Any:
+        """`_run` ``plan``, which installs ``sessions``; if it is not, their engine KV blocks go back."""
         try:
-            return self._run(lambda s: (plan(s), None), session_id, then=partial(self._new_handle, session_id))
-        except BaseException as e:  # not installed (the id is taken, or over budget): its KV blocks go back
-            _ckpt.release_sessions([session], e)
+            return self._run(plan, *args, **kw)
+        except BaseException as e:
+            _ckpt.release_sessions(sessions, e)
             raise
 
     def drop_session(self, session_id: str | None) -> bool:
