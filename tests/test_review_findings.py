@@ -9,9 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import functional_state as fs
-from functional_state import ManagerState
+from functional_state import ManagerState, SharedStorageWrittenError
 from functional_state.persist import manifest as manifest_module
 from functional_state.transfer import export_session, import_session
 from functional_state.transfer.blob import TRANSFER, SessionBlob
@@ -67,3 +68,110 @@ def test_a_resealed_transfer_blob_is_refused_with_a_transfer_error_never_a_raw_o
     with pytest.raises(fs.TransferError):
         import_session(state, SessionBlob.from_parts(json.dumps(m).encode(), blob.buffers))
     assert len(state) == 0
+
+
+# --- issue 34: a fork stays a snapshot under torch in-place writes ----------------------------------------------
+
+
+def _forked(value: torch.Tensor | None = None, **table: int | bool) -> ManagerState:
+    s, _ = fs.get_or_create(ManagerState.create(**table), "p")  # type: ignore[arg-type]
+    s = fs.put(s, "p", "kv", fs.PytreeValue.create({"k": torch.zeros(4) if value is None else value}))
+    return fs.fork_session(s, "p", "c")
+
+
+def test_a_shell_handles_get_refuses_an_object_a_sharer_wrote_in_place():
+    # Found: `SessionHandle.view` checked, `SessionHandle.get` (the object, "an immutable snapshot") did not,
+    # so `fork.get("kv").view()` served the parent's in-place write silently.
+    m = fs.SessionStateManager()
+    parent = m.get_or_create_session("p")
+    parent.put("kv", fs.PytreeValue.create({"k": torch.zeros(4)}))
+    fork = m.fork_session("p", "c")
+    parent.view("kv")["k"][0] = 1.0  # in place, outside `writable`
+    with pytest.raises(SharedStorageWrittenError, match="SessionHandle.get"):
+        fork.get("kv")
+    with pytest.raises(SharedStorageWrittenError, match="SessionHandle.view"):
+        fork.view("kv")
+
+
+def _drop_writer(s: ManagerState) -> ManagerState:
+    return fs.drop_session(s, "p")[0]
+
+
+def _replace_writers_object(s: ManagerState) -> ManagerState:
+    return fs.put(s, "p", "kv", fs.PytreeValue.create({"k": torch.zeros(4)}))
+
+
+def _remove_writers_object(s: ManagerState) -> ManagerState:
+    return fs.update_session(s, "p", lambda session: session.remove("kv"))
+
+
+def _evict_writer_by_admission(s: ManagerState) -> ManagerState:
+    s, _ = fs.get_or_create(s, "c")  # (the fork most recent: admission evicts the writer)
+    return fs.get_or_create(s, "x")[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a shared storage written in place is accepted as the survivor's own write once the writer's "
+    "holder is released (drop, put over it, remove, LRU eviction): no release path checks, and `check_object` "
+    "cannot tell who wrote. Needs a check (or a taint carried to the remaining holders) on every release path.",
+)
+@pytest.mark.parametrize(
+    "release", [_drop_writer, _replace_writers_object, _remove_writers_object, _evict_writer_by_admission]
+)
+def test_a_fork_refuses_a_write_in_place_after_the_writer_released_its_holder(release):
+    s = _forked(max_sessions=2, evict_when_full=True)
+    fs.view(s, "p", "kv")["k"][0] = 1.0  # in place, outside `writable`
+    s = release(s)
+    with pytest.raises(SharedStorageWrittenError):
+        got = fs.view(s, "c", "kv")["k"].tolist()
+        assert got == [0.0] * 4, f"the fork serves the writer's write silently: {got}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: an inference-mode tensor keeps no version counter (`_version` raises, recorded as -1), yet it "
+    "can be written in place inside `torch.inference_mode()` (torch_writes.py's comment says it cannot): every "
+    "such write to a shared storage is silent. Serving code commonly runs under inference_mode.",
+)
+def test_a_write_in_place_under_inference_mode_to_a_forked_tensor_is_refused():
+    with torch.inference_mode():
+        s = _forked(torch.zeros(4))
+        fs.view(s, "p", "kv")["k"][0] = 1.0
+    with pytest.raises(SharedStorageWrittenError):
+        got = fs.view(s, "c", "kv")["k"].tolist()
+        assert got == [0.0] * 4, f"the fork serves the writer's write silently: {got}"
+
+
+def _through_data(k: torch.Tensor) -> None:
+    k.data[0] = 1.0  # `.data` is a tensor with a version counter of its own
+
+
+def _data_assigned(k: torch.Tensor) -> None:
+    k.data = torch.ones(4)  # the tensor object both sessions hold now views other memory; no version bump
+
+
+def _second_tensor_over_the_storage(k: torch.Tensor) -> None:
+    torch.empty(0).set_(k.untyped_storage())[0] = 1.0  # another tensor object: its own counter
+
+
+def _numpy_round_trip(k: torch.Tensor) -> None:
+    torch.from_numpy(k.numpy())[0] = 1.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the check reads the version counter of the tensor the table took in; a torch write through "
+    "`.data`, `.data = ...`, or another tensor object over the same storage (`set_(untyped_storage())`, "
+    "`from_numpy(t.numpy())`) bumps no counter it reads, so the fork changes silently. Inherent to version "
+    "counters; would need a storage-level mark (or a digest) to detect.",
+)
+@pytest.mark.parametrize("write", [_through_data, _data_assigned, _second_tensor_over_the_storage, _numpy_round_trip])
+def test_a_torch_write_that_bypasses_the_recorded_version_counter_is_refused(write):
+    s = _forked()
+    k = fs.view(s, "p", "kv")["k"]
+    write(k)
+    with pytest.raises(SharedStorageWrittenError):
+        s = fs.commit(s, "p", "kv", {"k": k})
+        got = fs.view(s, "c", "kv")["k"].tolist()
+        assert got == [0.0] * 4, f"the fork serves the writer's write silently: {got}"
