@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import functional_state as fs
-from functional_state import ManagerState, SharedStorageWrittenError
+from functional_state import CheckpointError, ManagerState, SharedStorageWrittenError
 from functional_state.persist import manifest as manifest_module
-from functional_state.transfer import export_session, import_session
+from functional_state.transfer import checkpoint_info, export_session, import_session
 from functional_state.transfer.blob import TRANSFER, SessionBlob
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,3 +259,17 @@ def test_a_compressed_leaf_cannot_allocate_far_more_than_its_stored_bytes(tmp_pa
     growth = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("GROWTH_KIB")]
     assert "LOADED" not in out.stdout, f"a ~100 KB checkpoint loaded a 256 MiB leaf (peak +{growth[0] // 1024} MiB)"
     assert growth and growth[0] < 64 * 1024, f"a refused load grew the peak by {growth[0] // 1024} MiB"
+
+
+def test_checkpoint_info_of_a_resealed_float_attr_that_is_no_float_raises_a_checkpoint_error(tmp_path):
+    # Found: `functional_state.transfer.checkpoint_info` (what a replica's router reads) raised a raw ValueError
+    # from `float("abc")`; the validator checks an "f" node's value is a str, not that it parses.
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    fs.save_session(fs.set_attr(s, "a", "step", 16.5), "a", tmp_path / "ck")
+    meta = tmp_path / "ck" / "0" / "manifest" / "metadata"
+    m = json.loads(meta.read_text())
+    m["sessions"][0]["attrs"]["step"] = {"t": "f", "v": "abc"}
+    manifest_module.seal(m)
+    meta.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=str(tmp_path / "ck")):
+        checkpoint_info(tmp_path / "ck")
