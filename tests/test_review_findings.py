@@ -293,3 +293,20 @@ def test_writable_copies_a_bridge_alias_so_a_write_through_to_torch_never_reache
     s = fs.commit(s, "p", "kv", tree)
     assert fs.view(s, "p", "kv")["k"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert fs.view(s, "c", "kv")["k"].tolist() == [0.0] * 4, "the fork serves the parent's write"
+
+
+@pytest.mark.parametrize("reader", ["parent", "fork"])
+def test_forks_loaded_from_a_checkpoint_still_refuse_a_write_in_place_to_the_storage_they_share(tmp_path, reader):
+    # Found: a table saved with a fork loads its sessions sharing one torch storage (as saved), but the loaded
+    # objects had no version record and each tensor its own counter (`set_` over the storage), so the parent's
+    # in-place write reached the fork silently.
+    s = _forked()
+    fs.save(s, tmp_path / "ck")
+    t = fs.load(tmp_path / "ck")
+    fs.view(t, "p", "kv")["k"][0] = 1.0  # in place, outside `writable`
+    with pytest.raises(SharedStorageWrittenError):
+        if reader == "fork":
+            got = fs.view(t, "c", "kv")["k"].tolist()
+            assert got == [0.0] * 4, f"the loaded fork serves the parent's write silently: {got}"
+        else:
+            fs.commit(t, "p", "kv", {"k": fs.view(t, "p", "kv")["k"]})

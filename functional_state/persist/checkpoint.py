@@ -49,7 +49,7 @@ from ..errors import CheckpointError, SessionExistsError, SessionStateError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
-from ..table.torch_writes import check_sessions
+from ..table.torch_writes import check_sessions, record, recorded
 from .decode import Reader, check_templates, release_sessions
 from .directory import has_checkpoint
 from .encode import AttrHooks, Writer
@@ -223,7 +223,11 @@ def install_session(state: ManagerState, sid: str, session: SessionState, *, rep
     def install(_: SessionState) -> SessionState:
         return session
 
-    return update_session(state, sid, install)
+    out = update_session(state, sid, install)
+    for obj in session._objects.values():  # (loaded torch tensors may share storages: see `torch_writes`)
+        if not recorded(obj):
+            record(obj)
+    return out
 
 
 def save(
