@@ -310,3 +310,37 @@ def test_forks_loaded_from_a_checkpoint_still_refuse_a_write_in_place_to_the_sto
             assert got == [0.0] * 4, f"the loaded fork serves the parent's write silently: {got}"
         else:
             fs.commit(t, "p", "kv", {"k": fs.view(t, "p", "kv")["k"]})
+
+
+def _bogus_fork_policy(m: dict) -> None:
+    m["sessions"][0]["policies"] = {"h": "bogus"}
+
+
+def _empty_session_id(m: dict) -> None:
+    m["sessions"][1]["id"] = ""
+
+
+def _empty_object_name(m: dict) -> None:
+    m["sessions"][0]["objects"][""] = m["sessions"][0]["objects"].pop("d")
+
+
+def _empty_attr_name(m: dict) -> None:
+    m["sessions"][0]["attrs"][""] = m["sessions"][0]["attrs"].pop("h")
+
+
+@pytest.mark.parametrize("edit", [_bogus_fork_policy, _empty_session_id, _empty_object_name, _empty_attr_name])
+def test_a_resealed_table_checkpoint_of_names_or_policies_no_table_holds_raises_a_checkpoint_error(tmp_path, edit):
+    # Found: `load` re-raised every SessionStateError as it was, so the InvalidArgumentError / InvalidTypeError
+    # that rebuilding a crafted session raises (an unknown fork policy, an empty session, object or attr name)
+    # escaped raw; `load_session` already turned them into CheckpointError.
+    s, _ = fs.get_or_create(ManagerState.create(max_sessions=4), "a")
+    s = fs.put(s, "a", "d", fs.DenseValue.create(np.zeros(4)))
+    s = fs.set_attr(s, "a", "h", [1, 2], on_fork="copy_container")
+    fs.save(fs.get_or_create(s, "b")[0], tmp_path / "ck")
+    meta = tmp_path / "ck" / "0" / "manifest" / "metadata"
+    m = json.loads(meta.read_text())
+    edit(m)
+    manifest_module.seal(m)
+    meta.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=str(tmp_path / "ck")):
+        fs.load(tmp_path / "ck")
