@@ -344,3 +344,17 @@ def test_a_resealed_table_checkpoint_of_names_or_policies_no_table_holds_raises_
     meta.write_text(json.dumps(m))
     with pytest.raises(CheckpointError, match=str(tmp_path / "ck")):
         fs.load(tmp_path / "ck")
+
+
+@pytest.mark.parametrize(
+    "buf",
+    [np.array([object()] * 32, dtype=object), memoryview(np.zeros(64, np.uint8))[::2]],
+    ids=["object-array", "non-contiguous-memoryview"],
+)
+def test_a_blob_buffer_that_is_not_plain_bytes_is_refused_with_a_transfer_error(buf):
+    # Found: `_as_bytes` raised a raw TypeError (an object array) or BufferError (a strided memoryview).
+    blob = _blob()
+    state = ManagerState.create()
+    with pytest.raises(fs.TransferError):
+        import_session(state, SessionBlob.from_parts(blob.manifest_bytes(), (buf,)))
+    assert len(state) == 0

@@ -187,7 +187,12 @@ def _checked(blob: SessionBlob) -> tuple[str, dict[str, Any]]:
     for key, buf in zip(keys, blob.buffers):
         if not isinstance(buf, (np.ndarray, memoryview, bytes, bytearray)):
             raise TransferError(f"{where}: buffer {key!r} is a {type(buf).__name__}, not host bytes.")
-        n = _as_bytes(buf).nbytes
+        try:
+            n = _as_bytes(buf).nbytes
+        except (TypeError, ValueError, BufferError) as e:  # (an object array; a strided memoryview)
+            raise TransferError(
+                f"{where}: buffer {key!r} is not plain contiguous bytes ({type(e).__name__}: {e})."
+            ) from e
         leaf = leaves[key]
         shape = tuple(leaf["shape"]) if leaf["kind"] == "jax" and n == _nbytes(leaf) else (n,)
         stored[key] = StoredLeaf(shape, leaf["dtype"] if leaf["kind"] == "jax" else "uint8", n)
