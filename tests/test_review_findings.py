@@ -358,3 +358,59 @@ def test_a_blob_buffer_that_is_not_plain_bytes_is_refused_with_a_transfer_error(
     with pytest.raises(fs.TransferError):
         import_session(state, SessionBlob.from_parts(blob.manifest_bytes(), (buf,)))
     assert len(state) == 0
+
+
+class _Done:
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def result(self) -> object:
+        return self.value
+
+
+@pytest.mark.parametrize("nbytes", [2**40, 2**30])
+def test_a_database_entry_claiming_more_bytes_than_its_data_file_holds_is_refused_before_allocating(
+    tmp_path, monkeypatch, nbytes
+):
+    # Found: `check_stored` holds a leaf's declared bytes to the length its OCDBT entry claims, never to the data
+    # file: a hand-made tree node (simulated here as the hostile suite does, by editing what `ts.ocdbt.dump`
+    # lists) claiming 1 TiB made the load raise a raw MemoryError from `np.empty`; 1 GiB allocated it, then
+    # failed on the short read.
+    import tensorstore as ts
+
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    fs.save_session(fs.put(s, "a", "d", fs.DenseValue.create(torch.arange(1024.0))), "a", tmp_path / "ck")
+    meta = tmp_path / "ck" / "0" / "manifest" / "metadata"
+    m = json.loads(meta.read_text())
+    key = next(k for k, v in m["leaves"].items() if v["kind"] == "torch_storage")
+    m["leaves"][key]["nbytes"] = nbytes
+    manifest_module.seal(m)
+    meta.write_text(json.dumps(m))
+    real_dump = ts.ocdbt.dump
+
+    def crafted(kv, node=None, **kw):
+        out = real_dump(kv, node, **kw) if node is not None else real_dump(kv, **kw)
+        if node is None:
+            return out
+        value = out.result()
+        for entry in value.get("entries", []):
+            if entry["key"] == f"{key}/.zarray".encode():
+                z = json.loads(bytes(entry["inline_value"]))
+                z.update(shape=[nbytes], chunks=[nbytes])
+                entry["inline_value"] = json.dumps(z).encode()
+            elif entry["key"] == f"{key}/0".encode():
+                entry["indirect_value"] = entry["indirect_value"].rsplit(":", 1)[0] + f":{nbytes}"
+        return _Done(value)
+
+    monkeypatch.setattr(ts.ocdbt, "dump", crafted)
+    allocated: list[int] = []
+    real_empty = np.empty
+
+    def watched(shape, *args, **kw):
+        allocated.append(int(np.prod(shape)))
+        return real_empty(shape, *args, **kw)
+
+    monkeypatch.setattr(np, "empty", watched)
+    with pytest.raises(CheckpointError, match="holds"):
+        fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
+    assert max(allocated, default=0) < 2**20, f"allocated {max(allocated)} bytes for a 4 KiB storage"
