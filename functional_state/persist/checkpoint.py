@@ -45,11 +45,17 @@ from typing import Any
 from .._version import __version__
 from ..core.codec import register_checkpoint_type
 from ..core.session import SessionState
-from ..errors import CheckpointError, SessionExistsError, SessionStateError
+from ..errors import (
+    CheckpointError,
+    InvalidArgumentError,
+    InvalidTypeError,
+    SessionExistsError,
+    SessionStateError,
+)
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
-from ..table.torch_writes import check_sessions
+from ..table.torch_writes import check_sessions, record, recorded
 from .decode import Reader, check_templates, release_sessions
 from .directory import has_checkpoint
 from .encode import AttrHooks, Writer
@@ -223,7 +229,11 @@ def install_session(state: ManagerState, sid: str, session: SessionState, *, rep
     def install(_: SessionState) -> SessionState:
         return session
 
-    return update_session(state, sid, install)
+    out = update_session(state, sid, install)
+    for obj in session._objects.values():  # (loaded torch tensors may share storages: see `torch_writes`)
+        if not recorded(obj):
+            record(obj)
+    return out
 
 
 def save(
@@ -286,7 +296,9 @@ def load(
         release_sessions(ms.sessions(state).values(), e)
         if isinstance(e, CheckpointError):
             raise CheckpointError(f"{path}: {e}") from e  # (the reader knows the node, not the path)
-        if isinstance(e, (SessionStateError, KeyboardInterrupt)) or not isinstance(e, Exception):
+        # (a name or value a crafted manifest gives is refused as damage: InvalidTypeError, InvalidArgumentError)
+        data = isinstance(e, (InvalidTypeError, InvalidArgumentError))
+        if (isinstance(e, (SessionStateError, KeyboardInterrupt)) and not data) or not isinstance(e, Exception):
             raise
         raise CheckpointError(f"{path}: a session cannot be rebuilt ({type(e).__name__}: {e}).") from e
     return ms.with_counters(state, table["counters"])

@@ -140,7 +140,10 @@ class Reader:
                 f"a tensor node's view (offset {offset}, shape {shape}, stride {stride}, {node['dtype']}) runs past "
                 f"its storage {node['storage']!r} of {storage.untyped_storage().nbytes()} bytes."
             )
-        out = torch.empty(0, dtype=dtype, device=device).set_(storage.untyped_storage(), offset, shape, stride)
+        # A view of the storage's one tensor, not `set_` on a fresh one: every tensor of a storage shares its
+        # version counter, as the views saved did, so an in-place write through one is seen by all (`torch_writes`).
+        whole = storage.untyped_storage().nbytes() // TORCH_ITEMSIZE[node["dtype"]] * TORCH_ITEMSIZE[node["dtype"]]
+        out = storage.reshape(-1)[:whole].view(dtype).as_strided(shape, stride, offset)
         if node.get("parameter"):  # (shares ``out``'s storage, as the saved parameter shared its own)
             return torch.nn.Parameter(out, requires_grad=bool(node.get("requires_grad")))
         return out.requires_grad_(True) if node.get("requires_grad") else out

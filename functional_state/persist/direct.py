@@ -135,6 +135,7 @@ def database(root: str) -> dict[bytes, Any]:
     if node is None:
         raise CheckpointError(f"{root}: the arrays database is not one this version reads (no single root node).")
     entries: dict[bytes, Any] = {}
+    sizes: dict[str, int] = {}  # data file -> its bytes: an entry's claim is held to what the file holds
     for entry in node["entries"]:
         key = entry["key"]
         if key in entries:
@@ -152,6 +153,17 @@ def database(root: str) -> dict[bytes, Any]:
         if kind != "value" or location[1] < 0 or location[2] < 0:
             raise CheckpointError(f"{root}: the arrays database entry {key!r} is not a value this reads.")
         relative_parts(location[0], f"{root}: the data file of {key!r}")  # inside root, or refused
+        if location[0] not in sizes:
+            fd = open_inside(Path(root), location[0], f"{root}: the data file of {key!r}")
+            try:
+                sizes[location[0]] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        if location[1] + location[2] > sizes[location[0]]:
+            raise CheckpointError(
+                f"{root}: the arrays database entry {key!r} claims bytes {location[1]}..{location[1] + location[2]} "
+                f"of {location[0]}, which holds {sizes[location[0]]}: the file is truncated or the entry crafted."
+            )
         entries[key] = location
     return entries
 

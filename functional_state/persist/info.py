@@ -56,18 +56,20 @@ def checkpoint_info(path: Any) -> CheckpointInfo:
       {'step': 16}
     """
     root = Path(os.fspath(path)).absolute()
-    steps = list_steps(root)
+    try:
+        steps = list_steps(root)
+    except OSError as e:
+        raise CheckpointError(f"{root} cannot be read ({type(e).__name__}: {e}).") from e
     manifest = steps.get(max(steps)) if steps else None
     if manifest is None:
         raise CheckpointError(f"{root} holds no readable checkpoint (no complete step with a manifest).")
     check_manifest(manifest, root)
     leaves = manifest["leaves"]
-    return CheckpointInfo(
-        str(root),
-        manifest["kind"],
-        manifest["library_version"],
-        {entry["id"]: _session(entry, leaves) for entry in manifest["sessions"]},
-    )
+    try:
+        sessions = {entry["id"]: _session(entry, leaves) for entry in manifest["sessions"]}
+    except ValueError as e:  # (a sealed manifest may still be crafted: an "f" node whose str is no float)
+        raise CheckpointError(f"{root}: the manifest holds a value this cannot read ({e}); it is damaged.") from e
+    return CheckpointInfo(str(root), manifest["kind"], manifest["library_version"], sessions)
 
 
 def _session(entry: dict[str, Any], leaves: dict[str, Any]) -> SessionInfo:

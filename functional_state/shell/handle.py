@@ -119,10 +119,15 @@ class SessionHandle:
 
         ``cls`` names the type expected (checked, and seen by type checkers: ``h.get("x", cls=LatentBuffer)``
         is a `LatentBuffer`)."""
+        return _typed(self._get(name, default, "SessionHandle.get"), cls, name)
+
+    def _get(self, name: str, default: Any, what: str) -> Any:
         obj = self.state.get(name, default)
         if isinstance(obj, StateObject) and obj.parked:
             obj = self._ops.restored(self._cell, [name], table_only=self._only).get(name, default)
-        return _typed(obj, cls, name)
+        if RECORDS and isinstance(obj, StateObject):  # (a snapshot: never one a sharer wrote in place, unseen)
+            check_object(self._slot.table, self._cell.session_id, name, obj, what)
+        return obj
 
     def park(self, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` in host memory; the next access through any handle restores it. Returns the
@@ -240,10 +245,7 @@ class SessionHandle:
         return ops.apply(self._cell, "discard", ms.discard, name, names=(name,), inline=True, table_only=only) or self
 
     def view(self, name: str, include_staged: bool = True) -> Any:
-        obj = self.get(name)
-        if RECORDS:  # (a torch tensor another holder shares, written in place: refused before it is read)
-            check_object(self._slot.table, self._cell.session_id, name, obj, "SessionHandle.view")
-        return obj.view(include_staged=include_staged)
+        return self._get(name, MISSING, "SessionHandle.view").view(include_staged=include_staged)
 
     def writable(self, name: str) -> Any:
         """Object ``name``'s view to write in place: its torch storages that a fork (or anything else) shares

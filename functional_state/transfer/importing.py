@@ -155,8 +155,15 @@ def _checked(blob: SessionBlob) -> tuple[str, dict[str, Any]]:
         check_manifest(manifest, where)  # (format, layout, its seal, then every field and node)
     except CheckpointError as e:
         raise TransferError(str(e)) from e
-    assert isinstance(info, dict)  # (the seal covers it: `check_manifest` refused a manifest without one)
-    keys, leaves = info.get("buffers"), manifest["leaves"]
+    # (a sealed manifest may still be crafted: a blob is one session, and its record a mapping of str keys)
+    keys = info.get("buffers") if isinstance(info, dict) else None
+    if manifest["kind"] != "session" or not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise TransferError(
+            f"{where}: it is not one session's blob (kind {manifest['kind']!r}, buffer keys not a list of names); "
+            f"the blob is damaged or crafted."
+        )
+    assert isinstance(info, dict)
+    leaves = manifest["leaves"]
     with_bytes = sorted(k for k, leaf in leaves.items() if _nbytes(leaf))
     if not (
         isinstance(sid, str)
@@ -180,7 +187,12 @@ def _checked(blob: SessionBlob) -> tuple[str, dict[str, Any]]:
     for key, buf in zip(keys, blob.buffers):
         if not isinstance(buf, (np.ndarray, memoryview, bytes, bytearray)):
             raise TransferError(f"{where}: buffer {key!r} is a {type(buf).__name__}, not host bytes.")
-        n = _as_bytes(buf).nbytes
+        try:
+            n = _as_bytes(buf).nbytes
+        except (TypeError, ValueError, BufferError) as e:  # (an object array; a strided memoryview)
+            raise TransferError(
+                f"{where}: buffer {key!r} is not plain contiguous bytes ({type(e).__name__}: {e})."
+            ) from e
         leaf = leaves[key]
         shape = tuple(leaf["shape"]) if leaf["kind"] == "jax" and n == _nbytes(leaf) else (n,)
         stored[key] = StoredLeaf(shape, leaf["dtype"] if leaf["kind"] == "jax" else "uint8", n)
