@@ -113,22 +113,29 @@ def _evict_writer_by_admission(s: ManagerState) -> ManagerState:
     return fs.get_or_create(s, "x")[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a shared storage written in place is accepted as the survivor's own write once the writer's "
-    "holder is released (drop, put over it, remove, LRU eviction): no release path checks, and `check_object` "
-    "cannot tell who wrote. Needs a check (or a taint carried to the remaining holders) on every release path.",
-)
 @pytest.mark.parametrize(
     "release", [_drop_writer, _replace_writers_object, _remove_writers_object, _evict_writer_by_admission]
 )
 def test_a_fork_refuses_a_write_in_place_after_the_writer_released_its_holder(release):
+    # Found: once the writer's holder left the table, the survivor accepted the write as its own.
     s = _forked(max_sessions=2, evict_when_full=True)
     fs.view(s, "p", "kv")["k"][0] = 1.0  # in place, outside `writable`
     s = release(s)
     with pytest.raises(SharedStorageWrittenError):
         got = fs.view(s, "c", "kv")["k"].tolist()
         assert got == [0.0] * 4, f"the fork serves the writer's write silently: {got}"
+
+
+def test_a_write_in_place_to_a_storage_nobody_shared_when_written_stays_the_owners_own():
+    # The release check remembers only storages written while shared: a fork dropped before the write, or an
+    # object put over after a private write, leaves the owner's writes accepted.
+    s = fs.drop_session(_forked(), "c")[0]
+    k = fs.view(s, "p", "kv")["k"]
+    k[0] = 1.0
+    s = fs.put(s, "p", "kv", fs.PytreeValue.create({"k": k}))
+    k[1] = 2.0
+    s = fs.put(s, "p", "other", fs.PytreeValue.create({"k": torch.zeros(2)}))
+    assert fs.view(s, "p", "kv")["k"].tolist() == [1.0, 2.0, 0.0, 0.0]
 
 
 @pytest.mark.xfail(

@@ -42,6 +42,8 @@ from .checks import find_object, locate
 from .ledger import held_by, value_extents
 from .lru import replace_session
 from .state import SESSION, ManagerState, ledger_of
+from .torch_versions import RECORDS, WRITTEN_SHARED, Versions, torch_leaves
+from .torch_versions import version as _version
 
 __all__ = [
     "RECORDS",
@@ -55,10 +57,6 @@ __all__ = [
     "writable",
 ]
 
-Versions = tuple[tuple[Any, int], ...]  # (tensor, its version when the table took it in), per tensor leaf
-
-# id(object) -> (a weak reference to it, its versions): only objects holding torch tensors have an entry.
-RECORDS: dict[int, tuple[weakref.ref[Any], Versions]] = {}
 # id(object) -> a weak reference to it, for the objects a fork found holding no torch tensor: read once each.
 _NONE: dict[int, weakref.ref[Any]] = {}
 _NO_TORCH_PAYLOADS = (type(None), np.ndarray, jax.Array)
@@ -73,21 +71,6 @@ def _forget(ref: weakref.ref[Any], key: int, records: dict[int, Any] = RECORDS, 
         del none[key]
 
 
-def _torch_leaves(tree: Any) -> list[Any]:
-    torch = sys.modules.get("torch")
-    if torch is None:  # (torch never imported: no value can hold a tensor)
-        return []
-    tensor = torch.Tensor
-    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, tensor)]
-
-
-def _version(tensor: Any) -> int:
-    try:
-        return int(tensor._version)
-    except RuntimeError:  # an inference-mode tensor keeps no counter (it cannot be written in place either)
-        return -1
-
-
 def recorded(obj: StateObject) -> Versions:
     """The versions recorded for ``obj``'s torch tensors (empty: none recorded)."""
     entry = RECORDS.get(id(obj))
@@ -97,7 +80,7 @@ def recorded(obj: StateObject) -> Versions:
 def record(obj: StateObject) -> None:
     """Record the version of every torch tensor ``obj`` holds now (replacing an earlier record of it)."""
     key = id(obj)
-    versions = tuple((t, _version(t)) for t in _torch_leaves(obj)) if obj.resident else ()
+    versions = tuple((t, _version(t)) for t in torch_leaves(obj)) if obj.resident else ()
     if versions:
         RECORDS[key] = (weakref.ref(obj, partial(_forget, key=key)), versions)
     elif (entry := RECORDS.get(key)) is not None and entry[0]() is obj:
@@ -109,7 +92,7 @@ def record_commit(old: StateObject, new: StateObject, payload: Any) -> None:
     one that holds none (a fresh tensor an object makes itself is recorded by the next fork that shares it)."""
     if new is not old and (
         (RECORDS and id(old) in RECORDS)
-        or (payload is not MISSING and not isinstance(payload, _NO_TORCH_PAYLOADS) and _torch_leaves(payload))
+        or (payload is not MISSING and not isinstance(payload, _NO_TORCH_PAYLOADS) and torch_leaves(payload))
     ):
         record(new)
 
@@ -137,14 +120,19 @@ def check_object(state: ManagerState, sid: str, name: str, obj: StateObject, wha
     for tensor, version in written:
         extents = value_extents(tensor)
         if extents and held_elsewhere(acct, extents, own):
-            raise SharedStorageWrittenError(
-                f"`{what}`: object {name!r} of session {sid!r} holds a torch tensor in {_storage_name(tensor)}, "
-                f"which another holder (a fork of the session, an attr or another object) shares, and it was "
-                f"written in place (version {version} -> {_version(tensor)}) outside `writable`: the sessions "
-                f"sharing it no longer hold what they were given. Take what you write in place from "
-                f"`writable(state, {sid!r}, {name!r})` (`SessionHandle.writable`), which copies shared storages "
-                f"first; to keep this write, `put` a fresh object in each session that should see it."
-            )
+            sharer = "which another holder (a fork of the session, an attr or another object) shares"
+        elif WRITTEN_SHARED.get(tensor.untyped_storage(), version) > version:
+            sharer = "which another holder shared when it was written (that holder has left the table since)"
+        else:
+            continue
+        raise SharedStorageWrittenError(
+            f"`{what}`: object {name!r} of session {sid!r} holds a torch tensor in {_storage_name(tensor)}, "
+            f"{sharer}, and it was "
+            f"written in place (version {version} -> {_version(tensor)}) outside `writable`: the sessions "
+            f"sharing it no longer hold what they were given. Take what you write in place from "
+            f"`writable(state, {sid!r}, {name!r})` (`SessionHandle.writable`), which copies shared storages "
+            f"first; to keep this write, `put` a fresh object in each session that should see it."
+        )
     record(obj)
 
 
