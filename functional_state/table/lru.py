@@ -37,6 +37,7 @@ from .state import (
     Node,
     make_state,
 )
+from .torch_versions import RECORDS, release
 
 __all__ = [
     "compacted",
@@ -150,6 +151,8 @@ def insert(
                 config.max_sessions,
                 sid,
             )
+        if RECORDS:
+            release(state, victim[SESSION], None)
         nodes = nodes.delete(victim_id)
         if evicted is not None:
             evicted.append((victim_id, victim[UID], victim[SESSION]))
@@ -190,6 +193,8 @@ def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, lis
 
 def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
+    if RECORDS:
+        release(state, node[SESSION], None)
     clock, log, start, end, pending, pending_tick, hits, cold, _ = state._meta
     nodes = state._nodes.delete(sid)
     if sid == pending:
@@ -206,6 +211,8 @@ def replace_session(state: ManagerState, sid: str, node: Node, session: SessionS
     """``state`` with the session of ``sid`` (its node ``node``) replaced; recency and counters unchanged.
 
     A pending node (the session a hit just made most recent) takes its tick in this same write."""
+    if RECORDS:
+        release(state, node[SESSION], session)
     acct = state._acct
     if acct is not None:
         acct = acct.swap_session(node[SESSION], session)
@@ -229,5 +236,7 @@ def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> im
     mm = state._nodes.mutate()
     for sid, session in new.items():
         n = mm[sid]
+        if RECORDS:
+            release(state, n[SESSION], session)
         mm[sid] = (session, n[USED], n[UID])
     return mm.finish()

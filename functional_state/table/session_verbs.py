@@ -182,7 +182,9 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
     Objects are immutable, so both sessions share every buffer (O(1) in what the session holds) and a
     later commit to either builds a new state that the other never sees. Attrs follow their fork policy
     (`SessionState.forked`): a list the model assigns into should be declared ``"copy_container"``, or one
-    fork's writes would show in the other.
+    fork's writes would show in the other. The one copy it makes: a torch inference-mode tensor keeps no
+    version counter, so an in-place write to it could not be caught (see `torch_writes`); the fork holds its
+    own copy of each such storage, counted as its own bytes.
 
     A fork is a use of the source: the source becomes most recently used first, then the fork is
     inserted as the most recent, so inserting into a full table drops the least recently used *other*
@@ -205,9 +207,12 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
             f"`fork_session`: the table holds at most 1 session, so a fork of {sid!r} could only replace it. "
             f"Raise the cap (`raise_max_sessions`) to keep both."
         )
-    record_fork(state, sid, node[SESSION])  # (torch tensors: a fork makes them shared; see `torch_writes`)
+    copies = record_fork(state, sid, node[SESSION])  # (torch tensors: a fork makes them shared; see `torch_writes`)
+    fork = node[SESSION].forked()
+    for name, copy in (copies or {}).items():  # (inference-mode tensors: the fork holds copies)
+        fork = fork._with_object(name, copy)
     touched = touch(state, sid, node, 0)
-    return insert(touched, nid, node[SESSION].forked(), "fork_session", 0)
+    return insert(touched, nid, fork, "fork_session", 0)
 
 
 def raise_max_sessions(state: ManagerState, n: int) -> ManagerState:

@@ -14,7 +14,10 @@ cache it was given. Two halves keep a fork a snapshot:
   (`put`, `commit`, `stage`, `fork_session`, `writable`) and compared before the object is served, written,
   stepped, parked, forked or saved. A newer version in a storage that another holder shares raises
   `SharedStorageWrittenError`, naming the session, the object and the storage, before anything is read. A
-  write to a storage nothing else holds is the owner's own: accepted, and recorded anew.
+  write to a storage nothing else holds is the owner's own: accepted, and recorded anew, unless another holder
+  shared it when it was written and has left the table since (`torch_versions.release`).
+* An inference-mode tensor keeps no counter yet can be written in place inside `torch.inference_mode()`:
+  `fork_session` gives the fork its own copy of each such storage instead of sharing it.
 
 The records sit beside the objects (a map by object identity, each entry dropped with its object), never
 inside them: objects are immutable values, and a JAX-only object never gets one. A check of an object
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -42,6 +45,8 @@ from .checks import find_object, locate
 from .ledger import held_by, value_extents
 from .lru import replace_session
 from .state import SESSION, ManagerState, ledger_of
+from .torch_versions import RECORDS, WRITTEN_SHARED, Versions, torch_leaves
+from .torch_versions import version as _version
 
 __all__ = [
     "RECORDS",
@@ -55,10 +60,6 @@ __all__ = [
     "writable",
 ]
 
-Versions = tuple[tuple[Any, int], ...]  # (tensor, its version when the table took it in), per tensor leaf
-
-# id(object) -> (a weak reference to it, its versions): only objects holding torch tensors have an entry.
-RECORDS: dict[int, tuple[weakref.ref[Any], Versions]] = {}
 # id(object) -> a weak reference to it, for the objects a fork found holding no torch tensor: read once each.
 _NONE: dict[int, weakref.ref[Any]] = {}
 _NO_TORCH_PAYLOADS = (type(None), np.ndarray, jax.Array)
@@ -73,21 +74,6 @@ def _forget(ref: weakref.ref[Any], key: int, records: dict[int, Any] = RECORDS, 
         del none[key]
 
 
-def _torch_leaves(tree: Any) -> list[Any]:
-    torch = sys.modules.get("torch")
-    if torch is None:  # (torch never imported: no value can hold a tensor)
-        return []
-    tensor = torch.Tensor
-    return [leaf for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, tensor)]
-
-
-def _version(tensor: Any) -> int:
-    try:
-        return int(tensor._version)
-    except RuntimeError:  # an inference-mode tensor keeps no counter (it cannot be written in place either)
-        return -1
-
-
 def recorded(obj: StateObject) -> Versions:
     """The versions recorded for ``obj``'s torch tensors (empty: none recorded)."""
     entry = RECORDS.get(id(obj))
@@ -97,7 +83,7 @@ def recorded(obj: StateObject) -> Versions:
 def record(obj: StateObject) -> None:
     """Record the version of every torch tensor ``obj`` holds now (replacing an earlier record of it)."""
     key = id(obj)
-    versions = tuple((t, _version(t)) for t in _torch_leaves(obj)) if obj.resident else ()
+    versions = tuple((t, _version(t)) for t in torch_leaves(obj)) if obj.resident else ()
     if versions:
         RECORDS[key] = (weakref.ref(obj, partial(_forget, key=key)), versions)
     elif (entry := RECORDS.get(key)) is not None and entry[0]() is obj:
@@ -109,7 +95,7 @@ def record_commit(old: StateObject, new: StateObject, payload: Any) -> None:
     one that holds none (a fresh tensor an object makes itself is recorded by the next fork that shares it)."""
     if new is not old and (
         (RECORDS and id(old) in RECORDS)
-        or (payload is not MISSING and not isinstance(payload, _NO_TORCH_PAYLOADS) and _torch_leaves(payload))
+        or (payload is not MISSING and not isinstance(payload, _NO_TORCH_PAYLOADS) and torch_leaves(payload))
     ):
         record(new)
 
@@ -137,14 +123,19 @@ def check_object(state: ManagerState, sid: str, name: str, obj: StateObject, wha
     for tensor, version in written:
         extents = value_extents(tensor)
         if extents and held_elsewhere(acct, extents, own):
-            raise SharedStorageWrittenError(
-                f"`{what}`: object {name!r} of session {sid!r} holds a torch tensor in {_storage_name(tensor)}, "
-                f"which another holder (a fork of the session, an attr or another object) shares, and it was "
-                f"written in place (version {version} -> {_version(tensor)}) outside `writable`: the sessions "
-                f"sharing it no longer hold what they were given. Take what you write in place from "
-                f"`writable(state, {sid!r}, {name!r})` (`SessionHandle.writable`), which copies shared storages "
-                f"first; to keep this write, `put` a fresh object in each session that should see it."
-            )
+            sharer = "which another holder (a fork of the session, an attr or another object) shares"
+        elif WRITTEN_SHARED.get(tensor.untyped_storage(), version) > version:
+            sharer = "which another holder shared when it was written (that holder has left the table since)"
+        else:
+            continue
+        raise SharedStorageWrittenError(
+            f"`{what}`: object {name!r} of session {sid!r} holds a torch tensor in {_storage_name(tensor)}, "
+            f"{sharer}, and it was "
+            f"written in place (version {version} -> {_version(tensor)}) outside `writable`: the sessions "
+            f"sharing it no longer hold what they were given. Take what you write in place from "
+            f"`writable(state, {sid!r}, {name!r})` (`SessionHandle.writable`), which copies shared storages "
+            f"first; to keep this write, `put` a fresh object in each session that should see it."
+        )
     record(obj)
 
 
@@ -155,12 +146,18 @@ def check_session(state: ManagerState, sid: str, session: SessionState, what: st
             check_object(state, sid, name, obj, what)
 
 
-def record_fork(state: ManagerState, sid: str, session: SessionState) -> None:
+def record_fork(state: ManagerState, sid: str, session: SessionState) -> dict[str, StateObject] | None:
     """Before ``session`` (``sid``) is forked: check its objects, and record each object not read before
     (a tensor an object made itself, never taken in as a payload), since the fork makes them shared. An
-    object is read once: its tensors never change (objects are immutable), only their versions."""
+    object is read once: its tensors never change (objects are immutable), only their versions.
+
+    Returns the fork's own copies of the objects holding an inference-mode tensor, by name (None: no such
+    object). Such a tensor keeps no version counter, so a write to it inside `torch.inference_mode()` could
+    not be caught: the fork stays a snapshot by holding copies of those storages instead (counted by the
+    ledger as the fork's own bytes)."""
     if sys.modules.get("torch") is None:
-        return
+        return None
+    copies = None
     for name, obj in session._objects.items():
         key = id(obj)
         if recorded(obj):
@@ -169,31 +166,46 @@ def record_fork(state: ManagerState, sid: str, session: SessionState) -> None:
             record(obj)
             if key not in RECORDS:
                 _NONE[key] = weakref.ref(obj, partial(_forget, key=key))
+        if any(v < 0 for _, v in recorded(obj)):
+            copy = _copied(obj, lambda leaf: leaf.is_inference())
+            record(copy)
+            copies = {**(copies or {}), name: copy}
+    return copies
 
 
-def _private(state: ManagerState, obj: StateObject) -> StateObject:
-    """``obj`` with each torch storage that anything else in ``state`` holds replaced by a copy (each storage
-    copied once, every view of it rebuilt over that copy), or ``obj`` itself when nothing is shared."""
+def _copied(obj: StateObject, copy_storage_of: Callable[[Any], bool]) -> StateObject:
+    """``obj`` with the storage of each torch tensor leaf ``copy_storage_of`` picks replaced by a copy (each
+    storage copied once, every view of it rebuilt over that copy), or ``obj`` itself when it picks none."""
     torch = sys.modules.get("torch")
     if torch is None:
         return obj
     leaves, treedef = jax.tree_util.tree_flatten(obj)
-    acct, own = ledger_of(state), held_by(obj)
-    copies: dict[tuple[str, int], Any] = {}  # (device, address) -> the storage's copy, or None: nobody shares it
+    copies: dict[tuple[str, int], Any] = {}  # (device, address) -> the storage's copy, or None: not copied
     out = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             storage = leaf.untyped_storage()
             key = (str(leaf.device), storage.data_ptr())
             if key not in copies:
-                extents = value_extents(leaf)
-                copies[key] = storage.clone() if extents and held_elsewhere(acct, extents, own) else None
+                copies[key] = storage.clone() if copy_storage_of(leaf) else None
             if (copy := copies[key]) is not None:
                 leaf = rebuild(leaf_recipe(leaf, 0, None), copy, leaf.device)
         out.append(leaf)
     if not any(c is not None for c in copies.values()):
         return obj
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _private(state: ManagerState, obj: StateObject) -> StateObject:
+    """``obj`` with each torch storage that anything else in ``state`` holds replaced by a copy (see
+    `_copied`), or ``obj`` itself when nothing is shared."""
+    acct, own = ledger_of(state), held_by(obj)
+
+    def shared(leaf: Any) -> bool:
+        extents = value_extents(leaf)
+        return bool(extents and held_elsewhere(acct, extents, own))
+
+    return _copied(obj, shared)
 
 
 def writable(state: ManagerState, session_id: str | None, name: str) -> tuple[ManagerState, Any]:
