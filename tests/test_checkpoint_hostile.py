@@ -811,3 +811,54 @@ def test_a_buffer_of_numbers_and_strings_saved_loads_back(tmp_path):
     items = fs.view(loaded, "a", "log", include_staged=False)
     assert items[0] == 1.5 and items[1][0] == "tag" and items[1][1].tolist() == [0.0, 1.0] and items[2] == "text"
     assert fs.view(loaded, "a", "log")[-1] == "next"
+
+
+def test_json_that_could_hold_more_values_than_the_bound_is_refused_before_it_is_parsed(monkeypatch):
+    from functional_state.persist import confined
+
+    text = b"[" + b",".join([b"{}"] * 100) + b"]"  # 101 openings, 99 commas, plus the outermost: 201
+    assert confined.json_values_at_most(text) == 201
+    assert confined.json_values_at_most(text.decode()) == 201
+    assert len(confined.load_json(text, "here", max_values=201)) == 100
+    monkeypatch.setattr(confined.json, "loads", lambda *a, **k: pytest.fail("parsed before its values were counted"))
+    with pytest.raises(CheckpointError, match="here: the JSON may hold 201 values, more than the 200"):
+        confined.load_json(text, "here", max_values=200)
+
+
+def test_a_transfer_blob_manifest_of_too_many_values_is_refused_as_a_transfer_error():
+    from functional_state import TransferError
+    from functional_state.persist.confined import MAX_JSON_VALUES
+    from functional_state.transfer.blob import SessionBlob
+
+    with pytest.raises(TransferError, match="values, more than the"):
+        SessionBlob.from_parts(b"[" + b"0," * MAX_JSON_VALUES + b"0]", [])
+
+
+def _compressed(shape: list[int], stored: int) -> tuple[dict, dict]:
+    from functional_state.persist.validate import StoredLeaf
+
+    leaves = {"leaf0": {"kind": "jax", "shape": shape, "dtype": "float32", "sharding": {}}}
+    return leaves, {"leaf0": StoredLeaf(tuple(shape), "<f4", None, stored)}
+
+
+@pytest.mark.parametrize(
+    "shape, stored",
+    [([1 << 20], 100), ([1 << 28], 1 << 24), ([24 << 20], 1 << 20)],
+    ids=["within-the-slack", "64x", "64x-plus-the-slack"],
+)
+def test_a_compressed_leaf_within_the_ratio_bound_is_accepted(shape, stored):
+    from functional_state.persist.validate import check_stored
+
+    check_stored(*_compressed(shape, stored), "here")
+
+
+@pytest.mark.parametrize(
+    "shape, stored",
+    [([1 << 26], 1000), ([1 << 29], 1 << 24), ([(24 << 20) + 1], 1 << 20)],
+    ids=["zeros", "128x", "one-past-the-bound"],
+)
+def test_a_compressed_leaf_declaring_far_more_than_its_stored_bytes_is_refused(shape, stored):
+    from functional_state.persist.validate import check_stored
+
+    with pytest.raises(CheckpointError, match=f"here: the compressed leaves declare {shape[0] * 4} bytes but"):
+        check_stored(*_compressed(shape, stored), "here")

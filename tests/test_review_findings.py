@@ -194,14 +194,10 @@ def test_a_torch_write_that_bypasses_the_recorded_version_counter_is_refused(wri
 # --- issue 35: memory of a refused hostile load ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a manifest is parsed whole (`confined.load_json`) before its seal or fields are checked, and "
-    "`MAX_JSON_BYTES` allows 256 MiB: JSON of empty containers costs ~45x its bytes as Python objects (a 28 MiB "
-    "manifest of `{}` peaked 1.3 GiB; 256 MiB would need ~12 GiB and kill the process). Needs a container/value "
-    "count bound before parsing, or a far smaller byte bound, and the same for `SessionBlob.from_parts`.",
-)
 def test_a_manifest_of_empty_containers_stays_within_64_mib_of_the_baseline(tmp_path):
+    # Found: a manifest was parsed whole (`confined.load_json`) before its seal or fields were checked, up to
+    # 256 MiB of it: JSON of empty containers costs ~45x its bytes as Python objects (a 28 MiB manifest of `{}`
+    # peaked at +1.3 GiB). Now its values are counted in the raw text and bounded before it is parsed.
     code = textwrap.dedent(
         f"""
         import json, resource, numpy as np, functional_state as fs
@@ -228,14 +224,10 @@ def test_a_manifest_of_empty_containers_stays_within_64_mib_of_the_baseline(tmp_
     assert growth and growth[0] < 64 * 1024, f"a 9 MB manifest grew the peak by {growth[0] // 1024} MiB"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: `check_stored` skips the size check for a compressed zarr leaf (`StoredLeaf.nbytes` None), "
-    "which saves never write (only earlier versions' checkpoints hold one): a 108 KB checkpoint whose JAX leaf "
-    "is one zstd chunk of zeros loads a 256 MiB array (2**26 floats; 2**31 would be 8 GiB). Needs a bound on a "
-    "compressed leaf's declared size against its stored bytes, or refusing compression in a hostile load.",
-)
 def test_a_compressed_leaf_cannot_allocate_far_more_than_its_stored_bytes(tmp_path):
+    # Found: `check_stored` skipped the size check for a compressed zarr leaf (only checkpoints of versions
+    # before 0.2.0 hold one): a ~100 KB checkpoint whose JAX leaf is one zstd chunk of zeros loaded a 256 MiB
+    # array (2**31 floats would be 8 GiB). Compressed leaves are now held to a ratio of their stored bytes.
     code = textwrap.dedent(
         f"""
         import json, resource, numpy as np, jax.numpy as jnp, tensorstore as ts, functional_state as fs

@@ -19,7 +19,15 @@ from ..errors import CheckpointError
 
 MAX_DEPTH = 200  # JSON nesting a manifest may have (`check_depth`): a session's deepest pytree, with room to spare
 
-MAX_JSON_BYTES = 256 << 20  # a manifest (or an OCDBT value) larger than this is refused unread
+# What a manifest may hold, bounded so that refusing a crafted one costs little memory: it is read whole, then
+# parsed whole before its seal is checked, and parsing builds up to ~120 bytes of Python objects for each JSON
+# value (``{}`` is 3 bytes of text; a unique key with its pair ~10). So its values are counted in the raw text
+# and bounded before it is parsed: measured, 2**18 values of the costliest kinds grew the peak by 29 MiB, and
+# with 8 MiB of text (read, then parsed as strings) a refused manifest stays under 64 MiB. A save writes ~55
+# values and ~400 bytes a leaf, so these admit about 4,700 leaves.
+MAX_JSON_VALUES = 1 << 18
+
+MAX_JSON_BYTES = 8 << 20  # a manifest larger than this is refused unread
 
 MAX_FILES = 100_000  # entries a step directory may hold (orbax writes a few dozen)
 
@@ -156,10 +164,28 @@ def check_depth(value: Any, where: str, limit: int = MAX_DEPTH) -> None:
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
 
 
-def load_json(data: bytes, where: str) -> Any:
+def json_values_at_most(data: bytes | str) -> int:
+    """An upper bound on the values and keys JSON text ``data`` parses into, counted without parsing it: each
+    follows a ``[``, ``{``, ``,`` or ``:`` except the outermost (one in a string counts too, so it only errs high).
+    """
+    if isinstance(data, str):
+        return 1 + sum(data.count(mark) for mark in "[{,:")
+    return 1 + sum(data.count(mark) for mark in (b"[", b"{", b",", b":"))
+
+
+def load_json(data: bytes, where: str, max_values: int = MAX_JSON_VALUES) -> Any:
     """``data`` parsed as JSON; `CheckpointError` for text that is not, that nests past the parser's recursion
-    limit, or that repeats a key in one object (the seal covers the parsed value, so a repeated key must not
-    pick one). What a load builds from the value is bounded further by `check_depth`."""
+    limit, that repeats a key in one object (the seal covers the parsed value, so a repeated key must not
+    pick one), or that could hold more than ``max_values`` values (refused before it is parsed, so a crafted
+    text of empty containers costs no memory). What a load builds from the value is bounded further by
+    `check_depth`."""
+    values = json_values_at_most(data)
+    if values > max_values:
+        raise CheckpointError(
+            f"{where}: the JSON may hold {values} values, more than the {max_values} a manifest is allowed "
+            f"(a save writes about 55 a leaf); it is refused unparsed as damaged or crafted. A genuine manifest "
+            f"this large needs fewer leaves: save the sessions in several checkpoints."
+        )
     try:
         return json.loads(data, object_pairs_hook=_refuse_duplicates)
     except (ValueError, RecursionError) as e:

@@ -170,7 +170,7 @@ def database(root: str) -> dict[bytes, Any]:
 
 def stored_leaves(entries: dict[bytes, Any], where: str) -> dict[str, StoredLeaf]:
     """What the database ``entries`` hold for each array (by name): its zarr shape and dtype, and the bytes its
-    chunks take where they are stored uncompressed."""
+    chunks take (as `StoredLeaf.nbytes` where stored uncompressed, else as its ``compressed_nbytes``)."""
     chunk_bytes: dict[str, int] = {}
     for key, value in entries.items():
         name, _, last = key.decode(errors="replace").rpartition("/")
@@ -189,7 +189,8 @@ def stored_leaves(entries: dict[bytes, Any], where: str) -> dict[str, StoredLeaf
         ):
             raise CheckpointError(f"{where}: the array {name!r} has no zarr shape this reads.")
         raw = meta.get("compressor") is None and not meta.get("filters")
-        out[name] = StoredLeaf(tuple(shape), str(meta.get("dtype")), chunk_bytes.get(name, 0) if raw else None)
+        held = chunk_bytes.get(name, 0)
+        out[name] = StoredLeaf(tuple(shape), str(meta.get("dtype")), held if raw else None, 0 if raw else held)
     return out
 
 

@@ -29,6 +29,13 @@ CHECKSUMS = ("xxh3_128", "sha256")
 
 COUNTERS = 5  # hits, misses, evictions, parks, restores
 
+# Compressed leaves, which saves have not written since 0.2.0 (only earlier checkpoints hold them), may declare
+# in all at most this many bytes beyond `MAX_COMPRESSION_RATIO` times the bytes their chunks take: a few KB of
+# zstd can otherwise claim gigabytes of zeros, allocated and decompressed before any checksum is compared.
+COMPRESSED_SLACK = 32 << 20
+
+MAX_COMPRESSION_RATIO = 64  # model data (latents, KV, weights) shrinks 1-4x under zstd
+
 # The torch dtypes a tensor node may name, with their item sizes (a name is looked up on the torch module, so
 # only these, never an arbitrary attribute).
 TORCH_ITEMSIZE = {
@@ -44,6 +51,7 @@ class StoredLeaf(NamedTuple):
     shape: tuple[int, ...]  # the stored array's shape
     dtype: str  # its dtype, as numpy spells it
     nbytes: int | None  # the bytes stored, where uncompressed (None: compressed, so unknown until read)
+    compressed_nbytes: int = 0  # where compressed, the bytes its chunks take in the data
 
 
 def _bad(where: str, what: str, expected: str) -> CheckpointError:
@@ -316,8 +324,11 @@ def check_stored(leaves: Mapping[str, Any], stored: Mapping[str, StoredLeaf], wh
     before a buffer is allocated for it. Leaves of no bytes are the manifest's alone and not looked up.
 
     Raises:
-      CheckpointError: a leaf missing from the data, or one that disagrees with it (naming ``where`` and it).
+      CheckpointError: a leaf missing from the data, or one that disagrees with it (naming ``where`` and it);
+        compressed leaves declaring more than `MAX_COMPRESSION_RATIO` times their stored bytes (plus
+        `COMPRESSED_SLACK`).
     """
+    inflated = compressed = 0
     for key, info in leaves.items():
         declared = _nbytes(info)
         if not declared:
@@ -339,3 +350,13 @@ def check_stored(leaves: Mapping[str, Any], stored: Mapping[str, StoredLeaf], wh
                 f"{got.nbytes if got.nbytes is not None else 'compressed'} bytes of shape {list(got.shape)} "
                 f"({got.dtype}); the checkpoint is damaged or crafted."
             )
+        if got.nbytes is None:
+            inflated, compressed = inflated + declared, compressed + got.compressed_nbytes
+    if inflated > COMPRESSED_SLACK + MAX_COMPRESSION_RATIO * compressed:
+        raise CheckpointError(
+            f"{where}: the compressed leaves declare {inflated} bytes but their chunks take {compressed}, more than "
+            f"{MAX_COMPRESSION_RATIO}x (plus {COMPRESSED_SLACK >> 20} MiB) that data holds when it is genuine; it is "
+            f"refused before anything is decompressed, as crafted. Saves since 0.2.0 write arrays uncompressed: a "
+            f"genuine older checkpoint of mostly zeros loads once re-saved uncompressed (orbax "
+            f"`PyTreeCheckpointHandler(use_compression=False)`)."
+        )
