@@ -862,3 +862,19 @@ def test_a_compressed_leaf_declaring_far_more_than_its_stored_bytes_is_refused(s
 
     with pytest.raises(CheckpointError, match=f"here: the compressed leaves declare {shape[0] * 4} bytes but"):
         check_stored(*_compressed(shape, stored), "here")
+
+
+def test_a_save_a_load_would_refuse_as_too_large_is_refused_before_anything_is_written(tmp_path):
+    # The load bounds a manifest before parsing it (`confined.MAX_JSON_VALUES`); a save past that bound wrote a
+    # checkpoint no load accepts, so the sessions it was taken for were lost. It is refused at the save instead.
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "many", fs.DenseValue.create(tuple(np.full(2, i, np.float32) for i in range(20_000))))
+    before = snapshot(s)
+    with pytest.raises(CheckpointError, match="more than a load accepts.*nothing was written"):
+        fs.save_session(s, "a", tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    assert_unchanged(s, before)
+    s = fs.put(s, "a", "many", fs.DenseValue.create(tuple(np.full(2, i, np.float32) for i in range(3000))))
+    fs.save_session(s, "a", tmp_path / "ok")  # within the bound: saves and loads back
+    loaded = fs.load_session(ManagerState.create(), "a", tmp_path / "ok")
+    assert fs.view(loaded, "a", "many")[2999].tolist() == [2999.0, 2999.0]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, StaleEpochError
+from .confined import MAX_JSON_BYTES, MAX_JSON_VALUES, json_values_at_most
 from .directory import (
     discard_step,
     drop_steps_before,
@@ -165,12 +167,28 @@ def _sealed_in_background(manifest: dict[str, Any], writer: Writer) -> Future[di
         pool.shutdown(wait=False)
 
 
+def _check_loadable(manifest: dict[str, Any], root: Path) -> None:
+    """Refuse, before anything is written, a manifest larger than a load accepts (`confined.load_json`'s
+    bounds): a checkpoint that saves but cannot be loaded back would lose the sessions it was taken for."""
+    text = json.dumps(manifest, separators=(",", ":"))
+    later = len(manifest["leaves"])  # each leaf gains its checksum after this, and the manifest its seal
+    values, nbytes = json_values_at_most(text) + 2 * later + 4, len(text) + 64 * later + 256
+    if values > MAX_JSON_VALUES or nbytes > MAX_JSON_BYTES:
+        raise CheckpointError(
+            f"{root}: this checkpoint's manifest would hold {values} values in {nbytes} bytes, more than a load "
+            f"accepts ({MAX_JSON_VALUES} values, {MAX_JSON_BYTES} bytes: a load refuses larger ones unparsed, "
+            f"as crafted); nothing was written. Save fewer leaves per checkpoint: `save_session` each session, "
+            f"or group a session's many small arrays into fewer larger ones."
+        )
+
+
 def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: bool) -> SaveHandle:
     ocp = import_orbax()
     root = Path(os.fspath(path)).absolute()
     if asynchronous and not _wait_at_exit():
         asynchronous = False  # a save asked for while the interpreter exits finishes before it returns
     manifest["leaves"] = writer.leaves
+    _check_loadable(manifest, root)
     sealed: Future[dict[str, Any]] | None = None
     if asynchronous:
         # Before it returns: the copies of buffers the model may change are made in the checksums' pass.
