@@ -1,7 +1,8 @@
 """JAX shardings and copies between memory kinds, the same on every JAX this package supports (0.7.1 to 0.12).
 
-JAX 0.12 deprecates the class `jax.sharding.SingleDeviceSharding` for `make_single_device_sharding` and
-`is_single_device_sharding` (absent before 0.12); the two functions here use whichever the installed JAX has.
+JAX 0.12 deprecates the class `jax.sharding.SingleDeviceSharding` for `make_single_device_sharding` (absent
+from JAX 0.7) and `is_single_device_sharding` (absent before 0.12); the two functions here use whichever the
+installed JAX has.
 On JAX 0.12's CPU client, an array a jitted call returned in the ``pinned_host`` memory kind carries the host
 memory space in its layout, and `jax.device_put` of it fails (``UNIMPLEMENTED: Unsupported layout used for
 PjRt CPU buffers``): `copy_to` moves such an array with a jitted copy instead.
@@ -35,7 +36,10 @@ def single_device_sharding(device: jax.Device, memory_kind: str | None = None) -
       >>> single_device_sharding(jax.devices("cpu")[0]).device_set == {jax.devices("cpu")[0]}
       True
     """
-    return jax.sharding.make_single_device_sharding(device, memory_kind=memory_kind)
+    make = getattr(jax.sharding, "make_single_device_sharding", None)
+    if make is None:  # (a JAX before the function, which has only the class)
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    return make(device, memory_kind=memory_kind)
 
 
 def copy_to(arrays: Sequence[jax.Array], targets: Sequence[jax.sharding.Sharding]) -> list[jax.Array]:
