@@ -172,3 +172,31 @@ def grow_in_place(t: Any, how: str, nbytes: int) -> None:
         t.untyped_storage().resize_(nbytes)
     else:
         t.set_(torch.zeros(nbytes // t.element_size(), dtype=t.dtype))
+
+
+class _Done:
+    """A finished future holding ``value`` (what `tensorstore.ocdbt.dump` returns)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
+
+
+def craft_ocdbt(monkeypatch: Any, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Make every OCDBT tree node a load reads pass through ``edit(entry)`` for each of its entries, as a
+    crafted arrays database would hold them (tensorstore refuses to write such nodes itself)."""
+    import tensorstore as ts
+
+    real_dump = ts.ocdbt.dump
+
+    def crafted(kv: Any, node: Any = None, **kw: Any) -> Any:
+        if node is None:
+            return real_dump(kv, **kw)
+        value = real_dump(kv, node, **kw).result()
+        for entry in value.get("entries", []):
+            edit(entry)
+        return _Done(value)
+
+    monkeypatch.setattr(ts.ocdbt, "dump", crafted)

@@ -21,14 +21,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tensorstore as ts
 import torch
 
 import functional_state as fs
 from functional_state import CheckpointError, ManagerState
 from functional_state.persist import manifest as manifest_module
 from functional_state.persist.confined import MAX_DEPTH
-from helpers import assert_unchanged, snapshot
+from helpers import assert_unchanged, craft_ocdbt, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,30 +132,15 @@ def test_a_data_file_id_that_leaves_the_directory_is_refused_before_it_is_opened
     arrays = os.path.normpath(_step(ck) / "arrays")
     escape = os.path.relpath(secret, arrays)
     assert escape.startswith("..")
-    real_dump = ts.ocdbt.dump
 
-    def crafted(kv, node=None, **kw):
-        out = real_dump(kv, node, **kw) if node is not None else real_dump(kv, **kw)
-        if node is None:
-            return out
-        value = out.result()
-        for entry in value.get("entries", []):
-            if entry["key"] == f"{key}/0".encode():
-                entry.pop("inline_value", None)
-                entry["indirect_value"] = f"value::{escape}:0:{payload.nbytes}"
-        return _Done(value)
+    def outside(entry):
+        if entry["key"] == f"{key}/0".encode():
+            entry.pop("inline_value", None)
+            entry["indirect_value"] = f"value::{escape}:0:{payload.nbytes}"
 
-    monkeypatch.setattr(ts.ocdbt, "dump", crafted)
+    craft_ocdbt(monkeypatch, outside)
     _resealed(ck, lambda m: m["leaves"][key].update(xxh3_128=manifest_module.checksum(payload.view(np.uint8))))
     _refused(ck, "leaves the checkpoint directory")
-
-
-class _Done:
-    def __init__(self, value) -> None:
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "../x", "a/../../x", "./a", "a//b", ""])

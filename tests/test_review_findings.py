@@ -19,6 +19,7 @@ from functional_state import CheckpointError, ManagerState, SharedStorageWritten
 from functional_state.persist import manifest as manifest_module
 from functional_state.transfer import checkpoint_info, export_session, import_session
 from functional_state.transfer.blob import TRANSFER, SessionBlob
+from helpers import craft_ocdbt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -363,14 +364,6 @@ def test_a_blob_buffer_that_is_not_plain_bytes_is_refused_with_a_transfer_error(
     assert len(state) == 0
 
 
-class _Done:
-    def __init__(self, value: object) -> None:
-        self.value = value
-
-    def result(self) -> object:
-        return self.value
-
-
 @pytest.mark.parametrize("nbytes", [2**40, 2**30])
 def test_a_database_entry_claiming_more_bytes_than_its_data_file_holds_is_refused_before_allocating(
     tmp_path, monkeypatch, nbytes
@@ -379,7 +372,6 @@ def test_a_database_entry_claiming_more_bytes_than_its_data_file_holds_is_refuse
     # file: a hand-made tree node (simulated here as the hostile suite does, by editing what `ts.ocdbt.dump`
     # lists) claiming 1 TiB made the load raise a raw MemoryError from `np.empty`; 1 GiB allocated it, then
     # failed on the short read.
-    import tensorstore as ts
 
     s, _ = fs.get_or_create(ManagerState.create(), "a")
     fs.save_session(fs.put(s, "a", "d", fs.DenseValue.create(torch.arange(1024.0))), "a", tmp_path / "ck")
@@ -389,23 +381,16 @@ def test_a_database_entry_claiming_more_bytes_than_its_data_file_holds_is_refuse
     m["leaves"][key]["nbytes"] = nbytes
     manifest_module.seal(m)
     meta.write_text(json.dumps(m))
-    real_dump = ts.ocdbt.dump
 
-    def crafted(kv, node=None, **kw):
-        out = real_dump(kv, node, **kw) if node is not None else real_dump(kv, **kw)
-        if node is None:
-            return out
-        value = out.result()
-        for entry in value.get("entries", []):
-            if entry["key"] == f"{key}/.zarray".encode():
-                z = json.loads(bytes(entry["inline_value"]))
-                z.update(shape=[nbytes], chunks=[nbytes])
-                entry["inline_value"] = json.dumps(z).encode()
-            elif entry["key"] == f"{key}/0".encode():
-                entry["indirect_value"] = entry["indirect_value"].rsplit(":", 1)[0] + f":{nbytes}"
-        return _Done(value)
+    def claim(entry):
+        if entry["key"] == f"{key}/.zarray".encode():
+            z = json.loads(bytes(entry["inline_value"]))
+            z.update(shape=[nbytes], chunks=[nbytes])
+            entry["inline_value"] = json.dumps(z).encode()
+        elif entry["key"] == f"{key}/0".encode():
+            entry["indirect_value"] = entry["indirect_value"].rsplit(":", 1)[0] + f":{nbytes}"
 
-    monkeypatch.setattr(ts.ocdbt, "dump", crafted)
+    craft_ocdbt(monkeypatch, claim)
     allocated: list[int] = []
     real_empty = np.empty
 
