@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -200,3 +203,30 @@ def craft_ocdbt(monkeypatch: Any, edit: Callable[[dict[str, Any]], None]) -> Non
         return _Done(value)
 
     monkeypatch.setattr(ts.ocdbt, "dump", crafted)
+
+
+_REFUSED_GROWTH = """
+import resource
+import functional_state as _fs
+
+
+def refused_growth(path):
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        _fs.load_session(_fs.ManagerState.create(), "a", path)
+        print("LOADED")
+    except _fs.CheckpointError:
+        pass
+    print("GROWTH_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+"""
+
+
+def refused_load_growth(code: str, cwd: Any) -> tuple[list[int], bool]:
+    """Run ``code`` in a fresh interpreter (peak RSS is per process), where ``refused_growth(path)`` loads
+    session ``"a"`` of the checkpoint at ``path``; return the peak growth in KiB of each such load, and whether
+    any of them loaded instead of being refused."""
+    source = _REFUSED_GROWTH + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", source], cwd=cwd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    growth = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("GROWTH_KIB")]
+    return growth, "LOADED" in out.stdout

@@ -27,7 +27,7 @@ import functional_state as fs
 from functional_state import CheckpointError, ManagerState
 from functional_state.persist import manifest as manifest_module
 from functional_state.persist.confined import MAX_DEPTH
-from helpers import assert_unchanged, craft_ocdbt, snapshot
+from helpers import assert_unchanged, craft_ocdbt, refused_load_growth, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -284,7 +284,7 @@ def test_a_refused_hostile_load_stays_within_64_mib_of_its_baseline(tmp_path):
     # checkpoint declaring 2 GiB for its 8 KiB storage, and 1 TiB.
     code = textwrap.dedent(
         f"""
-        import json, resource, shutil, torch, functional_state as fs
+        import json, shutil, torch, functional_state as fs
         from functional_state.persist import manifest as mf
         s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
         s = fs.put(s, "a", "v", fs.DenseValue.create(torch.arange(2048.0)))
@@ -298,21 +298,11 @@ def test_a_refused_hostile_load_stays_within_64_mib_of_its_baseline(tmp_path):
             next(iter(m["leaves"].values()))["nbytes"] = n
             mf.seal(m)
             json.dump(m, open(meta, "w"))
-            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            try:
-                fs.load_session(fs.ManagerState.create(), "a", bad)
-                print("LOADED")
-            except fs.CheckpointError:
-                pass
-            print("GROWTH_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+            refused_growth(bad)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "LOADED" not in out.stdout
-    growth = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("GROWTH_KIB")]
+    growth, loaded = refused_load_growth(code, ROOT)
+    assert not loaded
     assert len(growth) == 2 and max(growth) < 64 * 1024, growth
 
 

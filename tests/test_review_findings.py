@@ -5,8 +5,6 @@ defect left open, with the reason it is not fixed here."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from functional_state import CheckpointError, ManagerState, SharedStorageWritten
 from functional_state.persist import manifest as manifest_module
 from functional_state.transfer import checkpoint_info, export_session, import_session
 from functional_state.transfer.blob import TRANSFER, SessionBlob
-from helpers import craft_ocdbt
+from helpers import craft_ocdbt, refused_load_growth
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,7 +199,7 @@ def test_a_manifest_of_empty_containers_stays_within_64_mib_of_the_baseline(tmp_
     # peaked at +1.3 GiB). Now its values are counted in the raw text and bounded before it is parsed.
     code = textwrap.dedent(
         f"""
-        import json, resource, numpy as np, functional_state as fs
+        import json, numpy as np, functional_state as fs
         s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
         fs.save_session(fs.put(s, "a", "d", fs.DenseValue.create(np.zeros(4))), "a", {str(tmp_path / "ck")!r})
         fs.load_session(fs.ManagerState.create(), "a", {str(tmp_path / "ck")!r})  # (the baseline: a real load)
@@ -209,19 +207,11 @@ def test_a_manifest_of_empty_containers_stays_within_64_mib_of_the_baseline(tmp_
         text = open(meta).read()
         open(meta, "w").write(text[:-1] + ', "junk": [' + ",".join(["{{}}"] * 3_000_000) + "]}}")
         del text
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        try:
-            fs.load_session(fs.ManagerState.create(), "a", {str(tmp_path / "ck")!r})
-            print("LOADED")
-        except fs.CheckpointError:
-            pass
-        print("GROWTH_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+        refused_growth({str(tmp_path / "ck")!r})
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "LOADED" not in out.stdout
-    growth = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("GROWTH_KIB")]
+    growth, loaded = refused_load_growth(code, ROOT)
+    assert not loaded
     assert growth and growth[0] < 64 * 1024, f"a 9 MB manifest grew the peak by {growth[0] // 1024} MiB"
 
 
@@ -231,7 +221,7 @@ def test_a_compressed_leaf_cannot_allocate_far_more_than_its_stored_bytes(tmp_pa
     # array (2**31 floats would be 8 GiB). Compressed leaves are now held to a ratio of their stored bytes.
     code = textwrap.dedent(
         f"""
-        import json, resource, numpy as np, jax.numpy as jnp, tensorstore as ts, functional_state as fs
+        import json, numpy as np, jax.numpy as jnp, tensorstore as ts, functional_state as fs
         from functional_state.persist import manifest as mf
         n, ck = 2**26, {str(tmp_path / "ck")!r}
         s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
@@ -249,19 +239,11 @@ def test_a_compressed_leaf_cannot_allocate_far_more_than_its_stored_bytes(tmp_pa
         mf.seal(m)
         json.dump(m, open(ck + "/0/manifest/metadata", "w"))
         del a
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        try:
-            fs.load_session(fs.ManagerState.create(), "a", ck)
-            print("LOADED")
-        except fs.CheckpointError:
-            pass
-        print("GROWTH_KIB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+        refused_growth(ck)
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    growth = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("GROWTH_KIB")]
-    assert "LOADED" not in out.stdout, f"a ~100 KB checkpoint loaded a 256 MiB leaf (peak +{growth[0] // 1024} MiB)"
+    growth, loaded = refused_load_growth(code, ROOT)
+    assert not loaded, f"a ~100 KB checkpoint loaded a 256 MiB leaf (peak +{growth[0] // 1024} MiB)"
     assert growth and growth[0] < 64 * 1024, f"a refused load grew the peak by {growth[0] // 1024} MiB"
 
 
