@@ -2,7 +2,7 @@
 
 Needs the ``[transformers]`` extra. Each session's K/V is one `DenseValue` (``name``, default ``"kv"``) of the
 very tensors the model's cache holds, stamped with the model's layout: begin, step (one token or many), fork
-(beams, branches), park and restore, checkpoints, and a batched step of several `StaticCache` sessions, with
+(beams, branches), park and restore, checkpoints, the move to another process (`SessionBlob`), and a batched step of several `StaticCache` sessions, with
 no glue. A `DynamicCache` grows by ``torch.cat`` (new tensors each step, so forks share nothing written); a
 `StaticCache` is written in place, through `SessionHandle.writable`, so a fork stays a snapshot.
 
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from functional_state import DenseValue, InvalidArgumentError, SessionExistsError, SessionStateManager
+from functional_state.transfer import SessionBlob, export_session, read_blob
 
 from .transformers_layout import (
     BatchRows,
@@ -212,6 +213,58 @@ class SessionCaches:
             self.manager.drop_session(h.session_id)
             raise
 
+    def export_session(self, session_id: str) -> SessionBlob:
+        """Session ``session_id`` (its cache, parked or not, and its layout stamp) as a `SessionBlob` to move to
+        another process (`functional_state.transfer.export_session`); the session stays here, unchanged.
+
+        A DynamicCache session's buffers are views of its tensors (a step makes new ones and never writes
+        these again); a StaticCache session's are copied, since its next step writes its cache in place.
+
+        Raises:
+          SessionStateLostError: no such session. ModelMismatchError: another model's session.
+
+        Example:
+          >>> import torch, transformers
+          >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+          ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+          >>> model = transformers.LlamaForCausalLM(config).eval()
+          >>> here, there = SessionCaches(model), SessionCaches(model)
+          >>> _ = here.begin("a", torch.tensor([[1, 2, 3]]))
+          >>> blob = here.export_session("a")  # send blob.manifest_bytes() and blob.buffers
+          >>> there.import_session(blob), there.length("a"), blob.nbytes
+          ('a', 3, 768)
+        """
+        what = f"`SessionCaches.export_session({session_id!r})`"
+        self._check_stamp(self.manager.get_session(session_id).get_attr(STAMP, None), what)
+        blob = export_session(self.manager.state, session_id)
+        if self.layout.kind == "static":
+            return SessionBlob(blob.manifest, tuple(b.copy() for b in blob.buffers))
+        return blob
+
+    def import_session(self, blob: SessionBlob, *, as_id: str | None = None) -> str:
+        """Install the session ``blob`` carries (`export_session`, maybe of another process) under its own id
+        or ``as_id``, once the blob passed every check of `functional_state.transfer.import_session` and its
+        cache is this model's; returns the session's id here. A parked session arrives parked.
+
+        Raises:
+          TransferError: a truncated, damaged or tampered-with blob. SessionExistsError: the id is taken.
+          ModelMismatchError: another model's (or cache kind's) session. CacheLayoutError: its tensors are not
+          this layout's. Nothing changes on any of these.
+        """
+        what = "`SessionCaches.import_session`"
+        sid, session = read_blob(blob, free_in=self.manager.state if as_id is None else None)
+        self._check_stamp(session.get_attr(STAMP, None), what)
+        obj = session.get(self.name, None)
+        if not isinstance(obj, DenseValue):
+            raise CacheLayoutError(
+                f"{what}: the session holds no cache named {self.name!r}; it is not a SessionCaches session."
+            )
+        if not obj.parked:  # (a parked cache's tensors are checked when a step restores them)
+            self.layout.check(obj.view(), what)
+        target = sid if as_id is None else as_id
+        self.manager.install_session(target, session)
+        return target
+
     def end(self, session_id: str) -> bool:
         """Drop the session; True if it was there."""
         return self.manager.drop_session(session_id)
@@ -224,15 +277,17 @@ class SessionCaches:
     def _resident(self, session_id: str, what: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
         """The session's handle and tensors, checked to be this model's, restored if parked."""
         h = self.manager.get_session(session_id)
-        stamp = h.get_attr(STAMP, None)
-        if stamp != self.layout.stamp:
-            raise ModelMismatchError(
-                f"{what}: the session's cache was made for {stamp or 'no model (it has no stamp)'}; this one is "
-                f"{self.layout.stamp}. Step it with the SessionCaches of its own model."
-            )
+        self._check_stamp(h.get_attr(STAMP, None), what)
         flat = h.view(self.name)  # a parked cache is restored by the read
         self.layout.check(flat, what)
         return h, flat
+
+    def _check_stamp(self, stamp: Any, what: str) -> None:
+        if stamp != self.layout.stamp:
+            raise ModelMismatchError(
+                f"{what}: the session's cache was made for {stamp or 'no model (it has no stamp)'}; this one is "
+                f"{self.layout.stamp}. Use the SessionCaches of its own model."
+            )
 
     def _check_tokens(self, input_ids: Any, rows: int, lengths: list[int], what: str) -> None:
         ok = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()
