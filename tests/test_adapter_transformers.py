@@ -403,7 +403,9 @@ def test_a_session_of_another_model_is_refused_unchanged(kind):
     [
         (torch.tensor([1]), "shape \\[1, n >= 1\\]"),
         (torch.tensor([[1], [2]]), "got torch.int64 \\[2, 1\\]"),
-        (torch.zeros(1, 1), "integer tokens"),
+        (torch.zeros(1, 1), "int64 or int32 tokens"),
+        (torch.ones(1, 1, dtype=torch.int16), "got torch.int16"),  # (reached the embedding, which refused it)
+        (torch.ones(1, 1, dtype=torch.bool), "got torch.bool"),
         (torch.zeros(1, 0, dtype=torch.long), "n >= 1"),
         ([[1]], "got list"),
     ],
@@ -431,6 +433,30 @@ def test_a_static_overflow_and_a_batch_of_unequal_lengths_are_refused_unchanged(
     assert_same(caches, "a", before)
     with pytest.raises(fs.InvalidArgumentError, match="cache='static'"):
         sessions("dynamic").step_many(["a"], torch.ones(1, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_session_s_layout_is_checked_once_and_tensors_put_behind_the_adapter_s_back_are_checked_again(
+    kind, monkeypatch
+):
+    caches = sessions(kind)
+    calls = []
+    check = caches.layout.check
+    monkeypatch.setattr(
+        type(caches.layout), "check", lambda self, flat, what, batch=1: calls.append(what) or check(flat, what, batch)
+    )
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    for t in (1, 2, 3):
+        caches.step("a", torch.tensor([[t]]))
+    assert len(calls) == 2  # begin's, then the first step's (the session's tensors were begin's, unseen)
+    caches.park("a")
+    caches.step("a", torch.tensor([[4]]))  # restored: other tensors, checked again
+    assert len(calls) == 3
+    flat = caches.manager.get_session("a").view("kv")
+    bad = (flat[0][:, :, :1], flat[1]) if kind == "static" else tuple(t[:, :1] for t in flat)  # one head, not 2
+    caches.manager.get_session("a").commit("kv", bad)  # written past the adapter: refused at the next step
+    with pytest.raises(CacheLayoutError):
+        caches.step("a", torch.tensor([[5]]))
 
 
 def test_beginning_twice_and_stepping_a_session_never_begun_are_refused():

@@ -35,6 +35,7 @@ from .transformers_layout import (
     BatchRows,
     CacheLayout,
     CacheLayoutError,
+    CheckedTensors,
     ModelMismatchError,
     TokenShapeError,
 )
@@ -43,6 +44,7 @@ from .transformers_layout import cache_kwarg as find_cache_kwarg
 __all__ = ["CacheLayoutError", "ModelMismatchError", "SessionCaches", "TokenShapeError"]
 
 STAMP = "transformers/cache"  # the session attr naming the layout its cache was made for
+_TOKEN_DTYPES = frozenset({torch.int32, torch.int64})  # what an embedding takes as indices
 
 
 class SessionCaches:
@@ -79,9 +81,11 @@ class SessionCaches:
         self.model = model
         self.manager = manager if manager is not None else SessionStateManager()
         self.layout = CacheLayout.of(model, cache, max_cache_len)
+        self._stamp = self.layout.stamp  # (formatted once: compared at every step)
         self.name = name
         self.cache_kwarg = cache_kwarg or find_cache_kwarg(model)
         self._batch: BatchRows | None = None
+        self._checked = CheckedTensors()  # (dict writes are atomic: threads stepping other sessions share it)
         self._batch_lock = threading.Lock()
 
     def release_batch(self) -> int:
@@ -114,7 +118,7 @@ class SessionCaches:
         if self.name in h.state:
             raise SessionExistsError(f"{what}: the session already holds {self.name!r}; `end` it first to start over.")
         try:
-            h.transact(lambda s: s.put(self.name, DenseValue.create(flat)).set_attr(STAMP, self.layout.stamp))
+            h.transact(lambda s: s.put(self.name, DenseValue.create(flat)).set_attr(STAMP, self._stamp))
         except BaseException:
             if not existed:
                 self.manager.drop_session(session_id)
@@ -141,7 +145,9 @@ class SessionCaches:
         cache = self.layout.cache_over(flat)
         with torch.no_grad():
             out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache})
-        h.commit(self.name, self.layout.after(cache, flat))
+        after = self.layout.after(cache, flat)
+        h.commit(self.name, after)
+        self._checked.record(session_id, after)  # (the model's own tensors for this layout)
         return out.logits
 
     def step_many(self, session_ids: Sequence[str], input_ids: torch.Tensor) -> Any:
@@ -267,6 +273,7 @@ class SessionCaches:
 
     def end(self, session_id: str) -> bool:
         """Drop the session; True if it was there."""
+        self._checked.forget(session_id)
         return self.manager.drop_session(session_id)
 
     def length(self, session_id: str) -> int:
@@ -279,33 +286,37 @@ class SessionCaches:
         h = self.manager.get_session(session_id)
         self._check_stamp(h.get_attr(STAMP, None), what)
         flat = h.view(self.name)  # a parked cache is restored by the read
-        self.layout.check(flat, what)
+        if not self._checked.known(session_id, flat):  # (checked once, not at every step)
+            self.layout.check(flat, what)
+            self._checked.record(session_id, flat)
         return h, flat
 
     def _check_stamp(self, stamp: Any, what: str) -> None:
-        if stamp != self.layout.stamp:
+        if stamp != self._stamp:
             raise ModelMismatchError(
                 f"{what}: the session's cache was made for {stamp or 'no model (it has no stamp)'}; this one is "
                 f"{self.layout.stamp}. Use the SessionCaches of its own model."
             )
 
     def _check_tokens(self, input_ids: Any, rows: int, lengths: list[int], what: str) -> None:
-        ok = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()
-        if not ok or input_ids.shape[0] != rows or input_ids.shape[1] < 1 or input_ids.dtype == torch.bool:
+        shape = input_ids.shape if isinstance(input_ids, torch.Tensor) else ()
+        if len(shape) != 2 or shape[0] != rows or shape[1] < 1 or input_ids.dtype not in _TOKEN_DTYPES:
             got = (
                 f"{input_ids.dtype} {list(input_ids.shape)}"
                 if isinstance(input_ids, torch.Tensor)
                 else type(input_ids).__name__
             )
-            raise TokenShapeError(f"{what}: input_ids must be integer tokens of shape [{rows}, n >= 1], got {got}.")
+            raise TokenShapeError(
+                f"{what}: input_ids must be int64 or int32 tokens of shape [{rows}, n >= 1], got {got}."
+            )
         if len(set(lengths)) > 1:
             raise TokenShapeError(
                 f"{what}: the sessions hold {lengths} tokens; a batched step needs one length (the cache has one "
                 f"position counter). Group sessions by `length`."
             )
         room = self.layout.max_len
-        if room is not None and lengths[0] + input_ids.shape[1] > room:
+        if room is not None and lengths[0] + shape[1] > room:
             raise TokenShapeError(
-                f"{what}: {input_ids.shape[1]} token(s) after {lengths[0]} overflow the StaticCache of {room}; "
+                f"{what}: {shape[1]} token(s) after {lengths[0]} overflow the StaticCache of {room}; "
                 f"make it longer (max_cache_len) or end the session."
             )
