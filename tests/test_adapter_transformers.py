@@ -15,6 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import functional_state as fs  # noqa: E402
+from functional_state.transfer import SessionBlob, export_session  # noqa: E402
 from torch_bridge.adapters.transformers import (  # noqa: E402
     CacheLayoutError,
     ModelMismatchError,
@@ -267,6 +268,68 @@ def test_a_checkpoint_resumed_in_a_fresh_process_continues_bit_for_bit(kind, tmp
     assert torch.equal(torch.load(tmp_path / "l.pt"), want)
 
 
+MOVED = """
+import sys, torch
+import numpy as np
+sys.path[:0] = {path!r}
+from test_adapter_transformers import MODEL, greedy, sessions
+from functional_state.transfer import SessionBlob
+buffers = [np.fromfile(f, np.uint8) for f in {buffers!r}]
+blob = SessionBlob.from_parts(open({manifest!r}, "rb").read(), buffers)
+caches = sessions({kind!r})
+assert caches.import_session(blob) == "a"
+assert caches.manager.get_session("a").state.get("kv").parked  # it travelled parked
+logits = [caches.step("a", torch.tensor([[{token}]]))]
+for _ in range(3):
+    logits.append(caches.step("a", greedy(logits[-1])))
+torch.save(logits, {out!r})
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_session_moved_to_a_fresh_process_continues_bit_for_bit_as_the_one_left_in_place(kind, tmp_path):
+    caches = sessions(kind)
+    caches.begin("a", torch.tensor([PROMPTS[2]]))
+    caches.step("a", torch.tensor([[7]]))
+    caches.park("a")  # a parked session moves as it is
+    blob = caches.export_session("a")
+    (tmp_path / "m.json").write_bytes(blob.manifest_bytes())
+    files = []
+    for i, buf in enumerate(blob.buffers):
+        files.append(str(tmp_path / f"b{i}.bin"))
+        buf.tofile(files[-1])
+    want = [caches.step("a", torch.tensor([[9]]))]  # continued in place, after the export
+    for _ in range(3):
+        want.append(caches.step("a", greedy(want[-1])))
+    script = MOVED.format(
+        path=[".", "tests"],
+        buffers=files,
+        manifest=str(tmp_path / "m.json"),
+        kind=kind,
+        token=9,
+        out=str(tmp_path / "l.pt"),
+    )
+    subprocess.run([sys.executable, "-c", textwrap.dedent(script)], check=True, timeout=300)
+    got = torch.load(tmp_path / "l.pt")
+    assert [int(greedy(g)) for g in got] == [int(greedy(w)) for w in want]
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_exported_session_is_a_snapshot_the_steps_after_the_export_do_not_reach(kind):
+    """A StaticCache is written in place by the next step: its blob must not be a view of it (the import
+    failed its checksum when it was)."""
+    here, there = sessions(kind), sessions(kind)
+    here.begin("a", torch.tensor([PROMPTS[3]]))
+    blob = here.export_session("a")
+    for t in (4, 5):
+        here.step("a", torch.tensor([[t]]))
+    assert there.import_session(blob, as_id="b") == "b" and there.length("b") == len(PROMPTS[3])
+    got = there.step("b", torch.tensor([[6]]))
+    assert torch.equal(got, fed(kind, PROMPTS[3], [6]))
+    assert here.length("a") == len(PROMPTS[3]) + 2
+
+
 # --- bad input: a specific error, nothing changed ----------------------------------------------------------
 
 
@@ -340,7 +403,9 @@ def test_a_session_of_another_model_is_refused_unchanged(kind):
     [
         (torch.tensor([1]), "shape \\[1, n >= 1\\]"),
         (torch.tensor([[1], [2]]), "got torch.int64 \\[2, 1\\]"),
-        (torch.zeros(1, 1), "integer tokens"),
+        (torch.zeros(1, 1), "int64 or int32 tokens"),
+        (torch.ones(1, 1, dtype=torch.int16), "got torch.int16"),  # (reached the embedding, which refused it)
+        (torch.ones(1, 1, dtype=torch.bool), "got torch.bool"),
         (torch.zeros(1, 0, dtype=torch.long), "n >= 1"),
         ([[1]], "got list"),
     ],
@@ -368,6 +433,30 @@ def test_a_static_overflow_and_a_batch_of_unequal_lengths_are_refused_unchanged(
     assert_same(caches, "a", before)
     with pytest.raises(fs.InvalidArgumentError, match="cache='static'"):
         sessions("dynamic").step_many(["a"], torch.ones(1, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_session_s_layout_is_checked_once_and_tensors_put_behind_the_adapter_s_back_are_checked_again(
+    kind, monkeypatch
+):
+    caches = sessions(kind)
+    calls = []
+    check = caches.layout.check
+    monkeypatch.setattr(
+        type(caches.layout), "check", lambda self, flat, what, batch=1: calls.append(what) or check(flat, what, batch)
+    )
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    for t in (1, 2, 3):
+        caches.step("a", torch.tensor([[t]]))
+    assert len(calls) == 2  # begin's, then the first step's (the session's tensors were begin's, unseen)
+    caches.park("a")
+    caches.step("a", torch.tensor([[4]]))  # restored: other tensors, checked again
+    assert len(calls) == 3
+    flat = caches.manager.get_session("a").view("kv")
+    bad = (flat[0][:, :, :1], flat[1]) if kind == "static" else tuple(t[:, :1] for t in flat)  # one head, not 2
+    caches.manager.get_session("a").commit("kv", bad)  # written past the adapter: refused at the next step
+    with pytest.raises(CacheLayoutError):
+        caches.step("a", torch.tensor([[5]]))
 
 
 def test_beginning_twice_and_stepping_a_session_never_begun_are_refused():
@@ -426,3 +515,73 @@ def test_a_forward_with_no_cache_argument_and_unsupported_configs_are_refused():
         SessionCaches(MODEL, cache="static")
     with pytest.raises(CacheLayoutError, match="one of"):
         SessionCaches(MODEL, cache="paged")
+
+
+def exported(kind, model=MODEL):
+    caches = sessions(kind, model=model)
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    return caches.export_session("a")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_blob_of_another_model_or_cache_kind_is_refused_before_anything_changes(kind):
+    caches = sessions(kind)
+    caches.begin("mine", torch.tensor([PROMPTS[1]]))
+    before = snap(caches, "mine")
+    with pytest.raises(ModelMismatchError, match="3 layers"):
+        caches.import_session(exported(kind, model=llama(layers=3)))
+    with pytest.raises(ModelMismatchError, match="static" if kind == "dynamic" else "dynamic"):
+        caches.import_session(exported("static" if kind == "dynamic" else "dynamic"))
+    assert "a" not in caches.manager
+    assert_same(caches, "mine", before)
+    with pytest.raises(ModelMismatchError, match="3 layers"):  # nor exported by the wrong adapter
+        sessions(kind, model=llama(layers=3), manager=caches.manager).export_session("mine")
+
+
+def test_a_stamped_blob_whose_tensors_are_not_the_layout_s_is_refused():
+    caches = sessions("dynamic")
+    other = fs.SessionStateManager()
+    h = other.get_or_create_session("a")
+    h.transact(
+        lambda s: s.put("kv", fs.DenseValue.create((torch.zeros(1, 2, 3, 16),) * 3)).set_attr(
+            "transformers/cache", caches.layout.stamp
+        )
+    )
+    with pytest.raises(CacheLayoutError, match="expected 4 tensors"):
+        caches.import_session(export_session(other.state, "a"))
+    assert "a" not in caches.manager
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda b: SessionBlob(b.manifest, b.buffers[:-1]), "truncated"),
+        (lambda b: SessionBlob(b.manifest, (b.buffers[0][:-4], *b.buffers[1:])), "truncated"),
+        (lambda b: SessionBlob(b.manifest, (flipped(b.buffers[0]), *b.buffers[1:])), "checksum"),
+    ],
+    ids=["a buffer missing", "a buffer cut short", "a byte flipped"],
+)
+def test_a_damaged_blob_gets_the_transfer_error_and_the_target_is_unchanged(kind, damage, match):
+    caches = sessions(kind)
+    caches.begin("mine", torch.tensor([PROMPTS[1]]))
+    before = snap(caches, "mine")
+    with pytest.raises(fs.TransferError, match=match):
+        caches.import_session(damage(exported(kind)))
+    assert "a" not in caches.manager
+    assert_same(caches, "mine", before)
+
+
+def flipped(buf):
+    out = buf.copy()
+    out[len(out) // 2] ^= 1
+    return out
+
+
+def test_importing_under_a_live_id_is_refused_unchanged():
+    caches = sessions("dynamic")
+    caches.begin("a", torch.tensor([PROMPTS[1]]))
+    before = snap(caches, "a")
+    with pytest.raises(fs.SessionExistsError):
+        caches.import_session(exported("dynamic"))
+    assert_same(caches, "a", before)

@@ -2,7 +2,7 @@
 
 Needs the ``[transformers]`` extra. Each session's K/V is one `DenseValue` (``name``, default ``"kv"``) of the
 very tensors the model's cache holds, stamped with the model's layout: begin, step (one token or many), fork
-(beams, branches), park and restore, checkpoints, and a batched step of several `StaticCache` sessions, with
+(beams, branches), park and restore, checkpoints, the move to another process (`SessionBlob`), and a batched step of several `StaticCache` sessions, with
 no glue. A `DynamicCache` grows by ``torch.cat`` (new tensors each step, so forks share nothing written); a
 `StaticCache` is written in place, through `SessionHandle.writable`, so a fork stays a snapshot.
 
@@ -29,11 +29,13 @@ from typing import Any
 import torch
 
 from functional_state import DenseValue, InvalidArgumentError, SessionExistsError, SessionStateManager
+from functional_state.transfer import SessionBlob, export_session, read_blob
 
 from .transformers_layout import (
     BatchRows,
     CacheLayout,
     CacheLayoutError,
+    CheckedTensors,
     ModelMismatchError,
     TokenShapeError,
 )
@@ -42,6 +44,7 @@ from .transformers_layout import cache_kwarg as find_cache_kwarg
 __all__ = ["CacheLayoutError", "ModelMismatchError", "SessionCaches", "TokenShapeError"]
 
 STAMP = "transformers/cache"  # the session attr naming the layout its cache was made for
+_TOKEN_DTYPES = frozenset({torch.int32, torch.int64})  # what an embedding takes as indices
 
 
 class SessionCaches:
@@ -78,9 +81,11 @@ class SessionCaches:
         self.model = model
         self.manager = manager if manager is not None else SessionStateManager()
         self.layout = CacheLayout.of(model, cache, max_cache_len)
+        self._stamp = self.layout.stamp  # (formatted once: compared at every step)
         self.name = name
         self.cache_kwarg = cache_kwarg or find_cache_kwarg(model)
         self._batch: BatchRows | None = None
+        self._checked = CheckedTensors()  # (dict writes are atomic: threads stepping other sessions share it)
         self._batch_lock = threading.Lock()
 
     def release_batch(self) -> int:
@@ -113,7 +118,7 @@ class SessionCaches:
         if self.name in h.state:
             raise SessionExistsError(f"{what}: the session already holds {self.name!r}; `end` it first to start over.")
         try:
-            h.transact(lambda s: s.put(self.name, DenseValue.create(flat)).set_attr(STAMP, self.layout.stamp))
+            h.transact(lambda s: s.put(self.name, DenseValue.create(flat)).set_attr(STAMP, self._stamp))
         except BaseException:
             if not existed:
                 self.manager.drop_session(session_id)
@@ -140,7 +145,9 @@ class SessionCaches:
         cache = self.layout.cache_over(flat)
         with torch.no_grad():
             out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache})
-        h.commit(self.name, self.layout.after(cache, flat))
+        after = self.layout.after(cache, flat)
+        h.commit(self.name, after)
+        self._checked.record(session_id, after)  # (the model's own tensors for this layout)
         return out.logits
 
     def step_many(self, session_ids: Sequence[str], input_ids: torch.Tensor) -> Any:
@@ -212,8 +219,61 @@ class SessionCaches:
             self.manager.drop_session(h.session_id)
             raise
 
+    def export_session(self, session_id: str) -> SessionBlob:
+        """Session ``session_id`` (its cache, parked or not, and its layout stamp) as a `SessionBlob` to move to
+        another process (`functional_state.transfer.export_session`); the session stays here, unchanged.
+
+        A DynamicCache session's buffers are views of its tensors (a step makes new ones and never writes
+        these again); a StaticCache session's are copied, since its next step writes its cache in place.
+
+        Raises:
+          SessionStateLostError: no such session. ModelMismatchError: another model's session.
+
+        Example:
+          >>> import torch, transformers
+          >>> config = transformers.LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64,
+          ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+          >>> model = transformers.LlamaForCausalLM(config).eval()
+          >>> here, there = SessionCaches(model), SessionCaches(model)
+          >>> _ = here.begin("a", torch.tensor([[1, 2, 3]]))
+          >>> blob = here.export_session("a")  # send blob.manifest_bytes() and blob.buffers
+          >>> there.import_session(blob), there.length("a"), blob.nbytes
+          ('a', 3, 768)
+        """
+        what = f"`SessionCaches.export_session({session_id!r})`"
+        self._check_stamp(self.manager.get_session(session_id).get_attr(STAMP, None), what)
+        blob = export_session(self.manager.state, session_id)
+        if self.layout.kind == "static":
+            return SessionBlob(blob.manifest, tuple(b.copy() for b in blob.buffers))
+        return blob
+
+    def import_session(self, blob: SessionBlob, *, as_id: str | None = None) -> str:
+        """Install the session ``blob`` carries (`export_session`, maybe of another process) under its own id
+        or ``as_id``, once the blob passed every check of `functional_state.transfer.import_session` and its
+        cache is this model's; returns the session's id here. A parked session arrives parked.
+
+        Raises:
+          TransferError: a truncated, damaged or tampered-with blob. SessionExistsError: the id is taken.
+          ModelMismatchError: another model's (or cache kind's) session. CacheLayoutError: its tensors are not
+          this layout's. Nothing changes on any of these.
+        """
+        what = "`SessionCaches.import_session`"
+        sid, session = read_blob(blob, free_in=self.manager.state if as_id is None else None)
+        self._check_stamp(session.get_attr(STAMP, None), what)
+        obj = session.get(self.name, None)
+        if not isinstance(obj, DenseValue):
+            raise CacheLayoutError(
+                f"{what}: the session holds no cache named {self.name!r}; it is not a SessionCaches session."
+            )
+        if not obj.parked:  # (a parked cache's tensors are checked when a step restores them)
+            self.layout.check(obj.view(), what)
+        target = sid if as_id is None else as_id
+        self.manager.install_session(target, session)
+        return target
+
     def end(self, session_id: str) -> bool:
         """Drop the session; True if it was there."""
+        self._checked.forget(session_id)
         return self.manager.drop_session(session_id)
 
     def length(self, session_id: str) -> int:
@@ -224,33 +284,39 @@ class SessionCaches:
     def _resident(self, session_id: str, what: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
         """The session's handle and tensors, checked to be this model's, restored if parked."""
         h = self.manager.get_session(session_id)
-        stamp = h.get_attr(STAMP, None)
-        if stamp != self.layout.stamp:
-            raise ModelMismatchError(
-                f"{what}: the session's cache was made for {stamp or 'no model (it has no stamp)'}; this one is "
-                f"{self.layout.stamp}. Step it with the SessionCaches of its own model."
-            )
+        self._check_stamp(h.get_attr(STAMP, None), what)
         flat = h.view(self.name)  # a parked cache is restored by the read
-        self.layout.check(flat, what)
+        if not self._checked.known(session_id, flat):  # (checked once, not at every step)
+            self.layout.check(flat, what)
+            self._checked.record(session_id, flat)
         return h, flat
 
+    def _check_stamp(self, stamp: Any, what: str) -> None:
+        if stamp != self._stamp:
+            raise ModelMismatchError(
+                f"{what}: the session's cache was made for {stamp or 'no model (it has no stamp)'}; this one is "
+                f"{self.layout.stamp}. Use the SessionCaches of its own model."
+            )
+
     def _check_tokens(self, input_ids: Any, rows: int, lengths: list[int], what: str) -> None:
-        ok = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()
-        if not ok or input_ids.shape[0] != rows or input_ids.shape[1] < 1 or input_ids.dtype == torch.bool:
+        shape = input_ids.shape if isinstance(input_ids, torch.Tensor) else ()
+        if len(shape) != 2 or shape[0] != rows or shape[1] < 1 or input_ids.dtype not in _TOKEN_DTYPES:
             got = (
                 f"{input_ids.dtype} {list(input_ids.shape)}"
                 if isinstance(input_ids, torch.Tensor)
                 else type(input_ids).__name__
             )
-            raise TokenShapeError(f"{what}: input_ids must be integer tokens of shape [{rows}, n >= 1], got {got}.")
+            raise TokenShapeError(
+                f"{what}: input_ids must be int64 or int32 tokens of shape [{rows}, n >= 1], got {got}."
+            )
         if len(set(lengths)) > 1:
             raise TokenShapeError(
                 f"{what}: the sessions hold {lengths} tokens; a batched step needs one length (the cache has one "
                 f"position counter). Group sessions by `length`."
             )
         room = self.layout.max_len
-        if room is not None and lengths[0] + input_ids.shape[1] > room:
+        if room is not None and lengths[0] + shape[1] > room:
             raise TokenShapeError(
-                f"{what}: {input_ids.shape[1]} token(s) after {lengths[0]} overflow the StaticCache of {room}; "
+                f"{what}: {shape[1]} token(s) after {lengths[0]} overflow the StaticCache of {room}; "
                 f"make it longer (max_cache_len) or end the session."
             )

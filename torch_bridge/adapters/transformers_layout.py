@@ -21,7 +21,15 @@ from transformers.cache_utils import Cache, DynamicLayer, StaticLayer, get_layer
 
 from functional_state import SessionStateError
 
-__all__ = ["CACHE_KWARGS", "CacheLayout", "CacheLayoutError", "ModelMismatchError", "TokenShapeError", "cache_kwarg"]
+__all__ = [
+    "CACHE_KWARGS",
+    "CacheLayout",
+    "CacheLayoutError",
+    "CheckedTensors",
+    "ModelMismatchError",
+    "TokenShapeError",
+    "cache_kwarg",
+]
 
 # The forward argument that takes the cache: transformers' name for it, then the spellings of its renaming.
 CACHE_KWARGS = ("past_key_values", "cache", "past_key_value")
@@ -143,7 +151,8 @@ class CacheLayout(NamedTuple):
                 raise CacheLayoutError(f"{what}: the lengths are {_t(lengths)}; expected int64[{self.layers}].")
             return
         for i, t in enumerate(flat):
-            shape_ok = t.dim() == 4 and t.shape[0] == batch and t.shape[1] == self.heads and t.shape[3] == self.head_dim
+            shape = t.shape  # (read once: each read builds a new torch.Size)
+            shape_ok = len(shape) == 4 and shape[0] == batch and shape[1] == self.heads and shape[3] == self.head_dim
             if not (shape_ok and t.dtype == self.dtype and t.device == self.device):
                 raise CacheLayoutError(
                     f"{what}: layer {i // 2}'s {'values' if i % 2 else 'keys'} are {_t(t)}; this model's are "
@@ -216,6 +225,35 @@ class CacheLayout(NamedTuple):
         if self.kind == "static":
             return flat
         return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+class CheckedTensors:
+    """The tensors a layout check passed (or a step of the layout's model made), by identity and weakly: a
+    session stepped again holds the very tensors its last step left, and need not be checked again.
+
+    A session's entry holds weak references only (it never keeps a session's memory alive, and a live
+    referent is never another tensor at a reused address); entries of sessions gone are swept once the
+    record has doubled since the last sweep.
+    """
+
+    def __init__(self) -> None:
+        self._refs: dict[str, tuple[Any, ...]] = {}
+        self._sweep_at = 64
+
+    def known(self, session_id: str, flat: tuple[torch.Tensor, ...]) -> bool:
+        """True if ``flat`` are the very tensors last recorded for ``session_id``."""
+        refs = self._refs.get(session_id)
+        return refs is not None and len(refs) == len(flat) and all(r() is t for r, t in zip(refs, flat))
+
+    def record(self, session_id: str, flat: tuple[torch.Tensor, ...]) -> None:
+        """Record ``flat`` as checked for ``session_id``."""
+        self._refs[session_id] = tuple(weakref.ref(t) for t in flat)
+        if len(self._refs) >= self._sweep_at:
+            self._refs = {sid: refs for sid, refs in self._refs.items() if all(r() is not None for r in refs)}
+            self._sweep_at = max(64, 2 * len(self._refs))
+
+    def forget(self, session_id: str) -> None:
+        self._refs.pop(session_id, None)
 
 
 class _Mark(NamedTuple):
