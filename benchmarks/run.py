@@ -15,7 +15,9 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+# The checkout this script lives in comes first, so a worktree benchmarks its own code and not the checkout
+# an editable install's .pth points at.
+sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 BENCHES = [
     "encoder_window",
