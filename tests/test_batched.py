@@ -397,3 +397,28 @@ def test_the_slot_map_is_never_walked_by_the_ledger():
     batch = toy(capacity=256)
     s = batch.join(batch.create(fs.ManagerState.create()), "a")
     assert ledger_of(s).attrs.n_open == 0
+
+
+def test_no_verb_makes_the_step_compile_again(caplog):
+    """A restored row arrives committed to its device; were the stacked state uncommitted before, the next
+    step's arguments would change placement and XLA would compile the step again (seconds for a decoder)."""
+    batch = toy()
+    s = batch.create(fs.ManagerState.create())
+    s = batch.join(s, "b")
+    x = np.ones((CAP, 4), np.float32)
+
+    def serve(s, sid):
+        s = batch.join(s, sid)
+        s, _ = batch.step(s, [sid, "b"], x)
+        s = batch.restore(batch.park(s, sid), sid)
+        s, _ = batch.step(s, [sid, "b"], x)
+        s = batch.leave(batch.fork(s, sid, "f"), sid)
+        s = batch.restore(batch.park(s, "f"), "f")
+        s, _ = batch.step(s, ["f", "b"], x)
+        return batch.leave(s, "f")
+
+    s = serve(s, "a")  # every kernel compiled once
+    with jax.log_compiles(), caplog.at_level("WARNING"):
+        s = serve(s, "c")
+    compiled = [r.getMessage()[:60] for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not compiled, compiled

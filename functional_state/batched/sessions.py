@@ -46,6 +46,14 @@ __all__ = ["BatchUsage", "BatchedSessions"]
 SLOTS = "slots"  # the batch session's attr holding its `SlotMap`
 
 
+def _device_of(leaves: tuple[Any, ...]) -> Any:
+    """The device of the first JAX array of ``leaves`` (the default device if none is one)."""
+    for x in leaves:
+        if isinstance(x, jax.Array):
+            return next(iter(x.devices()))
+    return jax.devices()[0]
+
+
 class BatchUsage(NamedTuple):
     """What a batch holds, in bytes."""
 
@@ -104,6 +112,10 @@ class BatchedSessions:
         self.initial = initial if isinstance(initial, PytreeValue) else PytreeValue.create(initial)
         self.params, self.capacity, self.name, self.batch_id, self.exact = params, capacity, name, batch_id, exact
         self.row_nbytes = total_nbytes(self.initial.leaves)
+        # Every array the kernels take is committed to one device: jit compiles anew for an argument whose
+        # placement changes (committed or not), and a restored row arrives committed.
+        self._device = _device_of(self.initial.leaves)
+        self._initial_row = jax.device_put(self.initial.leaves, self._device)
         self._stacked_avals = tuple(((capacity, *shape), dtype) for shape, dtype in self.initial.avals)
         self._kernels = make_kernels(self.initial.treedef, apply, capacity, exact)
         self._index: tuple[Any, ...] = ((), None, None, None)  # (ids, slot map, index, count) of the last step
@@ -227,7 +239,8 @@ class BatchedSessions:
                 f"batch_id, or drop that session first."
             )
         stacked = jax.tree_util.tree_map(
-            lambda x: jnp.zeros((self.capacity, *x.shape), x.dtype), self.initial.treedef.unflatten(self.initial.leaves)
+            lambda x: jax.device_put(jnp.zeros((self.capacity, *x.shape), x.dtype), self._device),
+            self.initial.treedef.unflatten(self.initial.leaves),
         )
         state, _ = get_or_create(state, self.batch_id)
         state = put(state, self.batch_id, self.name, PytreeValue.create(stacked))
@@ -260,7 +273,7 @@ class BatchedSessions:
         self._check_new(state, session_id, "join")
         slots = slots.taken(session_id, "BatchedSessions.join", self.batch_id)
         slot = np.int32(slots.slots[session_id])
-        return self._write(state, slots, self._kernels.write, self.initial.leaves, slot)
+        return self._write(state, slots, self._kernels.write, self._initial_row, slot)
 
     def leave(self, state: ManagerState, session_id: str) -> ManagerState:
         """The table with ``session_id``'s slot free (its rows are dropped, never read again).
@@ -339,7 +352,7 @@ class BatchedSessions:
                 f"{self.name!r}; a batch slot holds {self.name!r} alone. Move the other objects out first."
             )
         slots = slots.taken(session_id, "BatchedSessions.restore", self.batch_id)
-        row = (obj.restore() if obj.parked else obj).leaves
+        row = jax.device_put((obj.restore() if obj.parked else obj).leaves, self._device)
         state, _ = drop_session(state, session_id)
         return self._write(state, slots, self._kernels.write, row, np.int32(slots.slots[session_id]))
 
