@@ -31,6 +31,7 @@ BENCHES = [
     "checkpoint",
     "wan",
     "nnx",
+    "batched",
     "transformers",
     "scaling",
     "transfer",
