@@ -297,6 +297,10 @@ def test_fit_parks_the_earliest_sessions_until_the_rows_fit():
     assert parked == ["a"] and list(batch.slot_map(s).slots) == ["b"]
     assert set(batch.usage(s).parked) == {"a", "c"}
     assert fs.stats(s) == fs.stats(s, exact=True)
+    before = snapshot(s)
+    with pytest.raises(fs.InvalidArgumentError, match="max_nbytes"):
+        batch.fit(s, "a lot")
+    assert_unchanged(s, before)
 
 
 def test_join_and_restore_are_donated_writes_that_consume_the_input_state():

@@ -34,6 +34,7 @@ from ..errors import (
     StateShapeError,
 )
 from ..memory.accounting import total_nbytes
+from ..memory.budget import parse_bytes
 from ..table.manager_state import ManagerState, drop_session, get_or_create, lookup, put
 from ..table.parked import park as _park_object
 from ..table.session_edits import set_attr
@@ -398,15 +399,16 @@ class BatchedSessions:
             has_aux=True,
         )
 
-    def fit(self, state: ManagerState, max_nbytes: int) -> tuple[ManagerState, list[str]]:
+    def fit(self, state: ManagerState, max_nbytes: int | str) -> tuple[ManagerState, list[str]]:
         """Park sessions, the earliest to have come in first, until the rows in slots hold at most
-        ``max_nbytes``; returns ``(state, parked ids)``. Parking frees slots, not device memory: the stacked
-        buffers keep their size.
+        ``max_nbytes`` (an int, or a size such as ``"2 MiB"``); returns ``(state, parked ids)``. Parking frees
+        slots, not device memory: the stacked buffers keep their size.
 
         Raises:
-          as `park`.
+          InvalidArgumentError: ``max_nbytes`` is not a size. And as `park`.
         """
         _, slots = self._batch(state, "fit")
+        max_nbytes = parse_bytes(max_nbytes, "BatchedSessions.fit: max_nbytes")
         parked: list[str] = []
         for sid in list(slots.slots):
             if (len(slots.slots) - len(parked)) * self.row_nbytes <= max_nbytes:
