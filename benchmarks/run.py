@@ -33,6 +33,7 @@ BENCHES = [
     "checkpoint",
     "wan",
     "nnx",
+    "batched",
     "transformers",
     "scaling",
     "transfer",

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .batched.sessions import BatchedSessions
 from .core.pytree_value import PytreeValue, check_layout
 from .errors import InvalidArgumentError, ObjectNotFoundError, SessionExistsError
 from .table.manager_state import ManagerState, get_or_create, lookup, put
@@ -37,6 +38,7 @@ class ModelCaches:
                 f"(e.g. `model.init_cache(...)` for an NNX attention layer)."
             )
         self._params = params
+        self._apply = apply
         treedef = self._initial.treedef
 
         def step_fn(obj: PytreeValue, params: Any, *args: Any) -> tuple[PytreeValue, Any]:
@@ -61,6 +63,27 @@ class ModelCaches:
     def initial(self) -> PytreeValue:
         """The cache a session starts from (the model's own, as it was when this object was made)."""
         return self._initial
+
+    def batched(self, capacity: int, *, batch_id: str = "batch", exact: bool = True) -> BatchedSessions:
+        """This model's sessions batched in ``capacity`` slots of stacked state (see `BatchedSessions`): one
+        jitted, donated call steps any subset of them. A session's state reads the same batched or not
+        (`BatchedSessions.session_state`), and a parked one is this object's kind of session.
+
+        Example:
+          >>> import jax.numpy as jnp, functional_state as fs
+          >>> from flax import nnx
+          >>> from functional_state.nnx import SessionCaches
+          >>> attn = nnx.MultiHeadAttention(2, 4, decode=True, rngs=nnx.Rngs(0))
+          >>> attn.init_cache((1, 8, 4))
+          >>> batch = SessionCaches(attn).batched(capacity=8)
+          >>> s = batch.join(batch.create(fs.ManagerState.create()), "a")
+          >>> s, out = batch.step(s, ["a"], jnp.ones((8, 1, 1, 4)))     # one row per slot
+          >>> out.shape, int(batch.session_state(s, "a").view()["cache_index"][...])
+          ((8, 1, 1, 4), 1)
+        """
+        return BatchedSessions(
+            self._initial, self._params, self._apply, capacity, name=self.name, batch_id=batch_id, exact=exact
+        )
 
     def begin(self, state: ManagerState, session_id: str | None) -> ManagerState:
         """Start session ``session_id`` (created if absent) from the model's initial cache.

@@ -13,7 +13,20 @@ PKG = Path(__file__).resolve().parents[1] / "functional_state"
 # The layer order, bottom first: a module may import its own layer and the ones before it, never a later one.
 # Top-level modules are the base (errors, _version, _repr) or the face (__init__, __main__ and the shims kept
 # for old import paths), which may import anything.
-LAYERS = ["base", "memory", "core", "engine", "table", "policy", "persist", "transfer", "shell", "serving", "face"]
+LAYERS = [
+    "base",
+    "memory",
+    "core",
+    "engine",
+    "table",
+    "batched",
+    "policy",
+    "persist",
+    "transfer",
+    "shell",
+    "serving",
+    "face",
+]
 BASE = {"errors", "_version", "_repr"}
 
 MAX_LINES = 420  # "about 400": a module a reader takes in at one sitting

@@ -32,12 +32,21 @@ import numpy as np
 
 from .aliases import alias_owner
 
-__all__ = ["NO_BUFFER_TYPES", "exported", "fixed", "holds_no_buffer", "mutable", "write_marks"]
+__all__ = [
+    "NO_BUFFER_TYPES",
+    "exported",
+    "fixed",
+    "holds_no_buffer",
+    "mutable",
+    "register_bufferless",
+    "write_marks",
+]
 
 NO_BUFFER_TYPES: frozenset[type] = frozenset(
     {int, float, complex, bool, str, bytes, bytearray, type(None), range, slice}
 )
 _NO_BUFFER = tuple(NO_BUFFER_TYPES)  # (for isinstance: an int subclass, an str enum hold nothing either)
+_BUFFERLESS: set[type] = set()  # package types declared by `register_bufferless`
 _MAX_DEPTH = 4
 _MAX_ITEMS = 64
 
@@ -49,7 +58,24 @@ def holds_no_buffer(value: Any) -> bool:
       >>> holds_no_buffer(3), holds_no_buffer(bytearray(8)), holds_no_buffer([])
       (True, True, False)
     """
-    return type(value) in NO_BUFFER_TYPES or isinstance(value, _NO_BUFFER)
+    return type(value) in NO_BUFFER_TYPES or type(value) in _BUFFERLESS or isinstance(value, _NO_BUFFER)
+
+
+def register_bufferless(cls: type) -> type:
+    """Declare that no instance of ``cls`` holds an array buffer, ever (an immutable record of names and
+    numbers): the table keeps no holder entry for such an attr value and never walks it on a step. The
+    exact walk (``stats(exact=True)``) still reads it, and finds nothing.
+
+    Example:
+      >>> from typing import NamedTuple
+      >>> @register_bufferless
+      ... class Names(NamedTuple):
+      ...     ids: tuple
+      >>> holds_no_buffer(Names(("a",) * 100)), holds_no_buffer(tuple(range(100)))
+      (True, False)
+    """
+    _BUFFERLESS.add(cls)
+    return cls
 
 
 def fixed(value: Any, depth: int = 0) -> bool:
