@@ -28,12 +28,17 @@ from .manifest import (
     in_parallel,
     leaf_nbytes,
 )
+from .paths import is_url, local_path, remote_path
+from .remote import staged_read
 from .validate import check_stored
 
 
 def read_checkpoint(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(manifest, arrays)`` of the checkpoint at ``path``, verified; `CheckpointError` for anything else."""
-    root = Path(os.fspath(path)).absolute()
+    if is_url(path):
+        with staged_read(remote_path(path)) as staged:
+            return read_checkpoint(staged, placement, torch_device)
+    root = local_path(path)
     try:
         return _read_step(root, placement, torch_device)
     except CheckpointError:

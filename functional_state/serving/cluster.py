@@ -11,11 +11,11 @@ pool it uses, and the source lets go of its copy only once the target has claime
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..persist.paths import child
 from ..transfer.placement import Placement
 from .moves import drain_target, held, rebalance_move
 
@@ -44,13 +44,13 @@ class SessionCluster:
 
     def __init__(self, replicas: Mapping[str, Any], checkpoints: Any, *, replay: Replay | None = None):
         self.replicas = dict(replicas)
-        self.checkpoints = os.fspath(checkpoints)
+        self.checkpoints = checkpoints
         self.replay = replay
         self.owners: dict[str, tuple[str, int]] = {}  # sid -> (replica name, epoch)
         self.lost: list[str] = []  # sessions no replica could take (none so far, by construction)
 
-    def path(self, sid: str) -> str:
-        return os.path.join(self.checkpoints, sid)
+    def path(self, sid: str) -> Any:
+        return child(self.checkpoints, sid)
 
     def _get(self, ref: Any) -> Any:
         return _ray().get(ref)
