@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
+from ..memory.huge_pages import advise_huge_pages
 from ..memory.shardings import single_device_sharding
 from .confined import check_depth, check_tree
 from .decode import decode_sharding
@@ -179,6 +180,7 @@ def host_storage(nbytes: int) -> tuple[np.ndarray, Any]:
     tensor = torch.empty(nbytes, dtype=torch.uint8)
     if not nbytes:
         return np.empty(0, np.uint8), tensor
+    advise_huge_pages(tensor.data_ptr(), nbytes)  # (before the first touch: torch's allocator never asks)
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())), tensor
 
 
