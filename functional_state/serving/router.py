@@ -10,6 +10,16 @@ elsewhere.
 A request's session is Serve's own ``session_id`` (``handle.options(session_id=...)``, or the HTTP session
 header) or else the method's first argument; a request naming ``replica=<id>`` (the moves of
 `SessionFleet`) goes to that replica only, and fails at once if it is gone.
+
+What a router knows is as fresh as its own record (the requests it routed: exact for the one handle, or the
+one proxy, the traffic and the moves go through) and the figures Serve last broadcast (every
+``request_routing_stats_period_s``). Two routers placing the same new session within one period read the
+same figures and pick the same replica (placement is deterministic). A move made through one router is seen
+by the others only once both replicas have published again: until then another router may send a request
+to the old holder, which takes the session up from its checkpoint as if it were placed there. Run moves
+through the handle the traffic uses, or hold other routers' traffic for that session for one period. A
+replica that takes a session up claims it past its checkpoint's epoch, and the checkpoint never goes back to
+a lower epoch (`persist.fencing`); two copies of one epoch are not told apart.
 """
 
 from __future__ import annotations
