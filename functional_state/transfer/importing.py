@@ -16,7 +16,7 @@ from ..persist.confined import check_depth
 from ..persist.decode import Reader, check_templates, decode_sharding, release_sessions
 from ..persist.encode import AttrHooks
 from ..persist.fencing import manifest_epoch
-from ..persist.manifest import CHECKSUM, check_manifest, checksum, copy_checksum, in_parallel
+from ..persist.manifest import CHECKSUM, check_manifest, copy_checksum, in_parallel
 from ..persist.read import host_storage
 from ..persist.validate import StoredLeaf, check_stored
 from ..table import manager_state as ms
@@ -218,23 +218,12 @@ def _nbytes(leaf: dict[str, Any]) -> int:
 
 def _owned_arrays(blob: SessionBlob, where: str, placement: Any) -> dict[str, Any]:
     """Each leaf's data in memory the new session owns, checksummed as it is copied; leaves of no bytes
-    rebuilt from the manifest.
-
-    A JAX leaf bound for host memory is handed to ``jax.device_put`` straight from the blob's buffer (JAX's
-    copy is the only one) and the checksum is taken of that copy, the array the session will hold. A torch
-    storage or numpy leaf is copied into memory of the session's own, checksummed in the same pass (fresh
-    torch storages advised for huge pages: `persist.read.host_storage`): a model may write those in place, so
-    they never stay on the object store's shared, read-only memory.
-    """
+    rebuilt from the manifest."""
     leaves, keys = blob.manifest["leaves"], blob.manifest[TRANSFER]["buffers"]
 
     def copy(job: tuple[str, Any]) -> tuple[str, Any, Any]:
         key, buf = job
         src = _as_bytes(buf)
-        leaf = leaves[key]
-        if leaf["kind"] == "jax" and _on_host(sharding := _sharding(placement, leaf)):
-            array = jax.device_put(src.view(np.dtype(leaf["dtype"])).reshape(leaf["shape"]), sharding)
-            return checksum(np.asarray(array)), array, array  # (a host array's numpy view: no copy)
         if leaves[key]["kind"] == "torch_storage":
             out, owner = host_storage(src.nbytes)  # (aligned, resizable: as a checkpoint load gives)
         else:
@@ -252,8 +241,6 @@ def _owned_arrays(blob: SessionBlob, where: str, placement: Any) -> dict[str, An
             )
         arrays[key] = owner if leaves[key]["kind"] == "torch_storage" else out
     for key, leaf in leaves.items():
-        if leaf["kind"] == "jax" and isinstance(arrays.get(key), jax.Array):
-            continue
         if leaf["kind"] == "jax":
             host = arrays.get(key, np.empty(0, np.uint8)).view(np.dtype(leaf["dtype"])).reshape(leaf["shape"])
             arrays[key] = jax.device_put(host, _sharding(placement, leaf))
@@ -270,8 +257,3 @@ def _sharding(placement: Any, leaf: dict[str, Any]) -> Any:
     if isinstance(placement, jax.sharding.Sharding):
         return placement
     raise InvalidArgumentError(f"`import_session`: placement must be a jax.Device or a Sharding, got {placement!r}.")
-
-
-def _on_host(sharding: Any) -> bool:
-    """Whether every device of ``sharding`` is a CPU (its arrays' memory readable in place as numpy)."""
-    return all(d.platform == "cpu" for d in sharding.device_set)
