@@ -219,7 +219,7 @@ def test_on_serve_requests_stay_with_their_holder_a_killed_replica_fails_over_an
         SessionServer,
         name="sessions",
         num_replicas=3,
-        max_ongoing_requests=2,
+        max_ongoing_requests=1,
         ray_actor_options={"num_cpus": 0},
         request_router_config=session_router_config(0.2),
     )
@@ -250,8 +250,14 @@ def test_on_serve_requests_stay_with_their_holder_a_killed_replica_fails_over_an
             drained = served["s1"][-1]
             assert fleet.drain(drained) == []
             assert fleet.figures()[drained].sessions == {}
+        # All sessions' requests at once: a holder busy with one (max_ongoing_requests=1) makes the others
+        # wait for it, never sends them to an idle replica that does not hold them.
+        sent = {sid: handle.step.remote(sid, t, at=t) for sid in sessions}
         for sid in sessions:
-            reply = _step(handle, sid, t)
+            try:
+                reply = sent[sid].result(timeout_s=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                reply = _step(handle, sid, t)  # (it reached the replica just killed: sent again)
             outputs[sid].append(reply.output)
             served[sid].append(reply.replica)
             assert reply.step == t + 1

@@ -30,6 +30,11 @@ def test_a_session_goes_to_its_holder_only_even_when_another_replica_has_more_ro
     assert choose("new", live, {}) == "c"  # placement: the most headroom
     assert choose("new", {k: live[k] for k in "ab"}, {}) == "b"
     assert choose(None, live, {}) is None  # no session: any replica
+    cold = {r: ReplicaStats(frozenset(), 100, 0) for r in "xyz"}  # a cold start: the figures tie
+    placed: dict[str, str] = {}
+    for sid in ("n0", "n1", "n2", "n3"):
+        placed[sid] = choose(sid, cold, placed)
+    assert sorted(placed.values()) == ["x", "x", "y", "z"]  # spread, not all on one replica
     assert choose("s", live, {}, directed="b") == "b" and choose("s", live, {}, directed="x") == ""
     assert choose("s", {}, {}) == ""  # no replica alive
 

@@ -10,7 +10,8 @@ Serve); a router reads those back (`ReplicaStats.read`) and asks `choose`. The r
    The router's own record of where it placed the session (newer than the published figures, which Serve
    refreshes every ``request_routing_stats_period_s``) comes first.
 3. A session no live replica holds (new, or its holder died) goes to placement: the replica with the most
-   headroom, which loads the session from its last checkpoint or opens it.
+   headroom, then the fewest bytes held, then the fewest sessions this router placed on it, which loads the
+   session from its last checkpoint or opens it.
 
 Placement is deterministic (headroom, then bytes held, then the replica id), so two routers reading the same
 figures place a new session on the same replica.
@@ -18,6 +19,7 @@ figures place a new session on the same replica.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -96,7 +98,10 @@ def choose(
         return holders[0]
     if not replicas:
         return ""
-    return min(replicas, key=lambda r: (-_room(replicas[r]), replicas[r].held, r))
+    # Between two publications the figures do not change: the sessions this router placed since spread
+    # new ones out where the figures tie (a cold start: every replica empty).
+    mine_on = Counter(placed.values())
+    return min(replicas, key=lambda r: (-_room(replicas[r]), replicas[r].held, mine_on[r], r))
 
 
 def _room(stats: ReplicaStats) -> float:
