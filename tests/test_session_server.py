@@ -89,3 +89,13 @@ def test_a_move_between_servers_fences_the_source_and_keeps_the_bytes(tmp_path):
     a.export("t")
     a.abort_move("t")
     assert a.step("t", 1).step == 2  # served here again
+
+
+def test_a_checkpoint_of_another_session_where_one_is_taken_up_is_refused(tmp_path):
+    a = _server("a", tmp_path)
+    a.step("other", 0)
+    a.replica.manager.save_session("other", a.checkpoint("s"))  # misfiled under "s"
+    b = _server("b", tmp_path)
+    with pytest.raises(StaleEpochError, match="holds no session 's'"):
+        b.step("s", 0)
+    assert b.replica.manager.state.session_ids == ()  # not opened anew over a checkpoint it cannot read

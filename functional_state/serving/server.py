@@ -21,8 +21,8 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
-from ..errors import InvalidArgumentError, SessionStateError, StaleEpochError
-from ..persist.info import checkpoint_info
+from ..errors import InvalidArgumentError, StaleEpochError
+from ..persist.directory import has_checkpoint
 from ..persist.paths import child
 from .replica import SessionReplica, Step
 from .routing import published
@@ -100,11 +100,10 @@ class SessionServer:
         with self._arrivals:
             if sid in self.replica.manager:
                 return
-            try:
-                held = sid in checkpoint_info(self.checkpoint(sid)).sessions
-            except SessionStateError:  # no checkpoint there (yet)
-                held = False
-            if held:
+            # A complete checkpoint resumes (and one that fails its checks raises); none at all, or only a save
+            # that never completed, leaves nothing to resume: the session starts anew, and a request for a
+            # later step is replayed from step 0.
+            if has_checkpoint(self.checkpoint(sid)):
                 self.replica.resume(sid, self.checkpoint(sid))
             else:
                 self.replica.open(sid)
