@@ -22,3 +22,8 @@ def step(handle, t: int) -> float:
     new = prev * np.float32(0.5) + noise
     handle.commit("latents", new)
     return float(new.astype(np.float64).sum())
+
+
+def replay(session_id: str, from_step: int, to_step: int) -> list[tuple[int]]:
+    """The arguments of the steps a failover lost: a step's only input is its index."""
+    return [(t,) for t in range(from_step, to_step)]

@@ -1,22 +1,35 @@
 """Sessions across replicas on a local Ray (`functional_state.serving`): failover bit-identical to an
-uninterrupted rollout, a split brain refused, drain and rebalance losing nothing, bad blobs refused. One
-module-scoped local cluster (localhost only, no dashboard); every loop bounded."""
+uninterrupted rollout, a split brain refused, drain and rebalance losing nothing, bad blobs refused; on Ray
+Serve, each request on its session's holder (`SessionAffinityRouter`), a killed replica failed over and a
+drain (`SessionFleet`). One module-scoped local cluster (localhost only, no dashboard, no HTTP proxy); every
+loop bounded."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
 
 import serving_model as model  # noqa: E402
 
 import functional_state as fs  # noqa: E402
 from functional_state import StaleEpochError, TransferError  # noqa: E402
-from functional_state.serving import SessionCluster, SessionReplica  # noqa: E402
+from functional_state.serving import (  # noqa: E402
+    SessionCluster,
+    SessionFleet,
+    SessionReplica,
+    SessionServer,
+    session_router_config,
+)
 from functional_state.transfer import SessionBlob, checkpoint_info, read_blob  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
@@ -173,3 +186,101 @@ def test_a_bad_blob_through_the_object_store_is_refused_and_the_replica_unchange
         ray.get(reps["c0"].accept.remote(manifest, buffers, epoch))
     assert ray.get(reps["c1"].session_ids.remote()) == [] and ray.get(other.session_ids.remote()) == []
     assert ray.get(reps["c1"].accept.remote(manifest, buffers, epoch)) == epoch + 1
+
+
+def _served_reference(steps: int) -> list[float]:
+    server = SessionServer(model="wm@1", step=model.step, init=model.init, checkpoints="unused", name="ref")
+    return [server.step("s", t).output for t in range(steps)]
+
+
+def _step(handle, sid: str, t: int):
+    """One request; a request that reached a replica just killed fails, and is sent again (bounded)."""
+    for _ in range(40):
+        try:
+            return handle.step.remote(sid, t, at=t).result(timeout_s=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            time.sleep(0.25)
+    raise AssertionError(f"step {t} of {sid} found no replica")
+
+
+@pytest.fixture(scope="module")
+def local_serve(local_ray):
+    serve.start(proxy_location="Disabled")
+    try:
+        yield serve
+    finally:
+        serve.shutdown()
+
+
+def test_on_serve_requests_stay_with_their_holder_a_killed_replica_fails_over_and_a_drain_loses_nothing(
+    local_serve, tmp_path
+):
+    deployment = serve.deployment(
+        SessionServer,
+        name="sessions",
+        num_replicas=3,
+        max_ongoing_requests=1,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=session_router_config(0.2),
+    )
+    app = deployment.bind(
+        model="wm@1",
+        step=model.step,
+        init=model.init,
+        replay=model.replay,
+        checkpoints=str(tmp_path),
+        save_every=3,
+        byte_budget="8 MiB",
+    )
+    handle = serve.run(app, name="sessions", route_prefix=None)
+    fleet = SessionFleet(handle)
+    assert len(fleet.replicas()) == 3
+    sessions = [f"s{i}" for i in range(6)]
+    steps, kill_at, drain_at = 9, 4, 7
+    outputs: dict[str, list[float]] = {sid: [] for sid in sessions}
+    served: dict[str, list[str]] = {sid: [] for sid in sessions}
+    killed, drained = "", ""
+    for t in range(steps):
+        if t == kill_at:
+            killed = served["s0"][-1]
+            ray.kill(fleet.actor(killed), no_restart=True)
+        if t == drain_at:
+            with pytest.raises(fs.InvalidArgumentError, match="not a live replica"):
+                fleet.move("s2", "no-such-replica")  # refused by the router; s2 stays, served where it was
+            drained = served["s1"][-1]
+            assert fleet.drain(drained) == []
+            assert fleet.figures()[drained].sessions == {}
+        # All sessions' requests at once: a holder busy with one (max_ongoing_requests=1) makes the others
+        # wait for it, never sends them to an idle replica that does not hold them.
+        sent = {sid: handle.step.remote(sid, t, at=t) for sid in sessions}
+        for sid in sessions:
+            try:
+                reply = sent[sid].result(timeout_s=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                reply = _step(handle, sid, t)  # (it reached the replica just killed: sent again)
+            outputs[sid].append(reply.output)
+            served[sid].append(reply.replica)
+            assert reply.step == t + 1
+    expected = _served_reference(steps)
+    for sid in sessions:
+        assert outputs[sid] == expected, sid  # bit-identical: no step lost or repeated
+        before, between, after = served[sid][:kill_at], served[sid][kill_at:drain_at], served[sid][drain_at:]
+        assert len(set(before)) == len(set(between)) == len(set(after)) == 1, (sid, served[sid])  # affinity
+        assert killed not in between + after and drained not in after, (sid, served[sid])
+    assert served["s0"][kill_at] != killed  # s0 resumed elsewhere, from its checkpoint
+    figures = fleet.figures()
+    held = [sid for f in figures.values() for sid in f.sessions]
+    assert sorted(held) == sessions  # every session held once: none lost, none duplicated
+    assert {fleet.holder(sid) for sid in sessions} <= set(figures) and killed not in figures
+    serve.delete("sessions")
+
+
+def test_the_readme_serve_example_runs_and_prints_what_it_says(local_serve):
+    readme = (TESTS.parent / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python notest\n(.*?)```", readme, flags=re.S) if "SessionFleet(" in b)
+    assert f"```python\n{block}```" in (TESTS.parent / "docs" / "api" / "serving.md").read_text()  # one example
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md Ray Serve block", "exec"), {"__name__": "__readme__"})
+    assert out.getvalue().splitlines() == re.findall(r"^print\(.*\)  # (.+)$", block, flags=re.M)
+    serve.delete("world-model")

@@ -197,3 +197,31 @@ def test_a_blob_sent_as_json_text_and_buffers_comes_back_and_bad_text_is_refused
         node = node["x"]
     with pytest.raises(TransferError, match="nests more than"):
         import_session(ManagerState.create(), SessionBlob({"transfer": deep}, ()))
+
+
+def test_a_jax_leaf_is_imported_into_memory_of_its_own_and_checked():
+    import jax.numpy as jnp
+
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.put(s, "a", "ring", fs.ArrayRing.create(2, (1 << 12,), jnp.float32))
+    s = fs.commit(s, "a", "ring", jnp.arange(1 << 12, dtype=jnp.float32))
+    blob = export_session(s, "a")
+    expected = np.arange(1 << 12, dtype=np.float32)
+    # Read-only, as the object store gives.
+    ro = tuple(np.frombuffer(b.tobytes(), np.uint8) for b in blob.buffers)
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, ro))
+    assert np.array_equal(np.asarray(fs.view(t, "a", "ring")[0]), expected)
+    # Regression: a JAX leaf handed to `jax.device_put` straight from the blob's buffer was adopted by JAX
+    # (no copy, where aligned), so writing the buffer after the import changed the imported session.
+    rw = tuple(np.array(b) for b in blob.buffers)
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, rw))
+    for b in rw:
+        b[:] = 0
+    assert np.array_equal(np.asarray(fs.view(t, "a", "ring")[0]), expected)
+    for i in range(len(ro)):  # a flipped bit in any JAX leaf is caught, the target unchanged
+        flipped = [x.copy() for x in ro]
+        flipped[i][-1] ^= 1
+        target = ManagerState.create()
+        with pytest.raises(TransferError, match="checksum"):
+            import_session(target, SessionBlob(blob.manifest, tuple(flipped)))
+        assert target.session_ids == ()

@@ -22,6 +22,8 @@ from .handlers import registry as type_handlers
 from .manifest import (
     FORMAT,
 )
+from .paths import is_url, local_path, remote_path
+from .remote import newest_manifest
 
 _log = logging.getLogger("functional_state")
 
@@ -249,4 +251,9 @@ def has_checkpoint(path: Any) -> bool:
         >>> has_checkpoint(tempfile.mkdtemp())
         False
     """
-    return _latest_step(Path(os.fspath(path)).absolute()) is not None
+    if is_url(path):
+        try:
+            return newest_manifest(remote_path(path))[1] is not None
+        except (OSError, CheckpointError):
+            return False
+    return _latest_step(local_path(path)) is not None

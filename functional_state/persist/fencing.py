@@ -16,7 +16,7 @@ from ..errors import StaleEpochError
 from ..table.ownership import EPOCH_ATTR
 from .directory import list_steps
 
-__all__ = ["check_not_behind", "manifest_epoch"]
+__all__ = ["check_newest_not_behind", "check_not_behind", "manifest_epoch"]
 
 
 def manifest_epoch(entry: Any) -> int:
@@ -33,15 +33,24 @@ def check_not_behind(root: Path, manifest: dict[str, Any]) -> None:
       StaleEpochError: naming the session, both epochs and what to do.
     """
     steps = list_steps(root)
-    newest = steps.get(max(steps)) if steps else None
-    if not newest or not isinstance(newest.get("sessions"), list):
+    check_newest_not_behind(steps.get(max(steps)) if steps else None, manifest, str(root))
+
+
+def check_newest_not_behind(newest: Any, manifest: dict[str, Any], where: str) -> None:
+    """Refuse to write ``manifest`` over a checkpoint whose newest manifest is ``newest`` (None: there is none)
+    holding a session at a higher epoch; ``where`` names the checkpoint (a directory or a URL).
+
+    Raises:
+      StaleEpochError: naming the session, both epochs and what to do.
+    """
+    if not isinstance(newest, dict) or not isinstance(newest.get("sessions"), list):
         return
     there = {e.get("id"): manifest_epoch(e) for e in newest["sessions"] if isinstance(e, dict)}
     for entry in manifest["sessions"]:
         held, saving = there.get(entry["id"], 0), manifest_epoch(entry)
         if saving < held:
             raise StaleEpochError(
-                f"saving {root}: it holds session {entry['id']!r} at epoch {held}, and this save is of epoch "
+                f"saving {where}: it holds session {entry['id']!r} at epoch {held}, and this save is of epoch "
                 f"{saving}: the saving replica no longer owns the session (another claimed it and saved). Nothing "
                 f"was written; drop this copy and ask the router for the current owner."
             )

@@ -7,8 +7,6 @@ manifest (checked as a load checks it: its seal and every field) and builds noth
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import CheckpointError
@@ -16,6 +14,8 @@ from ..table.ownership import MODEL_ATTR
 from .directory import list_steps
 from .fencing import manifest_epoch
 from .manifest import check_manifest, leaf_nbytes
+from .paths import is_url, local_path, remote_path
+from .remote import newest_manifest
 
 __all__ = ["CheckpointInfo", "SessionInfo", "checkpoint_info"]
 
@@ -55,12 +55,17 @@ def checkpoint_info(path: Any) -> CheckpointInfo:
       >>> checkpoint_info(path).sessions["robot"].attrs
       {'step': 16}
     """
-    root = Path(os.fspath(path)).absolute()
+    root: Any
     try:
-        steps = list_steps(root)
+        if is_url(path):
+            root = remote_path(path)
+            manifest = newest_manifest(root)[1]
+        else:
+            root = local_path(path)
+            steps = list_steps(root)
+            manifest = steps.get(max(steps)) if steps else None
     except OSError as e:
-        raise CheckpointError(f"{root} cannot be read ({type(e).__name__}: {e}).") from e
-    manifest = steps.get(max(steps)) if steps else None
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}).") from e
     if manifest is None:
         raise CheckpointError(f"{root} holds no readable checkpoint (no complete step with a manifest).")
     check_manifest(manifest, root)

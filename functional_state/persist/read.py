@@ -13,6 +13,7 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointError
+from ..memory.huge_pages import advise_huge_pages
 from ..memory.shardings import single_device_sharding
 from .confined import check_depth, check_tree
 from .decode import decode_sharding
@@ -28,12 +29,17 @@ from .manifest import (
     in_parallel,
     leaf_nbytes,
 )
+from .paths import is_url, local_path, remote_path
+from .remote import staged_read
 from .validate import check_stored
 
 
 def read_checkpoint(path: Any, placement: Any, torch_device: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(manifest, arrays)`` of the checkpoint at ``path``, verified; `CheckpointError` for anything else."""
-    root = Path(os.fspath(path)).absolute()
+    if is_url(path):
+        with staged_read(remote_path(path)) as staged:
+            return read_checkpoint(staged, placement, torch_device)
+    root = local_path(path)
     try:
         return _read_step(root, placement, torch_device)
     except CheckpointError:
@@ -174,6 +180,7 @@ def host_storage(nbytes: int) -> tuple[np.ndarray, Any]:
     tensor = torch.empty(nbytes, dtype=torch.uint8)
     if not nbytes:
         return np.empty(0, np.uint8), tensor
+    advise_huge_pages(tensor.data_ptr(), nbytes)  # (before the first touch: torch's allocator never asks)
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())), tensor
 
 

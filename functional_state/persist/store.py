@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -18,15 +19,18 @@ from .confined import MAX_JSON_BYTES, MAX_JSON_VALUES, json_values_at_most
 from .directory import (
     discard_step,
     drop_steps_before,
+    list_steps,
     make_durable,
     orbax_manager,
     prepare_directory,
 )
 from .encode import Writer
-from .fencing import check_not_behind
+from .fencing import check_newest_not_behind, check_not_behind
 from .handlers import import_orbax
 from .manifest import in_arrays_item, seal
+from .paths import is_url, local_path, remote_path
 from .priority import background_begin, background_end
+from .remote import newest_manifest, upload_step
 
 _log = logging.getLogger("functional_state")
 
@@ -183,8 +187,10 @@ def _check_loadable(manifest: dict[str, Any], root: Path) -> None:
 
 
 def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: bool) -> SaveHandle:
+    if is_url(path):
+        return _write_remote(remote_path(path), manifest, writer)
     ocp = import_orbax()
-    root = Path(os.fspath(path)).absolute()
+    root = local_path(path)
     if asynchronous and not _wait_at_exit():
         asynchronous = False  # a save asked for while the interpreter exits finishes before it returns
     manifest["leaves"] = writer.leaves
@@ -251,4 +257,24 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
             _IN_FLIGHT[key] = handle
         else:
             handle.wait()
+    return handle
+
+
+def _write_remote(url: Any, manifest: dict[str, Any], writer: Writer) -> SaveHandle:
+    """A save to a URL (`persist.remote`): fenced against the newest committed step there, written locally
+    (synchronously: the upload reads the finished files), uploaded, committed."""
+    newest_step, newest = newest_manifest(url)
+    check_newest_not_behind(newest, manifest, str(url))
+    step = 0 if newest_step is None else newest_step + 1
+    with tempfile.TemporaryDirectory(prefix="functional-state-") as tmp:
+        staged = Path(tmp) / "checkpoint"
+        handle = write(staged, manifest, writer, asynchronous=False)
+        try:
+            upload_step(staged / str(max(list_steps(staged))), url, step)
+        except OSError as e:
+            raise CheckpointError(
+                f"uploading the checkpoint to {url} failed ({type(e).__name__}: {e}); the checkpoint that was "
+                f"there before, if any, is still the one there."
+            ) from e
+    handle.path = url
     return handle

@@ -11,12 +11,13 @@ pool it uses, and the source lets go of its copy only once the target has claime
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import InvalidArgumentError
+from ..persist.paths import child
 from ..transfer.placement import Placement
+from .moves import drain_target, held, rebalance_move
 
 __all__ = ["SessionCluster"]
 
@@ -43,13 +44,13 @@ class SessionCluster:
 
     def __init__(self, replicas: Mapping[str, Any], checkpoints: Any, *, replay: Replay | None = None):
         self.replicas = dict(replicas)
-        self.checkpoints = os.fspath(checkpoints)
+        self.checkpoints = checkpoints
         self.replay = replay
         self.owners: dict[str, tuple[str, int]] = {}  # sid -> (replica name, epoch)
         self.lost: list[str] = []  # sessions no replica could take (none so far, by construction)
 
-    def path(self, sid: str) -> str:
-        return os.path.join(self.checkpoints, sid)
+    def path(self, sid: str) -> Any:
+        return child(self.checkpoints, sid)
 
     def _get(self, ref: Any) -> Any:
         return _ray().get(ref)
@@ -65,7 +66,7 @@ class SessionCluster:
             raise InvalidArgumentError(f"`SessionCluster.open`: session {sid!r} is open on {self.owners[sid][0]!r}.")
         if replica is None:
             figures = self.figures()
-            replica = min(figures, key=lambda n: sum(held for held, _ in figures[n].pools.values()))
+            replica = min(figures, key=lambda n: held(figures[n]))
         self.owners[sid] = (replica, self._get(self.replicas[replica].open.remote(sid)))
         return replica
 
@@ -101,7 +102,7 @@ class SessionCluster:
             if name != dead:
                 continue
             figures = self.figures()
-            to = min(figures, key=lambda n: sum(held for held, _ in figures[n].pools.values()))
+            to = min(figures, key=lambda n: held(figures[n]))
             new_epoch, step = self._get(self.replicas[to].resume.remote(sid, self.path(sid), epoch))
             self.owners[sid] = (to, int(new_epoch))
             replayed[sid] = self.replay(self, sid, int(step)) if self.replay is not None else 0
@@ -112,7 +113,7 @@ class SessionCluster:
         found none (they stay on ``name``, never dropped)."""
         stuck = []
         for sid in [s for s, (n, _) in self.owners.items() if n == name]:
-            to = self._fitting(sid, exclude=name)
+            to = drain_target(self.figures(), sid, name)
             if to is None:
                 stuck.append(sid)
             else:
@@ -124,25 +125,9 @@ class SessionCluster:
         narrows the gap; returns the number moved."""
         moved = 0
         for _ in range(len(self.owners)):  # (bounded: each move narrows the gap)
-            figures = self.figures()
-            held = {n: sum(h for h, _ in f.pools.values()) for n, f in figures.items()}
-            top, low = max(held, key=held.__getitem__), min(held, key=held.__getitem__)
-            gap = held[top] - held[low]
-            sizes = {sid: f.nbytes for sid, f in figures[top].sessions.items()}
-            fits = [s for s, n in sizes.items() if 0 < n < gap and _fits(figures[low], figures[top].sessions[s])]
-            if not fits:
-                return moved
-            self.move(min(fits, key=lambda s: abs(gap - 2 * sizes[s])), low)
+            step = rebalance_move(self.figures())
+            if step is None:
+                break
+            self.move(step[0], step[2])
             moved += 1
         return moved
-
-    def _fitting(self, sid: str, exclude: str) -> str | None:
-        figures = self.figures()
-        session = figures[exclude].sessions[sid]
-        fits = [n for n, f in figures.items() if n != exclude and _fits(f, session)]
-        return max(fits, key=lambda n: min(figures[n].headroom(p) or 0 for p in session.bytes_by_pool), default=None)
-
-
-def _fits(target: Placement, session: Any) -> bool:
-    """Whether ``target`` has headroom for the session's bytes in every pool it uses."""
-    return all((room := target.headroom(pool)) is None or room >= n for pool, n in session.bytes_by_pool.items())

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import StaleEpochError
+from ..errors import StaleEpochError, TransferError
 from ..persist.info import checkpoint_info
 from ..shell.manager import SessionStateManager
 from ..table.ownership import check_epoch, claimed, session_epoch
@@ -91,6 +91,10 @@ class SessionReplica:
         handle.set_attr(STEP_ATTR, handle.get_attr(STEP_ATTR, 0) + 1)
         return out
 
+    def epoch(self, sid: str) -> int:
+        """The epoch this replica holds ``sid`` at."""
+        return int(session_epoch(self.manager.get_session(sid).state.attrs))
+
     def steps(self, sid: str) -> int:
         """How many steps ``sid`` has taken (its ``"step"`` attr)."""
         return int(self.manager.get_session(sid).get_attr(STEP_ATTR, 0))
@@ -109,10 +113,17 @@ class SessionReplica:
         blob = export_session(self.manager.state, sid, epoch=epoch, **self.hooks)
         return blob.manifest_bytes(), list(blob.buffers)
 
-    def accept(self, manifest: bytes, buffers: list[Any], epoch: int) -> int:
-        """Import a session another replica exported at ``epoch`` and claim it here; returns its new epoch."""
+    def accept(self, manifest: bytes, buffers: list[Any], epoch: int, expect: str | None = None) -> int:
+        """Import a session another replica exported at ``epoch`` and claim it here; returns its new epoch.
+        ``expect``: the session id the caller means to move (a blob of another session is refused)."""
+        blob = SessionBlob.from_parts(manifest, buffers)
+        if expect is not None and blob.session_id != expect:
+            raise TransferError(
+                f"{self.name}: `accept` was asked for session {expect!r} and given a blob of {blob.session_id!r}; "
+                f"nothing was imported. Pass the blob `export` gave for {expect!r}."
+            )
         sid, session = read_blob(
-            SessionBlob.from_parts(manifest, buffers),
+            blob,
             epoch=epoch,
             model=self.model,
             free_in=self.manager.state,

@@ -3,7 +3,7 @@
 The pure values a distributed deployment moves (Ray actors, Serve replicas): `export_session` /
 `import_session` turn one session into a checksummed, pickle-free `SessionBlob` and back; `claim` and the
 epoch checks fence a superseded owner; `checkpoint_info` reads a checkpoint's figures without loading it;
-`placement` reports what a replica holds. `functional_state.transfer.ray_serving` builds the Ray side on these.
+`placement` reports what a replica holds. `functional_state.serving` builds the Ray side on these.
 """
 
 from ..persist.info import CheckpointInfo, SessionInfo, checkpoint_info
