@@ -139,9 +139,9 @@ def test_the_kept_compaction_limit_bounds_the_window_after_hits_misses_and_drops
             state, _ = fs.drop_session(state, sid)
         else:
             state, _ = fs.get_or_create(state, sid)
-        _, _, start, end, *_, limit = state._meta
-        assert limit == start + COMPACT_AT * len(state)
-        assert end - start <= COMPACT_AT * len(state) + COMPACT_AT  # compacted when it reaches the limit
+        r = state._recency
+        assert r.limit == r.start + COMPACT_AT * len(state)
+        assert r.end - r.start <= COMPACT_AT * len(state) + COMPACT_AT  # compacted when it reaches the limit
 
 
 def test_put_refuses_bad_input_after_its_cheap_checks_have_seen_good_input():

@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .aliases import OWNED, Loose, alias_owner, register_alias
+from .aliases import OWNED, alias_owner, register_alias
+from .extents import Extent, Loose
 from .shardings import is_single_device
 from .values import NO_BUFFER_TYPES, exported
 
@@ -74,7 +75,7 @@ def _jax_device_key(device: Any) -> str:
     return f"{platform}:{device.id}"
 
 
-Extents = list[tuple[str, int, int]]
+Extents = list[Extent]
 
 
 @dataclasses.dataclass
@@ -120,7 +121,9 @@ def _pool_blocks(key: str, start: int, lo: int, hi: int, out: Extents) -> bool:
     for so, se, base, bb, _ in live:
         a, b = max(lo, so), min(hi, se)
         if a < b:
-            out.extend((key, base + i * bb, base + (i + 1) * bb) for i in range((a - so) // bb, (b - so - 1) // bb + 1))
+            out.extend(
+                Extent(key, base + i * bb, base + (i + 1) * bb) for i in range((a - so) // bb, (b - so - 1) // bb + 1)
+            )
     return True
 
 
@@ -157,8 +160,8 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
             if _pool_blocks(key, start, offset + lo, offset + hi, out):
                 return
         # A storage torch did not allocate (from_numpy, from_dlpack: not resizable) may overlap another one.
-        e = (key, start, start + size)  # (unless it is one of our own host buffers: `aliases.OWNED`)
-        out.append(e if storage.resizable() or e in OWNED else Loose(e))
+        e = Extent(key, start, start + size)  # (unless it is one of our own host buffers: `aliases.OWNED`)
+        out.append(e if storage.resizable() or e in OWNED else Loose(key, start, start + size))
 
 
 _STRIDED, _NO_BYTES, _POINTER = None, ctypes.c_char * 0, ctypes.c_void_p.from_address
@@ -198,7 +201,7 @@ def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
     if a.base is None and not POOL_STORAGES:  # an array that owns its memory, no engine pool: the common case
         if a.size:
             start = _address(a)
-            out.append(("cpu", start, start + a.nbytes))
+            out.append(Extent("cpu", start, start + a.nbytes))
         return
     owner = a
     while isinstance(owner.base, np.ndarray):
@@ -217,11 +220,11 @@ def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
         if _pool_blocks("cpu", start, offset + lo, offset + hi, out):
             return
     if base is None:
-        out.append(("cpu", start, start + owner.nbytes))
+        out.append(Extent("cpu", start, start + owner.nbytes))
         return
     # Memory owned by some other object (bytes, mmap, a foreign buffer): count the span this array covers.
     lo, hi = _span(owner.shape, owner.strides, owner.itemsize)  # (owner.size > 0 here)
-    out.append(Loose(("cpu", start + lo, start + hi)))
+    out.append(Loose("cpu", start + lo, start + hi))
 
 
 def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
@@ -242,7 +245,7 @@ def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, 
             start = a.unsafe_buffer_pointer()
             key = _jax_pool_key(next(iter(sharding.device_set)), memory_kind)
             if not (POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out)):
-                out.append((key, start, start + size))
+                out.append(Extent(key, start, start + size))
         return
     for shard in a.addressable_shards:
         data = shard.data
@@ -252,7 +255,7 @@ def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, 
             key = _jax_pool_key(shard.device, memory_kind)
             if POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out):
                 continue
-            out.append((key, start, start + size))
+            out.append(Extent(key, start, start + size))
 
 
 # Objects never walked into: they reach the whole program (modules, classes, functions) or hold no data.

@@ -31,20 +31,20 @@ def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
     Read from ``after``'s release log back to ``before``'s (O(released)) when ``after`` descends from
     ``before``; otherwise (another lineage, a cut log) by comparing every held block.
     """
-    candidates: list[Any] = []  # (pool uid, block id); also ("held", uid) counters in a full comparison
+    candidates: list[Any] = []  # (pool uid, block id)
     node = after.log
     complete = before.root is after.root
     while complete and node is not before.log:
         if node is None or node is LOG_CUT:
             complete = False
             break
-        candidates.extend(node[1])
-        node = node[2]
+        candidates.extend(node.released)
+        node = node.previous
     if not complete:
         candidates = list(before.kv.keys())
     out: dict[int, list[int]] = {}
     for key in candidates:
-        if key[0] != "held" and key in before.kv and key not in after.kv:
+        if key in before.kv and key not in after.kv:
             out.setdefault(key[0], []).append(key[1])
     return {uid: tuple(sorted(set(ids))) for uid, ids in out.items()}
 

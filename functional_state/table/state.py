@@ -1,11 +1,10 @@
-"""`ManagerState`: the table type, its encoding, and the named node/counter API the rest of the package reads.
+"""`ManagerState`: the table type, the records it is made of, and the node/counter API the package reads.
 
-The table is one persistent hash map (``immutables.Map``, a C-backed HAMT) ``session_id -> node`` plus one
-tuple of the table's other fields. A node and that tuple are plain tuples, because one is built on every
-write (about 5x cheaper than a NamedTuple: 0.07 vs 0.33 us, ~9% of a stage+commit); their positions are
-named here, once, and only the table's own modules (this one, `checks`, `lru`, `session_verbs`, `object_verbs`)
-index them. Every other module reads a table through the functions below (`node_session`, `held_session`,
-`entries`, `entries_lru`, `lru_sessions`, `session_map`, `ledger_of`) and changes counters through
+The table is one persistent hash map (``immutables.Map``, a C-backed HAMT) ``session_id -> Node``, its
+`Recency` (clock and window of the recency log), its hit count, its `Totals` (what a miss or a rare verb
+changes), its `Config` and its ledger: a write to a session builds one `Node` and keeps the other fields by
+reference. Other modules read a table through the functions below (`node_session`, `held_session`,
+`entries`, `entries_lru`, `lru_sessions`, `session_map`, `ledger_of`) and change counters through
 `Counters`, `with_counters` and `count_evictions`.
 
 `ManagerState` is host-side bookkeeping, not a pytree: recency and counters change on every lookup, and a
@@ -36,6 +35,9 @@ __all__ = [
     "ConsumedManagerState",
     "Counters",
     "ManagerState",
+    "Node",
+    "Recency",
+    "Totals",
     "add_to_counter",
     "check_positive",
     "count_evictions",
@@ -53,45 +55,100 @@ __all__ = [
     "with_counters",
     "with_issued",
     "with_max_sessions",
+    "with_nodes",
 ]
 
 DEFAULT_SESSION_ID = "default"
 DEFAULT_MAX_SESSIONS = 64  # mirrors the bespoke MAX_DREAMZERO_SESSIONS
-
-# A node: (session, tick of its last use, incarnation). Recency is the order of the ticks: every use takes
-# the next tick of the table's clock and appends ``(session id, tick)`` to an append-only log, so a hit
-# rewrites no other node (a linked list rewrote up to four). An entry is current while its session's node
-# still holds its tick; the log is read oldest first, skipping entries a later use superseded, and is
-# compacted to its current entries when it grows to COMPACT_AT times the table.
-SESSION: Final = 0
-USED: Final = 1
-UID: Final = 2
-Node = tuple[SessionState, int, int]
-# The table's other fields, one tuple so that a write to a session copies two references: (clock: the next
-# tick, log, start and end of this table's window of the log, pending: the session whose node does not hold
-# its tick yet (see `lru.touch`) and that tick, hits, then the fields that only a miss or a rare verb
-# changes, one tuple so that a hit copies nine references, not fourteen: (next incarnation, config, misses,
-# evictions, parks, restores), and the end at which the window is compacted (start + COMPACT_AT x the
-# table's size, kept so that a hit compares one int instead of computing it).
-CLOCK: Final = 0
-LOG: Final = 1
-START: Final = 2
-END: Final = 3
-PENDING: Final = 4
-PENDING_TICK: Final = 5
-HITS: Final = 6
-COLD: Final = 7
-LIMIT: Final = 8
-ISSUED: Final = 0
-CONFIG: Final = 1
-MISSES: Final = 2
-EVICTIONS: Final = 3
-PARKS: Final = 4
-RESTORES: Final = 5
+# A recency window is compacted to its current entries when it grows to COMPACT_AT times the table.
 COMPACT_AT: Final = 4
-Meta = tuple[Any, ...]
 EMPTY_NODES: immutables.Map = immutables.Map()
 _new = object.__new__
+
+
+class Node:
+    """One session of the table: the session, the tick of its last use, and its incarnation.
+
+    Recency is the order of the ticks: every use takes the next tick of the table's clock and appends
+    ``(session id, tick)`` to the `Recency` log, so a hit rewrites no other node. An entry of the log is
+    current while its session's node still holds its tick (see `Recency.tick_of`).
+    """
+
+    __slots__ = ("session", "uid", "used")
+    session: Final[SessionState]
+    used: Final[int]  # the tick of its last use (a pending node's is older: see `Recency.pending`)
+    uid: Final[int]  # its incarnation: which life of its session id this is
+
+    def __init__(self, session: SessionState, used: int, uid: int) -> None:
+        self.session = session
+        self.used = used
+        self.uid = uid
+
+    def __repr__(self) -> str:
+        return f"Node(used={self.used}, uid={self.uid}, session={self.session!r})"
+
+
+class Recency:
+    """The table's recency order: its clock, and its window ``[start, end)`` of the shared `recency_log`.
+
+    A hit writes no node: the session it made most recent is *pending* (its node keeps its old tick, the
+    table holds the new one here) until the next write of that node stores it (see `lru.touch`).
+    """
+
+    __slots__ = ("clock", "end", "limit", "log", "pending", "pending_tick", "start")
+    clock: Final[int]  # the next tick
+    log: Final[Log]
+    start: Final[int]  # the window's first position in ``log``
+    end: Final[int]  # one past its last
+    pending: Final[str | None]  # the session whose node does not hold its tick yet, if any
+    pending_tick: Final[int]  # and that tick
+    limit: Final[int]  # the ``end`` at which the window is compacted (start + COMPACT_AT x the table's size)
+
+    def __init__(
+        self, clock: int, log: Log, start: int, end: int, pending: str | None, pending_tick: int, limit: int
+    ) -> None:
+        self.clock = clock
+        self.log = log
+        self.start = start
+        self.end = end
+        self.pending = pending
+        self.pending_tick = pending_tick
+        self.limit = limit
+
+    def tick_of(self, sid: str, node: Node) -> int:
+        """The tick of ``sid``'s last use (its node ``node``): the pending tick for the pending session."""
+        return self.pending_tick if sid == self.pending else node.used
+
+    def __repr__(self) -> str:
+        return (
+            f"Recency(clock={self.clock}, window=[{self.start}, {self.end}), limit={self.limit}, "
+            f"pending={self.pending!r}@{self.pending_tick})"
+        )
+
+
+class Totals:
+    """The table's totals that only a miss or a rare verb changes (the hits, which every lookup changes, and
+    the configuration are kept apart)."""
+
+    __slots__ = ("evictions", "issued", "misses", "parks", "restores")
+    issued: Final[int]  # incarnation numbers issued so far
+    misses: Final[int]
+    evictions: Final[int]
+    parks: Final[int]
+    restores: Final[int]
+
+    def __init__(self, issued: int, misses: int, evictions: int, parks: int, restores: int) -> None:
+        self.issued = issued
+        self.misses = misses
+        self.evictions = evictions
+        self.parks = parks
+        self.restores = restores
+
+    def __repr__(self) -> str:
+        return (
+            f"Totals(issued={self.issued}, misses={self.misses}, evictions={self.evictions}, "
+            f"parks={self.parks}, restores={self.restores})"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +175,12 @@ class ManagerState:
     recently used first), the counter properties, `sessions`, `lookup` and `stats`.
     """
 
-    __slots__ = ("__weakref__", "_acct", "_meta", "_nodes")
+    __slots__ = ("__weakref__", "_acct", "_config", "_hits", "_nodes", "_recency", "_totals")
     _nodes: immutables.Map  # session_id -> Node
-    _meta: Meta
+    _recency: Recency
+    _hits: int
+    _totals: Totals
+    _config: Config
     _acct: Acct | None  # object bytes, maintained incrementally once tracked (see `ledger_of`)
 
     def __init__(self) -> None:
@@ -155,58 +215,59 @@ class ManagerState:
         check_positive(max_sessions, "`ManagerState.create`: max_sessions")
         budget = normalize_budget(byte_budget, "ManagerState.create: byte_budget")
         config = Config(max_sessions, budget, bool(evict_when_full))
-        meta = (0, Log([], []), 0, 0, None, 0, 0, (0, config, 0, 0, 0, 0), 0)
-        return make_state(EMPTY_NODES, meta, None if budget is None else Acct.build([]))
+        recency = Recency(0, Log([], []), 0, 0, None, 0, 0)
+        acct = None if budget is None else Acct.build([])
+        return make_state(EMPTY_NODES, recency, 0, Totals(0, 0, 0, 0, 0), config, acct)
 
     # --- reads -------------------------------------------------------------------------------------
     @property
     def max_sessions(self) -> int:
-        return self._meta[COLD][CONFIG].max_sessions
+        return self._config.max_sessions
 
     @property
     def byte_budget(self) -> dict[str, int] | None:
         """``{pool: bytes}`` (``"*"``: every device pool), or None."""
-        return self._meta[COLD][CONFIG].byte_budget
+        return self._config.byte_budget
 
     @property
     def evict_when_full(self) -> bool:
-        return self._meta[COLD][CONFIG].evict_when_full
+        return self._config.evict_when_full
 
     @property
     def hits(self) -> int:
         """Lookups (`get_or_create`, `get_session`) that found their session."""
-        return self._meta[HITS]
+        return self._hits
 
     @property
     def misses(self) -> int:
         """`get_or_create` calls that created their session."""
-        return self._meta[COLD][MISSES]
+        return self._totals.misses
 
     @property
     def evictions(self) -> int:
         """Sessions dropped to make room under the count cap."""
-        return self._meta[COLD][EVICTIONS]
+        return self._totals.evictions
 
     @property
     def parks(self) -> int:
         """Objects parked (`park`), counting each session of a shared park once."""
-        return self._meta[COLD][PARKS]
+        return self._totals.parks
 
     @property
     def restores(self) -> int:
         """Objects restored (`restore`), whether asked for or done by a handle on access."""
-        return self._meta[COLD][RESTORES]
+        return self._totals.restores
 
     @property
     def counters(self) -> Counters:
         """Every counter, by name (what a checkpoint saves)."""
-        meta = self._meta
-        return Counters(meta[HITS], *meta[COLD][MISSES:])
+        t = self._totals
+        return Counters(self._hits, t.misses, t.evictions, t.parks, t.restores)
 
     @property
     def issued(self) -> int:
         """Incarnation numbers issued so far: a table derived from another gained one per insertion."""
-        return self._meta[COLD][ISSUED]
+        return self._totals.issued
 
     @property
     def least_recent(self) -> str | None:
@@ -216,10 +277,10 @@ class ManagerState:
     @property
     def most_recent(self) -> str | None:
         """The most recently used id (None when empty)."""
-        nodes, (_, log, start, end, pending, pending_tick, *_) = self._nodes, self._meta
-        for sid, tick in entries_reversed(log, start, end):
+        nodes, recency = self._nodes, self._recency
+        for sid, tick in entries_reversed(recency.log, recency.start, recency.end):
             node = nodes.get(sid)
-            if node is not None and (pending_tick if sid == pending else node[USED]) == tick:
+            if node is not None and recency.tick_of(sid, node) == tick:
                 return sid
         return None
 
@@ -243,7 +304,7 @@ class ManagerState:
         return isinstance(session_id, str) and session_id in self._nodes
 
     def _accounting_children(self) -> list[SessionState]:
-        return [node[SESSION] for node in self._nodes.values()]
+        return [node.session for node in self._nodes.values()]
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         """Render as the table a user thinks of (sessions in LRU order, counters), not the internal map."""
@@ -273,13 +334,23 @@ class ConsumedManagerState(ManagerState):
     __slots__ = ()
 
 
-def make_state(nodes: immutables.Map, meta: Meta, acct: Acct | None) -> ManagerState:
+def make_state(
+    nodes: immutables.Map, recency: Recency, hits: int, totals: Totals, config: Config, acct: Acct | None
+) -> ManagerState:
     """A `ManagerState` of these fields (no checks: the table's modules build them)."""
     new = _new(ManagerState)
     new._nodes = nodes
-    new._meta = meta
+    new._recency = recency
+    new._hits = hits
+    new._totals = totals
+    new._config = config
     new._acct = acct
     return new
+
+
+def with_nodes(state: ManagerState, nodes: immutables.Map, acct: Acct | None) -> ManagerState:
+    """``state`` with its nodes and ledger replaced; recency, counters and configuration kept."""
+    return make_state(nodes, state._recency, state._hits, state._totals, state._config, acct)
 
 
 class Counters(NamedTuple):
@@ -294,10 +365,9 @@ class Counters(NamedTuple):
 
 def with_counters(state: ManagerState, counters: Counters | tuple[int, ...] | list[int]) -> ManagerState:
     """``state`` with its counters replaced (a loaded checkpoint's), sessions and configuration kept."""
-    hits, *rest = counters
-    meta = state._meta
-    cold = (*meta[COLD][:MISSES], *rest)
-    return make_state(state._nodes, (*meta[:HITS], hits, cold, *meta[COLD + 1 :]), state._acct)
+    hits, misses, evictions, parks, restores = counters
+    totals = Totals(state._totals.issued, misses, evictions, parks, restores)
+    return make_state(state._nodes, state._recency, hits, totals, state._config, state._acct)
 
 
 def count_evictions(state: ManagerState, n: int = 1) -> ManagerState:
@@ -312,75 +382,74 @@ def add_to_counter(state: ManagerState, counter: str, n: int) -> ManagerState:
 
 def with_max_sessions(state: ManagerState, n: int) -> ManagerState:
     """``state`` with its count cap set to ``n`` (no checks: `raise_max_sessions` makes them)."""
-    meta = state._meta
-    cold = list(meta[COLD])
-    cold[CONFIG] = dataclasses.replace(cold[CONFIG], max_sessions=n)
-    return make_state(state._nodes, (*meta[:COLD], tuple(cold), *meta[COLD + 1 :]), state._acct)
+    config = dataclasses.replace(state._config, max_sessions=n)
+    return make_state(state._nodes, state._recency, state._hits, state._totals, config, state._acct)
 
 
 def with_issued(state: ManagerState, n: int) -> ManagerState:
     """``state`` with its incarnation counter at ``n >= state.issued`` (pure; ``state`` itself at its own)."""
-    meta, cold = state._meta, state._meta[COLD]
-    if type(n) is not int or n < cold[ISSUED]:
-        raise InvalidArgumentError(f"`with_issued`: n must be an int >= issued={cold[ISSUED]}, got {n!r}.")
-    new = (*meta[:COLD], (n, *cold[CONFIG:]), *meta[LIMIT:])  # (ISSUED is the first cold field)
-    return state if n == cold[ISSUED] else make_state(state._nodes, new, state._acct)
+    t = state._totals
+    if type(n) is not int or n < t.issued:
+        raise InvalidArgumentError(f"`with_issued`: n must be an int >= issued={t.issued}, got {n!r}.")
+    if n == t.issued:
+        return state
+    totals = Totals(n, t.misses, t.evictions, t.parks, t.restores)
+    return make_state(state._nodes, state._recency, state._hits, totals, state._config, state._acct)
 
 
 def node_session(node: Node) -> SessionState:
     """The session a node (from `locate`) holds."""
-    return node[SESSION]
+    return node.session
 
 
 def in_place(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
     """Whether ``after`` changed ``before``'s sessions in place: the same number of sessions, no incarnation
     issued since, and (with ``budget``) no byte budget to check. O(1); the shell's common-write test."""
-    cold, old = after._meta[COLD], before._meta[COLD]
     return (
-        (cold is old or cold[ISSUED] == old[ISSUED])
+        after._totals.issued == before._totals.issued
         and len(after._nodes) == len(before._nodes)
-        and (not budget or cold[CONFIG].byte_budget is None)
+        and (not budget or after._config.byte_budget is None)
     )
 
 
 def held_session(state: ManagerState, sid: str, uid: int) -> SessionState | None:
     """The session if ``state`` holds incarnation ``uid`` of ``sid`` (one atomic read), else None."""
     node = state._nodes.get(sid)
-    return node[SESSION] if node is not None and node[UID] == uid else None
+    return node.session if node is not None and node.uid == uid else None
 
 
 def held_object(state: ManagerState, sid: str, uid: int, name: str) -> Any:
     """Object ``name`` of the session if ``state`` holds incarnation ``uid`` of ``sid`` (None: it has no such
     object), else `MISSING`: `held_session` and the object lookup in one atomic read (a handle's per-step read)."""
     node = state._nodes.get(sid)
-    return node[SESSION]._objects.get(name) if node is not None and node[UID] == uid else MISSING
+    return node.session._objects.get(name) if node is not None and node.uid == uid else MISSING
 
 
 def incarnation_of(state: ManagerState, sid: str) -> int | None:
     """`incarnation` without its argument checks, for a caller that resolved ``sid`` itself."""
     node = state._nodes.get(sid)
-    return None if node is None else node[UID]
+    return None if node is None else node.uid
 
 
 def entries(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
     """``(session id, incarnation, session)`` for every session, in map order (not recency)."""
     for sid, node in state._nodes.items():
-        yield sid, node[UID], node[SESSION]
+        yield sid, node.uid, node.session
 
 
 def entries_lru(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
     """``(session id, incarnation, session)`` least recently used first, lazily: a caller looking for what an
     LRU eviction removed stops after the first few."""
-    nodes, (_, log, start, end, pending, pending_tick, *_) = state._nodes, state._meta
-    for sid, tick in log_entries(log, start, end):
+    nodes, recency = state._nodes, state._recency
+    for sid, tick in log_entries(recency.log, recency.start, recency.end):
         node = nodes.get(sid)
-        if node is not None and (pending_tick if sid == pending else node[USED]) == tick:
-            yield sid, node[UID], node[SESSION]
+        if node is not None and recency.tick_of(sid, node) == tick:
+            yield sid, node.uid, node.session
 
 
 def session_map(state: ManagerState) -> dict[str, SessionState]:
     """``{session id: session}``, in map order (not recency): the cheapest full read."""
-    return {sid: node[SESSION] for sid, node in state._nodes.items()}
+    return {sid: node.session for sid, node in state._nodes.items()}
 
 
 def lru_sessions(state: ManagerState) -> tuple[list[str], list[SessionState]]:
@@ -403,7 +472,7 @@ def ledger_of(state: ManagerState) -> Acct:
     """
     acct = state._acct
     if acct is None:
-        acct = Acct.build(node[SESSION] for node in state._nodes.values())
+        acct = Acct.build(node.session for node in state._nodes.values())
         state._acct = acct
     return acct
 

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
-from ..memory.holders import Extent, held_elsewhere, holder_extents
+from ..memory.extents import Extent
+from ..memory.holders import held_elsewhere, holder_extents
 from .ledger import Acct, held_by, value_extents
 from .manager_state import (
     ConsumedManagerState,
