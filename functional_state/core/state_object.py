@@ -407,7 +407,7 @@ def value_extents(value: Any) -> list[Extent]:
     global _TENSOR
     out: accounting.Extents = []
     kind = type(value)
-    if kind is _TENSOR:  # (torch.Tensor once seen: a lookup of torch per value is a fifth of this read)
+    if kind is _TENSOR:  # (torch.Tensor, once seen: no lookup of the torch module per value)
         accounting.torch_extents(value, out)
     elif kind is np.ndarray:  # what the walk would do for it, without the walk's set-up
         accounting.numpy_extents(value, out)

@@ -146,7 +146,7 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
         if _STRIDED is not None or layout is not torch_module().strided:
             return  # Sparse layouts have no single storage; counted as unknown (zero).
         _STRIDED = layout
-    key = "cpu" if t.is_cpu else _torch_device_key(t.device)  # (is_cpu: a third of the device lookup)
+    key = "cpu" if t.is_cpu else _torch_device_key(t.device)  # (is_cpu: no device object built for the host)
     if key is None:
         return
     storage = t.untyped_storage()
@@ -168,7 +168,8 @@ _STRIDED, _NO_BYTES, _POINTER = None, ctypes.c_char * 0, ctypes.c_void_p.from_ad
 
 
 def _address_exported(owner: np.ndarray) -> int:
-    # 4x faster than ``__array_interface__`` (a dict: ~1 us); read-only, non-contiguous arrays take the latter.
+    # The buffer's address without building ``__array_interface__`` (a dict per call; see BENCHMARKS.md, notes
+    # on the hot path); read-only, non-contiguous arrays take the latter.
     try:
         return ctypes.addressof(_NO_BYTES.from_buffer(owner))  # type: ignore[arg-type]  # (ndarray is a buffer)
     except (TypeError, ValueError, BufferError):
@@ -176,8 +177,8 @@ def _address_exported(owner: np.ndarray) -> int:
 
 
 def _address_field(owner: Any) -> int:
-    # The ``data`` field of numpy's PyArrayObject, first after the object header (numpy's ABI since 1.0): a
-    # third of the export's cost. `_data_field_works` checks the layout at import; foreign objects never read.
+    # The ``data`` field of numpy's PyArrayObject, first after the object header (numpy's ABI since 1.0), read
+    # without an export. `_data_field_works` checks the layout at import; foreign objects never read.
     if type(owner) is not np.ndarray and not isinstance(owner, np.ndarray):
         return _address_exported(owner)
     return _POINTER(id(owner) + _HEADER).value or 0

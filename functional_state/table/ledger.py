@@ -143,7 +143,8 @@ def _with_attr_only(r: _Rest, attr_only: Any) -> _Rest:
 
 
 def _stepped(refs: immutables.Map, totals: immutables.Map, rest: _Rest) -> Acct:
-    """A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of a step."""
+    """A copy with the two counts changed and ``rest`` shared, built by its three slots (a step leaves the
+    other fields alone, and `Acct.__init__` would rebuild them)."""
     acct = _new(Acct)
     acct.refs, acct.totals, acct.rest = refs, totals, rest
     return acct
@@ -321,7 +322,8 @@ class Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
 
         The object's type may price the change itself (`StateObject.ledger_step`: a ring commit, by the items
-        it moves); without engine blocks that delta is applied here written out, the hot path of every step.
+        it moves); without engine blocks that delta is applied to the persistent counts directly (no
+        mutation to build and finish for the one or two extents a step moves), the hot path of every step.
         """
         if old is new:
             return self
@@ -337,21 +339,6 @@ class Acct:
         ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
         arefs = rest.attrs.refs  # (an extent an attr holds too moves the attr-only sum when its last object goes)
-        # The steady ring step (one extent out, one in, one additive pool): the loops below written out. (`min`
-        # of a one-item collection is its item: a type's delta may be any collection, a frozenset included.)
-        steady = len(add) == 1 == len(remove) and not ov
-        if steady and type(a := min(add)) is not Loose and (r := min(remove))[0] == a.pool:
-            n = refs[r] - 1
-            refs = refs.set(r, n) if n else refs.delete(r)
-            m = refs.get(a, 0)
-            refs = refs.set(a, m + 1)
-            totals = self.totals
-            if moved := (0 if m else a.end - a.start) - (0 if n else r.end - r.start):  # (a same-size step moves none)
-                totals = totals.set(a.pool, totals.get(a.pool, 0) + moved)
-            if arefs and ((not n and r in arefs) or (not m and a in arefs)):
-                turned = [(e, d) for e, d, held in ((r, 1, n), (a, -1, m)) if not held and e in arefs]
-                rest = _with_attr_only(rest, attr_only_flipped(rest.attr_only, turned))
-            return _stepped(refs, totals, rest)
         flips: list[tuple[Extent, int]] | None = None
         came: dict[str, int] = {}  # bytes that came (or left: negative), per additive pool
         moves: dict[str, tuple[list[Extent], list[Extent]]] | None = None
