@@ -112,7 +112,7 @@ def test_no_private_name_crosses_a_module():
 
 # The modules of the table's own encoding: `state` defines its records (`Node`, `Recency`, `Totals`), the
 # others build them on the table's write paths.
-TABLE_ENCODING = {"table.state", "table.checks", "table.lru", "table.session_verbs", "table.object_verbs"}
+TABLE_ENCODING = {"table.manager_state", "table.checks", "table.lru", "table.session_verbs", "table.object_verbs"}
 
 
 def test_the_table_layout_is_read_only_by_the_table_modules():
@@ -158,7 +158,7 @@ ROOTS = {"functional_state": PKG, "torch_bridge": PKG.parent / "torch_bridge"}
 
 
 def _all_modules() -> dict[str, Path]:
-    """Absolute dotted name (``functional_state.table.state``) -> file, for both packages."""
+    """Absolute dotted name (``functional_state.table.manager_state``) -> file, for both packages."""
     out = {}
     for top, root in ROOTS.items():
         for path in sorted(root.rglob("*.py")):

@@ -16,7 +16,7 @@ import functional_state as fs
 from functional_state import LatentBuffer, ManagerState, SessionStateManager
 from functional_state.policy.enforce import over_budget_objects
 from functional_state.shell import admission
-from functional_state.table.state import ledger_of, make_state
+from functional_state.table.manager_state import ledger_of, make_state
 
 KIB = 1024
 

@@ -17,7 +17,7 @@ import functional_state as fs
 from functional_state.core.pytree import _make_replace
 from functional_state.errors import InvalidTypeError
 from functional_state.table import lru
-from functional_state.table.state import COMPACT_AT
+from functional_state.table.manager_state import COMPACT_AT
 from helpers import assert_unchanged, snapshot
 
 

@@ -11,15 +11,11 @@ from ..memory import accounting
 from ..memory.budget import format_bytes, limit_for
 from ..memory.extents import Extent, Loose
 from ..memory.pools import Pool
-from ..table.manager_state import (
-    ManagerState,
-    check_state,
-    count_evictions,
-    drop_session,
-    ledger_of,
-)
+from ..table.checks import check_state
+from ..table.manager_state import ManagerState, count_evictions, ledger_of
 from ..table.parked import park
 from ..table.session_edits import evict
+from ..table.session_verbs import drop_session
 from ..table.usage import pool_bytes
 from .planner import LEVERS, ReleasePlan, plan_release, protect_ids
 from .pricing import by_pool, extents_of

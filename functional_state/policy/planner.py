@@ -39,12 +39,9 @@ from ..errors import InvalidArgumentError
 from ..memory.budget import format_bytes, limit_for, parse_bytes
 from ..memory.extents import Extent
 from ..memory.pools import POOL_FORMS, Pool
+from ..table.checks import check_state
 from ..table.ledger import object_extents
-from ..table.manager_state import (
-    ManagerState,
-    check_state,
-    ledger_of,
-)
+from ..table.manager_state import ManagerState, ledger_of
 from .pricing import Change, Ledger, park_effect
 from .snapshot import Recency, Snapshot
 

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
+from .. import table as ms
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
 from ..memory import accounting
@@ -23,12 +24,10 @@ from ..memory.values import NO_BUFFER_TYPES
 from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from ..policy.planner import LEVERS
 from ..policy.pricing import by_pool
-from ..table import manager_state as ms
 from ..table.engine_blocks import released_blocks
 from ..table.lru import recorded_anew
-from ..table.manager_state import ManagerState, ledger_of
+from ..table.manager_state import ManagerState, in_place, ledger_of
 from ..table.session_edits import update_session
-from ..table.state import in_place
 from .cells import Departure, departures
 
 __all__ = [

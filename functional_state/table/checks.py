@@ -11,7 +11,7 @@ from typing import Any
 from ..core.session import no_object_message
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError, ObjectNotFoundError, SessionStateLostError, StateConsumedError
-from .state import DEFAULT_SESSION_ID, ConsumedManagerState, ManagerState, Node
+from .manager_state import DEFAULT_SESSION_ID, ConsumedManagerState, ManagerState, Node
 
 __all__ = ["check_state", "find_object", "locate", "lost_error", "resolve_id", "resolve_session_id"]
 

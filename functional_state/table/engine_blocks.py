@@ -17,8 +17,9 @@ from typing import Any
 from ..engine.kv_handle import PagedKVHandle
 from ..engine.paged_kv import PagedKVPool, pool_by_uid
 from ..errors import KVFreeError
+from .checks import check_state
 from .ledger import LOG_CUT, Acct
-from .manager_state import ManagerState, check_state, ledger_of, session_map
+from .manager_state import ManagerState, ledger_of, session_map
 
 _log = logging.getLogger("functional_state")
 

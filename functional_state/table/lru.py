@@ -23,8 +23,8 @@ from ..core.session import SessionState
 from ..errors import SessionAdmissionError
 from ..memory.accounting import total_nbytes
 from ..memory.budget import format_bytes
+from .manager_state import COMPACT_AT, ManagerState, Node, Recency, Totals, make_state, with_nodes
 from .recency_log import MAX_DEPTH, Log, append, entries
-from .state import COMPACT_AT, ManagerState, Node, Recency, Totals, make_state, with_nodes
 from .torch_versions import RECORDS, release
 
 __all__ = [

@@ -14,7 +14,7 @@ from ..core.state_object import StateObject
 from ..memory.holders import totals_with_attrs
 from .checks import find_object, locate
 from .lru import replace_session, replace_sessions
-from .state import ManagerState, Node, add_to_counter, ledger_of, with_nodes
+from .manager_state import ManagerState, Node, add_to_counter, ledger_of, with_nodes
 from .torch_writes import RECORDS, check_object, record, record_commit, recorded
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]

@@ -20,8 +20,8 @@ from typing import Any
 import immutables
 
 from ..errors import InvalidArgumentError
+from .manager_state import COMPACT_AT, Config, ManagerState, Node, Recency, Totals, entries_lru, ledger_of, make_state
 from .recency_log import Log
-from .state import COMPACT_AT, Config, ManagerState, Node, Recency, Totals, entries_lru, ledger_of, make_state
 
 __all__ = ["continued"]
 

@@ -22,7 +22,7 @@ from ..errors import (
 )
 from .checks import check_state, locate, resolve_id
 from .lru import insert, remove, replace_sessions, touch
-from .state import ManagerState, check_positive, entries_lru, incarnation_of, with_max_sessions, with_nodes
+from .manager_state import ManagerState, check_positive, entries_lru, incarnation_of, with_max_sessions, with_nodes
 from .torch_writes import record_fork
 
 __all__ = [

@@ -44,7 +44,7 @@ from ..memory.torch_host import leaf_recipe, rebuild
 from .checks import find_object, locate
 from .ledger import held_by, value_extents
 from .lru import replace_session
-from .state import ManagerState, ledger_of
+from .manager_state import ManagerState, ledger_of
 from .torch_versions import RECORDS, WRITTEN_SHARED, Versions, torch_leaves
 from .torch_versions import version as _version
 
