@@ -1,14 +1,14 @@
 """The table's recency order: make a session most recent, insert one (evicting the least recent when the
 table is full), remove one, and replace sessions without touching their recency.
 
-Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see `state`):
-a use takes the next tick and appends one entry; eviction takes the oldest entry that is still current. A
-hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
+Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see
+`manager_state.Recency`): a use takes the next tick and appends one entry; eviction takes the oldest entry
+that is still current. A hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
 table holds its new one), and the next write of that node (the commit that follows a hit) stores the tick
 with the new session, so a hit and its commit write one node. The next hit on another session settles the
-pending node first; an insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the table's size (or spans `MAX_DEPTH` segments) it is
-rebuilt from its current entries, so it never holds more than a few entries per session and a lookup, a
-hit and a miss cost the same after any history.
+pending node first; an insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the
+table's size (or spans `MAX_DEPTH` segments) it is rebuilt from its current entries, so it never holds more
+than a few entries per session and a lookup, a hit and a miss cost the same after any history.
 """
 
 from __future__ import annotations
