@@ -115,7 +115,9 @@ def _pool_blocks(key: str, start: int, lo: int, hi: int, out: Extents) -> bool:
     segments = POOL_STORAGES.get((key, start))
     if segments is None:
         return False
-    live = [seg for seg in segments if seg[4] in POOL_LIVE and _POOL_CHECK(seg[4], key, start)]
+    live = [
+        (so, se, b, bb, uid) for so, se, b, bb, uid in segments if uid in POOL_LIVE and _POOL_CHECK(uid, key, start)
+    ]
     if not live:  # a dead pool's storage, maybe reused: plain memory again
         return False
     for so, se, base, bb, _ in live:

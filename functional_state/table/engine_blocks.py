@@ -46,7 +46,8 @@ def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
     out: dict[int, list[int]] = {}
     for key in candidates:
         if key in before.kv and key not in after.kv:
-            out.setdefault(key[0], []).append(key[1])
+            uid, block = key
+            out.setdefault(uid, []).append(block)
     return {uid: tuple(sorted(set(ids))) for uid, ids in out.items()}
 
 

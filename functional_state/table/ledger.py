@@ -288,7 +288,8 @@ class Acct:
                     n = counts.get(k, 0)
                     counts[k] = n + 1
                     if not n:
-                        moved[k[0]] = moved.get(k[0], 0) + 1
+                        uid, _ = k  # (a block key: pool uid, block id)
+                        moved[uid] = moved.get(uid, 0) + 1
             released = []
             for keys in kv_remove:
                 for k in keys:
@@ -298,7 +299,8 @@ class Acct:
                     else:
                         del counts[k]
                         released.append(k)
-                        moved[k[0]] = moved.get(k[0], 0) - 1
+                        uid, _ = k
+                        moved[uid] = moved.get(uid, 0) - 1
             per_pool = held.mutate()
             for uid, d in moved.items():
                 n = per_pool.get(uid, 0) + d
