@@ -46,8 +46,7 @@ import numpy as np
 
 import functional_state as fs
 from _timing import fmt_time, interleaved_medians
-from functional_state.table.lru import compacted
-from functional_state.table.recency_log import Log, append
+from functional_state.table.recency_log import Log, append, entries
 
 SIZES = (64, 1_000, 100_000)
 OPS = {64: 20_000, 1_000: 20_000, 100_000: 20_000}  # ops per sample
@@ -96,7 +95,7 @@ class OneLockManager(OrderedDictManager):
 # the cheapest found: the state is one tuple (nodes, clock, log, start, end, pending, pending tick, cap);
 # nodes: immutables.Map sid -> (session, tick); recency: a tick per node and an append-only log of
 # (sid, tick) in two parallel lists, branched by a table derived from an old one and compacted at
-# 4x the table (the table's own `recency_log.Log`, `append` and `lru.compacted`: the log is shared code); a hit writes no node (the session is left pending, its tick in the state) and
+# 4x the table (the table's own `recency_log.Log` and `append`: the log is shared code); a hit writes no node (the session is left pending, its tick in the state) and
 # its commit writes the node once; a session is a dict copied on write up to FLOOR_SMALL objects (cheaper
 # than a persistent map there, and a dict of untracked values leaves the garbage collector's lists),
 # an immutables.Map beyond (O(log n)); a ring is a tuple.
@@ -104,6 +103,17 @@ FLOOR_RING = 4
 FLOOR_SMALL = 8
 FLOOR_COMPACT_AT = 4
 _FLOOR_EMPTY: dict = {}
+
+
+def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, tick: int) -> Log:
+    """`lru.compacted` over the floor's nodes ``(session, tick)``: a window's current entries in one segment."""
+    sids, ticks = [], []
+    for sid, t in entries(log, start, end):
+        node = nodes.get(sid)
+        if node is not None and (tick if sid == pending else node[1]) == t:
+            sids.append(sid)
+            ticks.append(t)
+    return Log(sids, ticks)
 
 
 def floor_create(max_sessions: int) -> tuple:

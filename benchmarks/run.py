@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "Every figure is a median of repeated runs, timed with the garbage collector on, as in a server, and "
         "every ratio compares two things measured side by side in the same run (interleaved), because this "
         "machine is shared and noisy. Absolute times are for orientation only; the ratios are the claims. "
-        "Each section names the command that reproduces it.\n\n" + "\n".join(ordered)
+        "Each section names the command that reproduces it.\n\n" + "\n".join(ordered) + _notes(Path(args.output))
     )
     if not args.write:
         print(f"[bench] {args.output} left as it was (pass --write to replace it)")
@@ -159,6 +159,13 @@ def _run_one(name: str, out: str) -> int:
 
 
 _MARKER = "<!-- bench: {} -->"
+_NOTES = "<!-- notes -->"  # hand-written notes that end the report: kept by every run, written by none
+
+
+def _notes(path: Path) -> str:
+    """The notes that end an earlier report (from ``_NOTES`` on), or ``""``."""
+    text = path.read_text() if path.exists() else ""
+    return "\n" + text[text.index(_NOTES) :].rstrip() + "\n" if _NOTES in text else ""
 
 
 def _existing_sections(path: Path) -> dict[str, str]:
@@ -168,7 +175,7 @@ def _existing_sections(path: Path) -> dict[str, str]:
     out: dict[str, str] = {}
     for chunk in path.read_text().split("<!-- bench: ")[1:]:
         name, _, _ = chunk.partition(" -->")
-        out[name] = "<!-- bench: " + chunk.rstrip() + "\n"
+        out[name] = "<!-- bench: " + chunk.partition(_NOTES)[0].rstrip() + "\n"
     return out
 
 

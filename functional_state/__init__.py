@@ -60,29 +60,23 @@ from .policy.enforce import apply_plan, enforce_budget
 from .policy.planner import LEVERS, ReleaseAction, ReleasePlan, plan_release
 from .shell.config import resolve_session_state_config
 from .shell.manager import ReentrantWriteError, SessionHandle, SessionStateManager
+from .table.checks import resolve_session_id
 from .table.engine_blocks import free_released, released_blocks
-from .table.manager_state import (
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_SESSION_ID,
-    ManagerState,
-    commit,
-    discard,
+from .table.manager_state import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_ID, ManagerState
+from .table.object_verbs import commit, discard, put, stage, view
+from .table.parked import park, restore
+from .table.session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
+from .table.session_verbs import (
     drop_session,
     fork_session,
     get_or_create,
     get_session,
     incarnation,
     lookup,
-    put,
     raise_max_sessions,
-    resolve_session_id,
     sessions,
-    stage,
-    view,
     with_sessions,
 )
-from .table.parked import park, restore
-from .table.session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
 from .table.step import step
 from .table.torch_writes import writable
 from .table.usage import stats, usage

@@ -16,8 +16,10 @@ import jax.numpy as jnp
 from .batched.sessions import BatchedSessions
 from .core.pytree_value import PytreeValue, check_layout
 from .errors import InvalidArgumentError, ObjectNotFoundError, SessionExistsError
-from .table.manager_state import ManagerState, get_or_create, lookup, put
+from .table.manager_state import ManagerState
+from .table.object_verbs import put
 from .table.parked import restore
+from .table.session_verbs import get_or_create, lookup
 from .table.step import step as _step
 
 Apply = Callable[..., tuple[Any, Any]]  # (cache, params, *args) -> (new cache, output)

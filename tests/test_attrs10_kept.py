@@ -11,7 +11,7 @@ import functional_state as fs
 from functional_state import LatentBuffer, ManagerState
 from functional_state.memory import accounting, holders
 from functional_state.policy.enforce import attr_surplus
-from functional_state.table.state import ledger_of
+from functional_state.table.manager_state import ledger_of
 
 
 def _recount(acct) -> dict[str, int]:

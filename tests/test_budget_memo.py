@@ -16,7 +16,7 @@ import functional_state as fs
 from functional_state import LatentBuffer, ManagerState, SessionStateManager
 from functional_state.policy.enforce import over_budget_objects
 from functional_state.shell import admission
-from functional_state.table.state import COLD, CONFIG, ledger_of, make_state
+from functional_state.table.manager_state import ledger_of, make_state
 
 KIB = 1024
 
@@ -31,10 +31,8 @@ def _ring_state(budget: int, n: int = 4) -> ManagerState:
 
 def _with_budget(state: ManagerState, budget: int) -> ManagerState:
     """``state`` (its very accounting) under another budget."""
-    meta = state._meta
-    cold = list(meta[COLD])
-    cold[CONFIG] = dataclasses.replace(cold[CONFIG], byte_budget={"cpu": budget})
-    return make_state(state._nodes, (*meta[:COLD], tuple(cold)), state._acct)
+    config = dataclasses.replace(state._config, byte_budget={"cpu": budget})
+    return make_state(state._nodes, state._recency, state._hits, state._totals, config, state._acct)
 
 
 def test_a_same_size_ring_step_keeps_the_totals_map_and_another_size_replaces_it() -> None:

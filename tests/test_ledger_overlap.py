@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import functional_state as fs
 from functional_state.memory.accounting import union_by_device
-from functional_state.memory.aliases import Loose
+from functional_state.memory.extents import Extent, Loose
 from functional_state.memory.overlaps import covered, pool_changed, pool_index
 from functional_state.policy.enforce import over_budget_objects
 from functional_state.table.manager_state import ledger_of
@@ -209,24 +209,26 @@ def test_parking_a_storage_inside_a_buffer_something_else_holds_is_refused(other
 
 def test_the_index_helpers_by_hand():
     def e(start, end):
-        return Loose(("cpu", start, end))
+        return Loose("cpu", start, end)
 
-    held = [e(0, 10), ("cpu", 20, 30), e(25, 40), ("cuda:0", 0, 100)]
+    held = [e(0, 10), Extent("cpu", 20, 30), e(25, 40), Extent("cuda:0", 0, 100)]
     index = pool_index(held, "cpu")
-    assert index.extents() == [("cpu", 0, 10), ("cpu", 20, 30), ("cpu", 25, 40)] and index.maxlen == 15
+    assert (
+        index.extents() == [Extent("cpu", 0, 10), Extent("cpu", 20, 30), Extent("cpu", 25, 40)] and index.maxlen == 15
+    )
     assert index.loose == 2
-    assert covered(index, ("cpu", 5, 27)) == 5 + 7
-    assert covered(index, ("cpu", 10, 20)) == 0  # adjacent on both sides
-    kept, total = pool_changed(index, 10 + 20, [e(8, 22)], [("cpu", 20, 30)])
-    assert total == 22 + 15 and kept is not None and kept.extents()[-1] == ("cpu", 25, 40)
-    kept, total = pool_changed(pool_index([("cpu", 0, 4), e(2, 6)], "cpu"), 6, [], [e(2, 6)])
+    assert covered(index, Extent("cpu", 5, 27)) == 5 + 7
+    assert covered(index, Extent("cpu", 10, 20)) == 0  # adjacent on both sides
+    kept, total = pool_changed(index, 10 + 20, [e(8, 22)], [Extent("cpu", 20, 30)])
+    assert total == 22 + 15 and kept is not None and kept.extents()[-1] == Extent("cpu", 25, 40)
+    kept, total = pool_changed(pool_index([Extent("cpu", 0, 4), e(2, 6)], "cpu"), 6, [], [e(2, 6)])
     assert (kept, total) == (None, 4)  # the last loose extent left: the index is dropped
 
 
 def test_the_chunked_index_splits_and_empties_chunks_exactly():
     rng = np.random.default_rng(0)
     starts = rng.permutation(2000)[:900] * 8
-    keys = [Loose(("cpu", int(s), int(s) + int(n))) for s, n in zip(starts, rng.integers(1, 64, 900))]
+    keys = [Loose("cpu", int(s), int(s) + int(n)) for s, n in zip(starts, rng.integers(1, 64, 900))]
     index, total = pool_index([], "cpu"), 0
     for k in keys:  # one at a time: chunks fill and split
         index, total = pool_changed(index, total, [k], [])
@@ -245,19 +247,19 @@ def test_property_the_chunked_index_keeps_the_union(ops):
     """Random extents in and out of one pool's index (hundreds: several chunks split and emptied), its total
     against the union of what is held, and its chunks sorted, none empty, each first in the directory."""
     held: dict = {}
-    index, total = pool_index([Loose(("cpu", -10, -5))], "cpu"), 5  # (one loose extent pins the index)
-    held[("cpu", -10, -5)] = True
+    index, total = pool_index([Loose("cpu", -10, -5)], "cpu"), 5  # (one loose extent pins the index)
+    held[Extent("cpu", -10, -5)] = True
     for leave, start, size, loose in ops:
-        key = ("cpu", start, start + size)
+        key = Extent("cpu", start, start + size)
         if leave and held:
             gone = sorted(held)[start % len(held)]
-            if gone == ("cpu", -10, -5):
+            if gone == Extent("cpu", -10, -5):
                 continue
             del held[gone]
             index, total = pool_changed(index, total, [], [gone])
         elif key not in held:
             held[key] = True
-            index, total = pool_changed(index, total, [Loose(key) if loose else key], [])
+            index, total = pool_changed(index, total, [Loose(*key) if loose else key], [])
         assert index is not None
         assert total == union_by_device(list(held)).get("cpu", 0)
         assert index.extents() == sorted(held) and all(index.chunks)

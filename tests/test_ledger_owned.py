@@ -11,7 +11,7 @@ import torch
 import functional_state as fs
 from functional_state.memory import host_buffers
 from functional_state.memory.aliases import OWNED
-from functional_state.table.state import ledger_of
+from functional_state.table.manager_state import ledger_of
 
 BIG = 1 << 20  # float32 elements: 4 MiB, above host_buffers.MIN_NBYTES (a restore's own host buffer)
 

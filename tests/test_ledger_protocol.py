@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import functional_state as fs
+from functional_state.core.state_object import LedgerDelta
 from functional_state.engine.paged_kv import PagedKVPool
 
 PKG = Path(fs.__file__).resolve().parent
@@ -111,7 +112,7 @@ def _frozenset_step(self: Pair, new: Any) -> Any:
     if type(new) is not type(self):
         return None
     before, after = self.ledger_extents(), new.ledger_extents()
-    return after - before, before - after, None
+    return LedgerDelta(after - before, before - after)
 
 
 def test_a_user_types_own_delta_may_be_any_collection(monkeypatch):

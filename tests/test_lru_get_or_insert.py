@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import functional_state as fs
+from functional_state import table as ms
 from functional_state.shell.admission import admit
 from functional_state.shell.cells import Departure, evicted_reason
-from functional_state.table import manager_state as ms
 from functional_state.table.lru import get_or_insert
 
 

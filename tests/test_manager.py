@@ -474,7 +474,7 @@ def test_kv_restore_moves_the_kept_accounting_like_a_walk():
 def test_a_miss_at_a_full_table_reads_only_the_least_recent_end(monkeypatch):
     # Regression: finding the session an LRU eviction removed walked the whole table, so one miss at a full
     # table of 100k sessions cost ~25 ms. The insertion now says whom it evicted: nothing is read at all.
-    from functional_state.table import manager_state as table
+    from functional_state import table
 
     m = fs.SessionStateManager(max_sessions=500)
     handles = [m.get_or_create_session(f"s{i}") for i in range(500)]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_state.memory.accounting import union_by_device
-from functional_state.memory.aliases import Loose
+from functional_state.memory.extents import Extent, Loose
 from functional_state.memory.overlaps import pool_index
 from functional_state.policy.pricing import Ledger
 from functional_state.policy.snapshot import AttrHolders
@@ -31,8 +31,8 @@ extent = st.tuples(st.sampled_from(["cpu", "cuda:0"]), st.integers(0, 200), st.i
 
 
 def _key(pool, start, size, loose):
-    e = (pool, start, start + size)
-    return Loose(e) if loose else e
+    e = Extent(pool, start, start + size)
+    return Loose(*e) if loose else e
 
 
 class _Unreadable:
@@ -59,7 +59,7 @@ class _Unreadable:
     ),
 )
 def test_property_a_change_is_priced_as_the_union_of_everything_held(objects, attrs, steps):
-    refs: dict = {Loose((p, 1000, 1001)): 1 for p in ("cpu", "cuda:0")}  # (both pools hold a loose extent)
+    refs: dict = {Loose(p, 1000, 1001): 1 for p in ("cpu", "cuda:0")}  # (both pools hold a loose extent)
     for spec, n in objects:
         k = _key(*spec)
         refs[k] = refs.get(k, 0) + n
@@ -84,9 +84,9 @@ def test_property_a_change_is_priced_as_the_union_of_everything_held(objects, at
 
 
 def test_a_change_reads_no_attr_extent_of_a_pool_no_closed_attr_holds():
-    refs = {Loose(("cpu", 0, 40)): 1, ("cpu", 20, 60): 1}
+    refs = {Loose("cpu", 0, 40): 1, Extent("cpu", 20, 60): 1}
     holders = AttrHolders(_Unreadable(), Counter(), {})
     holders.pools = {"cuda:0"}  # the attr index's per-pool totals: closed attrs hold cuda:0 alone
     ledger = Ledger(refs, holders, {"cpu": pool_index(refs, "cpu")})
-    change = ledger.change([frozenset({("cpu", 20, 60)})])
+    change = ledger.change([frozenset({Extent("cpu", 20, 60)})])
     assert {str(p): n for p, n in change.frees.items()} == {"cpu": 20}

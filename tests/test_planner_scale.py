@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import functional_state as fs
-import functional_state.table.state as table_state
+import functional_state.table.manager_state as table_state
 
 
 @pytest.fixture

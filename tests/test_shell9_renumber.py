@@ -17,7 +17,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
-from functional_state.table import manager_state as ms
+from functional_state import table as ms
 from functional_state.table.renumber import continued
 from functional_state.table.usage import stats
 from helpers import assert_unchanged, race, snapshot

@@ -63,7 +63,7 @@ def test_a_drop_taken_back_reinstalls_the_very_table() -> None:
 
 
 def test_with_issued_is_pure_keeps_everything_but_the_counter_and_refuses_a_reissue() -> None:
-    from functional_state.table.state import with_issued  # (here: the shell tests above run on any base)
+    from functional_state.table.manager_state import with_issued  # (here: the shell tests above run on any base)
 
     state, _ = fs.get_or_create(fs.ManagerState.create(4), "a")
     state = fs.commit(fs.put(state, "a", "x", LatentBuffer.create(maxlen=2)), "a", "x", np.ones(2))

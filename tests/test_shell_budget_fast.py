@@ -12,9 +12,9 @@ import pytest
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
+from functional_state import table as ms
 from functional_state.shell import admission
 from functional_state.shell import slot as shell_slot
-from functional_state.table import manager_state as ms
 
 
 def kib() -> np.ndarray:

@@ -19,8 +19,8 @@ import pytest
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
+from functional_state import table as ms
 from functional_state.shell.slot import Slot
-from functional_state.table import manager_state as ms
 
 _TABLE = Slot.__dict__["table"]  # the slot's own storage of its installed table
 

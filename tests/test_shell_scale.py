@@ -15,8 +15,8 @@ import pytest
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
+from functional_state import table as ms
 from functional_state.shell import slot as shell_slot
-from functional_state.table import manager_state as ms
 
 ITEM = np.zeros(4, np.float32)
 WALKS = ("entries", "entries_lru", "lru_sessions", "session_map", "sessions")  # every whole-table read the table offers

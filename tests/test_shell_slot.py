@@ -13,10 +13,10 @@ import pytest
 
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
+from functional_state import table as ms
 from functional_state.shell import cells as shell_cells
 from functional_state.shell import handle as shell_handle
 from functional_state.shell import slot as shell_slot
-from functional_state.table import manager_state as ms
 from helpers import race
 
 

@@ -17,7 +17,7 @@ import functional_state as fs
 from functional_state.core.pytree import _make_replace
 from functional_state.errors import InvalidTypeError
 from functional_state.table import lru
-from functional_state.table.state import COMPACT_AT
+from functional_state.table.manager_state import COMPACT_AT
 from helpers import assert_unchanged, snapshot
 
 
@@ -139,9 +139,9 @@ def test_the_kept_compaction_limit_bounds_the_window_after_hits_misses_and_drops
             state, _ = fs.drop_session(state, sid)
         else:
             state, _ = fs.get_or_create(state, sid)
-        _, _, start, end, *_, limit = state._meta
-        assert limit == start + COMPACT_AT * len(state)
-        assert end - start <= COMPACT_AT * len(state) + COMPACT_AT  # compacted when it reaches the limit
+        r = state._recency
+        assert r.limit == r.start + COMPACT_AT * len(state)
+        assert r.end - r.start <= COMPACT_AT * len(state) + COMPACT_AT  # compacted when it reaches the limit
 
 
 def test_put_refuses_bad_input_after_its_cheap_checks_have_seen_good_input():

@@ -9,13 +9,13 @@ import immutables
 
 from .._repr import short
 from ..errors import InvalidArgumentError
+from ..memory.extents import Extent
 from .codec import ObjectCodec, field_error, refused_field, register_checkpoint_type
 from .pytree import MISSING, pytree_dataclass
 from .state_object import (
     ACCT_SLOT,
     RESIDENT,
     UNALLOCATED,
-    Extent,
     LedgerDelta,
     StateObject,
     Status,
@@ -209,7 +209,7 @@ class LatentBuffer(StateObject):
                 if e not in kept_items:  # (else the new item shares an item's storage: counted below)
                     now = kept_items + (e,)
                     _SET_ACCT(new, (None, now) if len(now) <= _PLAIN else (_plain_counts(now), _nested(now)))
-                    return found, ((per_item[0],) if drop else ()), None
+                    return LedgerDelta(found, (per_item[0],) if drop else ())
             counts, per_item = _plain_counts(per_item), _nested(per_item)
         elif drop == 1 and len(found) == 1 and type(counts) is dict and len(per_item[0]) == 1 and len(counts) < _SMALL:
             # A full ring whose items share storage, one extent out and one in (written out for it).
@@ -226,7 +226,7 @@ class LatentBuffer(StateObject):
             n = counts.get(e, 0)
             counts[e] = n + 1
             _SET_ACCT(new, (counts, (*per_item[1:], came)))
-            return (() if n else came), gone, None
+            return LedgerDelta(() if n else came, gone)
         m = counts.copy() if type(counts) is dict else counts.mutate()
         for extents in per_item[:drop]:
             for e in extents:
@@ -241,7 +241,7 @@ class LatentBuffer(StateObject):
             m[e] = m.get(e, 0) + 1
         fresh = [e for e in added if m[e] == 1]
         _SET_ACCT(new, (_finished(m), (*per_item[drop:], added)))
-        return fresh, gone, None
+        return LedgerDelta(fresh, gone)
 
     def __repr__(self) -> str:
         parts = [f"items={short(self.items)}", f"maxlen={self.maxlen}", f"status={self.status!r}"]

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import abc
 import weakref
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
 import jax
 import numpy as np
@@ -45,10 +46,21 @@ from ..errors import (
 )
 from ..memory import accounting, parking
 from ..memory import holders as _holders
+from ..memory.extents import Extent
 from ..memory.values import write_marks
 from .pytree import MISSING, replace
 
-__all__ = ["EVICTED", "PARKED", "RESIDENT", "STATUSES", "UNALLOCATED", "StateObject", "Status"]
+__all__ = [
+    "EVICTED",
+    "PARKED",
+    "RESIDENT",
+    "STATUSES",
+    "UNALLOCATED",
+    "BlocksMoved",
+    "LedgerDelta",
+    "StateObject",
+    "Status",
+]
 
 S = TypeVar("S", bound="StateObject")
 
@@ -349,9 +361,8 @@ class StateObject(abc.ABC):
         """What changes in the ledger when this object is replaced by ``new``, when the type knows it more
         cheaply than the difference of the two objects' figures; None: let the ledger take the difference.
 
-        Returns ``(extents added, extents removed, blocks)``: ``blocks`` is None when no engine block moves,
-        else ``(added, removed)`` block keys (see `ledger_blocks`). Each extent and block key appears once in
-        its collection. It may memoize ``new``'s figures on ``new``.
+        Returns a `LedgerDelta`: each extent and block key appears once in its collection (block keys as
+        `ledger_blocks` gives them). It may memoize ``new``'s figures on ``new``.
         """
         return None
 
@@ -359,8 +370,35 @@ class StateObject(abc.ABC):
 _RESTORED_SLOT = StateObject.__dict__["_restored"]
 ACCT_SLOT = StateObject.__dict__["_acct_cache"]  # the memo slot, set past the frozen dataclass's __setattr__
 
-Extent = tuple[str, int, int]
-LedgerDelta = tuple[Any, Any, Any]
+
+class BlocksMoved:
+    """The engine block keys ``(pool uid, block id)`` a `LedgerDelta` moves: those newly held and those let go."""
+
+    __slots__ = ("added", "removed")
+    added: Final[Collection[tuple[int, int]]]
+    removed: Final[Collection[tuple[int, int]]]
+
+    def __init__(self, added: Collection[tuple[int, int]], removed: Collection[tuple[int, int]]) -> None:
+        self.added = added
+        self.removed = removed
+
+
+class LedgerDelta:
+    """What replacing one object by another changes in the table's ledger, as the object's type prices it
+    (`StateObject.ledger_step`): the extents it starts and stops holding, each once, and the engine blocks
+    that move (None when none does)."""
+
+    __slots__ = ("added", "blocks", "removed")
+    added: Final[Collection[Extent]]
+    removed: Final[Collection[Extent]]
+    blocks: Final[BlocksMoved | None]
+
+    def __init__(self, added: Collection[Extent], removed: Collection[Extent], blocks: BlocksMoved | None = None):
+        self.added = added
+        self.removed = removed
+        self.blocks = blocks
+
+
 _TENSOR: Any = None  # torch.Tensor, once `value_extents` met one (the accounting never imports torch)
 
 
@@ -369,7 +407,7 @@ def value_extents(value: Any) -> list[Extent]:
     global _TENSOR
     out: accounting.Extents = []
     kind = type(value)
-    if kind is _TENSOR:  # (torch.Tensor once seen: a lookup of torch per value is a fifth of this read)
+    if kind is _TENSOR:  # (torch.Tensor, once seen: no lookup of the torch module per value)
         accounting.torch_extents(value, out)
     elif kind is np.ndarray:  # what the walk would do for it, without the walk's set-up
         accounting.numpy_extents(value, out)

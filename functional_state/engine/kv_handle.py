@@ -11,13 +11,23 @@ import numpy as np
 
 from ..core.codec import refuse, register_checkpoint_type
 from ..core.pytree import pytree_dataclass
-from ..core.state_object import EVICTED, PARKED, RESIDENT, LedgerDelta, StateObject, Status, check_source
+from ..core.state_object import (
+    EVICTED,
+    PARKED,
+    RESIDENT,
+    BlocksMoved,
+    LedgerDelta,
+    StateObject,
+    Status,
+    check_source,
+)
 from ..errors import (
     InvalidArgumentError,
     InvalidTypeError,
     NotParkedError,
 )
 from ..memory import accounting
+from ..memory.extents import Extent
 from .paged_kv import PagedKVPool, is_torch
 
 __all__ = ["BlockIds", "OffloadToken", "PagedKVHandle", "paged_gather"]
@@ -297,7 +307,7 @@ class PagedKVHandle(StateObject):
         return list(self.pool.extents(self.block_ids)), list(self.pool.extents(self.staged or ())), host
 
     # --- accounting -------------------------------------------------------------------------------------
-    def _accounting_extents(self) -> list[tuple[str, int, int]]:
+    def _accounting_extents(self) -> list[Extent]:
         return self.pool.extents(self.held_blocks())
 
     def _accounting_children(self) -> tuple[Any, ...]:
@@ -322,7 +332,7 @@ class PagedKVHandle(StateObject):
         tail = new.block_ids[len(self.block_ids) :]
         uid = new.pool.uid
         blocks = [(uid, b) for b in tail]
-        return frozenset(self.pool.extents(tail)), (), (blocks, ())
+        return LedgerDelta(frozenset(self.pool.extents(tail)), (), BlocksMoved(blocks, ()))
 
     def nbytes_by_device(self) -> dict[str, int]:
         return {self.pool.device: len(self.block_ids) * self.pool.block_nbytes} if self.block_ids else {}

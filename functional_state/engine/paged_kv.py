@@ -48,6 +48,7 @@ from ..errors import (
     PoolChangedError,
 )
 from ..memory import accounting
+from ..memory.extents import Extent
 
 __all__ = ["PagedKVPool"]
 
@@ -319,12 +320,12 @@ class PagedKVPool:
             else:
                 self._handed_back.update(block_ids)
 
-    def extents(self, block_ids: Iterable[int]) -> list[tuple[str, int, int]]:
+    def extents(self, block_ids: Iterable[int]) -> list[Extent]:
         """The accounting extents of ``block_ids``: one per block per layer."""
         key, ids = self.device, tuple(block_ids)
-        out: list[tuple[str, int, int]] = []
+        out: list[Extent] = []
         for base, bb in zip(self.layer_bases, self.layer_block_bytes):
-            out.extend((key, base + b * bb, base + (b + 1) * bb) for b in ids)
+            out.extend(Extent(key, base + b * bb, base + (b + 1) * bb) for b in ids)
         return out
 
     def capacity(self) -> dict[str, int]:

@@ -24,7 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .aliases import OWNED, Loose, alias_owner, register_alias
+from .aliases import OWNED, alias_owner, register_alias
+from .extents import Extent, Loose
 from .shardings import is_single_device
 from .values import NO_BUFFER_TYPES, exported
 
@@ -74,7 +75,7 @@ def _jax_device_key(device: Any) -> str:
     return f"{platform}:{device.id}"
 
 
-Extents = list[tuple[str, int, int]]
+Extents = list[Extent]
 
 
 @dataclasses.dataclass
@@ -114,13 +115,17 @@ def _pool_blocks(key: str, start: int, lo: int, hi: int, out: Extents) -> bool:
     segments = POOL_STORAGES.get((key, start))
     if segments is None:
         return False
-    live = [seg for seg in segments if seg[4] in POOL_LIVE and _POOL_CHECK(seg[4], key, start)]
+    live = [
+        (so, se, b, bb, uid) for so, se, b, bb, uid in segments if uid in POOL_LIVE and _POOL_CHECK(uid, key, start)
+    ]
     if not live:  # a dead pool's storage, maybe reused: plain memory again
         return False
     for so, se, base, bb, _ in live:
         a, b = max(lo, so), min(hi, se)
         if a < b:
-            out.extend((key, base + i * bb, base + (i + 1) * bb) for i in range((a - so) // bb, (b - so - 1) // bb + 1))
+            out.extend(
+                Extent(key, base + i * bb, base + (i + 1) * bb) for i in range((a - so) // bb, (b - so - 1) // bb + 1)
+            )
     return True
 
 
@@ -143,7 +148,7 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
         if _STRIDED is not None or layout is not torch_module().strided:
             return  # Sparse layouts have no single storage; counted as unknown (zero).
         _STRIDED = layout
-    key = "cpu" if t.is_cpu else _torch_device_key(t.device)  # (is_cpu: a third of the device lookup)
+    key = "cpu" if t.is_cpu else _torch_device_key(t.device)  # (is_cpu: no device object built for the host)
     if key is None:
         return
     storage = t.untyped_storage()
@@ -157,15 +162,16 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
             if _pool_blocks(key, start, offset + lo, offset + hi, out):
                 return
         # A storage torch did not allocate (from_numpy, from_dlpack: not resizable) may overlap another one.
-        e = (key, start, start + size)  # (unless it is one of our own host buffers: `aliases.OWNED`)
-        out.append(e if storage.resizable() or e in OWNED else Loose(e))
+        e = Extent(key, start, start + size)  # (unless it is one of our own host buffers: `aliases.OWNED`)
+        out.append(e if storage.resizable() or e in OWNED else Loose(key, start, start + size))
 
 
 _STRIDED, _NO_BYTES, _POINTER = None, ctypes.c_char * 0, ctypes.c_void_p.from_address
 
 
 def _address_exported(owner: np.ndarray) -> int:
-    # 4x faster than ``__array_interface__`` (a dict: ~1 us); read-only, non-contiguous arrays take the latter.
+    # The buffer's address without building ``__array_interface__`` (a dict per call; see BENCHMARKS.md, notes
+    # on the hot path); read-only, non-contiguous arrays take the latter.
     try:
         return ctypes.addressof(_NO_BYTES.from_buffer(owner))  # type: ignore[arg-type]  # (ndarray is a buffer)
     except (TypeError, ValueError, BufferError):
@@ -173,8 +179,8 @@ def _address_exported(owner: np.ndarray) -> int:
 
 
 def _address_field(owner: Any) -> int:
-    # The ``data`` field of numpy's PyArrayObject, first after the object header (numpy's ABI since 1.0): a
-    # third of the export's cost. `_data_field_works` checks the layout at import; foreign objects never read.
+    # The ``data`` field of numpy's PyArrayObject, first after the object header (numpy's ABI since 1.0), read
+    # without an export. `_data_field_works` checks the layout at import; foreign objects never read.
     if type(owner) is not np.ndarray and not isinstance(owner, np.ndarray):
         return _address_exported(owner)
     return _POINTER(id(owner) + _HEADER).value or 0
@@ -198,7 +204,7 @@ def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
     if a.base is None and not POOL_STORAGES:  # an array that owns its memory, no engine pool: the common case
         if a.size:
             start = _address(a)
-            out.append(("cpu", start, start + a.nbytes))
+            out.append(Extent("cpu", start, start + a.nbytes))
         return
     owner = a
     while isinstance(owner.base, np.ndarray):
@@ -217,11 +223,11 @@ def numpy_extents(a: np.ndarray, out: Extents, raw: bool = False) -> None:
         if _pool_blocks("cpu", start, offset + lo, offset + hi, out):
             return
     if base is None:
-        out.append(("cpu", start, start + owner.nbytes))
+        out.append(Extent("cpu", start, start + owner.nbytes))
         return
     # Memory owned by some other object (bytes, mmap, a foreign buffer): count the span this array covers.
     lo, hi = _span(owner.shape, owner.strides, owner.itemsize)  # (owner.size > 0 here)
-    out.append(Loose(("cpu", start + lo, start + hi)))
+    out.append(Loose("cpu", start + lo, start + hi))
 
 
 def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, Any], raw: bool = False) -> None:
@@ -242,7 +248,7 @@ def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, 
             start = a.unsafe_buffer_pointer()
             key = _jax_pool_key(next(iter(sharding.device_set)), memory_kind)
             if not (POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out)):
-                out.append((key, start, start + size))
+                out.append(Extent(key, start, start + size))
         return
     for shard in a.addressable_shards:
         data = shard.data
@@ -252,7 +258,7 @@ def jax_extents(a: jax.Array, out: Extents, report: WalkReport, seen: dict[int, 
             key = _jax_pool_key(shard.device, memory_kind)
             if POOL_STORAGES and not raw and _pool_blocks(key, start, 0, size, out):
                 continue
-            out.append((key, start, start + size))
+            out.append(Extent(key, start, start + size))
 
 
 # Objects never walked into: they reach the whole program (modules, classes, functions) or hold no data.

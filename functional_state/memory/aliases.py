@@ -1,5 +1,5 @@
 """Private: memory another object owns. The record of JAX arrays that alias it (filled by the torch bridge),
-and `Loose`, the mark of an extent that lies in memory its holder did not allocate.
+and the host buffers this package allocated itself (`OWNED`).
 
 An array imported from a torch tensor reports only its own bytes but keeps the whole torch storage alive,
 so the accounting counts the owner's allocation wherever it meets the array.
@@ -13,12 +13,14 @@ from typing import Any
 
 import jax
 
-__all__ = ["OWNED", "Loose", "alias_owner", "register_alias"]
+from .extents import Extent
+
+__all__ = ["OWNED", "alias_owner", "register_alias"]
 
 # Extents ``("cpu", start, end)`` of host buffers this package allocated for one storage each (`host_buffers`):
 # torch reports them as storages it did not allocate (``from_numpy``), yet they are allocations proper, equal
 # to or disjoint from every other extent, so the accounting need not treat them as `Loose`.
-OWNED: set[tuple[str, int, int]] = set()
+OWNED: set[Extent] = set()
 # id(jax array) -> (weakref to it, owner).
 _ALIASES: dict[int, tuple[weakref.ref, Any]] = {}
 # Re-entrant: the weakref callback that forgets an alias can run while this thread holds the lock (a
@@ -54,14 +56,3 @@ def alias_owner(array: Any) -> Any:
     if entry is not None and entry[0]() is array:
         return entry[1]
     return None
-
-
-class Loose(tuple):
-    """An extent ``(pool, start, end)`` over memory its holder did not allocate (a torch storage made by
-    ``torch.from_numpy`` or ``from_dlpack``, a numpy array over a foreign buffer): it may overlap another
-    extent without being equal to it (``from_numpy(X[:5])`` and ``from_numpy(X)``). Allocations proper
-    (numpy arrays owning their data, storages torch allocated, JAX buffers) are plain tuples: two of them are
-    equal or disjoint. Equal to, and hashing as, the plain tuple, so counts keyed by extents are unchanged;
-    only the incremental totals read the mark, to union what overlaps."""
-
-    __slots__ = ()

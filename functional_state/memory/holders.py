@@ -17,11 +17,10 @@ import immutables
 import jax
 
 from . import accounting
-from .aliases import Loose, alias_owner
+from .aliases import alias_owner
+from .extents import Extent, Loose
 from .overlaps import overlapped
 from .values import fixed, holds_no_buffer
-
-Extent = tuple[str, int, int]
 
 
 def holder_extents(tree: Any) -> set[Extent]:
@@ -82,6 +81,15 @@ def count_change(
     return m.finish()
 
 
+class StorageStamp(NamedTuple):
+    """What one read of a torch tensor's storage gave: where it is, how large, and on which side of the host
+    line. A tensor resized (``resize_``) or given other storage (``set_``) in place no longer matches it."""
+
+    address: int  # the storage's data pointer
+    nbytes: int
+    is_cpu: bool
+
+
 class AttrEntry(NamedTuple):
     """One attr value the index holds: how many sessions hold it, and (fixed values) what it holds."""
 
@@ -89,7 +97,8 @@ class AttrEntry(NamedTuple):
     holders: int
     extents: frozenset[Extent] | None  # None: a container (re-read on every question); else counted per extent
     recorded: frozenset[Extent] | None = None  # a container: what it held when the index recorded it
-    stamp: tuple[int, int, bool, Any] | None = None  # one torch storage: (address, bytes, is_cpu, tensor) then
+    stamp: StorageStamp | None = None  # a value whose buffers are one torch storage: that storage as recorded
+    stamped: Any = None  # with ``stamp``: the tensor whose storage it records (the value, or its alias owner's)
 
 
 def changed_since_recorded(entry: AttrEntry) -> bool:
@@ -101,21 +110,21 @@ def changed_since_recorded(entry: AttrEntry) -> bool:
     address and size: the one case a stamp cannot tell apart)."""
     stamp = entry.stamp
     if stamp is not None and not accounting.POOL_STORAGES:
-        return storage_moved(stamp[3], stamp)
+        return storage_moved(entry.stamped, stamp)
     return frozenset(holder_extents(entry.value)) != (entry.recorded if entry.extents is None else entry.extents)
 
 
-def storage_moved(tensor: Any, stamp: tuple[Any, ...]) -> bool:
-    """Whether torch ``tensor``'s storage is no longer the one ``stamp`` records (its first three fields: the
-    address, bytes and is_cpu of an `AttrEntry` stamp): the stamp half of `changed_since_recorded`, which
-    holds only while no engine pool storage is registered (``accounting.POOL_STORAGES`` empty)."""
+def storage_moved(tensor: Any, stamp: StorageStamp) -> bool:
+    """Whether torch ``tensor``'s storage is no longer the one ``stamp`` records: the stamp half of
+    `changed_since_recorded`, which holds only while no engine pool storage is registered
+    (``accounting.POOL_STORAGES`` empty)."""
     storage = tensor.untyped_storage()
-    return storage.data_ptr() != stamp[0] or storage.nbytes() != stamp[1] or tensor.is_cpu is not stamp[2]
+    return storage.data_ptr() != stamp.address or storage.nbytes() != stamp.nbytes or tensor.is_cpu is not stamp.is_cpu
 
 
-def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool, Any] | None:
-    """``(storage address, bytes, is_cpu, the tensor read)`` for a value whose buffers are one torch storage:
-    a bare tensor, or a JAX array aliasing one (its torch owner's only child); else None."""
+def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[StorageStamp, Any] | None:
+    """The `StorageStamp` of a value whose buffers are one torch storage (a bare tensor, or a JAX array
+    aliasing one: its torch owner's only child), with the tensor read; else None."""
     torch = accounting.torch_module()
     if torch is None or len(recorded) != 1 or accounting.POOL_STORAGES:
         return None
@@ -128,7 +137,7 @@ def _stamp(value: Any, recorded: frozenset[Extent]) -> tuple[int, int, bool, Any
             return None
         tensor = kids[0]
     storage = tensor.untyped_storage()
-    return storage.data_ptr(), storage.nbytes(), tensor.is_cpu, tensor
+    return StorageStamp(storage.data_ptr(), storage.nbytes(), tensor.is_cpu), tensor
 
 
 def attr_only_moved(only: Any, refs0: Any, refs1: Any, arefs0: Any, arefs1: Any, candidates: Iterable[Extent]) -> Any:
@@ -147,11 +156,11 @@ def attr_only_flipped(only: Any, flips: Iterable[tuple[Extent, int]]) -> Any:
     """``only`` with each extent's bytes added (+1) to or taken (-1) from its pool's attr-only sum."""
     m = only.mutate()
     for e, d in flips:
-        n = m.get(e[0], 0) + d * (e[2] - e[1])
+        n = m.get(e.pool, 0) + d * (e.end - e.start)
         if n:
-            m[e[0]] = n
-        elif e[0] in m:
-            del m[e[0]]
+            m[e.pool] = n
+        elif e.pool in m:
+            del m[e.pool]
     return m.finish()
 
 
@@ -223,9 +232,9 @@ class AttrIndex:
                     refs[e] = n
                 else:
                     del refs[e]
-                    totals[e[0]] = totals[e[0]] - (e[2] - e[1])
-                    if type(e) is Loose or e[0] in self.loose:
-                        moved.add(e[0])
+                    totals[e.pool] = totals[e.pool] - (e.end - e.start)
+                    if type(e) is Loose or e.pool in self.loose:
+                        moved.add(e.pool)
         for value in add:
             if holds_no_buffer(value):
                 continue
@@ -235,17 +244,17 @@ class AttrIndex:
                 continue
             settled = fixed(value)
             extents = frozenset(holder_extents(value))
-            stamp = None if settled else _stamp(value, extents)
+            stamped = None if settled else _stamp(value, extents)
             holders = 1 + kept_holders.pop(id(value), 0)
-            if settled or stamp is not None:
+            if settled or stamped is not None:
                 for e in extents:
                     n = refs.get(e, 0)
                     refs[e] = n + 1
                     if not n:
-                        totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
-                        if type(e) is Loose or e[0] in self.loose:
-                            moved.add(e[0])
-                memo[id(value)] = AttrEntry(value, holders, extents, None, stamp)
+                        totals[e.pool] = totals.get(e.pool, 0) + (e.end - e.start)
+                        if type(e) is Loose or e.pool in self.loose:
+                            moved.add(e.pool)
+                memo[id(value)] = AttrEntry(value, holders, extents, None, *(stamped or (None, None)))
             else:
                 memo[id(value)] = AttrEntry(value, holders, None, extents)
                 opened[id(value)] = value
@@ -253,7 +262,7 @@ class AttrIndex:
         if moved:  # (attr writes, not steps: such a pool's union is re-read whole, O(its attr extents))
             marks = loose.mutate()
             for pool in moved:
-                held = [e for e in kept if e[0] == pool]
+                held = [e for e in kept if e.pool == pool]
                 totals[pool] = accounting.union_by_device(held).get(pool, 0)
                 if any(type(e) is Loose for e in held):
                     marks[pool] = True
@@ -313,18 +322,18 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
         # A `Loose` extent may share bytes with another without being it (a storage inside a buffer another
         # object holds): held elsewhere too, whoever holds the other (this object included: its own other
         # extent reads those bytes as well).
-        loose_open = {f[0] for f in opened if type(f) is Loose}
+        loose_open = {f.pool for f in opened if type(f) is Loose}
         attr_extents: list[Extent] | None = None  # (read once per call, and only if a question needs it)
         for e in extents:
             if e in out:
                 continue
-            index = indexes.get(e[0])
+            index = indexes.get(e.pool)
             if index is not None and overlapped(index, e):
                 out.add(e)
-            elif type(e) is Loose or e[0] in loose_attrs or e[0] in loose_open:  # (else equal or disjoint)
+            elif type(e) is Loose or e.pool in loose_attrs or e.pool in loose_open:  # (else equal or disjoint)
                 if attr_extents is None:
                     attr_extents = [*arefs, *opened]
-                if any(f[0] == e[0] and f[1] < e[2] and e[1] < f[2] and f != e for f in attr_extents):
+                if any(f.pool == e.pool and f.start < e.end and e.start < f.end and f != e for f in attr_extents):
                     out.add(e)
     return out
 
@@ -368,9 +377,9 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
     unions = {*acct.overlaps.keys(), *acct.attrs.loose.keys()}
     for e in out:
         if e not in refs and e not in arefs:
-            opened.setdefault(e[0], set()).add(e)
+            opened.setdefault(e.pool, set()).add(e)
             if type(e) is Loose:
-                unions.add(e[0])
+                unions.add(e.pool)
     for pool, extents in opened.items():
         if pool not in unions:  # allocations all: equal (the set) or disjoint from everything else held
             totals[pool] = totals.get(pool, 0) + accounting.union_by_device(list(extents))[pool]
@@ -379,7 +388,7 @@ def totals_with_attrs(acct: HolderCounts) -> tuple[dict[str, int], accounting.Wa
             continue  # no attr extent beyond the objects': the kept total stands
         # One may overlap an object's extent without being it: the union of both (O(the pool's extents)).
         index = acct.overlaps.get(pool)
-        objects = index.extents() if index is not None else [e for e in refs if e[0] == pool]
-        attr_extents = [e for e in arefs if e[0] == pool and e not in refs]
+        objects = index.extents() if index is not None else [e for e in refs if e.pool == pool]
+        attr_extents = [e for e in arefs if e.pool == pool and e not in refs]
         totals[pool] = accounting.union_by_device([*objects, *attr_extents, *opened.get(pool, ())]).get(pool, 0)
     return {k: v for k, v in sorted(totals.items()) if v}, report

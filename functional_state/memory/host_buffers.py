@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import InvalidArgumentError
 from .aliases import OWNED
+from .extents import Extent
 
 __all__ = [
     "MIN_NBYTES",
@@ -68,7 +69,7 @@ def host_buffer(nbytes: int) -> Any:
     if base is None:
         base = _aligned(nbytes)
     view = base[:]  # the object torch keeps alive for as long as anything holds the storage
-    extent = ("cpu", view.ctypes.data, view.ctypes.data + nbytes)
+    extent = Extent("cpu", view.ctypes.data, view.ctypes.data + nbytes)
     OWNED.add(extent)  # (an allocation of its own until its storage dies: see `aliases.OWNED`)
     done = weakref.finalize(view, _give_back, base, extent)
     done.atexit = False
@@ -99,7 +100,7 @@ def host_bytes(n: int, pinned: bool) -> Any:
     return torch.empty(n, dtype=torch.uint8)
 
 
-def _give_back(base: np.ndarray, extent: tuple[str, int, int]) -> None:
+def _give_back(base: np.ndarray, extent: Extent) -> None:
     OWNED.discard(extent)
     n = base.nbytes
     with _lock:

@@ -13,11 +13,10 @@ import bisect
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from .aliases import Loose
+from .extents import Extent, Loose
 
 __all__ = ["PoolIndex", "covered", "overlapped", "pool_changed", "pool_index"]
 
-Extent = tuple[str, int, int]
 _CHUNK = 128  # extents per chunk, at most twice this many before a chunk is split
 
 
@@ -70,9 +69,9 @@ def overlapped(index: PoolIndex, e: Extent) -> bool:
     i = bisect.bisect_left(chunks[c], key) if chunks else 0
     while c < len(chunks):
         for f in chunks[c][i:]:
-            if f[1] >= hi:
+            if f.start >= hi:
                 return False
-            if f[2] > lo and f != e:
+            if f.end > lo and f != e:
                 return True
         c, i = c + 1, 0
     return False
@@ -80,10 +79,10 @@ def overlapped(index: PoolIndex, e: Extent) -> bool:
 
 def pool_index(held: Iterable[Extent], pool: str) -> PoolIndex:
     """The `PoolIndex` of the extents of ``pool`` among ``held`` (each key as it is held: its `Loose` mark)."""
-    extents = sorted(e for e in held if e[0] == pool)
+    extents = sorted(e for e in held if e.pool == pool)
     chunks = tuple(tuple(extents[i : i + _CHUNK]) for i in range(0, len(extents), _CHUNK))
     loose = sum(type(e) is Loose for e in extents)
-    return PoolIndex(chunks, tuple(c[0] for c in chunks), loose, max((e[2] - e[1] for e in extents), default=0))
+    return PoolIndex(chunks, tuple(c[0] for c in chunks), loose, max((e.end - e.start for e in extents), default=0))
 
 
 def pool_changed(
@@ -103,10 +102,10 @@ def pool_changed(
         else:
             chunks[c] = chunk = chunk[:i] + chunk[i + 1 :]
             firsts[c] = chunk[0]
-        total -= e[2] - e[1] - _covered(chunks, firsts, maxlen, e)
+        total -= e.end - e.start - _covered(chunks, firsts, maxlen, e)
     for e in arrived:
-        maxlen = max(maxlen, e[2] - e[1])
-        total += e[2] - e[1] - _covered(chunks, firsts, maxlen, e)
+        maxlen = max(maxlen, e.end - e.start)
+        total += e.end - e.start - _covered(chunks, firsts, maxlen, e)
         loose += type(e) is Loose
         if not chunks:
             chunks, firsts = [(e,)], [e]

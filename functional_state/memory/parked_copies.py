@@ -9,9 +9,8 @@ from typing import Any
 import immutables
 
 from . import accounting
-from .aliases import Loose
+from .extents import Loose
 
-Extent = tuple[str, int, int]
 _EMPTY: immutables.Map = immutables.Map()
 
 
@@ -64,7 +63,7 @@ class ParkedCopies:
                         refs[e] = k
                     else:
                         del refs[e]
-                        nbytes -= e[2] - e[1]
+                        nbytes -= e.end - e.start
                         loose -= type(e) is Loose
         for values in add:
             for v in values:
@@ -80,7 +79,7 @@ class ParkedCopies:
                     k = refs.get(e, 0)
                     refs[e] = k + 1
                     if not k:
-                        nbytes += e[2] - e[1]
+                        nbytes += e.end - e.start
                         loose += type(e) is Loose
         return ParkedCopies(copies.finish(), refs.finish(), nbytes, loose)
 

@@ -46,6 +46,7 @@ import jax
 
 from ..errors import DeletedArrayError
 from . import accounting, host_buffers, torch_host
+from .extents import Extent
 from .shardings import copy_to
 from .torch_host import TorchLeaf as TorchLeaf
 from .torch_host import as_torch as as_torch
@@ -150,7 +151,7 @@ class ParkedStorage:
             n = buf.untyped_storage().nbytes()
             if n:
                 start = buf.untyped_storage().data_ptr()
-                out.append(("cpu/pinned_host" if buf.is_pinned() else "cpu/unpinned_host", start, start + n))
+                out.append(Extent("cpu/pinned_host" if buf.is_pinned() else "cpu/unpinned_host", start, start + n))
         return out
 
     def __repr__(self) -> str:

@@ -42,6 +42,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from .. import table as ms
 from .._version import __version__
 from ..core.codec import register_checkpoint_type
 from ..core.session import SessionState
@@ -52,7 +53,6 @@ from ..errors import (
     SessionExistsError,
     SessionStateError,
 )
-from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.session_edits import update_session
 from ..table.torch_writes import check_sessions, record, recorded

@@ -6,21 +6,16 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..core.state_object import Extent
 from ..errors import BudgetExceededError, InvalidArgumentError
 from ..memory import accounting
-from ..memory.aliases import Loose
 from ..memory.budget import format_bytes, limit_for
+from ..memory.extents import Extent, Loose
 from ..memory.pools import Pool
-from ..table.manager_state import (
-    ManagerState,
-    check_state,
-    count_evictions,
-    drop_session,
-    ledger_of,
-)
+from ..table.checks import check_state
+from ..table.manager_state import ManagerState, count_evictions, ledger_of
 from ..table.parked import park
 from ..table.session_edits import evict
+from ..table.session_verbs import drop_session
 from ..table.usage import pool_bytes
 from .planner import LEVERS, ReleasePlan, plan_release, protect_ids
 from .pricing import by_pool, extents_of
@@ -138,10 +133,10 @@ def attr_surplus(state: ManagerState) -> dict[str, int]:
     beyond: dict[str, list[Extent]] = {}  # what containers hold beyond the fixed values, per pool
     for e in index.open_extents():
         if e not in index.refs:
-            beyond.setdefault(e[0], []).append(e)
+            beyond.setdefault(e.pool, []).append(e)
     for pool, extents in beyond.items():
         if pool in index.loose or any(type(e) is Loose for e in extents):  # may overlap without being equal
-            extents = [*extents, *(e for e in index.refs if e[0] == pool)]
+            extents = [*extents, *(e for e in index.refs if e.pool == pool)]
             totals[pool] = accounting.union_by_device(extents)[pool]
         else:
             totals[pool] = totals.get(pool, 0) + accounting.union_by_device(extents)[pool]

@@ -37,13 +37,11 @@ from typing import Any, Literal
 
 from ..errors import InvalidArgumentError
 from ..memory.budget import format_bytes, limit_for, parse_bytes
+from ..memory.extents import Extent
 from ..memory.pools import POOL_FORMS, Pool
-from ..table.ledger import Extent, object_extents
-from ..table.manager_state import (
-    ManagerState,
-    check_state,
-    ledger_of,
-)
+from ..table.checks import check_state
+from ..table.ledger import object_extents
+from ..table.manager_state import ManagerState, ledger_of
 from .pricing import Change, Ledger, park_effect
 from .snapshot import Recency, Snapshot
 
@@ -218,7 +216,7 @@ def plan_release(
                 if not obj.resident:
                     continue
                 extents = object_extents(obj)
-                if not any(e[0] == pool for e in extents):
+                if not any(e.pool == pool for e in extents):
                     continue
                 holders = snap.holders(obj, sid, name, extents)
                 sharers = list(dict.fromkeys(s for s, _ in holders))

@@ -11,11 +11,10 @@ from typing import Any
 import jax
 
 from ..memory import accounting, parking
-from ..memory.aliases import Loose
+from ..memory.extents import Extent, Loose
 from ..memory.overlaps import PoolIndex
 from ..memory.pools import HOST, PINNED_HOST, UNPINNED_HOST, Pool
 from ..memory.usage import pools_by_name
-from ..table.ledger import Extent
 
 
 class Ledger:
@@ -45,7 +44,7 @@ class Ledger:
             marked, scanned = attr_holders.loose, attr_holders.open
         else:
             marked, scanned = (), attr_holders
-        self.loose_pools = {*self.overlaps, *marked, *(e[0] for e in scanned if type(e) is Loose)}
+        self.loose_pools = {*self.overlaps, *marked, *(e.pool for e in scanned if type(e) is Loose)}
         self._sorted = {k: v for k, v in self._sorted.items() if k[0] != "attrs"}
 
     def held(self, e: Extent, d_objects: int = 0, d_attrs: int = 0) -> bool:
@@ -56,7 +55,7 @@ class Ledger:
         """An extent for a host copy that does not exist yet (a park's), disjoint from every real buffer."""
         start = self._next_virtual
         self._next_virtual += nbytes
-        return (str(pool), start, start + nbytes)
+        return Extent(str(pool), start, start + nbytes)
 
     def change(
         self, remove: Iterable[frozenset[Extent]], add: Iterable[frozenset[Extent]] = (), attrs: Iterable[Extent] = ()
@@ -94,7 +93,7 @@ class Ledger:
         frees = by_pool(left)
         for pool, n in by_pool(came).items():
             frees[pool] = frees.get(pool, 0) - n
-        unions = {e[0] for e in (*left, *came) if e[0] in self.loose_pools or type(e) is Loose}
+        unions = {e.pool for e in (*left, *came) if e.pool in self.loose_pools or type(e) is Loose}
         for name in unions:
             frees[Pool.of(name)] = self._union_frees(name, d, d_attrs)
         if came or unions:
@@ -110,7 +109,7 @@ class Ledger:
         and the ones overlapping them alone, found by bisection in the pool's sorted extents (the ledger's
         index for objects; the attrs' sorted once per plan). O(log n + the extents near the change).
         """
-        changed = sorted({e for keys in (d, d_attrs) for e in keys if e[0] == pool})
+        changed = sorted({e for keys in (d, d_attrs) for e in keys if e.pool == pool})
         if not changed:
             return 0
         spans = [[changed[0][1], changed[0][2]]]  # the bytes under the changed extents, merged
@@ -125,7 +124,7 @@ class Ledger:
         for lo, hi in spans:
             near.update(_overlapping(objects, lo, hi, pool))
             near.update(_overlapping(attrs, lo, hi, pool))
-            near.update(e for e in taken if e[1] < hi and lo < e[2])
+            near.update(e for e in taken if e.start < hi and lo < e.end)
         before = [e for e in near if self.held(e)]
         after = [e for e in near if self.held(e, d[e], d_attrs[e])]
         return accounting.union_by_device(before).get(pool, 0) - accounting.union_by_device(after).get(pool, 0)
@@ -145,8 +144,8 @@ class Ledger:
                     *(closed if totals is None or pool in totals else ()),
                     *getattr(holders, "open", ()),
                 ]
-            extents = sorted({e for e in keys if e[0] == pool})
-            found = self._sorted[(what, pool)] = (extents, max((e[2] - e[1] for e in extents), default=0))
+            extents = sorted({e for e in keys if e.pool == pool})
+            found = self._sorted[(what, pool)] = (extents, max((e.end - e.start for e in extents), default=0))
         return found
 
     def take(self, change: Change) -> None:
@@ -154,7 +153,7 @@ class Ledger:
         self.attrs.update(change.attrs)
         for e in change.objects:  # (the table's own extents are found through its index: only new ones here)
             if e not in self.refs and not self.attr_holders[e]:
-                self.taken.setdefault(e[0], set()).add(e)
+                self.taken.setdefault(e.pool, set()).add(e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,9 +180,9 @@ def _overlapping(extents: Any, lo: int, hi: int, pool: str) -> Iterable[Extent]:
         chunk = chunks[c]
         while i < len(chunk):
             e = chunk[i]
-            if e[1] >= hi:
+            if e.start >= hi:
                 return
-            if e[2] > lo:
+            if e.end > lo:
                 yield e
             i += 1
         c, i = c + 1, 0

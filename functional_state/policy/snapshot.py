@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..memory import accounting
+from ..memory.extents import Extent
 from ..memory.pools import Pool
-from ..table.ledger import Acct, Extent
+from ..table.ledger import Acct
 from ..table.manager_state import ManagerState, entries_lru, session_map
 from ..table.usage import pool_bytes
 
@@ -85,7 +86,7 @@ class Snapshot:
         them. O(container extents), not O(attr values)."""
         name = str(pool)
         refs = self._attrs.refs
-        extra = [e for e in self._open if e[0] == name and e not in refs]
+        extra = [e for e in self._open if e.pool == name and e not in refs]
         return self._attrs.totals.get(name, 0) + (accounting.union_by_device(extra).get(name, 0) if extra else 0)
 
     @functools.cached_property

@@ -14,21 +14,20 @@ import weakref
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
+from .. import table as ms
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
 from ..memory import accounting
 from ..memory.accounting import union_by_device
-from ..memory.holders import AttrEntry, changed_since_recorded, holder_extents, storage_moved
+from ..memory.holders import AttrEntry, StorageStamp, changed_since_recorded, holder_extents, storage_moved
 from ..memory.values import NO_BUFFER_TYPES
 from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
 from ..policy.planner import LEVERS
 from ..policy.pricing import by_pool
-from ..table import manager_state as ms
 from ..table.engine_blocks import released_blocks
 from ..table.lru import recorded_anew
-from ..table.manager_state import ManagerState, ledger_of
+from ..table.manager_state import ManagerState, in_place, ledger_of
 from ..table.session_edits import update_session
-from ..table.state import in_place
 from .cells import Departure, departures
 
 __all__ = [
@@ -152,7 +151,7 @@ class Recheck:
         self.writer: str | None = None  # the session of the last pass
         self.totals: Any = None  # the object totals that pass was within budget with
         self.bound: Surplus | None = None  # the attr bound it returned
-        self.stamps: tuple[tuple[Any, tuple[int, int, bool]], ...] = ()  # (tensor, weakly; its recorded stamp)
+        self.stamps: tuple[tuple[Any, StorageStamp], ...] = ()  # (tensor, weakly; its recorded stamp)
 
     def within(self, base: ManagerState, after: ManagerState, writer: str, surplus: Surplus | None) -> bool:
         """Whether the commit ``base`` -> ``after`` of session ``writer`` stays within the budget with the attr
@@ -188,7 +187,7 @@ class Recheck:
                     return  # a container: walked at every check, by `within_budget_fast`
                 continue  # a fixed value: nothing to re-read
             try:
-                stamps.append((weakref.ref(entry.stamp[3]), entry.stamp[:3]))
+                stamps.append((weakref.ref(entry.stamped), entry.stamp))
             except TypeError:  # (a tensor type without weak references)
                 return
         self.stamps, self.totals, self.bound = tuple(stamps), ledger_of(after).totals, bound

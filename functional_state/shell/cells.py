@@ -20,9 +20,9 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
+from .. import table as ms
 from ..core.session import SessionState
 from ..errors import SessionStateLostError
-from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 
 __all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]

@@ -16,14 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
+from .. import table as ms
 from ..core.pytree import MISSING
 from ..core.session import ForkPolicy, SessionState
 from ..core.state_object import RESIDENT, StateObject
 from ..errors import InvalidTypeError, ObjectParkedError
-from ..table import manager_state as ms
 from ..table import parked, session_edits
-from ..table.manager_state import commit as _commit
 from ..table.manager_state import held_object
+from ..table.object_verbs import commit as _commit
 from ..table.torch_writes import RECORDS, check_object, writable
 from .cells import Cell
 from .session_ops import SessionOps

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 
-from ..table import manager_state as verbs
+from .. import table as verbs
 from .handle import SessionHandle
 
 __all__ = ["manager_attribute_error"]

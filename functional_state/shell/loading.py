@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .. import table as ms
 from ..core.session import SessionState
 from ..persist import checkpoint as ckpt
-from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.renumber import continued
 

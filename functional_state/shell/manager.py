@@ -17,15 +17,14 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from .. import table as ms
 from ..errors import ObjectParkedError, SessionStateLostError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
-from ..table import manager_state as ms
 from ..table.lru import get_or_insert
-from ..table.manager_state import ManagerState
+from ..table.manager_state import ManagerState, with_issued
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
-from ..table.state import with_issued
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
 from . import slot as slots

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .. import table as ms
 from ..core.session import SessionState
 from ..errors import InvalidTypeError, ObjectParkedError, SessionStateError, SessionStateLostError
-from ..table import manager_state as ms
 from ..table.engine_blocks import free_acquired
 from ..table.manager_state import ManagerState
 from ..table.parked import restore as restore_object

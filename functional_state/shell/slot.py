@@ -13,7 +13,7 @@ A lock-free read of a handle's session reads ``slot.table`` *before* it asks whe
 between. That is now harmless: no table the shell installs holds a number under another incarnation (a
 loaded table is numbered on from the installed one's counter, `table.renumber`; a taken-back write,
 `SessionStateManager._take_back`, reinstalls the older table with the counter the taken-back one reached,
-`table.state.with_issued`); the order stays, as a second line of defence that costs nothing.
+`table.manager_state.with_issued`); the order stays, as a second line of defence that costs nothing.
 """
 
 from __future__ import annotations
@@ -23,12 +23,11 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from .. import table as ms
 from ..core.session import SessionState
 from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
-from ..table import manager_state as ms
-from ..table.manager_state import ManagerState, held_object, held_session
-from ..table.state import in_place
+from ..table.manager_state import ManagerState, held_object, held_session, in_place
 from .admission import Recheck, Surplus, within_budget_fast
 from .cells import Cell
 

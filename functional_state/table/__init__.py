@@ -1,30 +1,57 @@
 """The table: `ManagerState` (the LRU map of sessions, with named nodes and counters), its kept ledger, the pure
-verbs over it, `step`, and which engine blocks a change released."""
+verbs over it, `step`, and which engine blocks a change released.
 
-# What users see of this layer (re-exported by `functional_state`); the rest are its modules' names.
+The package is the table's one import: the layers above (``from .. import table as ms``) reach its verbs and
+the reads of its records here. `__all__` lists what users see of this layer (re-exported by
+`functional_state`); the other names it imports are for the layers above, not user API.
+"""
+
+# Names in `__all__` are user API; the other names imported here (`noqa: F401`) are for the layers above.
+from .checks import check_state, find_object, locate, lost_error, resolve_id, resolve_session_id  # noqa: F401
 from .engine_blocks import free_released, released_blocks
-from .manager_state import (
+from .lru import replace_session  # noqa: F401
+from .manager_state import (  # noqa: F401
     DEFAULT_MAX_SESSIONS,
     DEFAULT_SESSION_ID,
+    ConsumedManagerState,
+    Counters,
     ManagerState,
+    Node,
+    count_evictions,
+    entries,
+    entries_lru,
+    held_object,
+    held_session,
+    in_place,
+    incarnation_of,
+    ledger_of,
+    lru_sessions,
+    node_session,
+    session_map,
+    with_counters,
+    with_issued,
+)
+from .object_verbs import (
     commit,
     discard,
+    put,
+    replace_object,  # noqa: F401
+    stage,
+    view,
+)
+from .parked import park, restore
+from .session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
+from .session_verbs import (
     drop_session,
     fork_session,
     get_or_create,
     get_session,
     incarnation,
     lookup,
-    put,
     raise_max_sessions,
-    resolve_session_id,
     sessions,
-    stage,
-    view,
     with_sessions,
 )
-from .parked import park, restore
-from .session_edits import del_attr, evict, get_attr, reset_session, set_attr, update_session
 from .torch_writes import writable
 from .usage import stats
 

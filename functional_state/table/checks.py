@@ -11,7 +11,7 @@ from typing import Any
 from ..core.session import no_object_message
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError, ObjectNotFoundError, SessionStateLostError, StateConsumedError
-from .state import DEFAULT_SESSION_ID, SESSION, ConsumedManagerState, ManagerState, Node
+from .manager_state import DEFAULT_SESSION_ID, ConsumedManagerState, ManagerState, Node
 
 __all__ = ["check_state", "find_object", "locate", "lost_error", "resolve_id", "resolve_session_id"]
 
@@ -85,7 +85,7 @@ def locate(state: ManagerState, session_id: Any, what: str) -> tuple[str, Node]:
 
 def find_object(node: Node, name: str, what: str) -> StateObject:
     """Object ``name`` of the node's session, or an `ObjectNotFoundError` listing the names it has."""
-    obj = node[SESSION]._objects.get(name)
+    obj = node.session._objects.get(name)
     if obj is None:
-        raise ObjectNotFoundError(no_object_message(node[SESSION], name, what))
+        raise ObjectNotFoundError(no_object_message(node.session, name, what))
     return obj

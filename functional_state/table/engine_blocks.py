@@ -17,8 +17,9 @@ from typing import Any
 from ..engine.kv_handle import PagedKVHandle
 from ..engine.paged_kv import PagedKVPool, pool_by_uid
 from ..errors import KVFreeError
+from .checks import check_state
 from .ledger import LOG_CUT, Acct
-from .manager_state import ManagerState, check_state, ledger_of, session_map
+from .manager_state import ManagerState, ledger_of, session_map
 
 _log = logging.getLogger("functional_state")
 
@@ -31,21 +32,22 @@ def released_between(before: Acct, after: Acct) -> dict[int, tuple[int, ...]]:
     Read from ``after``'s release log back to ``before``'s (O(released)) when ``after`` descends from
     ``before``; otherwise (another lineage, a cut log) by comparing every held block.
     """
-    candidates: list[Any] = []  # (pool uid, block id); also ("held", uid) counters in a full comparison
+    candidates: list[Any] = []  # (pool uid, block id)
     node = after.log
     complete = before.root is after.root
     while complete and node is not before.log:
         if node is None or node is LOG_CUT:
             complete = False
             break
-        candidates.extend(node[1])
-        node = node[2]
+        candidates.extend(node.released)
+        node = node.previous
     if not complete:
         candidates = list(before.kv.keys())
     out: dict[int, list[int]] = {}
     for key in candidates:
-        if key[0] != "held" and key in before.kv and key not in after.kv:
-            out.setdefault(key[0], []).append(key[1])
+        if key in before.kv and key not in after.kv:
+            uid, block = key
+            out.setdefault(uid, []).append(block)
     return {uid: tuple(sorted(set(ids))) for uid, ids in out.items()}
 
 

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from operator import attrgetter
-from typing import Any
+from typing import Any, Final
 
 import immutables
 
-from ..core.state_object import Extent
 from ..core.state_object import value_extents as value_extents  # (re-exported: the step reads it here)
 from ..engine.paged_kv import POOLS
-from ..memory.aliases import Loose
+from ..memory.extents import Extent, Loose
 from ..memory.holders import (
     EMPTY_ATTRS,
     AttrIndex,
@@ -88,18 +87,44 @@ def _moved(overlaps: Any, refs: Any, totals: Any, moves: dict[str, tuple[list[Ex
     return ov.finish(), unions
 
 
+class ReleaseLog:
+    """One change of the engine blocks an `Acct` holds, in a persistent list of them, newest first: the block
+    keys whose last handle let go, and the change before (None at the start of a lineage, `LOG_CUT` where the
+    list was cut short)."""
+
+    __slots__ = ("depth", "previous", "released")
+    depth: Final[int]  # changes before this one, up to the cut
+    released: Final[tuple[tuple[int, int], ...]]  # (pool uid, block id) of each block no handle holds now
+    previous: Final[Any]  # ReleaseLog | None | LOG_CUT
+
+    def __init__(self, depth: int, released: tuple[tuple[int, int], ...], previous: Any) -> None:
+        self.depth = depth
+        self.released = released
+        self.previous = previous
+
+
 class _Rest:
     """The fields of an `Acct` a step leaves alone, held together so that a step copies one reference."""
 
-    __slots__ = ("attr_only", "attrs", "kv", "leaves", "log", "overlaps", "parked", "root")
+    __slots__ = ("attr_only", "attrs", "held", "kv", "leaves", "log", "overlaps", "parked", "root")
 
     def __init__(
-        self, kv: Any, log: Any, root: Any, leaves: Any, attrs: Any, parked: Any, overlaps: Any, attr_only: Any
+        self,
+        kv: Any,
+        held: Any,
+        log: Any,
+        root: Any,
+        leaves: Any,
+        attrs: Any,
+        parked: Any,
+        overlaps: Any,
+        attr_only: Any,
     ):
-        # Engine KV blocks: (pool uid, block id) -> number of handles holding it. `log` is a persistent list of
-        # the changes of the held blocks, newest first, (depth, keys whose last handle let go, previous);
-        # `root` identifies the lineage (accountings derived from one build), within which logs can be compared.
+        # Engine KV blocks: (pool uid, block id) -> number of handles holding it; `held`: pool uid -> distinct
+        # blocks held. `log`: the `ReleaseLog` of the changes of the held blocks; `root` identifies the
+        # lineage (accountings derived from one build), within which logs can be compared.
         self.kv = kv
+        self.held = held
         self.log = log
         self.root = root
         self.leaves = leaves  # extent -> objects holding it as a leaf the accounting leaves out (0 bytes)
@@ -114,11 +139,12 @@ class _Rest:
 
 
 def _with_attr_only(r: _Rest, attr_only: Any) -> _Rest:
-    return _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, attr_only)
+    return _Rest(r.kv, r.held, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, attr_only)
 
 
 def _stepped(refs: immutables.Map, totals: immutables.Map, rest: _Rest) -> Acct:
-    """A copy with the two counts changed, built by its three slots: a call of ``Acct(...)`` is a third of a step."""
+    """A copy with the two counts changed and ``rest`` shared, built by its three slots (a step leaves the
+    other fields alone, and `Acct.__init__` would rebuild them)."""
     acct = _new(Acct)
     acct.refs, acct.totals, acct.rest = refs, totals, rest
     return acct
@@ -134,6 +160,7 @@ class Acct:
         refs: immutables.Map,
         totals: immutables.Map,
         kv: immutables.Map = _EMPTY,
+        held: immutables.Map = _EMPTY,
         log: Any = None,
         root: Any = None,
         leaves: immutables.Map = _EMPTY,
@@ -145,10 +172,11 @@ class Acct:
         self.refs = refs  # extent -> number of objects holding it, over all sessions
         self.totals = totals  # pool -> bytes of the union of the extents held at least once
         root = root if root is not None else object()
-        self.rest = _Rest(kv, log, root, leaves, attrs, parked, overlaps, attr_only)
+        self.rest = _Rest(kv, held, log, root, leaves, attrs, parked, overlaps, attr_only)
 
     # (read through `rest`: a step, the hot path, builds an Acct of three fields, not nine)
     kv = property(attrgetter("rest.kv"))
+    held = property(attrgetter("rest.held"))
     log = property(attrgetter("rest.log"))
     root = property(attrgetter("rest.root"))
     leaves = property(attrgetter("rest.leaves"))
@@ -208,7 +236,7 @@ class Acct:
         totals = self.totals.mutate()
         add, remove = list(add), list(remove)
         # Pools whose totals are a union (see the module): those holding a loose extent, or receiving one.
-        slow = {e[0] for extents in add for e in extents if type(e) is Loose}.union(self.overlaps.keys())
+        slow = {e.pool for extents in add for e in extents if type(e) is Loose}.union(self.overlaps.keys())
         moves: dict[str, tuple[list[Extent], list[Extent]]] = {}  # slow pool -> (extents arrived, left)
         for extents in remove:
             for e in extents:
@@ -217,19 +245,19 @@ class Acct:
                     refs[e] = n
                 else:
                     del refs[e]
-                    if slow and e[0] in slow:
-                        moves.setdefault(e[0], ([], []))[1].append(e)
+                    if slow and e.pool in slow:
+                        moves.setdefault(e.pool, ([], []))[1].append(e)
                     else:
-                        totals[e[0]] = totals[e[0]] - (e[2] - e[1])
+                        totals[e.pool] = totals[e.pool] - (e.end - e.start)
         for extents in add:
             for e in extents:
                 n = refs.get(e, 0)
                 refs[e] = n + 1
                 if not n:
-                    if slow and e[0] in slow:
-                        moves.setdefault(e[0], ([], []))[0].append(e)
+                    if slow and e.pool in slow:
+                        moves.setdefault(e.pool, ([], []))[0].append(e)
                     else:
-                        totals[e[0]] = totals.get(e[0], 0) + (e[2] - e[1])
+                        totals[e.pool] = totals.get(e.pool, 0) + (e.end - e.start)
         overlaps = self.overlaps
         if moves:
             overlaps, unions = _moved(overlaps, self.refs, totals, moves)
@@ -250,17 +278,18 @@ class Acct:
                     if entry is not None and entry.extents:
                         candidates.update(entry.extents)
             attr_only = attr_only_moved(attr_only, self.refs, kept, self.attrs.refs, attrs.refs, candidates)
-        kv, log = self.kv, self.log
+        kv, held, log = self.kv, self.held, self.log
         kv_add, kv_remove = [k for k in kv_add if k], [k for k in kv_remove if k]
         if kv_add or kv_remove:
             counts = kv.mutate()
-            held: dict[int, int] = {}  # pool uid -> change in distinct blocks held
+            moved: dict[int, int] = {}  # pool uid -> change in distinct blocks held
             for keys in kv_add:
                 for k in keys:
                     n = counts.get(k, 0)
                     counts[k] = n + 1
                     if not n:
-                        held[k[0]] = held.get(k[0], 0) + 1
+                        uid, _ = k  # (a block key: pool uid, block id)
+                        moved[uid] = moved.get(uid, 0) + 1
             released = []
             for keys in kv_remove:
                 for k in keys:
@@ -270,56 +299,48 @@ class Acct:
                     else:
                         del counts[k]
                         released.append(k)
-                        held[k[0]] = held.get(k[0], 0) - 1
-            for uid, d in held.items():
-                n = counts.get(("held", uid), 0) + d
+                        uid, _ = k
+                        moved[uid] = moved.get(uid, 0) - 1
+            per_pool = held.mutate()
+            for uid, d in moved.items():
+                n = per_pool.get(uid, 0) + d
                 if n:
-                    counts[("held", uid)] = n
+                    per_pool[uid] = n
                 else:
-                    counts.pop(("held", uid), None)
-            kv = counts.finish()
+                    per_pool.pop(uid, None)
+            kv, held = counts.finish(), per_pool.finish()
             # Every change of the held blocks is a node, even one that releases nothing: reaching
             # ``before``'s node from ``after``'s then proves ``after`` descends from ``before`` (a table
             # compared with its ancestor, or with a sibling, shares its node only if there is one per change).
-            depth = 0 if log is None or log is LOG_CUT else log[0] + 1
-            log = (depth, tuple(released), log) if depth < _LOG_DEPTH else (0, tuple(released), LOG_CUT)
-        return Acct(kept, totals.finish(), kv, log, self.root, leaves, attrs, parked, overlaps, attr_only)
+            depth = 0 if log is None or log is LOG_CUT else log.depth + 1
+            log = (
+                ReleaseLog(depth, tuple(released), log)
+                if depth < _LOG_DEPTH
+                else ReleaseLog(0, tuple(released), LOG_CUT)
+            )
+        return Acct(kept, totals.finish(), kv, held, log, self.root, leaves, attrs, parked, overlaps, attr_only)
 
     def swap(self, old: Any, new: Any) -> Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
 
         The object's type may price the change itself (`StateObject.ledger_step`: a ring commit, by the items
-        it moves); without engine blocks that delta is applied here written out, the hot path of every step.
+        it moves); without engine blocks that delta is applied to the persistent counts directly (no
+        mutation to build and finish for the one or two extents a step moves), the hot path of every step.
         """
         if old is new:
             return self
         delta = old.ledger_step(new)
         if delta is None:
             return self._difference(old, new)
-        add, remove, blocks_moved = delta
-        if blocks_moved is not None:
-            return self.change(add=[add], remove=[remove], kv_add=[blocks_moved[0]], kv_remove=[blocks_moved[1]])
+        add, remove, blocks = delta.added, delta.removed, delta.blocks
+        if blocks is not None:
+            return self.change(add=[add], remove=[remove], kv_add=[blocks.added], kv_remove=[blocks.removed])
         if not add and not remove:
             return self
         rest = self.rest
         ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
         arefs = rest.attrs.refs  # (an extent an attr holds too moves the attr-only sum when its last object goes)
-        # The steady ring step (one extent out, one in, one additive pool): the loops below written out. (`min`
-        # of a one-item collection is its item: a type's delta may be any collection, a frozenset included.)
-        steady = len(add) == 1 == len(remove) and not ov
-        if steady and type(a := min(add)) is not Loose and (r := min(remove))[0] == a[0]:
-            n = refs[r] - 1
-            refs = refs.set(r, n) if n else refs.delete(r)
-            m = refs.get(a, 0)
-            refs = refs.set(a, m + 1)
-            totals = self.totals
-            if moved := (0 if m else a[2] - a[1]) - (0 if n else r[2] - r[1]):  # (a same-size step moves none)
-                totals = totals.set(a[0], totals.get(a[0], 0) + moved)
-            if arefs and ((not n and r in arefs) or (not m and a in arefs)):
-                turned = [(e, d) for e, d, held in ((r, 1, n), (a, -1, m)) if not held and e in arefs]
-                rest = _with_attr_only(rest, attr_only_flipped(rest.attr_only, turned))
-            return _stepped(refs, totals, rest)
         flips: list[tuple[Extent, int]] | None = None
         came: dict[str, int] = {}  # bytes that came (or left: negative), per additive pool
         moves: dict[str, tuple[list[Extent], list[Extent]]] | None = None
@@ -332,13 +353,13 @@ class Acct:
             if arefs and e in arefs:
                 flips = flips or []
                 flips.append((e, 1))
-            if ov and e[0] in ov:
+            if ov and e.pool in ov:
                 moves = moves or {}
-                moves.setdefault(e[0], ([], []))[1].append(e)
+                moves.setdefault(e.pool, ([], []))[1].append(e)
             else:
-                came[e[0]] = came.get(e[0], 0) - (e[2] - e[1])
+                came[e.pool] = came.get(e.pool, 0) - (e.end - e.start)
         for e in add:
-            indexed = ov and e[0] in ov
+            indexed = ov and e.pool in ov
             if type(e) is Loose and not indexed:  # a pool starts being indexed (the maps are persistent)
                 return self.change(add=[add], remove=[remove])
             n = refs.get(e, 0)
@@ -350,9 +371,9 @@ class Acct:
                 flips.append((e, -1))
             if indexed:
                 moves = moves or {}
-                moves.setdefault(e[0], ([], []))[0].append(e)
+                moves.setdefault(e.pool, ([], []))[0].append(e)
             else:
-                came[e[0]] = came.get(e[0], 0) + (e[2] - e[1])
+                came[e.pool] = came.get(e.pool, 0) + (e.end - e.start)
         totals = self.totals
         for p, d in came.items():
             if d:  # (an item of the size of the one it replaces moves no total)
@@ -362,7 +383,7 @@ class Acct:
             for p, union in unions.items():  # (only those that changed: the budget's memo recognises the same map)
                 totals = totals.set(p, union)
             r = rest
-            rest = _Rest(r.kv, r.log, r.root, r.leaves, r.attrs, r.parked, indexes, r.attr_only)
+            rest = _Rest(r.kv, r.held, r.log, r.root, r.leaves, r.attrs, r.parked, indexes, r.attr_only)
         if flips:
             rest = _with_attr_only(rest, attr_only_flipped(rest.attr_only, flips))
         return _stepped(refs, totals, rest)
@@ -414,5 +435,6 @@ class Acct:
         return self.change_objects(added, removed, attrs_added, attrs_removed)
 
     def kv_held(self) -> dict[int, int]:
-        """``{pool uid: distinct blocks handles hold}`` (kept under ``("held", uid)`` keys of ``kv``)."""
-        return {uid: self.kv[("held", uid)] for uid in list(POOLS.keys()) if ("held", uid) in self.kv}
+        """``{pool uid: distinct blocks handles hold}``, for the pools still alive."""
+        held = self.held
+        return {uid: held[uid] for uid in list(POOLS.keys()) if uid in held}

@@ -1,14 +1,14 @@
 """The table's recency order: make a session most recent, insert one (evicting the least recent when the
 table is full), remove one, and replace sessions without touching their recency.
 
-Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see `state`):
-a use takes the next tick and appends one entry; eviction takes the oldest entry that is still current. A
-hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
+Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see
+`manager_state.Recency`): a use takes the next tick and appends one entry; eviction takes the oldest entry
+that is still current. A hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
 table holds its new one), and the next write of that node (the commit that follows a hit) stores the tick
 with the new session, so a hit and its commit write one node. The next hit on another session settles the
-pending node first; an insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the table's size (or spans `MAX_DEPTH` segments) it is
-rebuilt from its current entries, so it never holds more than a few entries per session and a lookup, a
-hit and a miss cost the same after any history.
+pending node first; an insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the
+table's size (or spans `MAX_DEPTH` segments) it is rebuilt from its current entries, so it never holds more
+than a few entries per session and a lookup, a hit and a miss cost the same after any history.
 """
 
 from __future__ import annotations
@@ -23,20 +23,8 @@ from ..core.session import SessionState
 from ..errors import SessionAdmissionError
 from ..memory.accounting import total_nbytes
 from ..memory.budget import format_bytes
-from .recency_log import MAX_DEPTH, Log, append, at, entries
-from .state import (
-    COLD,
-    COMPACT_AT,
-    ISSUED,
-    PENDING,
-    PENDING_TICK,
-    SESSION,
-    UID,
-    USED,
-    ManagerState,
-    Node,
-    make_state,
-)
+from .manager_state import COMPACT_AT, ManagerState, Node, Recency, Totals, make_state, with_nodes
+from .recency_log import MAX_DEPTH, Log, append, entries
 from .torch_versions import RECORDS, release
 
 __all__ = [
@@ -50,7 +38,6 @@ __all__ = [
     "touch",
 ]
 
-_new = object.__new__
 _log = logging.getLogger("functional_state")
 
 
@@ -59,7 +46,7 @@ def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, t
     sids, ticks = [], []
     for sid, t in entries(log, start, end):
         node = nodes.get(sid)
-        if node is not None and (tick if sid == pending else node[USED]) == t:
+        if node is not None and (tick if sid == pending else node.used) == t:
             sids.append(sid)
             ticks.append(t)
     return Log(sids, ticks)
@@ -67,36 +54,25 @@ def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, t
 
 def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
     """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
-    clock, log, start, end, pending, pending_tick, n_hits, cold, limit = state._meta
+    r = state._recency
+    clock = r.clock
+    if r.tick_of(sid, node) == clock - 1:  # already the most recent
+        if not hits:
+            return state
+        return make_state(state._nodes, r, state._hits + hits, state._totals, state._config, state._acct)
     nodes = state._nodes
-    if (pending_tick if sid == pending else node[USED]) != clock - 1:  # (else: already the most recent)
-        if pending is not None:  # settle the previous hit's node unless its commit already did
-            p = nodes[pending]
-            if p[USED] != pending_tick:
-                nodes = nodes.set(pending, (p[SESSION], pending_tick, p[UID]))
-        sids = log.sids
-        base = log.base
-        if base + len(sids) == end:  # `recency_log.append`, written out for its common case
-            sids.append(sid)
-            if sids[end - base] is sid:
-                log.ticks.append(clock)
-            else:  # another table appended first: branch
-                log = append(log, end, sid, clock)
-        else:
-            log = append(log, end, sid, clock)
-        end += 1
-        if end >= limit or log.depth > MAX_DEPTH:
-            log = compacted(nodes, log, start, end, sid, clock)
-            start, end = 0, len(log.sids)
-            limit = COMPACT_AT * len(nodes)
-        pending, pending_tick, clock = sid, clock, clock + 1
-    elif not hits:
-        return state
-    new = _new(ManagerState)
-    new._nodes = nodes
-    new._meta = (clock, log, start, end, pending, pending_tick, n_hits + hits, cold, limit)
-    new._acct = state._acct
-    return new
+    pending = r.pending
+    if pending is not None:  # settle the previous hit's node unless its commit already did
+        p = nodes[pending]
+        if p.used != r.pending_tick:
+            nodes = nodes.set(pending, Node(p.session, r.pending_tick, p.uid))
+    log = append(r.log, r.end, sid, clock)
+    start, end, limit = r.start, r.end + 1, r.limit
+    if end >= limit or log.depth > MAX_DEPTH:
+        log = compacted(nodes, log, start, end, sid, clock)
+        start, end, limit = 0, len(log.sids), COMPACT_AT * len(nodes)
+    recency = Recency(clock + 1, log, start, end, sid, clock, limit)
+    return make_state(nodes, recency, state._hits + hits, state._totals, state._config, state._acct)
 
 
 def insert(
@@ -109,8 +85,9 @@ def insert(
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    clock, log, start, end, pending, pending_tick, hits, cold, _ = state._meta
-    uid, config, n_misses, evictions, parks, restores = cold
+    r, totals, config = state._recency, state._totals, state._config
+    clock, log, start, end, pending = r.clock, r.log, r.start, r.end, r.pending
+    evictions = totals.evictions
     acct = state._acct
     size = len(state._nodes)
     if size >= config.max_sessions and not config.evict_when_full:
@@ -123,56 +100,44 @@ def insert(
     # costs more than the writes. A pending node stays pending (its tick is older than the new one's).
     nodes = state._nodes
     if size >= config.max_sessions:
-        # The oldest current entry; those before it were superseded. The scan reads one entry per use
-        # appended since the last eviction (about ten per miss here), so its loop is kept bare.
-        sids, ticks, base = log.sids, log.ticks, log.base
-        while start < base:  # entries in the segments this one branched from (a table derived from an old one)
-            victim_id, tick = at(log, start)
+        # The oldest current entry; those before it were superseded (about ten entries per miss here).
+        for victim_id, tick in entries(log, start, end):
             start += 1
             victim = nodes.get(victim_id)
-            if victim is not None and (pending_tick if victim_id == pending else victim[USED]) == tick:
+            if victim is not None and r.tick_of(victim_id, victim) == tick:
                 break
-        else:
-            get = nodes.get
-            i = start - base
-            while True:
-                victim_id = sids[i]
-                victim = get(victim_id)
-                if victim is not None and (pending_tick if victim_id == pending else victim[USED]) == ticks[i]:
-                    break
-                i += 1
-            start = base + i + 1
+        assert victim is not None  # (a full table's window holds a current entry for each of its sessions)
         if _log.isEnabledFor(logging.INFO):  # (the bytes are counted only for a reader of the log)
             _log.info(
                 "LRU eviction: session %r (%d objects, %s) left the table, full at max_sessions=%d, for %r",
                 victim_id,
-                len(victim[SESSION].objects),
-                format_bytes(total_nbytes(victim[SESSION])),
+                len(victim.session.objects),
+                format_bytes(total_nbytes(victim.session)),
                 config.max_sessions,
                 sid,
             )
         if RECORDS:
-            release(state, victim[SESSION], None)
+            release(state, victim.session, None)
         nodes = nodes.delete(victim_id)
         if evicted is not None:
-            evicted.append((victim_id, victim[UID], victim[SESSION]))
+            evicted.append((victim_id, victim.uid, victim.session))
         if victim_id == pending:
             pending = None
         if acct is not None:
-            acct = acct.remove_session(victim[SESSION])
+            acct = acct.remove_session(victim.session)
         evictions += 1
-    nodes = nodes.set(sid, (session, clock, uid))
+    nodes = nodes.set(sid, Node(session, clock, totals.issued))
     log = append(log, end, sid, clock)
     end += 1
     limit = start + COMPACT_AT * len(nodes)
     if end >= limit or log.depth > MAX_DEPTH:
-        log = compacted(nodes, log, start, end, pending, pending_tick)
-        start, end = 0, len(log.sids)
-        limit = COMPACT_AT * len(nodes)
+        log = compacted(nodes, log, start, end, pending, r.pending_tick)
+        start, end, limit = 0, len(log.sids), COMPACT_AT * len(nodes)
     if acct is not None:
         acct = acct.add_session(session)
-    cold = (uid + 1, config, n_misses + misses, evictions, parks, restores)
-    return make_state(nodes, (clock + 1, log, start, end, pending, pending_tick, hits, cold, limit), acct)
+    recency = Recency(clock + 1, log, start, end, pending, r.pending_tick, limit)
+    totals = Totals(totals.issued + 1, totals.misses + misses, evictions, totals.parks, totals.restores)
+    return make_state(nodes, recency, state._hits, totals, config, acct)
 
 
 def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, list[Any] | None]:
@@ -185,26 +150,27 @@ def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, lis
     """
     node = state._nodes.get(sid)
     if node is not None:
-        return touch(state, sid, node, 1), node[UID], None
+        return touch(state, sid, node, 1), node.uid, None
     evicted: list[Any] = []
     after = insert(state, sid, SessionState.empty(), "get_or_create", 1, evicted)
-    return after, state._meta[COLD][ISSUED], evicted
+    return after, state._totals.issued, evicted
 
 
 def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
     if RECORDS:
-        release(state, node[SESSION], None)
-    clock, log, start, end, pending, pending_tick, hits, cold, _ = state._meta
+        release(state, node.session, None)
+    r = state._recency
+    log, start, end, pending = r.log, r.start, r.end, r.pending
     nodes = state._nodes.delete(sid)
     if sid == pending:
         pending = None
     if end - start >= COMPACT_AT * len(nodes) + COMPACT_AT:  # after many drops: keep the window short
-        log = compacted(nodes, log, start, end, pending, pending_tick)
+        log = compacted(nodes, log, start, end, pending, r.pending_tick)
         start, end = 0, len(log.sids)
-    acct = None if state._acct is None else state._acct.remove_session(node[SESSION])
-    limit = start + COMPACT_AT * len(nodes)
-    return make_state(nodes, (clock, log, start, end, pending, pending_tick, hits, cold, limit), acct)
+    acct = None if state._acct is None else state._acct.remove_session(node.session)
+    recency = Recency(r.clock, log, start, end, pending, r.pending_tick, start + COMPACT_AT * len(nodes))
+    return make_state(nodes, recency, state._hits, state._totals, state._config, acct)
 
 
 def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
@@ -212,23 +178,18 @@ def replace_session(state: ManagerState, sid: str, node: Node, session: SessionS
 
     A pending node (the session a hit just made most recent) takes its tick in this same write."""
     if RECORDS:
-        release(state, node[SESSION], session)
+        release(state, node.session, session)
     acct = state._acct
     if acct is not None:
-        acct = acct.swap_session(node[SESSION], session)
-    meta = state._meta
-    used = meta[PENDING_TICK] if sid == meta[PENDING] else node[USED]
-    return make_state(state._nodes.set(sid, (session, used, node[UID])), meta, acct)
+        acct = acct.swap_session(node.session, session)
+    new = Node(session, state._recency.tick_of(sid, node), node.uid)
+    return with_nodes(state, state._nodes.set(sid, new), acct)
 
 
 def recorded_anew(state: ManagerState, value: Any) -> ManagerState:
     """``state`` with attr value ``value`` (held by its sessions) recorded anew in its ledger, if it keeps one."""
     acct = state._acct
-    return (
-        state
-        if acct is None
-        else make_state(state._nodes, state._meta, acct.change_objects((), (), (value,), (value,)))
-    )
+    return state if acct is None else with_nodes(state, state._nodes, acct.change_objects((), (), (value,), (value,)))
 
 
 def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> immutables.Map:
@@ -237,6 +198,6 @@ def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> im
     for sid, session in new.items():
         n = mm[sid]
         if RECORDS:
-            release(state, n[SESSION], session)
-        mm[sid] = (session, n[USED], n[UID])
+            release(state, n.session, session)
+        mm[sid] = Node(session, n.used, n.uid)
     return mm.finish()

@@ -10,13 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.pytree import MISSING
-from ..core.session import SessionState, no_object_message
 from ..core.state_object import StateObject
-from ..errors import ObjectNotFoundError
 from ..memory.holders import totals_with_attrs
-from .checks import check_state, find_object, locate, lost_error, resolve_id
+from .checks import find_object, locate
 from .lru import replace_session, replace_sessions
-from .state import PENDING, PENDING_TICK, SESSION, UID, USED, ManagerState, add_to_counter, ledger_of, make_state
+from .manager_state import ManagerState, Node, add_to_counter, ledger_of, with_nodes
 from .torch_writes import RECORDS, check_object, record, record_commit, recorded
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
@@ -29,7 +27,7 @@ def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject
     sid, node = locate(state, session_id, "put")
     if recorded(obj):  # the very object held elsewhere: a write in place it already shares is refused here
         check_object(state, sid, name, obj, "put")
-    out = replace_session(state, sid, node, node[SESSION].put(name, obj))
+    out = replace_session(state, sid, node, node.session.put(name, obj))
     if not recorded(obj):
         record(obj)
     return out
@@ -39,8 +37,7 @@ def _object_op(
     state: ManagerState, session_id: Any, name: str, what: str, op: Callable[[StateObject], StateObject]
 ) -> ManagerState:
     sid, node = locate(state, session_id, what)
-    session = node[SESSION]
-    return replace_session(state, sid, node, session._with_object(name, op(find_object(node, name, what))))
+    return replace_session(state, sid, node, node.session._with_object(name, op(find_object(node, name, what))))
 
 
 def stage(state: ManagerState, session_id: str | None, name: str, payload: Any) -> ManagerState:
@@ -50,7 +47,7 @@ def stage(state: ManagerState, session_id: str | None, name: str, payload: Any) 
     check_object(state, sid, name, obj, "stage")
     new = obj.stage(payload)
     record_commit(obj, new, payload)
-    return replace_session(state, sid, node, node[SESSION]._with_object(name, new))
+    return replace_session(state, sid, node, node.session._with_object(name, new))
 
 
 def commit(state: ManagerState, session_id: str | None, name: str, payload: Any = MISSING) -> ManagerState:
@@ -64,35 +61,16 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
       >>> view(s, "a", "frames")
       (2, 3)
     """
-    # Written out, with every helper inlined: this is the per-step path.
-    if type(state) is not ManagerState:
-        check_state(state, "commit")
-    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, "commit")
-    nodes = state._nodes
-    node = nodes.get(sid)
-    if node is None:
-        raise lost_error(state, sid, "commit")
-    session = node[SESSION]
-    objects = session._objects
-    obj = objects.get(name)
-    if obj is None:
-        raise ObjectNotFoundError(no_object_message(session, name, "commit"))
+    sid, node = locate(state, session_id, "commit")
+    obj = find_object(node, name, "commit")
     if RECORDS:  # (a table that never held a torch tensor: no record to compare)
         check_object(state, sid, name, obj, "commit")
     new_obj = obj.commit(payload)
     record_commit(obj, new_obj, payload)
-    new_session = _new(SessionState)
-    new_session._objects = objects.set(name, new_obj)
-    new_session._attrs = session._attrs
-    new_session._policies = session._policies
-    meta = state._meta
-    new = _new(ManagerState)
-    # A hit just before left this node pending (see `lru.touch`): it takes its tick in this one write.
-    new._nodes = nodes.set(sid, (new_session, meta[PENDING_TICK] if sid == meta[PENDING] else node[USED], node[UID]))
-    new._meta = meta
     acct = state._acct
-    new._acct = None if acct is None else acct.swap(obj, new_obj)
-    return new
+    # A hit just before left this node pending (see `lru.touch`): it takes its tick in this one write.
+    node = Node(node.session._with_object(name, new_obj), state._recency.tick_of(sid, node), node.uid)
+    return with_nodes(state, state._nodes.set(sid, node), None if acct is None else acct.swap(obj, new_obj))
 
 
 def discard(state: ManagerState, session_id: str | None, name: str) -> ManagerState:
@@ -126,12 +104,12 @@ def replace_object(
     after = before
     changed = {}
     for target, names in targets.items():
-        session = state._nodes[target][SESSION]
+        session = state._nodes[target].session
         for name in names:
             session = session._with_object(name, new)
             after = after.swap(old, new)
         changed[target] = session
     moved = _pool_delta(totals_with_attrs(before)[0], totals_with_attrs(after)[0])
     count = sum(len(names) for names in targets.values())
-    replaced = make_state(replace_sessions(state, changed), state._meta, after if tracked else None)
+    replaced = with_nodes(state, replace_sessions(state, changed), after if tracked else None)
     return add_to_counter(replaced, counter, count), moved

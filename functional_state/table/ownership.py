@@ -26,8 +26,8 @@ from typing import Any
 from ..core.session import SessionState
 from ..errors import InvalidArgumentError, StaleEpochError
 from .checks import locate
+from .manager_state import ManagerState, node_session
 from .session_edits import update_session
-from .state import ManagerState, node_session
 
 __all__ = [
     "EPOCH_ATTR",

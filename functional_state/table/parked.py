@@ -11,8 +11,10 @@ from ..errors import (
 )
 from ..memory import holders as _holders
 from ..memory.holders import held_elsewhere
+from .checks import find_object, locate
 from .ledger import held_by
-from .manager_state import ManagerState, find_object, ledger_of, locate, replace_object, session_map
+from .manager_state import ManagerState, ledger_of, session_map
+from .object_verbs import replace_object
 from .torch_writes import check_object, record, recorded
 
 _log = logging.getLogger("functional_state")

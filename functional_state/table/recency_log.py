@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Final
 
-__all__ = ["MAX_DEPTH", "Log", "append", "at", "entries", "entries_reversed"]
+__all__ = ["MAX_DEPTH", "Log", "append", "entries", "entries_reversed"]
 
 MAX_DEPTH: Final = 16  # segments a window may span before the next append compacts it
 
@@ -79,11 +79,3 @@ def entries_reversed(log: Log, start: int, end: int) -> Iterator[tuple[str, int]
             yield sids[i], ticks[i]
         top = base
         seg = seg.parent
-
-
-def at(log: Log, position: int) -> tuple[str, int]:
-    """The entry at ``position`` (a position of the window ``log`` was returned for)."""
-    while position < log.base:
-        log = log.parent  # type: ignore[assignment]  # positions before a root's base are never asked for
-    i = position - log.base
-    return log.sids[i], log.ticks[i]

@@ -8,8 +8,8 @@ incarnation under an id and number a handle already has. The shell installs `con
 installed.issued)` instead: the same sessions, recency, counters and configuration, numbered from the
 installed table's counter on, so no number is ever issued twice by one shell.
 
-Built over `state`'s public names: its node layout (`SESSION`, `USED`, `UID`), its counter positions,
-`make_state`, and the reads `entries_lru`, `counters` and `ledger_of`. The recency log is rebuilt
+Built over `state`'s records (`Node`, `Recency`, `Totals`), `make_state`, and the reads `entries_lru`,
+`counters` and `ledger_of`. The recency log is rebuilt
 compacted (one entry per session, in LRU order): the order is what a table means, not its ticks.
 """
 
@@ -20,33 +20,8 @@ from typing import Any
 import immutables
 
 from ..errors import InvalidArgumentError
+from .manager_state import COMPACT_AT, Config, ManagerState, Node, Recency, Totals, entries_lru, ledger_of, make_state
 from .recency_log import Log
-from .state import (
-    CLOCK,
-    COLD,
-    COMPACT_AT,
-    CONFIG,
-    END,
-    EVICTIONS,
-    HITS,
-    ISSUED,
-    LIMIT,
-    LOG,
-    MISSES,
-    PARKS,
-    PENDING,
-    PENDING_TICK,
-    RESTORES,
-    SESSION,
-    START,
-    UID,
-    USED,
-    Config,
-    ManagerState,
-    entries_lru,
-    ledger_of,
-    make_state,
-)
 
 __all__ = ["continued"]
 
@@ -76,21 +51,14 @@ def continued(table: ManagerState, first: int) -> ManagerState:
     sids: list[str] = []
     mm: immutables.MapMutation[str, Any] = immutables.Map().mutate()
     for tick, (sid, _, session) in enumerate(entries_lru(table)):
-        node: list[Any] = [None] * 3
-        node[SESSION], node[USED], node[UID] = session, tick, first + tick
-        mm[sid] = tuple(node)
+        mm[sid] = Node(session, tick, first + tick)
         sids.append(sid)
     n = len(sids)
-    counters = table.counters
-    cold: list[Any] = [None] * (RESTORES + 1)
-    cold[ISSUED], cold[CONFIG] = first + n, Config(table.max_sessions, table.byte_budget, table.evict_when_full)
-    cold[MISSES], cold[EVICTIONS] = counters.misses, counters.evictions
-    cold[PARKS], cold[RESTORES] = counters.parks, counters.restores
-    meta: list[Any] = [None] * (LIMIT + 1)
-    meta[CLOCK], meta[LOG], meta[START], meta[END] = n, Log(sids, list(range(n))), 0, n
-    meta[PENDING], meta[PENDING_TICK], meta[HITS], meta[COLD] = None, 0, counters.hits, tuple(cold)
-    meta[LIMIT] = COMPACT_AT * n
+    c = table.counters
+    recency = Recency(n, Log(sids, list(range(n))), 0, n, None, 0, COMPACT_AT * n)
+    totals = Totals(first + n, c.misses, c.evictions, c.parks, c.restores)
     # The ledger depends on the sessions only. A budgeted table tracks from its creation (so `ledger_of` reads
     # it, builds nothing); an unbudgeted one starts untracked, as a table nobody asked about pays nothing.
     acct = ledger_of(table) if table.byte_budget is not None else None
-    return make_state(mm.finish(), tuple(meta), acct)
+    config = Config(table.max_sessions, table.byte_budget, table.evict_when_full)
+    return make_state(mm.finish(), recency, c.hits, totals, config, acct)

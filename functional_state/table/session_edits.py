@@ -11,8 +11,9 @@ from ..core.session import SessionState
 from ..errors import (
     InvalidTypeError,
 )
-from .lru import recorded_anew
-from .manager_state import ManagerState, find_object, locate, node_session, replace_session
+from .checks import find_object, locate
+from .lru import recorded_anew, replace_session
+from .manager_state import ManagerState, node_session
 
 _log = logging.getLogger("functional_state")
 

@@ -22,15 +22,7 @@ from ..errors import (
 )
 from .checks import check_state, locate, resolve_id
 from .lru import insert, remove, replace_sessions, touch
-from .state import (
-    SESSION,
-    ManagerState,
-    check_positive,
-    entries_lru,
-    incarnation_of,
-    make_state,
-    with_max_sessions,
-)
+from .manager_state import ManagerState, check_positive, entries_lru, incarnation_of, with_max_sessions, with_nodes
 from .torch_writes import record_fork
 
 __all__ = [
@@ -75,7 +67,7 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
     if node is None:
         session = SessionState.empty()
         return insert(state, sid, session, "get_or_create", 1), session
-    return touch(state, sid, node, 1), node[SESSION]
+    return touch(state, sid, node, 1), node.session
 
 
 def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, SessionState]:
@@ -85,7 +77,7 @@ def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSta
       SessionStateLostError: unknown, evicted or dropped; nothing is created.
     """
     sid, node = locate(state, session_id, "get_session")
-    return touch(state, sid, node, 1), node[SESSION]
+    return touch(state, sid, node, 1), node.session
 
 
 def lookup(state: ManagerState, session_id: str | None, default: Any = MISSING) -> Any:
@@ -95,7 +87,8 @@ def lookup(state: ManagerState, session_id: str | None, default: Any = MISSING) 
       SessionStateLostError: the session is not in the table and no ``default`` was given.
     """
     try:
-        return locate(state, session_id, "lookup")[1][SESSION]
+        _, node = locate(state, session_id, "lookup")
+        return node.session
     except SessionStateLostError:
         if default is MISSING:
             raise
@@ -160,8 +153,8 @@ def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> Mana
     acct = state._acct
     if acct is not None:
         for sid, session in tree.items():
-            acct = acct.swap_session(nodes[sid][SESSION], session)
-    return make_state(replace_sessions(state, tree), state._meta, acct)
+            acct = acct.swap_session(nodes[sid].session, session)
+    return with_nodes(state, replace_sessions(state, tree), acct)
 
 
 def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, bool]:
@@ -172,7 +165,7 @@ def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSt
     node = state._nodes.get(sid)
     if node is None:
         return state, False
-    _log.info("drop_session: session %r left the table (%d objects)", sid, len(node[SESSION]._objects))
+    _log.info("drop_session: session %r left the table (%d objects)", sid, len(node.session._objects))
     return remove(state, sid, node), True
 
 
@@ -207,8 +200,8 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
             f"`fork_session`: the table holds at most 1 session, so a fork of {sid!r} could only replace it. "
             f"Raise the cap (`raise_max_sessions`) to keep both."
         )
-    copies = record_fork(state, sid, node[SESSION])  # (torch tensors: a fork makes them shared; see `torch_writes`)
-    fork = node[SESSION].forked()
+    copies = record_fork(state, sid, node.session)  # (torch tensors: a fork makes them shared; see `torch_writes`)
+    fork = node.session.forked()
     for name, copy in (copies or {}).items():  # (inference-mode tensors: the fork holds copies)
         fork = fork._with_object(name, copy)
     touched = touch(state, sid, node, 0)

@@ -20,17 +20,12 @@ import jax.numpy as jnp
 
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
-from ..memory.holders import Extent, held_elsewhere, holder_extents
+from ..memory.extents import Extent
+from ..memory.holders import held_elsewhere, holder_extents
+from .checks import find_object, locate
 from .ledger import Acct, held_by, value_extents
-from .manager_state import (
-    ConsumedManagerState,
-    ManagerState,
-    find_object,
-    ledger_of,
-    locate,
-    node_session,
-    replace_session,
-)
+from .lru import replace_session
+from .manager_state import ConsumedManagerState, ManagerState, ledger_of, node_session
 from .torch_writes import check_object
 
 __all__ = ["step"]

@@ -21,7 +21,7 @@ import jax
 from ..core.session import SessionState
 from ..memory.holders import held_elsewhere
 from .ledger import held_by, value_extents
-from .state import ManagerState, ledger_of
+from .manager_state import ManagerState, ledger_of
 
 __all__ = ["RECORDS", "WRITTEN_SHARED", "release", "torch_leaves", "version"]
 

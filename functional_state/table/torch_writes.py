@@ -44,7 +44,7 @@ from ..memory.torch_host import leaf_recipe, rebuild
 from .checks import find_object, locate
 from .ledger import held_by, value_extents
 from .lru import replace_session
-from .state import SESSION, ManagerState, ledger_of
+from .manager_state import ManagerState, ledger_of
 from .torch_versions import RECORDS, WRITTEN_SHARED, Versions, torch_leaves
 from .torch_versions import version as _version
 
@@ -251,7 +251,7 @@ def writable(state: ManagerState, session_id: str | None, name: str) -> tuple[Ma
     record(new)
     if new is obj:
         return state, obj.view()
-    return replace_session(state, sid, node, node[SESSION]._with_object(name, new)), new.view()
+    return replace_session(state, sid, node, node.session._with_object(name, new)), new.view()
 
 
 def check_sessions(state: ManagerState, items: Iterable[tuple[str, SessionState]], what: str) -> None:

@@ -11,7 +11,8 @@ from ..memory.holders import parked_nbytes as kept_parked_nbytes
 from ..memory.holders import pool_totals, totals_with_attrs
 from ..memory.pools import Pool
 from ..memory.usage import KVPoolUsage, Usage, pools_by_name
-from .manager_state import ManagerState, check_state, ledger_of, session_map
+from .checks import check_state
+from .manager_state import ManagerState, ledger_of, session_map
 
 __all__ = ["pool_bytes", "stats", "usage"]
 

@@ -8,10 +8,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import table as ms
 from .._version import __version__
 from ..persist.encode import AttrHooks, Writer
 from ..persist.manifest import FORMAT, LAYOUT, in_arrays_item, seal
-from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.ownership import MODEL_ATTR, check_epoch
 from ..table.torch_writes import check_sessions

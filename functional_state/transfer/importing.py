@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .. import table as ms
 from ..core.session import SessionState
 from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, StaleEpochError, TransferError
 from ..persist.checkpoint import check_free, install_session
@@ -19,7 +20,6 @@ from ..persist.fencing import manifest_epoch
 from ..persist.manifest import CHECKSUM, check_manifest, copy_checksum, in_parallel
 from ..persist.read import host_storage
 from ..persist.validate import StoredLeaf, check_stored
-from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from .blob import TRANSFER, SessionBlob
 

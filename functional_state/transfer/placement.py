@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from .. import table as ms
 from ..memory.budget import limit_for
-from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 from ..table.ownership import session_epoch
 from ..table.usage import pool_bytes
