@@ -35,7 +35,8 @@ from ..errors import (
 )
 from ..memory.accounting import total_nbytes
 from ..memory.budget import parse_bytes
-from ..table.manager_state import ManagerState, drop_session, get_or_create, lookup, put
+from ..table import drop_session, get_or_create, lookup, put
+from ..table.manager_state import ManagerState
 from ..table.parked import park as _park_object
 from ..table.session_edits import set_attr
 from ..table.step import step as _step
