@@ -11,7 +11,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import ArrayRing, LatentBuffer, SessionStateManager
-from functional_state.shell import handle as shell_handle
+from functional_state.table import manager_state
 from helpers import finishes, race
 
 
@@ -182,15 +182,15 @@ def test_many_threads_committing_to_one_session_lose_nothing(lock, monkeypatch):
         time.sleep(0)
         return install(self, decision)
 
-    commit = shell_handle._commit
+    commit = manager_state.commit
 
-    def slow_commit(*args):  # the handle's own one-step commit: between reading the table and installing
+    def slow_commit(*args):  # the pure commit the handle's one-step write calls: between reading and installing
         out = commit(*args)
         time.sleep(0)
         return out
 
     monkeypatch.setattr(SessionStateManager, "_install", slow_install)
-    monkeypatch.setattr(shell_handle, "_commit", slow_commit)
+    monkeypatch.setattr(manager_state, "commit", slow_commit)
     m = SessionStateManager(lock_factory=factory)
     m.get_or_create_session("a").put("log", LatentBuffer.create())
     n_threads, n = 8, 150

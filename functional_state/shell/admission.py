@@ -33,6 +33,7 @@ from .cells import Departure, departures
 
 __all__ = [
     "Decision",
+    "LastPass",
     "Recheck",
     "admit",
     "checked_levers",
@@ -61,10 +62,12 @@ def within_budget_fast(
     attrs_unchanged: bool,
     surplus: Surplus | None,
     reread: list[AttrEntry] | None = None,
+    last: LastPass | None = None,
 ) -> Surplus | None:
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
     the bound, else None (a full check is needed). ``reread``: a list the attr index's entries of the
-    writer's values it re-reads are appended to (what `Recheck.passed` keeps).
+    writer's values it re-reads are appended to (what `Recheck.passed` keeps). ``last``: the shell's
+    memo of the last object check that passed (`LastPass`), asked before the check and told after it.
 
     The bound counts every attr value as it was when it was set and at the last full check (a bound may
     exceed: a value removed or replaced stays counted). A write that sets attr values adds their bytes to
@@ -119,16 +122,9 @@ def within_budget_fast(
             bound = _plus(bound, extra)
         if changing:
             bound = _plus(bound, {str(pool): n for pool, n in by_pool(changing).items()})
-    # (`over_budget_objects`, answered from `_PASSED` when it was asked the same question last: written out)
-    global _PASSED
-    totals, budget = acct.totals, after.byte_budget
-    passed = _PASSED
-    if passed[0] is totals and passed[1] is bound and passed[2] is budget:
-        return bound
-    if over_budget_objects(after, bound):
-        return None
-    _PASSED = (totals, bound, budget)
-    return bound
+    if last is None:
+        return None if over_budget_objects(after, bound) else bound
+    return bound if last.within(after, bound) else None
 
 
 class Recheck:
@@ -137,7 +133,7 @@ class Recheck:
 
     Such a commit changes no attr, no attr index, no budget and no attr bound, and a ring in its steady state
     keeps the object totals map itself: `within_budget_fast` would decide it by the same walk of the writer's
-    attrs and the same `_PASSED` memo. Kept by the shell, one per manager, read and written under its lock.
+    attrs and the same `LastPass` memo. Kept by the shell, one per manager, read and written under its lock.
     Weak references to the table and the tensors (the rest are numbers and the bound): it keeps nothing alive,
     and a table or tensor that died is a miss. A session holding a container (walked by every check) or a
     value whose stamp cannot be referenced weakly is not kept; nor while an engine pool's storage is
@@ -226,23 +222,47 @@ _ABSENT = object()  # (an attr the session did not carry before the write)
 _NOTHING_SET: dict[str, Any] = {}  # (the attrs a commit sets: never written to)
 
 
-# The last (object totals, attr bound, budget) that `over_budget_objects` found within budget (see
-# `within_budget_fast`). Its answer is a
-# function of the three alone, each immutable, and a ring in its steady state (one item in, one of the same
-# pool and size out) keeps the very totals map, so such a commit decides by three identity tests. Held
-# strongly, so no id can be reused meanwhile; replaced whole, so a reader never sees a torn entry.
-_PASSED: tuple[Any, Any, Any] = (None, None, None)
+class LastPass:
+    """The last (object totals, attr bound, budget) that `over_budget_objects` found within budget, kept by
+    the shell, one per manager.
+
+    Its answer is a function of the three alone, each immutable, and a ring in its steady state (one item in,
+    one of the same pool and size out) keeps the very totals map, so such a commit is decided by three identity
+    tests. Held strongly, so no id can be reused meanwhile; replaced whole, so a reader in another thread
+    never sees a torn entry (it is read and written with or without the shell's lock).
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, Any, Any] = (None, None, None)
+
+    def within(self, after: ManagerState, bound: Surplus) -> bool:
+        """Whether ``after``'s object totals plus ``bound`` stay within its budget (`over_budget_objects`)."""
+        totals, budget = ledger_of(after).totals, after.byte_budget
+        key = self.key
+        if key[0] is totals and key[1] is bound and key[2] is budget:
+            return True
+        if over_budget_objects(after, bound):
+            return False
+        self.key = (totals, bound, budget)
+        return True
 
 
 def within_budget_in_place(
-    before: ManagerState, after: ManagerState, writer: str, surplus: Surplus | None, attrs_unchanged: bool
+    before: ManagerState,
+    after: ManagerState,
+    writer: str,
+    surplus: Surplus | None,
+    attrs_unchanged: bool,
+    last: LastPass | None = None,
 ) -> Surplus | None:
     """For a write under a budget: the attr bound after it if it changed sessions in place (none added or
     removed) and stays within the budget by the kept totals (`within_budget_fast`, O(pools), as `admit` would
     decide with nothing to release); else None (take `admit`)."""
-    return (
-        within_budget_fast(before, after, writer, attrs_unchanged, surplus) if in_place(before, after, False) else None
-    )
+    if not in_place(before, after, False):
+        return None
+    return within_budget_fast(before, after, writer, attrs_unchanged, surplus, last=last)
 
 
 def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
@@ -262,6 +282,7 @@ def admit(
     attrs_unchanged: bool = False,
     budget: bool = True,
     dropped: Mapping[str, str] | None = None,
+    last: LastPass | None = None,
 ) -> Decision:
     """Decide how the write ``before`` -> ``after`` is installed.
 
@@ -283,6 +304,7 @@ def admit(
       attrs_unchanged: the write changed no attrs (a commit).
       budget: False for a write that adds no bytes (a miss inserts an empty session).
       dropped: ids the op removes at a caller's request, with why (see `departures`).
+      last: the shell's memo of the last object check that passed (`LastPass`), if it keeps one.
 
     Raises:
       BudgetExceededError: the write cannot fit even so.
@@ -300,7 +322,7 @@ def admit(
         # bound is then the installed table's (issue 24, review9).
         gone = sum(sid in before for sid in dropped) if dropped else 0
         replaced = writer is None and len(after) + gone > len(before)
-        bound = None if replaced else within_budget_fast(before, after, writer, attrs_unchanged, surplus)
+        bound = None if replaced else within_budget_fast(before, after, writer, attrs_unchanged, surplus, last=last)
         if bound is None:
             protect = {sid for sid in pinned if sid in after}
             if writer is not None and writer in after:

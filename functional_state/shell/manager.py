@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import ObjectParkedError, SessionStateLostError
+from ..errors import SessionStateLostError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
@@ -28,21 +28,23 @@ from ..table.parked import restore as restore_object
 from ..table.state import with_issued
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from . import slot as slots
 from .admission import Decision, admit, checked_levers, rebase
-from .cells import Cell, Cells, Undo, evicted_reason
+from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .hints import manager_attribute_error
 from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
-from .session_ops import ReentrantWriteError, SessionOps, locked_step, restore_parked
+from .session_ops import ReentrantWriteError, SessionOps, Write, locked_step, restoring
 from .slot import Slot
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
 _Result = TypeVar("_Result")
 Plan = Callable[[ManagerState], tuple[ManagerState, _Result]]
+_PLAIN = Write()  # a table write with every default
+_INSERT = Write(budget=False)  # a miss: an empty session inserted adds no bytes
+_STEP = Write(attrs_unchanged=True)  # a step changes one object's arrays, never an attr
 
 
 class SessionStateManager:
@@ -104,48 +106,28 @@ class SessionStateManager:
         def __getattr__(self, name: str) -> Any:
             raise manager_attribute_error(self, name)
 
-    def _run(
-        self,
-        plan: Plan[_Result],
-        writer: str | None = None,
-        *,
-        cell: Cell | None = None,
-        names: Iterable[str] | None = None,
-        acquires: bool = False,
-        dropped: Callable[[ManagerState], Mapping[str, str]] | None = None,
-        then: Callable[[ManagerState, Undo], Any] | None = None,
-        local: bool = False,
-        **admission: Any,
-    ) -> Any:
+    def _run(self, plan: Plan[_Result], write: Write = _PLAIN) -> Any:
         """The one write loop: ``plan(table) -> (new table, result)`` and its admission (`admit`) computed
-        outside the lock, installed under it if the table (and ``cell``'s copy) did not change, else again.
+        outside the lock, installed under it if the table (and ``write.cell``'s copy) did not change, else again.
 
-        A parked object ``plan`` meets is restored first in the same attempt (``names`` of ``cell``'s session,
-        or all), so the restores land only with the write. Blocks the library took for an attempt that is not
-        installed (restores; with ``acquires``, ``plan``'s own) go back. ``dropped(table)``: the sessions
-        ``plan`` removes at a caller's request, with why. ``then(installed table, undo)`` runs under the lock
-        after the install (journaling in ``undo``); its result, unless None, replaces ``plan``'s. ``local``:
-        ``plan`` changes only ``writer``'s session, so it lands on writes to other sessions made meanwhile
-        (`rebase`) without being computed again (an engine callback, user code run once)."""
+        ``write`` (`Write`) holds the options. A parked object ``plan`` meets is restored first in the same
+        attempt (`restoring`), so the restores land only with the write. Blocks the library took for an
+        attempt that is not installed (restores; with ``acquires``, ``plan``'s own) go back. ``then(installed
+        table, undo)`` runs under the lock after the install (journaling in ``undo``); its result, unless None,
+        replaces ``plan``'s. A ``local`` write lands on writes to other sessions made meanwhile (`rebase`)
+        without being computed again (an engine callback, user code run once)."""
+        cell, writer, then = write.cell, write.writer, write.then
         while True:
             base, pinned, seen = self._slot.table, self._pins.pinned, cell.session if cell else None
-            work = after = base  # ``work``: ``base`` with the restores this attempt made
+            work, after, out = restoring(plan, base, cell, write.names)  # ``work``: ``base`` with its restores
+            grabbed = (base, after if write.acquires else work)  # (what the library took for this attempt)
             try:
-                while True:
-                    try:
-                        after, out = plan(work)
-                        break
-                    except ObjectParkedError:
-                        restored = restore_parked(work, cell, names)
-                        if restored is work:
-                            raise
-                        work = restored
-                gone = dropped(base) if dropped is not None else None
-                decision = self._admit(base, after, writer, pinned, gone, admission)
+                gone = write.dropped(base) if write.dropped is not None else None
+                decision = self._admit(base, after, writer, pinned, gone, write)
             except BaseException:
-                hand_back(base, after if acquires else work)
+                hand_back(*grabbed)
                 raise
-            grabbed, installed = (base, after if acquires else work), False  # (what the library took)
+            installed = False
             while True:  # install; a session-local write is replayed onto writes to other sessions meanwhile
                 with self._slot.lock:
                     current = self._slot.table
@@ -155,33 +137,49 @@ class SessionStateManager:
                             kept = then(decision.final, undo)
                             out = out if kept is None else kept
                         break
-                moved = rebase(base, after, current, writer) if local and writer else None
+                moved = rebase(base, after, current, writer) if write.local and writer else None
                 if moved is None or (cell is not None and cell.session is not seen):
                     break
                 base, after, pinned = current, moved, self._pins.pinned
                 try:
-                    decision = self._admit(base, after, writer, pinned, None, admission)
+                    decision = self._admit(base, after, writer, pinned, None, write)
                 except BaseException:
                     hand_back(*grabbed)
                     raise
             if installed:
                 break
             hand_back(*grabbed)  # its session changed meanwhile: compute it again
-        if decision.released or self._debts.owed:
-            self._debts.settle(
-                base, decision.final, decision.released, lambda: self._take_back(base, decision.final, undo, epoch)
-            )
+        self._settle(base, decision, undo, epoch)
         return out
 
-    def _admit(self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any) -> Any:
-        surplus, levers = self._slot.surplus, self._levers
-        return admit(before, after, writer, pinned=pinned, levers=levers, surplus=surplus, dropped=gone, **kw)
+    def _settle(self, base: ManagerState, decision: Decision, undo: Undo, epoch: int) -> None:
+        """Outside the lock, after installing ``decision`` on ``base``: hand back the blocks it released."""
+        if decision.released or self._debts.owed:
+            final = decision.final
+            self._debts.settle(base, final, decision.released, lambda: self._take_back(base, final, undo, epoch))
+
+    def _admit(
+        self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, write: Write
+    ) -> Decision:
+        slot = self._slot
+        return admit(
+            before,
+            after,
+            writer,
+            pinned=pinned,
+            levers=self._levers,
+            surplus=slot.surplus,
+            attrs_unchanged=write.attrs_unchanged,
+            budget=write.budget,
+            dropped=gone,
+            last=slot.last,
+        )
 
     def _install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
         undo: Undo = []
         if decision.left:  # journaled only for a write a failed engine ``free`` may take back
-            self._cells.detach(decision.left, undo if decision.released else None)  # (first: see `Cells.inserted`)
+            self._cells.detach(decision.left, undo if decision.released else None)  # (first: see `cells`)
         slot = self._slot
         slot.table, slot.surplus, slot.epoch = decision.final, decision.surplus, slot.epoch + 1
         slot.budgeted = decision.final.byte_budget is not None
@@ -226,28 +224,25 @@ class SessionStateManager:
         Raises:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
-        sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
+        sid = ms.resolve_session_id(session_id)
         slot = self._slot
         slot.acquire()  # (not `with`: see `Slot`)
         try:
             state = slot.table
             after, uid, evicted = get_or_insert(state, sid)
-            if evicted is None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
+            if evicted is None:  # a hit, the common case: it adds no bytes and releases nothing
                 slot.table = after
                 handle = self._live.get(uid)
                 return self._new_handle(sid, after, None) if handle is None else handle
-            if not slots.LIVE_POOLS and not self._debts.owed:
-                # A miss with no engine blocks to free adds no bytes (an empty session) and releases nothing:
-                # `admit` would install it as it is, and detach what it evicted (checked in test_lru_get_or_insert).
-                why = evicted_reason(state.max_sessions) if evicted else ""
-                handle = self._cells.inserted(evicted, why, sid, uid, self._make_handle)  # (before the install)
-                slot.table = after
-                return handle
+            # A miss inserts an empty session, which adds no bytes: its admission runs no user code, so it is
+            # decided and installed here, in one acquisition; the blocks it releases go back after.
+            decision = self._admit(state, after, sid, self._pins.pinned, None, _INSERT)
+            undo, epoch = self._install(decision), slot.epoch
+            handle = self._new_handle(sid, decision.final, undo)
         finally:
             slot.release()
-        return self._run(
-            lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
-        )
+        self._settle(state, decision, undo, epoch)
+        return handle
 
     def get_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on an existing session, for continuations.
@@ -262,7 +257,7 @@ class SessionStateManager:
             self._cells.require(state, sid, "get_session")
             return ms.get_session(state, sid)[0], None
 
-        return self._run(plan, then=partial(self._new_handle, sid))
+        return self._run(plan, Write(then=partial(self._new_handle, sid)))
 
     def fork_session(self, source_id: str | None, new_id: str | None) -> SessionHandle:
         """Fork a session (see `functional_state.fork_session`); returns a handle on the fork.
@@ -278,7 +273,7 @@ class SessionStateManager:
                 self._cells.require(state, ms.resolve_session_id(source_id), "fork_session")
             return ms.fork_session(state, source_id, nid), None
 
-        return self._run(plan, nid, then=partial(self._new_handle, nid))
+        return self._run(plan, Write(nid, then=partial(self._new_handle, nid)))
 
     def save_session(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
         """Write session ``session_id`` as it is now (a snapshot: the write never blocks other sessions); see
@@ -309,24 +304,24 @@ class SessionStateManager:
         target, session, plan, dropped = session_load(
             self._slot.table, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
         )
-        return self._installing([session], plan, target, dropped=dropped, then=partial(self._new_handle, target))
+        return self._installing([session], plan, Write(target, dropped=dropped, then=partial(self._new_handle, target)))
 
     def load(self, path: Any, *, placement: Any = None, torch_device: Any = None, **hooks: Any) -> None:
         """Replace the whole table by the one a `save` wrote (its sessions, recency, counters, config). Handles
         on the sessions it replaces keep their own copies, as after a drop."""
         table, plan, dropped = table_load(path, placement=placement, torch_device=torch_device, **hooks)
-        self._installing(ms.sessions(table).values(), plan, dropped=dropped)
+        self._installing(ms.sessions(table).values(), plan, Write(dropped=dropped))
 
     def install_session(self, session_id: str, session: Any) -> SessionHandle:
         """Install a `SessionState` read elsewhere (`transfer.read_blob`) under the free id ``session_id``."""
         plan = partial(_ckpt.install_session, sid=session_id, session=session)
         then = partial(self._new_handle, session_id)
-        return self._installing([session], lambda s: (plan(s), None), session_id, then=then)
+        return self._installing([session], lambda s: (plan(s), None), Write(session_id, then=then))
 
-    def _installing(self, sessions: Any, plan: Any, *args: Any, **kw: Any) -> Any:
+    def _installing(self, sessions: Any, plan: Any, write: Write) -> Any:
         """`_run` ``plan``, which installs ``sessions``; if it is not, their engine KV blocks go back."""
         try:
-            return self._run(plan, *args, **kw)
+            return self._run(plan, write)
         except BaseException as e:
             _ckpt.release_sessions(sessions, e)
             raise
@@ -335,7 +330,8 @@ class SessionStateManager:
         """Remove a session from the table; True if it was there. Live handles keep their last state to
         read, and refuse writes (which could reach no session): `SessionStateLostError`."""
         sid = ms.resolve_session_id(session_id)
-        return bool(self._run(lambda s: ms.drop_session(s, sid), dropped=lambda s: {sid: "dropped (`drop_session`)"}))
+        why = {sid: "dropped (`drop_session`)"}
+        return bool(self._run(lambda s: ms.drop_session(s, sid), Write(dropped=lambda s: why)))
 
     def raise_max_sessions(self, n: int) -> None:
         """Raise the count cap (see `functional_state.raise_max_sessions`)."""
@@ -386,7 +382,7 @@ class SessionStateManager:
                 )
             others = lambda: [*(c.session for c in self._cells.detached()), *kept]
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
-            self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))
+            self._install(self._admit(state, after, sid, self._pins.pinned, None, _STEP))
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes

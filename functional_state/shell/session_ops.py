@@ -8,21 +8,21 @@ through the manager's one retry loop; user code (a ``transact`` function) runs o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
 from ..core.session import SessionState
 from ..errors import InvalidTypeError, ObjectParkedError, SessionStateError, SessionStateLostError
 from ..table import manager_state as ms
-from ..table.engine_blocks import free_acquired
 from ..table.manager_state import ManagerState
 from ..table.parked import restore as restore_object
 from ..table.session_edits import update_session
 from ..table.step import step as pure_step
 from .cells import Cell, Undo
+from .release import hand_back
 from .slot import NOT_INLINE, Slot
 
-__all__ = ["ReentrantWriteError", "SessionOps", "locked_step", "restore_parked"]
+__all__ = ["ReentrantWriteError", "SessionOps", "Write", "locked_step", "restore_parked", "restoring"]
 
 Verb = Callable[..., Any]  # a table verb: (table, session id, *args) -> table or (table, result)
 
@@ -46,6 +46,48 @@ def restore_parked(state: ManagerState, cell: Cell | str | None, names: Iterable
     return state
 
 
+def restoring(
+    plan: Callable[[ManagerState], tuple[ManagerState, Any]],
+    table: ManagerState,
+    where: Cell | str | None,
+    names: Iterable[str] | None,
+) -> tuple[ManagerState, ManagerState, Any]:
+    """``plan(table)``, restoring first each parked object it meets (of ``where``'s session: `restore_parked`)
+    and running it again; returns ``(table with the restores made, plan's new table, plan's result)``.
+
+    A parked object it cannot restore (another session's, or ``where`` None) raises `ObjectParkedError`. If
+    ``plan`` raises, the engine blocks the restores took go back (`hand_back`) and the error propagates."""
+    work = table
+    try:
+        while True:
+            try:
+                after, out = plan(work)
+                return work, after, out
+            except ObjectParkedError:
+                restored = restore_parked(work, where, names)
+                if restored is work:
+                    raise
+                work = restored
+    except BaseException:
+        hand_back(table, work)
+        raise
+
+
+class Write(NamedTuple):
+    """How the manager's retry loop (`SessionStateManager._run`) installs one write: its options, each with
+    the default a plain table write takes."""
+
+    writer: str | None = None  # the session written: never released to make room, rebased by ``local``
+    cell: Cell | None = None  # a handle's cell: its parked objects are restored when met; its copy must not change
+    names: Iterable[str] | None = None  # which parked objects of ``cell``'s session to restore (None: any met)
+    acquires: bool = False  # the plan takes engine blocks (a restore): they go back if it is not installed
+    dropped: Callable[[ManagerState], Mapping[str, str]] | None = None  # ids the plan removes on request, and why
+    then: Callable[[ManagerState, Undo], Any] | None = None  # under the lock after the install; its result wins
+    local: bool = False  # the plan changes only ``writer``'s session: replayed onto other sessions' writes
+    attrs_unchanged: bool = False  # the plan sets no attr (a commit): the budget's fast check reads less
+    budget: bool = True  # False: the plan adds no bytes (an empty session inserted); the budget is not checked
+
+
 def _pair(out: Any) -> tuple[ManagerState, Any]:
     return (out, None) if isinstance(out, ManagerState) else out
 
@@ -59,21 +101,8 @@ def _alone(cell: Cell) -> ManagerState:
 def _on_copy(cell: Cell, names: Iterable[str] | None, fn: Callable[[ManagerState], tuple[ManagerState, Any]]) -> Any:
     """``fn`` on a table of the cell's copy, restoring a parked object it meets first; returns
     ``(new copy, result)``."""
-    start = work = _alone(cell)
-    try:
-        while True:
-            try:
-                table, out = fn(work)
-                return ms.lookup(table, cell.session_id), out
-            except ObjectParkedError:
-                restored = restore_parked(work, cell.session_id, names)
-                if restored is work:
-                    raise
-                work = restored
-    except BaseException:
-        if work is not start:
-            free_acquired(start, work)
-        raise
+    _, table, out = restoring(fn, _alone(cell), cell.session_id, names)
+    return ms.lookup(table, cell.session_id), out
 
 
 def locked_step(
@@ -185,16 +214,8 @@ class SessionOps:
 
         local = not kw.get("with_sharers")  # (a park with its sharers writes other sessions too)
         keep = self._keep(cell, copy)
-        return self._run(
-            plan,
-            sid,
-            cell=cell,
-            names=names,
-            acquires=acquires,
-            local=local,
-            then=keep,
-            attrs_unchanged=attrs_unchanged,
-        )
+        write = Write(sid, cell, names, acquires, then=keep, local=local, attrs_unchanged=attrs_unchanged)
+        return self._run(plan, write)
 
     def by_id(self, require: Callable[..., None], what: str, verb: Verb, session_id: Any, *args: Any, **kw: Any) -> Any:
         """Table verb ``verb(table, sid, *args)`` on a session named by id, through the retry loop;
@@ -207,7 +228,7 @@ class SessionOps:
             self.refuse_reentrant(state, sid, what)
             return verb(state, sid, *args, **kw)
 
-        return self._run(plan, sid, acquires=acquires, local=local)
+        return self._run(plan, Write(sid, acquires=acquires, local=local))
 
     def restored(self, cell: Cell, names: Iterable[str] | None, *, table_only: bool = False) -> SessionState:
         """The cell's session with its parked objects (``names``, or all) restored and installed; read under
@@ -224,15 +245,8 @@ class SessionOps:
             return base, None
 
         keep = self._keep(cell, copy)
-        return self._run(
-            plan,
-            cell.session_id,
-            cell=cell,
-            acquires=True,
-            local=True,
-            attrs_unchanged=True,
-            then=lambda state, undo: keep(state, undo) or self.read(cell),
-        )
+        then = lambda state, undo: keep(state, undo) or self.read(cell)
+        return self._run(plan, Write(cell.session_id, cell, acquires=True, then=then, local=True, attrs_unchanged=True))
 
     def transact(
         self, cell: Cell, fn: Callable[[SessionState], tuple[SessionState, Any]], *, table_only: bool = False
@@ -263,6 +277,7 @@ class SessionOps:
             copy[:] = [out[0]]
             return base, out[1]
 
+        write = Write(sid, cell, then=self._keep(cell, copy), local=True)
         if cell.left is None and not self.slot.budgeted:
             # No budget: nothing to pin against. The common transaction runs ``fn`` on the session read
             # without the lock and installs the result under it if the session did not change meanwhile.
@@ -273,9 +288,9 @@ class SessionOps:
                 new = None  # the retry loop restores what ``fn`` met, and runs it again
             if new is not None and self.slot.inline(cell, _replace, (session, new), _NO_KW, False) is not NOT_INLINE:
                 return out
-            return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
+            return self._run(plan, write)
         with self._pin(sid):
-            return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
+            return self._run(plan, write)
 
     def create(
         self,
