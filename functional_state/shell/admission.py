@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
+from ..core.session import SessionState
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
 from ..memory import accounting
@@ -53,6 +54,9 @@ class Decision(NamedTuple):
     surplus: Surplus | None  # the attr bound after this write (None: the next write checks in full)
     left: list[Departure]  # incarnations that leave the table: their handles keep their own copy
     released: dict[PagedKVPool, tuple[int, ...]]  # engine blocks no state holds any more: free them, once
+    # Sessions the budget drops whose value was not handed to the spill lever yet: while any is named, the
+    # decision is not installable (offer them, then decide again: `spill`).
+    spill: tuple[str, ...] = ()
 
 
 def within_budget_fast(
@@ -283,6 +287,7 @@ def admit(
     budget: bool = True,
     dropped: Mapping[str, str] | None = None,
     last: LastPass | None = None,
+    spilled: Mapping[str, SessionState | None] | None = None,
 ) -> Decision:
     """Decide how the write ``before`` -> ``after`` is installed.
 
@@ -305,6 +310,10 @@ def admit(
       budget: False for a write that adds no bytes (a miss inserts an empty session).
       dropped: ids the op removes at a caller's request, with why (see `departures`).
       last: the shell's memo of the last object check that passed (`LastPass`), if it keeps one.
+      spilled: with a spill lever (None: none), what was handed to it for this write: ``{id: the session
+        value handed over}``, or None for a session whose spill failed. A session the budget drops leaves
+        as spilled (not an eviction; its handles refuse writes) if this very value (``after``'s) was
+        handed over; dropped as an eviction if its spill failed; otherwise it is named in `Decision.spill`.
 
     Raises:
       BudgetExceededError: the write cannot fit even so.
@@ -327,15 +336,46 @@ def admit(
             protect = {sid for sid in pinned if sid in after}
             if writer is not None and writer in after:
                 protect.add(writer)
-            final = enforce_budget(after, protect, levers=levers)
+            lever = None if spilled is None else _SpillLever(after, spilled)
+            final = enforce_budget(after, protect, levers=levers, spill=lever)
             bound = _full_bound(final)
+            if lever is not None and lever.wanted:
+                return Decision(final, bound, [], {}, tuple(lever.wanted))
     if final is before:
         return Decision(final, bound, [], {})
     left = departures(before, after, final, dropped or {})
+    if spilled:
+        left = [d._replace(reason=SPILLED, closed=True) if spilled.get(d.sid) is d.session else d for d in left]
     # (A state a donating step consumed held no fewer blocks than its successor: a step changes one object's
     # arrays, never which handles the table holds.)
     released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
+
+
+SPILLED = "spilled (handed to the manager's `spill` callback under budget pressure; it lives on where it went)"
+
+
+class _SpillLever:
+    """The spill lever `admit` hands `enforce_budget`: pure, it only says what was handed over already.
+
+    A session whose value in ``after`` is the very one handed over leaves as spilled; one whose spill failed
+    is dropped as an eviction; any other is noted in ``wanted`` (and counted as spilled here: a decision that
+    names one is never installed)."""
+
+    __slots__ = ("after", "spilled", "wanted")
+
+    def __init__(self, after: ManagerState, spilled: Mapping[str, SessionState | None]):
+        self.after, self.spilled, self.wanted = after, spilled, list[str]()
+
+    def __call__(self, state: ManagerState, sid: str) -> bool:
+        if sid in self.spilled:
+            handed = self.spilled[sid]
+            if handed is None:
+                return False  # its spill failed: dropped only because the budget cannot be met otherwise
+            if handed is ms.lookup(self.after, sid, None):
+                return True
+        self.wanted.append(sid)
+        return True
 
 
 def checked_levers(levers: Iterable[str]) -> tuple[str, ...]:

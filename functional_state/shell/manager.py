@@ -17,7 +17,6 @@ from contextlib import AbstractContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import SessionStateLostError
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
@@ -26,6 +25,7 @@ from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
 from ..table.state import with_issued
+from ..table.step import step as pure_step
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
 from .admission import Decision, admit, checked_levers, rebase
@@ -35,8 +35,9 @@ from .hints import manager_attribute_error
 from .loading import session_load, table_load
 from .pins import Pins
 from .release import Debts, hand_back
-from .session_ops import ReentrantWriteError, SessionOps, Write, locked_step, restoring
+from .session_ops import ReentrantWriteError, SessionOps, Write, check_incarnation, locked_step, restoring
 from .slot import Slot
+from .spill import SpillCallback, Spills, checked_spill
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
@@ -68,6 +69,7 @@ class SessionStateManager:
         evict_when_full: bool = True,
         lock_factory: Callable[[], AbstractContextManager[Any]] = threading.Lock,
         release_levers: Iterable[str] = LEVERS,
+        spill: SpillCallback | None = None,
     ):
         """
         Args:
@@ -79,8 +81,14 @@ class SessionStateManager:
           evict_when_full: LRU eviction at the count cap (True) or admission control (False).
           lock_factory: builds the lock the shell swaps states under.
           release_levers: the levers the budget may use, of ``("park", "evict", "drop")``.
+          spill: ``spill(table, session_id) -> bool``, offered each session the budget would drop, outside the
+            lock, with a table holding it: True once it has it elsewhere (a peer replica, the object store:
+            `functional_state.transfer.export_session`). A spilled session leaves the table without counting as
+            an eviction, and its handles refuse writes. A spill that raises (logged) or declines leaves its
+            session in place, dropped only if the budget cannot be met otherwise. See `shell.spill`.
         """
         self._levers = checked_levers(release_levers)
+        self._spill = checked_spill(spill)
         self._slot = slot = Slot(ManagerState.create(max_sessions, byte_budget, evict_when_full), lock_factory())
         self._pins = Pins(slot.lock)  # sessions the budget must not touch (requests in flight)
         self._cells = Cells()
@@ -117,13 +125,14 @@ class SessionStateManager:
         replaces ``plan``'s. A ``local`` write lands on writes to other sessions made meanwhile (`rebase`)
         without being computed again (an engine callback, user code run once)."""
         cell, writer, then = write.cell, write.writer, write.then
+        spills = Spills(self._spill) if self._spill is not None else None  # (kept across attempts)
         while True:
             base, pinned, seen = self._slot.table, self._pins.pinned, cell.session if cell else None
             work, after, out = restoring(plan, base, cell, write.names)  # ``work``: ``base`` with its restores
             grabbed = (base, after if write.acquires else work)  # (what the library took for this attempt)
             try:
                 gone = write.dropped(base) if write.dropped is not None else None
-                decision = self._admit(base, after, writer, pinned, gone, write)
+                decision = self._admit(base, after, writer, pinned, gone, write, spills)
             except BaseException:
                 hand_back(*grabbed)
                 raise
@@ -142,7 +151,7 @@ class SessionStateManager:
                     break
                 base, after, pinned = current, moved, self._pins.pinned
                 try:
-                    decision = self._admit(base, after, writer, pinned, None, write)
+                    decision = self._admit(base, after, writer, pinned, None, write, spills)
                 except BaseException:
                     hand_back(*grabbed)
                     raise
@@ -159,21 +168,35 @@ class SessionStateManager:
             self._debts.settle(base, final, decision.released, lambda: self._take_back(base, final, undo, epoch))
 
     def _admit(
-        self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, write: Write
+        self,
+        before: ManagerState,
+        after: ManagerState,
+        writer: Any,
+        pinned: Any,
+        gone: Any,
+        write: Write,
+        spills: Spills | None = None,
     ) -> Decision:
+        """`admit` the write ``before`` -> ``after``; with a spill lever, the sessions it drops are offered
+        first (`Spills.decide`: never under the lock)."""
         slot = self._slot
-        return admit(
-            before,
-            after,
-            writer,
-            pinned=pinned,
-            levers=self._levers,
-            surplus=slot.surplus,
-            attrs_unchanged=write.attrs_unchanged,
-            budget=write.budget,
-            dropped=gone,
-            last=slot.last,
-        )
+
+        def decide(protect: Any, spilled: Any = None) -> Decision:
+            return admit(
+                before,
+                after,
+                writer,
+                pinned=protect,
+                levers=self._levers,
+                surplus=slot.surplus,
+                attrs_unchanged=write.attrs_unchanged,
+                budget=write.budget,
+                dropped=gone,
+                last=slot.last,
+                spilled=spilled,
+            )
+
+        return decide(pinned) if spills is None else spills.decide(after, pinned, decide)
 
     def _install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
@@ -371,15 +394,20 @@ class SessionStateManager:
         traced = state = self._slot.table
         self._cells.require(state, sid, "step")
         self._ops.refuse_reentrant(state, sid, "step")
+        if self._spill is not None and state.byte_budget is not None:
+            # The budget may drop sessions, which are offered to the spill outside the lock: the step is not
+            # donated and installs through the retry loop.
+            def plan(table: ManagerState) -> tuple[ManagerState, None]:
+                self._cells.require(table, sid, "step")
+                check_incarnation(table, sid, incarnation)
+                return pure_step(table, sid, name, fn, *args, donate=False), None
+
+            return self._run(plan, _STEP._replace(writer=sid))
         keeps_bytes = trace_step(traced, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
         with self._slot.lock:
             state = self._slot.table
             self._cells.require(state, sid, "step")
-            if incarnation is not None and ms.incarnation(state, sid) != incarnation:
-                raise SessionStateLostError(
-                    f"`step`: session {sid!r} in the table is a later incarnation than the handle's; the handle's "
-                    f"session left the table, so the step is refused. Get a handle on the session again."
-                )
+            check_incarnation(state, sid, incarnation)
             others = lambda: [*(c.session for c in self._cells.detached()), *kept]
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
             self._install(self._admit(state, after, sid, self._pins.pinned, None, _STEP))

@@ -22,7 +22,15 @@ from .cells import Cell, Undo
 from .release import hand_back
 from .slot import NOT_INLINE, Slot
 
-__all__ = ["ReentrantWriteError", "SessionOps", "Write", "locked_step", "restore_parked", "restoring"]
+__all__ = [
+    "ReentrantWriteError",
+    "SessionOps",
+    "Write",
+    "check_incarnation",
+    "locked_step",
+    "restore_parked",
+    "restoring",
+]
 
 Verb = Callable[..., Any]  # a table verb: (table, session id, *args) -> table or (table, result)
 
@@ -103,6 +111,16 @@ def _on_copy(cell: Cell, names: Iterable[str] | None, fn: Callable[[ManagerState
     ``(new copy, result)``."""
     _, table, out = restoring(fn, _alone(cell), cell.session_id, names)
     return ms.lookup(table, cell.session_id), out
+
+
+def check_incarnation(state: ManagerState, sid: str, incarnation: int | None) -> None:
+    """Refuse a `step` of session ``sid`` whose table holds another incarnation than ``incarnation`` (a
+    handle's; None: any)."""
+    if incarnation is not None and ms.incarnation(state, sid) != incarnation:
+        raise SessionStateLostError(
+            f"`step`: session {sid!r} in the table is a later incarnation than the handle's; the handle's "
+            f"session left the table, so the step is refused. Get a handle on the session again."
+        )
 
 
 def locked_step(
