@@ -15,6 +15,7 @@ import pytest
 
 import functional_state as fs
 from functional_state import ManagerState, SessionStateManager
+from functional_state.shell.writes import Writes
 from functional_state.transfer import export_session, import_session
 
 KIB = 1024
@@ -115,7 +116,7 @@ def test_a_write_to_the_session_between_the_plan_and_its_spill_is_spilled_too() 
             h[sid].put("x", _kib(7))  # same size: installed at once, under the budget the table still meets
         return True
 
-    m._spill = spill  # (set after the setup writes)
+    m._writes.spill = spill  # (set after the setup writes)
     m.get_or_create_session("d").put("x", _kib(9, 2))  # 5 KiB against 4: "a" must go
     assert written == ["a"] and handed == [[0.0], [7.0]]
     assert "a" not in m.state and m.stats()["evictions"] == 0
@@ -160,16 +161,16 @@ def test_a_write_racing_the_install_of_a_spill_is_never_lost(lock: str, monkeypa
             x.set_attr("n", 1)
             done.append(1)
 
-    install, threads = SessionStateManager._install, []
+    install, threads = Writes.install, []
 
-    def racing_install(self: SessionStateManager, decision: Any) -> Any:
+    def racing_install(self: Writes, decision: Any) -> Any:
         if not threads and any(d.sid == "x" for d in decision.left):
             threads.append(threading.Thread(target=other_write))
             threads[0].start()
             threads[0].join(0.2)
         return install(self, decision)
 
-    monkeypatch.setattr(SessionStateManager, "_install", racing_install)
+    monkeypatch.setattr(Writes, "install", racing_install)
     w.put("v", _kib(3, 3))  # 4 KiB against 3: x must go
     assert threads, "the install that spills x never ran"
     threads[0].join(30)

@@ -25,7 +25,7 @@ from ..errors import SessionStateLostError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
 
-__all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]
+__all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason", "in_table"]
 
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
@@ -73,6 +73,11 @@ def _log_detached(sid: str, reason: str) -> None:
         sid,
         reason,
     )
+
+
+def in_table(state: ManagerState, cell: Cell) -> bool:
+    """Whether ``state`` holds the cell's incarnation (and the cell has not left)."""
+    return cell.left is None and ms.held_session(state, cell.session_id, cell.uid) is not None
 
 
 def _holds(state: ManagerState, sid: str, uid: int) -> bool:

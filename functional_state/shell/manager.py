@@ -1,11 +1,10 @@
 """`SessionStateManager`: a thread-safe imperative shell over the pure `ManagerState` functions.
 
 The shell holds one immutable `ManagerState` and swaps it under a lock, nothing more. Every write that is
-not installed in one step (a hit, a miss with nothing to release, a handle's commit or session-local verb
-within budget: `slot`) goes through one retry loop: the new table (the pure verb, user code, the engine's ``offload``/``reload``, the
-byte budget's decision) is computed *outside* the lock and installed under it if the table did not change
-meanwhile; the blocks it released go back to their engines after the lock is released. Handles: `handle`;
-the installed table, and the writes a handle installs in one step, live in the `Slot` they share (`slot`).
+not installed in one step (a hit, a miss, a handle's commit or session-local verb within budget: `slot`)
+goes through the one retry loop (`writes`): the new table is computed *outside* the lock and installed under
+it if the table did not change meanwhile. Handles: `handle`; the installed table, and the writes a handle
+installs in one step, live in the `Slot` they share (`slot`).
 """
 
 from __future__ import annotations
@@ -15,8 +14,9 @@ import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
+from ..core.session import SessionState
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table import manager_state as ms
@@ -24,28 +24,55 @@ from ..table.lru import get_or_insert
 from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
-from ..table.state import with_issued
+from ..table.renumber import continued
 from ..table.step import step as pure_step
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from .admission import Decision, admit, checked_levers, rebase
+from .admission import checked_levers
 from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .hints import manager_attribute_error
-from .loading import session_load, table_load
 from .pins import Pins
-from .release import Debts, hand_back
-from .session_ops import ReentrantWriteError, SessionOps, Write, check_incarnation, locked_step, restoring
+from .session_ops import ReentrantWriteError, SessionOps, check_incarnation, locked_step
 from .slot import Slot
-from .spill import SpillCallback, Spills, checked_spill
+from .spill import SpillCallback, checked_spill
+from .writes import INSERT, STEP, Write, Writes
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
-_Result = TypeVar("_Result")
-Plan = Callable[[ManagerState], tuple[ManagerState, _Result]]
-_PLAIN = Write()  # a table write with every default
-_INSERT = Write(budget=False)  # a miss: an empty session inserted adds no bytes
-_STEP = Write(attrs_unchanged=True)  # a step changes one object's arrays, never an attr
+
+_LoadPlan = Callable[[ManagerState], tuple[ManagerState, None]]
+_Dropped = Callable[[ManagerState], dict[str, str]]
+
+
+def _session_load(
+    current: ManagerState, session_id: str | None, path: Any, as_id: str | None, replace: bool, **read: Any
+) -> tuple[str, SessionState, _LoadPlan, _Dropped]:
+    """Read session ``session_id`` (refused first if its target id is taken); returns ``(target id, the
+    session read, the plan installing it, the sessions it replaces)``."""
+    target = ms.resolve_session_id(as_id if as_id is not None else session_id)
+    _ckpt.check_free(current, target, replace)  # fail before reading the checkpoint
+    session = _ckpt.read_session(session_id, path, **read)
+
+    def plan(state: ManagerState) -> tuple[ManagerState, None]:
+        _ckpt.check_free(state, target, replace)
+        return _ckpt.install_session(state, target, session, replace=replace), None
+
+    replaced = {target: "dropped (replaced by `load_session(..., replace=True)`)"}
+    return target, session, plan, lambda state: replaced
+
+
+def _table_load(path: Any, **read: Any) -> tuple[ManagerState, _LoadPlan, _Dropped]:
+    """Read a whole table; returns ``(table, the plan installing it, the sessions it replaces)``.
+
+    The plan installs the table read with its incarnations numbered on from the replaced table's
+    (`continued`): a number the shell issued once (a handle's cell holds it) is never issued again."""
+    table = _ckpt.load(path, **read)
+
+    def replaced(state: ManagerState) -> dict[str, str]:
+        return dict.fromkeys(state.session_ids, "dropped (the table was replaced by `load`)")
+
+    return table, lambda state: (continued(table, state.issued), None), replaced
 
 
 class SessionStateManager:
@@ -87,13 +114,12 @@ class SessionStateManager:
             an eviction, and its handles refuse writes. A spill that raises (logged) or declines leaves its
             session in place, dropped only if the budget cannot be met otherwise. See `shell.spill`.
         """
-        self._levers = checked_levers(release_levers)
-        self._spill = checked_spill(spill)
         self._slot = slot = Slot(ManagerState.create(max_sessions, byte_budget, evict_when_full), lock_factory())
         self._pins = Pins(slot.lock)  # sessions the budget must not touch (requests in flight)
         self._cells = Cells()
         self._live = self._cells.handles  # (read on every hit)
-        self._debts = Debts()  # installed changes whose engine free failed
+        self._writes = Writes(slot, self._pins, self._cells, checked_levers(release_levers), checked_spill(spill))
+        self._run = self._writes.run  # the one retry loop
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
         self._ops = SessionOps(slot, self._run, self.pin, self.step)
         self._make_handle: Callable[[Cell], SessionHandle] = partial(SessionHandle, self._ops)
@@ -113,118 +139,6 @@ class SessionStateManager:
 
         def __getattr__(self, name: str) -> Any:
             raise manager_attribute_error(self, name)
-
-    def _run(self, plan: Plan[_Result], write: Write = _PLAIN) -> Any:
-        """The one write loop: ``plan(table) -> (new table, result)`` and its admission (`admit`) computed
-        outside the lock, installed under it if the table (and ``write.cell``'s copy) did not change, else again.
-
-        ``write`` (`Write`) holds the options. A parked object ``plan`` meets is restored first in the same
-        attempt (`restoring`), so the restores land only with the write. Blocks the library took for an
-        attempt that is not installed (restores; with ``acquires``, ``plan``'s own) go back. ``then(installed
-        table, undo)`` runs under the lock after the install (journaling in ``undo``); its result, unless None,
-        replaces ``plan``'s. A ``local`` write lands on writes to other sessions made meanwhile (`rebase`)
-        without being computed again (an engine callback, user code run once)."""
-        cell, writer, then = write.cell, write.writer, write.then
-        spills = Spills(self._spill) if self._spill is not None else None  # (kept across attempts)
-        while True:
-            base, pinned, seen = self._slot.table, self._pins.pinned, cell.session if cell else None
-            work, after, out = restoring(plan, base, cell, write.names)  # ``work``: ``base`` with its restores
-            grabbed = (base, after if write.acquires else work)  # (what the library took for this attempt)
-            try:
-                gone = write.dropped(base) if write.dropped is not None else None
-                decision = self._admit(base, after, writer, pinned, gone, write, spills)
-            except BaseException:
-                hand_back(*grabbed)
-                raise
-            installed = False
-            while True:  # install; a session-local write is replayed onto writes to other sessions meanwhile
-                with self._slot.lock:
-                    current = self._slot.table
-                    if current is base and self._pins.pinned is pinned and (cell is None or cell.session is seen):
-                        undo, epoch, installed = self._install(decision), self._slot.epoch, True
-                        if then is not None:
-                            kept = then(decision.final, undo)
-                            out = out if kept is None else kept
-                        break
-                moved = rebase(base, after, current, writer) if write.local and writer else None
-                if moved is None or (cell is not None and cell.session is not seen):
-                    break
-                base, after, pinned = current, moved, self._pins.pinned
-                try:
-                    decision = self._admit(base, after, writer, pinned, None, write, spills)
-                except BaseException:
-                    hand_back(*grabbed)
-                    raise
-            if installed:
-                break
-            hand_back(*grabbed)  # its session changed meanwhile: compute it again
-        self._settle(base, decision, undo, epoch)
-        return out
-
-    def _settle(self, base: ManagerState, decision: Decision, undo: Undo, epoch: int) -> None:
-        """Outside the lock, after installing ``decision`` on ``base``: hand back the blocks it released."""
-        if decision.released or self._debts.owed:
-            final = decision.final
-            self._debts.settle(base, final, decision.released, lambda: self._take_back(base, final, undo, epoch))
-
-    def _admit(
-        self,
-        before: ManagerState,
-        after: ManagerState,
-        writer: Any,
-        pinned: Any,
-        gone: Any,
-        write: Write,
-        spills: Spills | None = None,
-    ) -> Decision:
-        """`admit` the write ``before`` -> ``after``; with a spill lever, the sessions it drops are offered
-        first (`Spills.decide`: never under the lock)."""
-        slot = self._slot
-
-        def decide(protect: Any, spilled: Any = None) -> Decision:
-            return admit(
-                before,
-                after,
-                writer,
-                pinned=protect,
-                levers=self._levers,
-                surplus=slot.surplus,
-                attrs_unchanged=write.attrs_unchanged,
-                budget=write.budget,
-                dropped=gone,
-                last=slot.last,
-                spilled=spilled,
-            )
-
-        return decide(pinned) if spills is None else spills.decide(after, pinned, decide)
-
-    def _install(self, decision: Decision) -> Undo:
-        """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
-        undo: Undo = []
-        if decision.left:  # journaled only for a write a failed engine ``free`` may take back
-            self._cells.detach(decision.left, undo if decision.released else None)  # (first: see `cells`)
-        slot = self._slot
-        slot.table, slot.surplus, slot.epoch = decision.final, decision.surplus, slot.epoch + 1
-        slot.budgeted = decision.final.byte_budget is not None
-        if decision.released:
-            self._cells.evict_freed(decision.released, undo)
-        return undo
-
-    def _take_back(self, base: ManagerState, final: ManagerState, undo: Undo, epoch: int) -> bool:
-        """After a failed ``free``: reinstall ``base`` and the handles, unless a write landed on ``final``
-        since (the retry loop's installs change ``epoch``; every install puts a new table in place)."""
-        slot = self._slot
-        with slot.lock:
-            if slot.epoch != epoch or slot.table is not final:
-                return False
-            # The counter stays where ``final`` took it: a number the taken-back write issued is never issued again
-            # (a cell may have been made for it meanwhile, read lock-free from ``final``).
-            slot.table = with_issued(base, max(base.issued, final.issued))
-            slot.surplus = None  # (the next write checks the budget in full)
-            slot.budgeted = base.byte_budget is not None
-            slot.epoch += 1
-            Cells.take_back(undo)
-            return True
 
     def pin(self, session_id: str | None) -> AbstractContextManager[None]:
         """Protect a session from the byte budget while the block runs (a request in flight): its objects are
@@ -259,12 +173,12 @@ class SessionStateManager:
                 return self._new_handle(sid, after, None) if handle is None else handle
             # A miss inserts an empty session, which adds no bytes: its admission runs no user code, so it is
             # decided and installed here, in one acquisition; the blocks it releases go back after.
-            decision = self._admit(state, after, sid, self._pins.pinned, None, _INSERT)
-            undo, epoch = self._install(decision), slot.epoch
+            decision = self._writes.admit(state, after, sid, self._pins.pinned, None, INSERT)
+            undo, epoch = self._writes.install(decision), slot.epoch
             handle = self._new_handle(sid, decision.final, undo)
         finally:
             slot.release()
-        self._settle(state, decision, undo, epoch)
+        self._writes.settle(state, decision, undo, epoch)
         return handle
 
     def get_session(self, session_id: str | None = None) -> SessionHandle:
@@ -324,7 +238,7 @@ class SessionStateManager:
         Raises:
           CheckpointError, SessionExistsError: see `functional_state.load_session`.
         """
-        target, session, plan, dropped = session_load(
+        target, session, plan, dropped = _session_load(
             self._slot.table, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
         )
         return self._installing([session], plan, Write(target, dropped=dropped, then=partial(self._new_handle, target)))
@@ -332,7 +246,7 @@ class SessionStateManager:
     def load(self, path: Any, *, placement: Any = None, torch_device: Any = None, **hooks: Any) -> None:
         """Replace the whole table by the one a `save` wrote (its sessions, recency, counters, config). Handles
         on the sessions it replaces keep their own copies, as after a drop."""
-        table, plan, dropped = table_load(path, placement=placement, torch_device=torch_device, **hooks)
+        table, plan, dropped = _table_load(path, placement=placement, torch_device=torch_device, **hooks)
         self._installing(ms.sessions(table).values(), plan, Write(dropped=dropped))
 
     def install_session(self, session_id: str, session: Any) -> SessionHandle:
@@ -394,7 +308,7 @@ class SessionStateManager:
         traced = state = self._slot.table
         self._cells.require(state, sid, "step")
         self._ops.refuse_reentrant(state, sid, "step")
-        if self._spill is not None and state.byte_budget is not None:
+        if self._writes.spill is not None and state.byte_budget is not None:
             # The budget may drop sessions, which are offered to the spill outside the lock: the step is not
             # donated and installs through the retry loop.
             def plan(table: ManagerState) -> tuple[ManagerState, None]:
@@ -402,7 +316,7 @@ class SessionStateManager:
                 check_incarnation(table, sid, incarnation)
                 return pure_step(table, sid, name, fn, *args, donate=False), None
 
-            return self._run(plan, _STEP._replace(writer=sid))
+            return self._run(plan, STEP._replace(writer=sid))
         keeps_bytes = trace_step(traced, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
         with self._slot.lock:
             state = self._slot.table
@@ -410,7 +324,7 @@ class SessionStateManager:
             check_incarnation(state, sid, incarnation)
             others = lambda: [*(c.session for c in self._cells.detached()), *kept]
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
-            self._install(self._admit(state, after, sid, self._pins.pinned, None, _STEP))
+            self._writes.install(self._writes.admit(state, after, sid, self._pins.pinned, None, STEP))
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes

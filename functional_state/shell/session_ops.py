@@ -8,92 +8,26 @@ through the manager's one retry loop; user code (a ``transact`` function) runs o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..core.session import SessionState
 from ..errors import InvalidTypeError, ObjectParkedError, SessionStateError, SessionStateLostError
 from ..table import manager_state as ms
 from ..table.manager_state import ManagerState
-from ..table.parked import restore as restore_object
 from ..table.session_edits import update_session
 from ..table.step import step as pure_step
-from .cells import Cell, Undo
-from .release import hand_back
+from .cells import Cell, Undo, in_table
 from .slot import NOT_INLINE, Slot
+from .writes import Write, restore_parked, restoring
 
-__all__ = [
-    "ReentrantWriteError",
-    "SessionOps",
-    "Write",
-    "check_incarnation",
-    "locked_step",
-    "restore_parked",
-    "restoring",
-]
+__all__ = ["ReentrantWriteError", "SessionOps", "check_incarnation", "locked_step"]
 
 Verb = Callable[..., Any]  # a table verb: (table, session id, *args) -> table or (table, result)
 
 
 class ReentrantWriteError(SessionStateError, RuntimeError):
     """A ``transact`` function (or a factory) wrote to the very session it is computing a new state for."""
-
-
-def restore_parked(state: ManagerState, cell: Cell | str | None, names: Iterable[str] | None) -> ManagerState:
-    """``state`` with the parked objects (``names``, or all) of ``cell``'s session restored, if the table holds
-    it (a cell, or a session id): what a handle does when it meets a parked object. The engine blocks a KV
-    ``reload`` takes are the library's (see `free_acquired`)."""
-    if (isinstance(cell, Cell) and not SessionOps.in_table(state, cell)) or cell is None:
-        return state
-    sid = cell.session_id if isinstance(cell, Cell) else cell
-    session = ms.lookup(state, sid)
-    wanted = None if names is None else set(names)
-    for name, obj in session.objects.items():
-        if obj.parked and (wanted is None or name in wanted):
-            state, _ = restore_object(state, sid, name)
-    return state
-
-
-def restoring(
-    plan: Callable[[ManagerState], tuple[ManagerState, Any]],
-    table: ManagerState,
-    where: Cell | str | None,
-    names: Iterable[str] | None,
-) -> tuple[ManagerState, ManagerState, Any]:
-    """``plan(table)``, restoring first each parked object it meets (of ``where``'s session: `restore_parked`)
-    and running it again; returns ``(table with the restores made, plan's new table, plan's result)``.
-
-    A parked object it cannot restore (another session's, or ``where`` None) raises `ObjectParkedError`. If
-    ``plan`` raises, the engine blocks the restores took go back (`hand_back`) and the error propagates."""
-    work = table
-    try:
-        while True:
-            try:
-                after, out = plan(work)
-                return work, after, out
-            except ObjectParkedError:
-                restored = restore_parked(work, where, names)
-                if restored is work:
-                    raise
-                work = restored
-    except BaseException:
-        hand_back(table, work)
-        raise
-
-
-class Write(NamedTuple):
-    """How the manager's retry loop (`SessionStateManager._run`) installs one write: its options, each with
-    the default a plain table write takes."""
-
-    writer: str | None = None  # the session written: never released to make room, rebased by ``local``
-    cell: Cell | None = None  # a handle's cell: its parked objects are restored when met; its copy must not change
-    names: Iterable[str] | None = None  # which parked objects of ``cell``'s session to restore (None: any met)
-    acquires: bool = False  # the plan takes engine blocks (a restore): they go back if it is not installed
-    dropped: Callable[[ManagerState], Mapping[str, str]] | None = None  # ids the plan removes on request, and why
-    then: Callable[[ManagerState, Undo], Any] | None = None  # under the lock after the install; its result wins
-    local: bool = False  # the plan changes only ``writer``'s session: replayed onto other sessions' writes
-    attrs_unchanged: bool = False  # the plan sets no attr (a commit): the budget's fast check reads less
-    budget: bool = True  # False: the plan adds no bytes (an empty session inserted); the budget is not checked
 
 
 def _pair(out: Any) -> tuple[ManagerState, Any]:
@@ -169,10 +103,7 @@ class SessionOps:
         self.slot = slot
         self._run, self._pin, self._step = run, pin, step
 
-    @staticmethod
-    def in_table(state: ManagerState, cell: Cell) -> bool:
-        # (the cell's id was checked when it was made)
-        return cell.left is None and ms.held_session(state, cell.session_id, cell.uid) is not None
+    in_table = staticmethod(in_table)
 
     def read_table(self) -> ManagerState:
         return self.slot.table
