@@ -26,7 +26,6 @@ from ..table.manager_state import held_object
 from ..table.torch_writes import RECORDS, check_object, writable
 from .cells import Cell
 from .session_ops import SessionOps
-from .slot import NOT_INLINE
 
 __all__ = ["SessionHandle"]
 
@@ -193,7 +192,8 @@ class SessionHandle:
         Raises:
           SessionStateLostError: this incarnation is no longer in the table (evicted, dropped or replaced).
         """
-        return self._commit("commit_held", name, payload, True)
+        done = self._slot.commit(self._cell, name, payload)
+        return self if done is None else self._commit("commit_held", name, payload, True)
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
         ops, only = self._ops, self._only
@@ -202,17 +202,19 @@ class SessionHandle:
         )
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
-        return self._commit("commit_held" if self._only else "commit", name, payload, self._only)
+        done = self._slot.commit(self._cell, name, payload)  # the per-step write: one lock, one pure verb
+        if done is None:
+            return self
+        only = self._only
+        return self._commit("commit_held" if only else "commit", name, payload, only)
 
     def _commit(self, what: str, name: str, payload: Any, only: bool) -> SessionHandle:
-        """The per-step write: installed by `Slot.commit` in one lock, else by the retry loop, which decides
-        on the very table it installs on (``only``: refused once the incarnation left it)."""
-        done = self._slot.commit(self._cell, name, payload)
-        if done is NOT_INLINE:
-            done = self._ops.apply(
-                self._cell, what, ms.commit, name, payload, names=(name,), attrs_unchanged=True, table_only=only
-            )
-        return done or self
+        """A commit `Slot.commit` declined, by the retry loop, which decides on the very table it installs on
+        (``only``: refused once the incarnation left it)."""
+        out = self._ops.apply(
+            self._cell, what, ms.commit, name, payload, names=(name,), attrs_unchanged=True, table_only=only
+        )
+        return out or self
 
     def append(self, name: str, payload: Any) -> SessionHandle:
         return self.commit(name, payload)
