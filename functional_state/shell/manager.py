@@ -336,8 +336,9 @@ class SessionStateManager:
         Raises:
           BudgetExceededError: the host copy does not fit even so; nothing changed.
         """
-        require, local = self._cells.require, not with_sharers
-        return self._ops.by_id(require, "park", park_object, session_id, name, with_sharers=with_sharers, local=local)
+        sid = ms.resolve_session_id(session_id)
+        plan = self._by_id("park", lambda s: park_object(s, sid, name, with_sharers=with_sharers), sid)
+        return self._run(plan, Write(sid, local=not with_sharers))  # (with its sharers: other sessions too)
 
     def restore(self, session_id: str | None, name: str) -> dict[str, int]:
         """Restore a parked object (see `functional_state.restore`); returns the bytes moved per pool.
@@ -346,9 +347,20 @@ class SessionStateManager:
           BudgetExceededError: the restored object does not fit the budget; nothing changed (engine blocks a
             KV ``reload`` took go back, and the object stays parked, restorable later).
         """
-        return self._ops.by_id(
-            self._cells.require, "restore", restore_object, session_id, name, acquires=True, local=True
-        )
+        sid = ms.resolve_session_id(session_id)
+        plan = self._by_id("restore", lambda s: restore_object(s, sid, name), sid)
+        return self._run(plan, Write(sid, acquires=True, local=True))
+
+    def _by_id(self, what: str, verb: Callable[[ManagerState], Any], sid: str) -> Callable[[ManagerState], Any]:
+        """A plan running ``verb(table)`` on session ``sid`` named by id, refusing a session this manager saw
+        leave (`Cells.require`) and a write from inside a transaction on it."""
+
+        def plan(table: ManagerState) -> Any:
+            self._cells.require(table, sid, what)
+            self._ops.refuse_reentrant(table, sid, what)
+            return verb(table)
+
+        return plan
 
     def __len__(self) -> int:
         return len(self._slot.table)

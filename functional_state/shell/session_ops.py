@@ -166,19 +166,6 @@ class SessionOps:
         write = Write(sid, cell, names, acquires, then=keep, local=local, attrs_unchanged=attrs_unchanged)
         return self._run(plan, write)
 
-    def by_id(self, require: Callable[..., None], what: str, verb: Verb, session_id: Any, *args: Any, **kw: Any) -> Any:
-        """Table verb ``verb(table, sid, *args)`` on a session named by id, through the retry loop;
-        ``require(table, sid, what)`` refuses a session the manager saw leave."""
-        sid = ms.resolve_session_id(session_id)
-        acquires, local = kw.pop("acquires", False), kw.pop("local", False)
-
-        def plan(state: ManagerState) -> tuple[ManagerState, Any]:
-            require(state, sid, what)
-            self.refuse_reentrant(state, sid, what)
-            return verb(state, sid, *args, **kw)
-
-        return self._run(plan, Write(sid, acquires=acquires, local=local))
-
     def restored(self, cell: Cell, names: Iterable[str] | None, *, table_only: bool = False) -> SessionState:
         """The cell's session with its parked objects (``names``, or all) restored and installed; read under
         the same lock as the install, so no other thread parked one again in between. ``table_only`` as for
