@@ -94,7 +94,7 @@ class SessionOps:
 
     Args:
       slot: the manager's `Slot` (its installed table, lock and one-step installs).
-      run: the manager's retry loop (`SessionStateManager._run`).
+      run: the manager's retry loop (`Writes.run`).
       pin: protects a session from the byte budget while a transaction runs.
       step: the manager's `SessionStateManager.step`.
     """

@@ -12,7 +12,7 @@ A lock-free read of a handle's session reads ``slot.table`` *before* it asks whe
 ``cell.left`` was seen None holds the cell's incarnation. The other order may read a table installed in
 between. That is now harmless: no table the shell installs holds a number under another incarnation (a
 loaded table is numbered on from the installed one's counter, `table.renumber`; a taken-back write,
-`SessionStateManager._take_back`, reinstalls the older table with the counter the taken-back one reached,
+`Writes.take_back`, reinstalls the older table with the counter the taken-back one reached,
 `table.state.with_issued`); the order stays, as a second line of defence that costs nothing.
 """
 
@@ -41,7 +41,7 @@ LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthi
 class Slot:
     """The installed table (``table``) and what changes with it, under ``lock``.
 
-    ``epoch`` changes with every install of the manager's retry loop (and `_take_back`): a write is taken
+    ``epoch`` changes with every install of the manager's retry loop (and `Writes.take_back`): a write is taken
     back only if none landed since, which the epoch and the table's identity tell together (the installs
     here always install a new table object, so they need not count it); ``surplus`` is
     the attr bound the budget's fast check starts from (`admit`), ``recheck`` what a budgeted commit

@@ -1,6 +1,6 @@
 """The spill lever in the shell: a session the byte budget would drop is first handed to a callback.
 
-Protocol, per write (`SessionStateManager._run`), all of it outside the shell's lock:
+Protocol, per write (`Writes.run`), all of it outside the shell's lock:
 
 1. **plan**: `admit` decides the write with the sessions handed over so far; a decision that drops a session
    whose value (as the write's table holds it) was not handed over names it in `Decision.spill`;

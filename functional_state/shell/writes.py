@@ -134,7 +134,7 @@ def restoring(
 
 
 class Write(NamedTuple):
-    """How the manager's retry loop (`SessionStateManager._run`) installs one write: its options, each with
+    """How the manager's retry loop (`Writes.run`) installs one write: its options, each with
     the default a plain table write takes."""
 
     writer: str | None = None  # the session written: never released to make room, rebased by ``local``
