@@ -122,6 +122,24 @@ def test_a_write_to_the_session_between_the_plan_and_its_spill_is_spilled_too() 
     assert "a" not in m.state and m.stats()["evictions"] == 0
 
 
+def test_a_session_unchanged_since_its_spill_is_not_offered_again() -> None:
+    # A write to another session lands during the spill: the write that spills is decided again on the newer
+    # table, and the session it spills, unchanged, is not handed over a second time.
+    m, h = _manager(None, budget="4 KiB")
+    offered: list[str] = []
+
+    def spill(table: ManagerState, sid: str) -> bool:
+        offered.append(sid)
+        if len(offered) == 1:
+            h["c"].put("x", _kib(5))  # same size, another session: installed at once
+        return True
+
+    m._writes.spill = spill  # (set after the setup writes)
+    m.get_or_create_session("d").put("x", _kib(9, 2))
+    assert offered == ["a"] and "a" not in m.state
+    assert fs.view(m.state, "c", "x")[0][0] == 5.0  # (the other write stands)
+
+
 def test_a_step_under_a_budget_with_a_spill_offers_what_it_drops() -> None:
     import jax.numpy as jnp
 
