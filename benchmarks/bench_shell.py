@@ -101,6 +101,41 @@ def measure() -> dict[str, dict[str, float]]:
     return out
 
 
+def run() -> dict:
+    """The ``shell`` section of BENCHMARKS.md (`benchmarks/run.py shell`)."""
+    r = measure()
+    rows = [
+        [
+            op,
+            fmt_time(v["pure"]),
+            fmt_time(v["locked"]),
+            fmt_time(v["shell"]),
+            f"{v['vs_locked']:.2f}",
+            f"{v['vs_pure']:.2f}",
+        ]
+        for op, v in r.items()
+    ]
+    return {
+        "title": f"Shell overhead: SessionStateManager against the pure op at {SESSIONS} sessions",
+        "header": ["op", "pure", "pure + lock", "shell", "shell / pure + lock", "shell / pure (goal <= 1.3)"],
+        "rows": rows,
+        "ratio": ("handle.commit: shell / pure (goal <= 1.3)", r["commit"]["vs_pure"]),
+        "extra_ratios": [("get_or_create_session + commit: shell / pure (goal <= 1.3)", r["get+commit"]["vs_pure"])],
+        "notes": (
+            f"Each sample is {OPS} ops, round-robin over {SESSIONS} live sessions each holding a 4-item `LatentBuffer`; "
+            f"medians of {ROUNDS} interleaved samples, GC on, torch at 1 thread. `commit`: `handle.commit` (handles "
+            "made once) against `fs.commit` and against `with lock: state = fs.commit(...)`; `get+commit`: "
+            "`manager.get_or_create_session(sid).commit` (a hit each time) against `fs.get_or_create` + `fs.commit`, "
+            "alone and each under the lock. The shell's one-step writes (`shell/slot.py`: a commit, a session-local "
+            "verb, a factory's object) and its hit take the lock through its bound `acquire`/`release`, not a `with` "
+            "block: the statement looks `__enter__` and `__exit__` up on every entry, measured at about 80 of the "
+            "160 ns of one locked swap on this machine, paid twice per hit-and-commit. A miss is admitted "
+            "(`shell/admission.admit`) and installed under one acquisition: it adds no bytes, so no user code runs. "
+            "Reproduce: `PYTHONPATH=$PWD python benchmarks/run.py shell`."
+        ),
+    }
+
+
 def main() -> None:
     print(f"shell overhead at {SESSIONS} sessions (per op; median of {ROUNDS} interleaved samples of {OPS} ops)")
     print(f"{'op':<12}{'pure':>12}{'locked swap':>14}{'shell':>12}{'shell/locked':>14}{'shell/pure':>12}")

@@ -23,6 +23,7 @@ BENCHES = [
     "encoder_window",
     "dreamzero_memory",
     "manager",
+    "shell",
     "bridge",
     "accounting",
     "ring",

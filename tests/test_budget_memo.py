@@ -1,5 +1,5 @@
 """The budgeted commit's O(1) object check (issue 24): `admission.within_budget_in_place` answers a commit from
-the last (object totals, attr bound, budget) the object check passed. That memo must answer exactly what the
+the last (object totals, attr bound, budget) the object check passed (`admission.LastPass`, one per manager). That memo must answer exactly what the
 check answers, for every commit, and never for a question it was not asked (another bound, another budget).
 """
 
@@ -49,16 +49,17 @@ def test_a_passed_check_is_never_reused_for_another_bound_or_budget() -> None:
     state = _ring_state(8 * KIB)  # 4 KiB held
     after = fs.commit(state, "a", "ring", np.zeros(KIB // 4, np.float32))
     assert ledger_of(after).totals is ledger_of(state).totals
-    bound = {"cpu": 0}
-    assert admission.within_budget_in_place(state, after, "a", bound, True) is bound  # (the memo now holds it)
-    assert admission.within_budget_in_place(state, after, "a", bound, True) is bound  # (answered by the memo)
+    bound, last = {"cpu": 0}, admission.LastPass()
+    assert admission.within_budget_in_place(state, after, "a", bound, True, last) is bound  # (the memo now holds it)
+    assert last.key[1] is bound
+    assert admission.within_budget_in_place(state, after, "a", bound, True, last) is bound  # (answered by the memo)
     # The same totals with a bound that crosses the budget (4 + 5 > 8 KiB), or under a smaller budget.
-    assert admission.within_budget_in_place(state, after, "a", {"cpu": 5 * KIB}, True) is None
+    assert admission.within_budget_in_place(state, after, "a", {"cpu": 5 * KIB}, True, last) is None
     tight_before, tight_after = _with_budget(state, 3 * KIB), _with_budget(after, 3 * KIB)
     assert ledger_of(tight_after).totals is ledger_of(after).totals
-    assert admission.within_budget_in_place(tight_before, tight_after, "a", bound, True) is None
+    assert admission.within_budget_in_place(tight_before, tight_after, "a", bound, True, last) is None
     # ... and the first answer still stands (the memo is replaced only by a check that passed).
-    assert admission.within_budget_in_place(state, after, "a", bound, True) is bound
+    assert admission.within_budget_in_place(state, after, "a", bound, True, last) is bound
 
 
 @settings(max_examples=30, deadline=None)
@@ -71,11 +72,11 @@ def test_the_fast_check_answers_what_the_object_check_answers(budget_kib: int, s
     # Rings of same-size steps (the memo's case) mixed with size changes that cross the budget both ways.
     state, _ = fs.get_or_create(ManagerState.create(byte_budget={"cpu": budget_kib * KIB}), "a")
     state = fs.put(state, "a", "ring", LatentBuffer.create(maxlen=4))
-    bound = {"cpu": slack}
+    bound, last = {"cpu": slack}, admission.LastPass()
     for k in sizes:
         after = fs.commit(state, "a", "ring", np.zeros(k * KIB // 4, np.float32))
         expected = None if over_budget_objects(after, bound) else bound
-        assert admission.within_budget_in_place(state, after, "a", bound, True) is expected
+        assert admission.within_budget_in_place(state, after, "a", bound, True, last) is expected
         state = after
 
 

@@ -17,7 +17,6 @@ import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
 from functional_state.memory import accounting
 from functional_state.shell import admission
-from functional_state.shell import handle as handle_module
 from functional_state.shell import slot as slot_module
 from helpers import grow_in_place
 
@@ -33,7 +32,6 @@ def _no_engine_pools(monkeypatch):
     This file's managers hold no engine blocks, so hiding another test's pools changes nothing they decide."""
     monkeypatch.setattr(accounting, "POOL_STORAGES", {})
     monkeypatch.setattr(slot_module, "LIVE_POOLS", {})
-    monkeypatch.setattr(handle_module, "LIVE_POOLS", {})
 
 
 def kib(n: int = 1) -> np.ndarray:

@@ -11,7 +11,8 @@ import pytest
 
 import functional_state as fs
 from functional_state import ArrayRing, LatentBuffer, SessionStateManager
-from functional_state.shell import handle as shell_handle
+from functional_state.shell.writes import Writes
+from functional_state.table import manager_state
 from helpers import finishes, race
 
 
@@ -176,21 +177,21 @@ def test_many_threads_committing_to_one_session_lose_nothing(lock, monkeypatch):
     # The lock makes the install a compare-and-swap; without it (the xfail case) commits are lost. The
     # install yields the interpreter first in both cases, so the race window is wide enough to be seen.
     factory = threading.Lock if lock == "lock" else contextlib.nullcontext
-    install = SessionStateManager._install
+    install = Writes.install
 
     def slow_install(self, decision):
         time.sleep(0)
         return install(self, decision)
 
-    commit = shell_handle._commit
+    commit = manager_state.commit
 
-    def slow_commit(*args):  # the handle's own one-step commit: between reading the table and installing
+    def slow_commit(*args):  # the pure commit the handle's one-step write calls: between reading and installing
         out = commit(*args)
         time.sleep(0)
         return out
 
-    monkeypatch.setattr(SessionStateManager, "_install", slow_install)
-    monkeypatch.setattr(shell_handle, "_commit", slow_commit)
+    monkeypatch.setattr(Writes, "install", slow_install)
+    monkeypatch.setattr(manager_state, "commit", slow_commit)
     m = SessionStateManager(lock_factory=factory)
     m.get_or_create_session("a").put("log", LatentBuffer.create())
     n_threads, n = 8, 150

@@ -15,7 +15,6 @@ import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
 from functional_state import table as ms
 from functional_state.shell import cells as shell_cells
-from functional_state.shell import handle as shell_handle
 from functional_state.shell import slot as shell_slot
 from helpers import race
 
@@ -111,7 +110,6 @@ def test_threads_hitting_missing_and_committing_lose_nothing(lock: str, monkeypa
         return out
 
     monkeypatch.setattr(ms, "commit", slow_commit)
-    monkeypatch.setattr(shell_handle, "_commit", slow_commit)  # (the handle's own one-step commit)
     n_threads, rounds = 6, 150
     m = SessionStateManager(max_sessions=2 * n_threads, lock_factory=factory)
     barrier = threading.Barrier(n_threads, timeout=30)  # (a worker that raised first must not hang the rest)

@@ -15,6 +15,7 @@ from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .. import table as ms
+from ..core.session import SessionState
 from ..engine.paged_kv import POOLS, PagedKVPool
 from ..errors import InvalidArgumentError
 from ..memory import accounting
@@ -32,6 +33,7 @@ from .cells import Departure, departures
 
 __all__ = [
     "Decision",
+    "LastPass",
     "Recheck",
     "admit",
     "checked_levers",
@@ -51,6 +53,9 @@ class Decision(NamedTuple):
     surplus: Surplus | None  # the attr bound after this write (None: the next write checks in full)
     left: list[Departure]  # incarnations that leave the table: their handles keep their own copy
     released: dict[PagedKVPool, tuple[int, ...]]  # engine blocks no state holds any more: free them, once
+    # Sessions the budget drops whose value was not handed to the spill lever yet: while any is named, the
+    # decision is not installable (offer them, then decide again: `spill`).
+    spill: tuple[str, ...] = ()
 
 
 def within_budget_fast(
@@ -60,10 +65,12 @@ def within_budget_fast(
     attrs_unchanged: bool,
     surplus: Surplus | None,
     reread: list[AttrEntry] | None = None,
+    last: LastPass | None = None,
 ) -> Surplus | None:
     """The attr bound after the write if the write stays within the budget by the kept object totals plus
     the bound, else None (a full check is needed). ``reread``: a list the attr index's entries of the
-    writer's values it re-reads are appended to (what `Recheck.passed` keeps).
+    writer's values it re-reads are appended to (what `Recheck.passed` keeps). ``last``: the shell's
+    memo of the last object check that passed (`LastPass`), asked before the check and told after it.
 
     The bound counts every attr value as it was when it was set and at the last full check (a bound may
     exceed: a value removed or replaced stays counted). A write that sets attr values adds their bytes to
@@ -118,16 +125,9 @@ def within_budget_fast(
             bound = _plus(bound, extra)
         if changing:
             bound = _plus(bound, {str(pool): n for pool, n in by_pool(changing).items()})
-    # (`over_budget_objects`, answered from `_PASSED` when it was asked the same question last: written out)
-    global _PASSED
-    totals, budget = acct.totals, after.byte_budget
-    passed = _PASSED
-    if passed[0] is totals and passed[1] is bound and passed[2] is budget:
-        return bound
-    if over_budget_objects(after, bound):
-        return None
-    _PASSED = (totals, bound, budget)
-    return bound
+    if last is None:
+        return None if over_budget_objects(after, bound) else bound
+    return bound if last.within(after, bound) else None
 
 
 class Recheck:
@@ -136,7 +136,7 @@ class Recheck:
 
     Such a commit changes no attr, no attr index, no budget and no attr bound, and a ring in its steady state
     keeps the object totals map itself: `within_budget_fast` would decide it by the same walk of the writer's
-    attrs and the same `_PASSED` memo. Kept by the shell, one per manager, read and written under its lock.
+    attrs and the same `LastPass` memo. Kept by the shell, one per manager, read and written under its lock.
     Weak references to the table and the tensors (the rest are numbers and the bound): it keeps nothing alive,
     and a table or tensor that died is a miss. A session holding a container (walked by every check) or a
     value whose stamp cannot be referenced weakly is not kept; nor while an engine pool's storage is
@@ -225,23 +225,47 @@ _ABSENT = object()  # (an attr the session did not carry before the write)
 _NOTHING_SET: dict[str, Any] = {}  # (the attrs a commit sets: never written to)
 
 
-# The last (object totals, attr bound, budget) that `over_budget_objects` found within budget (see
-# `within_budget_fast`). Its answer is a
-# function of the three alone, each immutable, and a ring in its steady state (one item in, one of the same
-# pool and size out) keeps the very totals map, so such a commit decides by three identity tests. Held
-# strongly, so no id can be reused meanwhile; replaced whole, so a reader never sees a torn entry.
-_PASSED: tuple[Any, Any, Any] = (None, None, None)
+class LastPass:
+    """The last (object totals, attr bound, budget) that `over_budget_objects` found within budget, kept by
+    the shell, one per manager.
+
+    Its answer is a function of the three alone, each immutable, and a ring in its steady state (one item in,
+    one of the same pool and size out) keeps the very totals map, so such a commit is decided by three identity
+    tests. Held strongly, so no id can be reused meanwhile; replaced whole, so a reader in another thread
+    never sees a torn entry (it is read and written with or without the shell's lock).
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, Any, Any] = (None, None, None)
+
+    def within(self, after: ManagerState, bound: Surplus) -> bool:
+        """Whether ``after``'s object totals plus ``bound`` stay within its budget (`over_budget_objects`)."""
+        totals, budget = ledger_of(after).totals, after.byte_budget
+        key = self.key
+        if key[0] is totals and key[1] is bound and key[2] is budget:
+            return True
+        if over_budget_objects(after, bound):
+            return False
+        self.key = (totals, bound, budget)
+        return True
 
 
 def within_budget_in_place(
-    before: ManagerState, after: ManagerState, writer: str, surplus: Surplus | None, attrs_unchanged: bool
+    before: ManagerState,
+    after: ManagerState,
+    writer: str,
+    surplus: Surplus | None,
+    attrs_unchanged: bool,
+    last: LastPass | None = None,
 ) -> Surplus | None:
     """For a write under a budget: the attr bound after it if it changed sessions in place (none added or
     removed) and stays within the budget by the kept totals (`within_budget_fast`, O(pools), as `admit` would
     decide with nothing to release); else None (take `admit`)."""
-    return (
-        within_budget_fast(before, after, writer, attrs_unchanged, surplus) if in_place(before, after, False) else None
-    )
+    if not in_place(before, after, False):
+        return None
+    return within_budget_fast(before, after, writer, attrs_unchanged, surplus, last=last)
 
 
 def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
@@ -261,6 +285,8 @@ def admit(
     attrs_unchanged: bool = False,
     budget: bool = True,
     dropped: Mapping[str, str] | None = None,
+    last: LastPass | None = None,
+    spilled: Mapping[str, SessionState | None] | None = None,
 ) -> Decision:
     """Decide how the write ``before`` -> ``after`` is installed.
 
@@ -282,6 +308,11 @@ def admit(
       attrs_unchanged: the write changed no attrs (a commit).
       budget: False for a write that adds no bytes (a miss inserts an empty session).
       dropped: ids the op removes at a caller's request, with why (see `departures`).
+      last: the shell's memo of the last object check that passed (`LastPass`), if it keeps one.
+      spilled: with a spill lever (None: none), what was handed to it for this write: ``{id: the session
+        value handed over}``, or None for a session whose spill failed. A session the budget drops leaves
+        as spilled (not an eviction; its handles refuse writes) if this very value (``after``'s) was
+        handed over; dropped as an eviction if its spill failed; otherwise it is named in `Decision.spill`.
 
     Raises:
       BudgetExceededError: the write cannot fit even so.
@@ -299,20 +330,51 @@ def admit(
         # bound is then the installed table's (issue 24, review9).
         gone = sum(sid in before for sid in dropped) if dropped else 0
         replaced = writer is None and len(after) + gone > len(before)
-        bound = None if replaced else within_budget_fast(before, after, writer, attrs_unchanged, surplus)
+        bound = None if replaced else within_budget_fast(before, after, writer, attrs_unchanged, surplus, last=last)
         if bound is None:
             protect = {sid for sid in pinned if sid in after}
             if writer is not None and writer in after:
                 protect.add(writer)
-            final = enforce_budget(after, protect, levers=levers)
+            lever = None if spilled is None else _SpillLever(after, spilled)
+            final = enforce_budget(after, protect, levers=levers, spill=lever)
             bound = _full_bound(final)
+            if lever is not None and lever.wanted:
+                return Decision(final, bound, [], {}, tuple(lever.wanted))
     if final is before:
         return Decision(final, bound, [], {})
     left = departures(before, after, final, dropped or {})
+    if spilled:
+        left = [d._replace(reason=SPILLED, closed=True) if spilled.get(d.sid) is d.session else d for d in left]
     # (A state a donating step consumed held no fewer blocks than its successor: a step changes one object's
     # arrays, never which handles the table holds.)
     released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
+
+
+SPILLED = "spilled (handed to the manager's `spill` callback under budget pressure; it lives on where it went)"
+
+
+class _SpillLever:
+    """The spill lever `admit` hands `enforce_budget`: pure, it only says what was handed over already.
+
+    A session whose value in ``after`` is the very one handed over leaves as spilled; one whose spill failed
+    is dropped as an eviction; any other is noted in ``wanted`` (and counted as spilled here: a decision that
+    names one is never installed)."""
+
+    __slots__ = ("after", "spilled", "wanted")
+
+    def __init__(self, after: ManagerState, spilled: Mapping[str, SessionState | None]):
+        self.after, self.spilled, self.wanted = after, spilled, list[str]()
+
+    def __call__(self, state: ManagerState, sid: str) -> bool:
+        if sid in self.spilled:
+            handed = self.spilled[sid]
+            if handed is None:
+                return False  # its spill failed: dropped only because the budget cannot be met otherwise
+            if handed is ms.lookup(self.after, sid, None):
+                return True
+        self.wanted.append(sid)
+        return True
 
 
 def checked_levers(levers: Iterable[str]) -> tuple[str, ...]:

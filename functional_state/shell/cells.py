@@ -7,7 +7,7 @@ raised, with nothing installed on top of it) leaves the cells exactly as they we
 
 The invariant the shell's one-step writes rely on (`slot`): read under the lock, a cell whose ``left`` is
 None names an incarnation the installed table holds. Every install that removes a session detaches its
-cell before the table is replaced (`Cells.inserted`, `Cells.detach`: found by comparing tables by
+cell before the table is replaced (`Cells.detach`: found by comparing tables by
 incarnation, never predicted), and nothing else removes one.
 """
 
@@ -25,12 +25,11 @@ from ..core.session import SessionState
 from ..errors import SessionStateLostError
 from ..table.manager_state import ManagerState
 
-__all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason"]
+__all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason", "in_table"]
 
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
 _SWEEP_FROM = 64  # detached cells kept before the first sweep of dead ones
-_EMPTY_SESSION = SessionState.empty()  # (what an insertion holds; immutable, so one serves every new cell)
 
 
 class Cell:
@@ -74,6 +73,11 @@ def _log_detached(sid: str, reason: str) -> None:
         sid,
         reason,
     )
+
+
+def in_table(state: ManagerState, cell: Cell) -> bool:
+    """Whether ``state`` holds the cell's incarnation (and the cell has not left)."""
+    return cell.left is None and ms.held_session(state, cell.session_id, cell.uid) is not None
 
 
 def _holds(state: ManagerState, sid: str, uid: int) -> bool:
@@ -163,31 +167,6 @@ class Cells:
         on, built by ``make(cell)`` on first use."""
         cell = self.cell(state, sid, undo)
         return self.handles.setdefault(cell.uid, make(cell))
-
-    def inserted(
-        self, evicted: list[tuple[str, int, SessionState]], reason: str, sid: str, uid: int, make: Callable[[Cell], Any]
-    ) -> Any:
-        """The miss path of `get_or_insert`, before its table is installed: `detach` for the sessions the
-        insertion ``evicted`` (``reason``: why they left; the table logs each LRU eviction), so a lock-free
-        reader that no longer finds its session finds its copy; then the handle on incarnation ``uid`` of
-        ``sid``, the empty session the insertion made (nothing to take back: no cell held it)."""
-        live, handles = self.live, self.handles
-        for gone, gone_uid, session in evicted:
-            self._departed.append((gone, reason))
-            handles.pop(gone_uid, None)
-            cell = live.pop(gone_uid, None)
-            if cell is not None:
-                cell.session = session  # first: a lock-free reader that sees `left` must find the copy
-                cell.left = reason
-                _log_detached(gone, reason)
-                if len(self._detached) < self._sweep_at:  # (`_keep_detached`, written out)
-                    self._detached.append(weakref.ref(cell))
-                else:
-                    self._keep_detached(cell)
-        # (The empty session the insertion holds, by value: a cell's copy is read only once it left.)
-        new = live[uid] = Cell(uid, sid, _EMPTY_SESSION)
-        handle = handles[uid] = make(new)
-        return handle
 
     def _forget(self, uid: int) -> None:
         cell = self.live.pop(uid, None)

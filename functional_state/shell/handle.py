@@ -23,11 +23,9 @@ from ..core.state_object import RESIDENT, StateObject
 from ..errors import InvalidTypeError, ObjectParkedError
 from ..table import parked, session_edits
 from ..table.manager_state import held_object
-from ..table.object_verbs import commit as _commit
 from ..table.torch_writes import RECORDS, check_object, writable
 from .cells import Cell
 from .session_ops import SessionOps
-from .slot import LIVE_POOLS, NOT_INLINE
 
 __all__ = ["SessionHandle"]
 
@@ -195,12 +193,7 @@ class SessionHandle:
           SessionStateLostError: this incarnation is no longer in the table (evicted, dropped or replaced).
         """
         done = self._slot.commit(self._cell, name, payload)
-        if done is NOT_INLINE:  # (the retry loop decides it on the very table it installs on)
-            ops, cell = self._ops, self._cell
-            done = ops.apply(
-                cell, "commit_held", ms.commit, name, payload, names=(name,), attrs_unchanged=True, table_only=True
-            )
-        return done or self
+        return self if done is None else self._commit("commit_held", name, payload, True)
 
     def stage(self, name: str, payload: Any) -> SessionHandle:
         ops, only = self._ops, self._only
@@ -209,33 +202,19 @@ class SessionHandle:
         )
 
     def commit(self, name: str, payload: Any = MISSING) -> SessionHandle:
-        if self._only:
-            return self.commit_held(name, payload)
-        slot, cell = self._slot, self._cell
-        done: Any
-        # The per-step write: `Slot.commit` written out for its common case (no transaction of this thread on
-        # the session, no engine pool, no budget), one call fewer per step. Under the lock a cell that has
-        # not left names an incarnation the installed table holds (see `Slot.commit`); ``closed`` is only
-        # ever set with ``left`` (`Cells.detach`), so ``left`` alone says it. Pools and the budget are read
-        # before the lock only to choose the path (a budgeted write takes `Slot.commit`'s one lock), and
-        # again under it: a `load` may install a budget, and a write may make a pool, meanwhile.
-        if not slot.computing and not slot.budgeted and not LIVE_POOLS:
-            slot.acquire()
-            try:
-                if cell.left is None and not LIVE_POOLS and not slot.budgeted:
-                    try:
-                        slot.table = _commit(slot.table, cell.session_id, name, payload)
-                        return self
-                    except ObjectParkedError:  # its restore calls the engine: not under the lock
-                        pass
-            finally:
-                slot.release()
-            done = NOT_INLINE  # (`Slot.commit` would decline it too: the retry loop decides it)
-        else:
-            done = slot.commit(cell, name, payload)  # (the same install, with the budget's fast check)
-        if done is NOT_INLINE:
-            done = self._ops.apply(cell, "commit", ms.commit, name, payload, names=(name,), attrs_unchanged=True)
-        return done or self
+        done = self._slot.commit(self._cell, name, payload)  # the per-step write: one lock, one pure verb
+        if done is None:
+            return self
+        only = self._only
+        return self._commit("commit_held" if only else "commit", name, payload, only)
+
+    def _commit(self, what: str, name: str, payload: Any, only: bool) -> SessionHandle:
+        """A commit `Slot.commit` declined, by the retry loop, which decides on the very table it installs on
+        (``only``: refused once the incarnation left it)."""
+        out = self._ops.apply(
+            self._cell, what, ms.commit, name, payload, names=(name,), attrs_unchanged=True, table_only=only
+        )
+        return out or self
 
     def append(self, name: str, payload: Any) -> SessionHandle:
         return self.commit(name, payload)

@@ -1,47 +1,78 @@
 """`SessionStateManager`: a thread-safe imperative shell over the pure `ManagerState` functions.
 
 The shell holds one immutable `ManagerState` and swaps it under a lock, nothing more. Every write that is
-not installed in one step (a hit, a miss with nothing to release, a handle's commit or session-local verb
-within budget: `slot`) goes through one retry loop: the new table (the pure verb, user code, the engine's ``offload``/``reload``, the
-byte budget's decision) is computed *outside* the lock and installed under it if the table did not change
-meanwhile; the blocks it released go back to their engines after the lock is released. Handles: `handle`;
-the installed table, and the writes a handle installs in one step, live in the `Slot` they share (`slot`).
+not installed in one step (a hit, a miss, a handle's commit or session-local verb within budget: `slot`)
+goes through the one retry loop (`writes`): the new table is computed *outside* the lock and installed under
+it if the table did not change meanwhile. Handles: `handle`; the installed table, and the writes a handle
+installs in one step, live in the `Slot` they share (`slot`).
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from .. import table as ms
-from ..errors import ObjectParkedError, SessionStateLostError
+from ..core.session import SessionState
 from ..persist import checkpoint as _ckpt
 from ..policy.planner import LEVERS
 from ..table.lru import get_or_insert
-from ..table.manager_state import ManagerState, with_issued
+from ..table.manager_state import ManagerState
 from ..table.parked import park as park_object
 from ..table.parked import restore as restore_object
+from ..table.renumber import continued
+from ..table.step import step as pure_step
 from ..table.step import trace as trace_step
 from ..table.usage import stats as table_stats
-from . import slot as slots
-from .admission import Decision, admit, checked_levers, rebase
-from .cells import Cell, Cells, Undo, evicted_reason
+from .admission import checked_levers
+from .cells import Cell, Cells, Undo
 from .handle import SessionHandle
 from .hints import manager_attribute_error
-from .loading import session_load, table_load
 from .pins import Pins
-from .release import Debts, hand_back
-from .session_ops import ReentrantWriteError, SessionOps, locked_step, restore_parked
+from .session_ops import ReentrantWriteError, SessionOps, check_incarnation, locked_step
 from .slot import Slot
+from .spill import SpillCallback, checked_spill
+from .writes import INSERT, STEP, Write, Writes
 
 __all__ = ["ReentrantWriteError", "SessionHandle", "SessionStateManager"]
 
-_Result = TypeVar("_Result")
-Plan = Callable[[ManagerState], tuple[ManagerState, _Result]]
+
+_LoadPlan = Callable[[ManagerState], tuple[ManagerState, None]]
+_Dropped = Callable[[ManagerState], dict[str, str]]
+
+
+def _session_load(
+    current: ManagerState, session_id: str | None, path: Any, as_id: str | None, replace: bool, **read: Any
+) -> tuple[str, SessionState, _LoadPlan, _Dropped]:
+    """Read session ``session_id`` (refused first if its target id is taken); returns ``(target id, the
+    session read, the plan installing it, the sessions it replaces)``."""
+    target = ms.resolve_session_id(as_id if as_id is not None else session_id)
+    _ckpt.check_free(current, target, replace)  # fail before reading the checkpoint
+    session = _ckpt.read_session(session_id, path, **read)
+
+    def plan(state: ManagerState) -> tuple[ManagerState, None]:
+        _ckpt.check_free(state, target, replace)
+        return _ckpt.install_session(state, target, session, replace=replace), None
+
+    replaced = {target: "dropped (replaced by `load_session(..., replace=True)`)"}
+    return target, session, plan, lambda state: replaced
+
+
+def _table_load(path: Any, **read: Any) -> tuple[ManagerState, _LoadPlan, _Dropped]:
+    """Read a whole table; returns ``(table, the plan installing it, the sessions it replaces)``.
+
+    The plan installs the table read with its incarnations numbered on from the replaced table's
+    (`continued`): a number the shell issued once (a handle's cell holds it) is never issued again."""
+    table = _ckpt.load(path, **read)
+
+    def replaced(state: ManagerState) -> dict[str, str]:
+        return dict.fromkeys(state.session_ids, "dropped (the table was replaced by `load`)")
+
+    return table, lambda state: (continued(table, state.issued), None), replaced
 
 
 class SessionStateManager:
@@ -65,6 +96,7 @@ class SessionStateManager:
         evict_when_full: bool = True,
         lock_factory: Callable[[], AbstractContextManager[Any]] = threading.Lock,
         release_levers: Iterable[str] = LEVERS,
+        spill: SpillCallback | None = None,
     ):
         """
         Args:
@@ -76,13 +108,18 @@ class SessionStateManager:
           evict_when_full: LRU eviction at the count cap (True) or admission control (False).
           lock_factory: builds the lock the shell swaps states under.
           release_levers: the levers the budget may use, of ``("park", "evict", "drop")``.
+          spill: ``spill(table, session_id) -> bool``, offered each session the budget would drop, outside the
+            lock, with a table holding it: True once it has it elsewhere (a peer replica, the object store:
+            `functional_state.transfer.export_session`). A spilled session leaves the table without counting as
+            an eviction, and its handles refuse writes. A spill that raises (logged) or declines leaves its
+            session in place, dropped only if the budget cannot be met otherwise. See `shell.spill`.
         """
-        self._levers = checked_levers(release_levers)
         self._slot = slot = Slot(ManagerState.create(max_sessions, byte_budget, evict_when_full), lock_factory())
         self._pins = Pins(slot.lock)  # sessions the budget must not touch (requests in flight)
         self._cells = Cells()
         self._live = self._cells.handles  # (read on every hit)
-        self._debts = Debts()  # installed changes whose engine free failed
+        self._writes = Writes(slot, self._pins, self._cells, checked_levers(release_levers), checked_spill(spill))
+        self._run = self._writes.run  # the one retry loop
         self._published: weakref.WeakSet[ManagerState] = weakref.WeakSet()
         self._ops = SessionOps(slot, self._run, self.pin, self.step)
         self._make_handle: Callable[[Cell], SessionHandle] = partial(SessionHandle, self._ops)
@@ -102,107 +139,6 @@ class SessionStateManager:
 
         def __getattr__(self, name: str) -> Any:
             raise manager_attribute_error(self, name)
-
-    def _run(
-        self,
-        plan: Plan[_Result],
-        writer: str | None = None,
-        *,
-        cell: Cell | None = None,
-        names: Iterable[str] | None = None,
-        acquires: bool = False,
-        dropped: Callable[[ManagerState], Mapping[str, str]] | None = None,
-        then: Callable[[ManagerState, Undo], Any] | None = None,
-        local: bool = False,
-        **admission: Any,
-    ) -> Any:
-        """The one write loop: ``plan(table) -> (new table, result)`` and its admission (`admit`) computed
-        outside the lock, installed under it if the table (and ``cell``'s copy) did not change, else again.
-
-        A parked object ``plan`` meets is restored first in the same attempt (``names`` of ``cell``'s session,
-        or all), so the restores land only with the write. Blocks the library took for an attempt that is not
-        installed (restores; with ``acquires``, ``plan``'s own) go back. ``dropped(table)``: the sessions
-        ``plan`` removes at a caller's request, with why. ``then(installed table, undo)`` runs under the lock
-        after the install (journaling in ``undo``); its result, unless None, replaces ``plan``'s. ``local``:
-        ``plan`` changes only ``writer``'s session, so it lands on writes to other sessions made meanwhile
-        (`rebase`) without being computed again (an engine callback, user code run once)."""
-        while True:
-            base, pinned, seen = self._slot.table, self._pins.pinned, cell.session if cell else None
-            work = after = base  # ``work``: ``base`` with the restores this attempt made
-            try:
-                while True:
-                    try:
-                        after, out = plan(work)
-                        break
-                    except ObjectParkedError:
-                        restored = restore_parked(work, cell, names)
-                        if restored is work:
-                            raise
-                        work = restored
-                gone = dropped(base) if dropped is not None else None
-                decision = self._admit(base, after, writer, pinned, gone, admission)
-            except BaseException:
-                hand_back(base, after if acquires else work)
-                raise
-            grabbed, installed = (base, after if acquires else work), False  # (what the library took)
-            while True:  # install; a session-local write is replayed onto writes to other sessions meanwhile
-                with self._slot.lock:
-                    current = self._slot.table
-                    if current is base and self._pins.pinned is pinned and (cell is None or cell.session is seen):
-                        undo, epoch, installed = self._install(decision), self._slot.epoch, True
-                        if then is not None:
-                            kept = then(decision.final, undo)
-                            out = out if kept is None else kept
-                        break
-                moved = rebase(base, after, current, writer) if local and writer else None
-                if moved is None or (cell is not None and cell.session is not seen):
-                    break
-                base, after, pinned = current, moved, self._pins.pinned
-                try:
-                    decision = self._admit(base, after, writer, pinned, None, admission)
-                except BaseException:
-                    hand_back(*grabbed)
-                    raise
-            if installed:
-                break
-            hand_back(*grabbed)  # its session changed meanwhile: compute it again
-        if decision.released or self._debts.owed:
-            self._debts.settle(
-                base, decision.final, decision.released, lambda: self._take_back(base, decision.final, undo, epoch)
-            )
-        return out
-
-    def _admit(self, before: ManagerState, after: ManagerState, writer: Any, pinned: Any, gone: Any, kw: Any) -> Any:
-        surplus, levers = self._slot.surplus, self._levers
-        return admit(before, after, writer, pinned=pinned, levers=levers, surplus=surplus, dropped=gone, **kw)
-
-    def _install(self, decision: Decision) -> Undo:
-        """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
-        undo: Undo = []
-        if decision.left:  # journaled only for a write a failed engine ``free`` may take back
-            self._cells.detach(decision.left, undo if decision.released else None)  # (first: see `Cells.inserted`)
-        slot = self._slot
-        slot.table, slot.surplus, slot.epoch = decision.final, decision.surplus, slot.epoch + 1
-        slot.budgeted = decision.final.byte_budget is not None
-        if decision.released:
-            self._cells.evict_freed(decision.released, undo)
-        return undo
-
-    def _take_back(self, base: ManagerState, final: ManagerState, undo: Undo, epoch: int) -> bool:
-        """After a failed ``free``: reinstall ``base`` and the handles, unless a write landed on ``final``
-        since (the retry loop's installs change ``epoch``; every install puts a new table in place)."""
-        slot = self._slot
-        with slot.lock:
-            if slot.epoch != epoch or slot.table is not final:
-                return False
-            # The counter stays where ``final`` took it: a number the taken-back write issued is never issued again
-            # (a cell may have been made for it meanwhile, read lock-free from ``final``).
-            slot.table = with_issued(base, max(base.issued, final.issued))
-            slot.surplus = None  # (the next write checks the budget in full)
-            slot.budgeted = base.byte_budget is not None
-            slot.epoch += 1
-            Cells.take_back(undo)
-            return True
 
     def pin(self, session_id: str | None) -> AbstractContextManager[None]:
         """Protect a session from the byte budget while the block runs (a request in flight): its objects are
@@ -225,28 +161,25 @@ class SessionStateManager:
         Raises:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
-        sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
+        sid = ms.resolve_session_id(session_id)
         slot = self._slot
         slot.acquire()  # (not `with`: see `Slot`)
         try:
             state = slot.table
             after, uid, evicted = get_or_insert(state, sid)
-            if evicted is None:  # a hit, the common case, kept short: it adds no bytes and releases nothing
+            if evicted is None:  # a hit, the common case: it adds no bytes and releases nothing
                 slot.table = after
                 handle = self._live.get(uid)
                 return self._new_handle(sid, after, None) if handle is None else handle
-            if not slots.LIVE_POOLS and not self._debts.owed:
-                # A miss with no engine blocks to free adds no bytes (an empty session) and releases nothing:
-                # `admit` would install it as it is, and detach what it evicted (checked in test_lru_get_or_insert).
-                why = evicted_reason(state.max_sessions) if evicted else ""
-                handle = self._cells.inserted(evicted, why, sid, uid, self._make_handle)  # (before the install)
-                slot.table = after
-                return handle
+            # A miss inserts an empty session, which adds no bytes: its admission runs no user code, so it is
+            # decided and installed here, in one acquisition; the blocks it releases go back after.
+            decision = self._writes.admit(state, after, sid, self._pins.pinned, None, INSERT)
+            undo, epoch = self._writes.install(decision), slot.epoch
+            handle = self._new_handle(sid, decision.final, undo)
         finally:
             slot.release()
-        return self._run(
-            lambda s: (ms.get_or_create(s, sid)[0], None), sid, budget=False, then=partial(self._new_handle, sid)
-        )
+        self._writes.settle(state, decision, undo, epoch)
+        return handle
 
     def get_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on an existing session, for continuations.
@@ -261,7 +194,7 @@ class SessionStateManager:
             self._cells.require(state, sid, "get_session")
             return ms.get_session(state, sid)[0], None
 
-        return self._run(plan, then=partial(self._new_handle, sid))
+        return self._run(plan, Write(then=partial(self._new_handle, sid)))
 
     def fork_session(self, source_id: str | None, new_id: str | None) -> SessionHandle:
         """Fork a session (see `functional_state.fork_session`); returns a handle on the fork.
@@ -277,7 +210,7 @@ class SessionStateManager:
                 self._cells.require(state, ms.resolve_session_id(source_id), "fork_session")
             return ms.fork_session(state, source_id, nid), None
 
-        return self._run(plan, nid, then=partial(self._new_handle, nid))
+        return self._run(plan, Write(nid, then=partial(self._new_handle, nid)))
 
     def save_session(self, session_id: str | None, path: Any, *, asynchronous: bool = False, **hooks: Any) -> Any:
         """Write session ``session_id`` as it is now (a snapshot: the write never blocks other sessions); see
@@ -305,27 +238,27 @@ class SessionStateManager:
         Raises:
           CheckpointError, SessionExistsError: see `functional_state.load_session`.
         """
-        target, session, plan, dropped = session_load(
+        target, session, plan, dropped = _session_load(
             self._slot.table, session_id, path, as_id, replace, placement=placement, torch_device=torch_device, **hooks
         )
-        return self._installing([session], plan, target, dropped=dropped, then=partial(self._new_handle, target))
+        return self._installing([session], plan, Write(target, dropped=dropped, then=partial(self._new_handle, target)))
 
     def load(self, path: Any, *, placement: Any = None, torch_device: Any = None, **hooks: Any) -> None:
         """Replace the whole table by the one a `save` wrote (its sessions, recency, counters, config). Handles
         on the sessions it replaces keep their own copies, as after a drop."""
-        table, plan, dropped = table_load(path, placement=placement, torch_device=torch_device, **hooks)
-        self._installing(ms.sessions(table).values(), plan, dropped=dropped)
+        table, plan, dropped = _table_load(path, placement=placement, torch_device=torch_device, **hooks)
+        self._installing(ms.sessions(table).values(), plan, Write(dropped=dropped))
 
     def install_session(self, session_id: str, session: Any) -> SessionHandle:
         """Install a `SessionState` read elsewhere (`transfer.read_blob`) under the free id ``session_id``."""
         plan = partial(_ckpt.install_session, sid=session_id, session=session)
         then = partial(self._new_handle, session_id)
-        return self._installing([session], lambda s: (plan(s), None), session_id, then=then)
+        return self._installing([session], lambda s: (plan(s), None), Write(session_id, then=then))
 
-    def _installing(self, sessions: Any, plan: Any, *args: Any, **kw: Any) -> Any:
+    def _installing(self, sessions: Any, plan: Any, write: Write) -> Any:
         """`_run` ``plan``, which installs ``sessions``; if it is not, their engine KV blocks go back."""
         try:
-            return self._run(plan, *args, **kw)
+            return self._run(plan, write)
         except BaseException as e:
             _ckpt.release_sessions(sessions, e)
             raise
@@ -334,7 +267,8 @@ class SessionStateManager:
         """Remove a session from the table; True if it was there. Live handles keep their last state to
         read, and refuse writes (which could reach no session): `SessionStateLostError`."""
         sid = ms.resolve_session_id(session_id)
-        return bool(self._run(lambda s: ms.drop_session(s, sid), dropped=lambda s: {sid: "dropped (`drop_session`)"}))
+        why = {sid: "dropped (`drop_session`)"}
+        return bool(self._run(lambda s: ms.drop_session(s, sid), Write(dropped=lambda s: why)))
 
     def raise_max_sessions(self, n: int) -> None:
         """Raise the count cap (see `functional_state.raise_max_sessions`)."""
@@ -374,18 +308,23 @@ class SessionStateManager:
         traced = state = self._slot.table
         self._cells.require(state, sid, "step")
         self._ops.refuse_reentrant(state, sid, "step")
+        if self._writes.spill is not None and state.byte_budget is not None:
+            # The budget may drop sessions, which are offered to the spill outside the lock: the step is not
+            # donated and installs through the retry loop.
+            def plan(table: ManagerState) -> tuple[ManagerState, None]:
+                self._cells.require(table, sid, "step")
+                check_incarnation(table, sid, incarnation)
+                return pure_step(table, sid, name, fn, *args, donate=False), None
+
+            return self._run(plan, STEP._replace(writer=sid))
         keeps_bytes = trace_step(traced, sid, name, fn, *args, donate=donate)  # the first trace, outside the lock
         with self._slot.lock:
             state = self._slot.table
             self._cells.require(state, sid, "step")
-            if incarnation is not None and ms.incarnation(state, sid) != incarnation:
-                raise SessionStateLostError(
-                    f"`step`: session {sid!r} in the table is a later incarnation than the handle's; the handle's "
-                    f"session left the table, so the step is refused. Get a handle on the session again."
-                )
+            check_incarnation(state, sid, incarnation)
             others = lambda: [*(c.session for c in self._cells.detached()), *kept]
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
-            self._install(self._admit(state, after, sid, self._pins.pinned, None, {"attrs_unchanged": True}))
+            self._writes.install(self._writes.admit(state, after, sid, self._pins.pinned, None, STEP))
 
     def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
         """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes
@@ -397,8 +336,9 @@ class SessionStateManager:
         Raises:
           BudgetExceededError: the host copy does not fit even so; nothing changed.
         """
-        require, local = self._cells.require, not with_sharers
-        return self._ops.by_id(require, "park", park_object, session_id, name, with_sharers=with_sharers, local=local)
+        sid = ms.resolve_session_id(session_id)
+        plan = self._by_id("park", lambda s: park_object(s, sid, name, with_sharers=with_sharers), sid)
+        return self._run(plan, Write(sid, local=not with_sharers))  # (with its sharers: other sessions too)
 
     def restore(self, session_id: str | None, name: str) -> dict[str, int]:
         """Restore a parked object (see `functional_state.restore`); returns the bytes moved per pool.
@@ -407,9 +347,20 @@ class SessionStateManager:
           BudgetExceededError: the restored object does not fit the budget; nothing changed (engine blocks a
             KV ``reload`` took go back, and the object stays parked, restorable later).
         """
-        return self._ops.by_id(
-            self._cells.require, "restore", restore_object, session_id, name, acquires=True, local=True
-        )
+        sid = ms.resolve_session_id(session_id)
+        plan = self._by_id("restore", lambda s: restore_object(s, sid, name), sid)
+        return self._run(plan, Write(sid, acquires=True, local=True))
+
+    def _by_id(self, what: str, verb: Callable[[ManagerState], Any], sid: str) -> Callable[[ManagerState], Any]:
+        """A plan running ``verb(table)`` on session ``sid`` named by id, refusing a session this manager saw
+        leave (`Cells.require`) and a write from inside a transaction on it."""
+
+        def plan(table: ManagerState) -> Any:
+            self._cells.require(table, sid, what)
+            self._ops.refuse_reentrant(table, sid, what)
+            return verb(table)
+
+        return plan
 
     def __len__(self) -> int:
         return len(self._slot.table)

@@ -14,36 +14,20 @@ from typing import Any
 from .. import table as ms
 from ..core.session import SessionState
 from ..errors import InvalidTypeError, ObjectParkedError, SessionStateError, SessionStateLostError
-from ..table.engine_blocks import free_acquired
 from ..table.manager_state import ManagerState
-from ..table.parked import restore as restore_object
 from ..table.session_edits import update_session
 from ..table.step import step as pure_step
-from .cells import Cell, Undo
+from .cells import Cell, Undo, in_table
 from .slot import NOT_INLINE, Slot
+from .writes import Write, restore_parked, restoring
 
-__all__ = ["ReentrantWriteError", "SessionOps", "locked_step", "restore_parked"]
+__all__ = ["ReentrantWriteError", "SessionOps", "check_incarnation", "locked_step"]
 
 Verb = Callable[..., Any]  # a table verb: (table, session id, *args) -> table or (table, result)
 
 
 class ReentrantWriteError(SessionStateError, RuntimeError):
     """A ``transact`` function (or a factory) wrote to the very session it is computing a new state for."""
-
-
-def restore_parked(state: ManagerState, cell: Cell | str | None, names: Iterable[str] | None) -> ManagerState:
-    """``state`` with the parked objects (``names``, or all) of ``cell``'s session restored, if the table holds
-    it (a cell, or a session id): what a handle does when it meets a parked object. The engine blocks a KV
-    ``reload`` takes are the library's (see `free_acquired`)."""
-    if (isinstance(cell, Cell) and not SessionOps.in_table(state, cell)) or cell is None:
-        return state
-    sid = cell.session_id if isinstance(cell, Cell) else cell
-    session = ms.lookup(state, sid)
-    wanted = None if names is None else set(names)
-    for name, obj in session.objects.items():
-        if obj.parked and (wanted is None or name in wanted):
-            state, _ = restore_object(state, sid, name)
-    return state
 
 
 def _pair(out: Any) -> tuple[ManagerState, Any]:
@@ -59,21 +43,18 @@ def _alone(cell: Cell) -> ManagerState:
 def _on_copy(cell: Cell, names: Iterable[str] | None, fn: Callable[[ManagerState], tuple[ManagerState, Any]]) -> Any:
     """``fn`` on a table of the cell's copy, restoring a parked object it meets first; returns
     ``(new copy, result)``."""
-    start = work = _alone(cell)
-    try:
-        while True:
-            try:
-                table, out = fn(work)
-                return ms.lookup(table, cell.session_id), out
-            except ObjectParkedError:
-                restored = restore_parked(work, cell.session_id, names)
-                if restored is work:
-                    raise
-                work = restored
-    except BaseException:
-        if work is not start:
-            free_acquired(start, work)
-        raise
+    _, table, out = restoring(fn, _alone(cell), cell.session_id, names)
+    return ms.lookup(table, cell.session_id), out
+
+
+def check_incarnation(state: ManagerState, sid: str, incarnation: int | None) -> None:
+    """Refuse a `step` of session ``sid`` whose table holds another incarnation than ``incarnation`` (a
+    handle's; None: any)."""
+    if incarnation is not None and ms.incarnation(state, sid) != incarnation:
+        raise SessionStateLostError(
+            f"`step`: session {sid!r} in the table is a later incarnation than the handle's; the handle's "
+            f"session left the table, so the step is refused. Get a handle on the session again."
+        )
 
 
 def locked_step(
@@ -113,7 +94,7 @@ class SessionOps:
 
     Args:
       slot: the manager's `Slot` (its installed table, lock and one-step installs).
-      run: the manager's retry loop (`SessionStateManager._run`).
+      run: the manager's retry loop (`Writes.run`).
       pin: protects a session from the byte budget while a transaction runs.
       step: the manager's `SessionStateManager.step`.
     """
@@ -122,10 +103,7 @@ class SessionOps:
         self.slot = slot
         self._run, self._pin, self._step = run, pin, step
 
-    @staticmethod
-    def in_table(state: ManagerState, cell: Cell) -> bool:
-        # (the cell's id was checked when it was made)
-        return cell.left is None and ms.held_session(state, cell.session_id, cell.uid) is not None
+    in_table = staticmethod(in_table)
 
     def read_table(self) -> ManagerState:
         return self.slot.table
@@ -185,29 +163,8 @@ class SessionOps:
 
         local = not kw.get("with_sharers")  # (a park with its sharers writes other sessions too)
         keep = self._keep(cell, copy)
-        return self._run(
-            plan,
-            sid,
-            cell=cell,
-            names=names,
-            acquires=acquires,
-            local=local,
-            then=keep,
-            attrs_unchanged=attrs_unchanged,
-        )
-
-    def by_id(self, require: Callable[..., None], what: str, verb: Verb, session_id: Any, *args: Any, **kw: Any) -> Any:
-        """Table verb ``verb(table, sid, *args)`` on a session named by id, through the retry loop;
-        ``require(table, sid, what)`` refuses a session the manager saw leave."""
-        sid = ms.resolve_session_id(session_id)
-        acquires, local = kw.pop("acquires", False), kw.pop("local", False)
-
-        def plan(state: ManagerState) -> tuple[ManagerState, Any]:
-            require(state, sid, what)
-            self.refuse_reentrant(state, sid, what)
-            return verb(state, sid, *args, **kw)
-
-        return self._run(plan, sid, acquires=acquires, local=local)
+        write = Write(sid, cell, names, acquires, then=keep, local=local, attrs_unchanged=attrs_unchanged)
+        return self._run(plan, write)
 
     def restored(self, cell: Cell, names: Iterable[str] | None, *, table_only: bool = False) -> SessionState:
         """The cell's session with its parked objects (``names``, or all) restored and installed; read under
@@ -224,15 +181,8 @@ class SessionOps:
             return base, None
 
         keep = self._keep(cell, copy)
-        return self._run(
-            plan,
-            cell.session_id,
-            cell=cell,
-            acquires=True,
-            local=True,
-            attrs_unchanged=True,
-            then=lambda state, undo: keep(state, undo) or self.read(cell),
-        )
+        then = lambda state, undo: keep(state, undo) or self.read(cell)
+        return self._run(plan, Write(cell.session_id, cell, acquires=True, then=then, local=True, attrs_unchanged=True))
 
     def transact(
         self, cell: Cell, fn: Callable[[SessionState], tuple[SessionState, Any]], *, table_only: bool = False
@@ -263,6 +213,7 @@ class SessionOps:
             copy[:] = [out[0]]
             return base, out[1]
 
+        write = Write(sid, cell, then=self._keep(cell, copy), local=True)
         if cell.left is None and not self.slot.budgeted:
             # No budget: nothing to pin against. The common transaction runs ``fn`` on the session read
             # without the lock and installs the result under it if the session did not change meanwhile.
@@ -273,9 +224,9 @@ class SessionOps:
                 new = None  # the retry loop restores what ``fn`` met, and runs it again
             if new is not None and self.slot.inline(cell, _replace, (session, new), _NO_KW, False) is not NOT_INLINE:
                 return out
-            return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
+            return self._run(plan, write)
         with self._pin(sid):
-            return self._run(plan, sid, cell=cell, local=True, then=self._keep(cell, copy))
+            return self._run(plan, write)
 
     def create(
         self,

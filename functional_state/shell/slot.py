@@ -12,7 +12,7 @@ A lock-free read of a handle's session reads ``slot.table`` *before* it asks whe
 ``cell.left`` was seen None holds the cell's incarnation. The other order may read a table installed in
 between. That is now harmless: no table the shell installs holds a number under another incarnation (a
 loaded table is numbered on from the installed one's counter, `table.renumber`; a taken-back write,
-`SessionStateManager._take_back`, reinstalls the older table with the counter the taken-back one reached,
+`Writes.take_back`, reinstalls the older table with the counter the taken-back one reached,
 `table.manager_state.with_issued`); the order stays, as a second line of defence that costs nothing.
 """
 
@@ -27,8 +27,8 @@ from .. import table as ms
 from ..core.session import SessionState
 from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
-from ..table.manager_state import ManagerState, held_object, held_session, in_place
-from .admission import Recheck, Surplus, within_budget_fast
+from ..table.manager_state import ManagerState, held_object, held_session
+from .admission import LastPass, Recheck, Surplus, within_budget_fast, within_budget_in_place
 from .cells import Cell
 
 __all__ = ["LIVE_POOLS", "NOT_INLINE", "Slot"]
@@ -41,31 +41,43 @@ LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthi
 class Slot:
     """The installed table (``table``) and what changes with it, under ``lock``.
 
-    ``epoch`` changes with every install of the manager's retry loop (and `_take_back`): a write is taken
+    ``epoch`` changes with every install of the manager's retry loop (and `Writes.take_back`): a write is taken
     back only if none landed since, which the epoch and the table's identity tell together (the installs
     here always install a new table object, so they need not count it); ``surplus`` is
-    the attr bound the budget's fast check starts from (`admit`), and ``recheck`` what a budgeted commit
-    following one of the same session re-reads (`Recheck`); ``budgeted``: the table has a byte
+    the attr bound the budget's fast check starts from (`admit`), ``recheck`` what a budgeted commit
+    following one of the same session re-reads (`Recheck`), ``last`` the last object check that passed
+    (`LastPass`); ``budgeted``: the table has a byte
     budget. ``computing``: ``(thread, incarnation)`` for each transaction (or factory) being computed, in
     any thread; while it is empty no write can be a reentrant one, and the common write tests only that. A
     list, not a locked set: its append, remove and membership test are atomic, and it holds one entry per
     transaction in flight.
     """
 
-    __slots__ = ("acquire", "budgeted", "computing", "epoch", "lock", "recheck", "release", "surplus", "table")
+    __slots__ = (
+        "acquire",
+        "budgeted",
+        "computing",
+        "epoch",
+        "last",
+        "lock",
+        "recheck",
+        "release",
+        "surplus",
+        "table",
+    )
 
     def __init__(self, table: ManagerState, lock: AbstractContextManager[Any]):
         self.table = table
         self.lock = lock
-        # The one-step installs take the lock through its bound methods, not a `with` block: the statement
-        # looks ``__enter__`` and ``__exit__`` up on every entry, twice the cost of the acquisition itself
-        # (~80 of ~160 ns), paid twice per hit-and-commit. A lock without ``acquire`` is entered as a context.
+        # The one-step installs take the lock through its bound methods (see BENCHMARKS.md, the shell's notes);
+        # a lock without ``acquire`` is entered as a context.
         self.acquire, self.release = _lock_methods(lock)
         self.epoch = 0
         self.surplus: Surplus | None = None  # attr bytes (aliases of objects too), at the last full check
         self.budgeted = table.byte_budget is not None  # (changes only with an installed `load`)
         self.computing: list[tuple[int, int]] = []
         self.recheck = Recheck()  # what the next budgeted commit of the last session re-reads (see `Recheck`)
+        self.last = LastPass()  # the last object check that passed (see `LastPass`)
 
     def writing(self, uid: int) -> bool:
         """Whether this thread is computing a transaction (or a factory's object) for incarnation ``uid``."""
@@ -108,7 +120,7 @@ class Slot:
             recheck = self.recheck
             if self.budgeted and (recheck.writer != sid or not recheck.within(base, after, sid, self.surplus)):
                 again: list[Any] | None = [] if recheck.writer == sid else None  # (see `Recheck`)
-                bound = within_budget_fast(base, after, sid, True, self.surplus, again)
+                bound = within_budget_fast(base, after, sid, True, self.surplus, again, self.last)
                 if bound is None:
                     return NOT_INLINE
                 self.surplus = bound
@@ -124,10 +136,7 @@ class Slot:
     def _within_budget(self, base: ManagerState, after: ManagerState, sid: str, attrs_unchanged: bool) -> bool:
         """Under the lock: whether ``after`` stays within the budget by the kept totals (`admit`'s first check;
         else the write takes `admit`), keeping the attr bound it leaves."""
-        # (`within_budget_in_place` written out: one call fewer on every budgeted write)
-        if not in_place(base, after, False):
-            return False
-        bound = within_budget_fast(base, after, sid, attrs_unchanged, self.surplus)
+        bound = within_budget_in_place(base, after, sid, self.surplus, attrs_unchanged, self.last)
         if bound is None:
             return False
         self.surplus = bound
