@@ -21,6 +21,7 @@ BENCHES = [
     "encoder_window",
     "dreamzero_memory",
     "manager",
+    "gc",
     "bridge",
     "accounting",
     "ring",
