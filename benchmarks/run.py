@@ -22,6 +22,7 @@ BENCHES = [
     "dreamzero_memory",
     "manager",
     "gc",
+    "shell",
     "bridge",
     "accounting",
     "ring",
