@@ -2,16 +2,15 @@
 against the one-lock OrderedDict manager of bench_manager.py, each alone in the heap in turn.
 
 A server runs with the collector on. Every full collection (generation 2) traverses every tracked
-container in the process, so a table that keeps more containers per session stalls every op that happens
-to trigger one (the tail in bench_manager's p99.9). Each variant is built, then ``gc.collect()`` is timed
-``ROUNDS`` times, then the variant is dropped before the next is built. The interpreter's own heap (JAX,
-torch and this package imported, nothing built) is timed the same way: the goal compares what each
-manager adds to it, because that heap is the same for both and would dilute the ratio toward 1.
+container in the process, so a table that keeps more containers per session, or keeps them scattered over
+the heap, stalls every op that happens to trigger one (the tail in bench_manager's p99.9). Each variant is
+built, then ``gc.collect()`` is timed ``ROUNDS`` times, then the variant is dropped before the next is
+built; once with the imports' heap as it is (a server as is) and once with it frozen (``gc.freeze()``, what
+a server can do after its warm-up), where the collection is the manager's own and the goal is held.
 
-Why the table costs what it does: the tracked objects each variant adds, by type, per session. And a
-prototype of the guidance: ``gc.freeze()`` after a server's warm-up moves everything alive into the
-permanent generation, which no collection traverses (the imports' heap included), until those objects
-are replaced; a session touched after the freeze is replaced by new, tracked objects.
+Why the table costs what it does: the tracked objects each variant adds, by type, per session, and the
+collection time per tracked object; the OrderedDict manager built among garbage shows what scattering the
+same objects over the heap costs.
 
 Reproduce: ``python benchmarks/run.py gc`` (``GC_SESSIONS=20000`` for a quick look).
 """
@@ -32,7 +31,12 @@ from _timing import Cell, cell_of, fmt_cell, fmt_time
 
 SESSIONS = int(os.environ.get("GC_SESSIONS", "100000"))
 ROUNDS = 7
-FROZEN = ("imports frozen, then OrderedDict + 1 lock", "imports frozen, then pure table")
+FROZEN = (
+    "imports frozen, then OrderedDict + 1 lock",
+    "imports frozen, then pure table",
+    "imports frozen, then shell",
+    "imports frozen, then OrderedDict + 1 lock built among garbage",
+)
 RING = 4  # items committed into each session's 4-item ring: the steady state after its first four ops
 
 
@@ -41,6 +45,20 @@ def _ordered_dict(n: int) -> OrderedDictManager:
     for i in range(n):
         for _ in range(RING):
             manager.op(f"s{i}", ITEM)
+    return manager
+
+
+def _ordered_dict_scattered(n: int) -> OrderedDictManager:
+    """The same manager, each session's dict and deque allocated between short-lived containers (as a
+    table's objects are: each write allocates its new node, session and object among the garbage of the
+    last): the same objects, spread over the heap."""
+    junk = []
+    manager = OrderedDictManager(n)
+    for i in range(n):
+        junk.append([{} for _ in range(8)])
+        for _ in range(RING):
+            manager.op(f"s{i}", ITEM)
+    del junk
     return manager
 
 
@@ -98,61 +116,67 @@ def _measure(build: Callable[[int], Any] | None, n: int, *, freeze_imports: bool
     del held
     gc.collect()
     top = sorted(((k, v / n) for k, v in added.items() if v / n >= 0.01), key=lambda kv: -kv[1])
-    return {"cell": cell, "per_session": sum(added.values()) / n, "by_type": top}
+    return {
+        "cell": cell,
+        "per_session": sum(added.values()) / n,
+        "by_type": top,
+        "tracked": max(1, sum(added.values())),
+    }
 
 
 def run() -> dict:
     n = SESSIONS
     results = {
-        "empty": _measure(None, n),
+        "the imports alone": _measure(None, n),
         "OrderedDict + 1 lock": _measure(_ordered_dict, n),
         "pure table": _measure(_pure, n),
         "shell": _measure(_shell, n),
-        "imports frozen, then OrderedDict + 1 lock": _measure(_ordered_dict, n, freeze_imports=True),
-        "imports frozen, then pure table": _measure(_pure, n, freeze_imports=True),
+        FROZEN[0]: _measure(_ordered_dict, n, freeze_imports=True),
+        FROZEN[1]: _measure(_pure, n, freeze_imports=True),
+        FROZEN[2]: _measure(_shell, n, freeze_imports=True),
+        FROZEN[3]: _measure(_ordered_dict_scattered, n, freeze_imports=True),
     }
-    empty = results["empty"]["cell"].median
-    od = results["OrderedDict + 1 lock"]["cell"].median - empty
+    raw = {k: r["cell"].median for k, r in results.items()}
     rows = []
     for name, r in results.items():
-        own = r["cell"].median - empty
-        subtracted = name not in ("empty", *FROZEN)
+        frozen = name in FROZEN
         rows.append(
             (
                 name,
                 fmt_cell(r["cell"]),
-                fmt_time(max(own, 0.0)) if subtracted else "",
-                f"{own / od:.2f}x" if subtracted else "",
-                "" if name == "empty" else f"{r['per_session']:.2f}",
+                f"{raw[name] / raw[FROZEN[0] if frozen else 'OrderedDict + 1 lock']:.2f}x",
+                "" if name == "the imports alone" else f"{r['per_session']:.2f}",
+                fmt_time(raw[name] / r["tracked"]) if frozen else "",
                 ", ".join(f"{k} {v:.2f}" for k, v in r["by_type"][:6]),
             )
         )
-    added = {k: results[k]["cell"].median - empty for k in results}
-    raw = {k: results[k]["cell"].median for k in results}
     return {
-        "title": f"A full garbage collection with {n:,} sessions alive (GC on, each variant alone in the heap)",
+        "title": f"A full garbage collection with {n:,} sessions alive (each manager alone in the heap)",
         "header": (
             "heap holds",
-            "gc.collect()",
-            "added to the empty heap's",
-            "added / OrderedDict's",
-            "tracked objects per session",
-            "per session, by type",
+            "gc.collect() (p99, p99.9)",
+            "/ the OrderedDict manager's (frozen rows: frozen)",
+            "tracked objects added per session",
+            "collection time per tracked object",
+            "added per session, by type",
         ),
         "rows": rows,
         "ratio": (
-            f"pure table / OrderedDict manager, collection time added at {n:,} sessions (goal <= 2)",
-            added["pure table"] / od,
+            f"pure table / OrderedDict manager, full collection at {n:,} sessions, imports frozen (goal <= 2)",
+            raw[FROZEN[1]] / raw[FROZEN[0]],
         ),
         "extra_ratios": [
-            (f"shell / OrderedDict manager, collection time added at {n:,} sessions (goal <= 2)", added["shell"] / od),
             (
-                f"pure table / OrderedDict manager, whole gc.collect() at {n:,} sessions",
+                f"shell / OrderedDict manager, full collection at {n:,} sessions, imports frozen (goal <= 2)",
+                raw[FROZEN[2]] / raw[FROZEN[0]],
+            ),
+            (
+                f"pure table / OrderedDict manager, full collection at {n:,} sessions, nothing frozen",
                 raw["pure table"] / raw["OrderedDict + 1 lock"],
             ),
             (
-                f"imports frozen: pure table / OrderedDict manager, whole gc.collect() at {n:,} sessions",
-                raw[FROZEN[1]] / raw[FROZEN[0]],
+                f"OrderedDict manager built among garbage / built alone, imports frozen, at {n:,} sessions",
+                raw[FROZEN[3]] / raw[FROZEN[0]],
             ),
             (
                 f"imports frozen / not, pure table, whole gc.collect() at {n:,} sessions",
@@ -163,14 +187,19 @@ def run() -> dict:
             f"Each variant holds {n:,} sessions, each a {RING}-item ring with {RING} items committed (the same "
             f"16-float numpy item, which the collector does not track); it is built, collected once, then "
             f"`gc.collect()` is timed {ROUNDS} times (wall time: a collection stalls the thread that runs it), "
-            f"then it is dropped before the next is built. The empty row is the heap of the imports alone (JAX, "
-            f"torch, this package); the goal compares what each manager adds to it. The by-type column counts "
-            f"the tracked objects the variant added (`gc.get_objects()` before and after), per session: every "
-            f"one is traversed by every full collection. The frozen rows call `gc.freeze()` after the imports and "
-            f"before building (what a server can do after its warm-up: the imports and the model leave every "
-            f"later collection), so their whole collection is the manager's own; freezing the sessions too "
-            f"helps only until they are replaced, and a commit replaces its session's node, session and object. Reproduce: "
-            f"`GC_SESSIONS={n} python benchmarks/run.py gc`."
+            f"then it is dropped before the next is built. The first four rows are a server as is: every full "
+            f"collection also traverses the imports' heap (JAX, torch, this package: the first row), which "
+            f"dilutes any ratio toward 1. The frozen rows call `gc.freeze()` after the imports and before "
+            f"building (what a server can do after its warm-up, one line: the imports and the model leave every "
+            f"later collection), so their whole collection is the manager's own: the goal is held there. The "
+            f"by-type column counts the tracked objects the variant added (`gc.get_objects()` before and after), "
+            f"per session: every one is traversed by every full collection. The last row builds the OrderedDict "
+            f"manager with short-lived containers allocated between its sessions (as each write of the table "
+            f"allocates its new node, session and object among the last write's garbage): the same objects "
+            f"spread over the heap, to show what locality costs a collection. Freezing the sessions too helps "
+            f"only until they are replaced, and a commit replaces its session's node, session and object. The "
+            f"machine is shared (2 cores, other jobs running): collection times vary with its cache pressure. "
+            f"Reproduce: `GC_SESSIONS={n} python benchmarks/run.py gc`."
         ),
         "figures": {
             k: {"cell": list(v["cell"]), "per_session": v["per_session"], "by_type": v["by_type"]}
