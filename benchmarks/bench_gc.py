@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench_manager import ITEM, OrderedDictManager
+from bench_manager import ITEM, OrderedDictManager, _floor_table, floor_commit
 
 import functional_state as fs
 from _timing import Cell, cell_of, fmt_cell, fmt_time
@@ -36,6 +36,7 @@ FROZEN = (
     "imports frozen, then pure table",
     "imports frozen, then shell",
     "imports frozen, then OrderedDict + 1 lock built among garbage",
+    "imports frozen, then bench_manager's floor table (a layout prototype)",
 )
 RING = 4  # items committed into each session's 4-item ring: the steady state after its first four ops
 
@@ -71,6 +72,18 @@ def _pure(n: int) -> fs.ManagerState:
         state = fs.put(state, sid, "buf", buf)
         for _ in range(RING):
             state = fs.commit(state, sid, "buf", ITEM)
+    return state
+
+
+def _floor(n: int) -> tuple:
+    """bench_manager's floor table (a prototype of the layout, not a product): one persistent map of
+    ``sid -> (session dict, tick)``, a session a dict of rings, a ring a tuple of the items. Once its
+    leaves hold only untracked values (numpy arrays, ints), the collector untracks the ring tuples, then
+    the session dicts, then the node tuples: what stays tracked is the map's own nodes."""
+    state = _floor_table(n)
+    for i in range(n):
+        for _ in range(RING):
+            state = floor_commit(state, f"s{i}", "buf", ITEM)
     return state
 
 
@@ -135,6 +148,7 @@ def run() -> dict:
         FROZEN[1]: _measure(_pure, n, freeze_imports=True),
         FROZEN[2]: _measure(_shell, n, freeze_imports=True),
         FROZEN[3]: _measure(_ordered_dict_scattered, n, freeze_imports=True),
+        FROZEN[4]: _measure(_floor, n, freeze_imports=True),
     }
     raw = {k: r["cell"].median for k, r in results.items()}
     rows = []
@@ -196,7 +210,10 @@ def run() -> dict:
             f"per session: every one is traversed by every full collection. The last row builds the OrderedDict "
             f"manager with short-lived containers allocated between its sessions (as each write of the table "
             f"allocates its new node, session and object among the last write's garbage): the same objects "
-            f"spread over the heap, to show what locality costs a collection. Freezing the sessions too helps "
+            f"spread over the heap, to show what locality costs a collection. The floor row is a prototype of a "
+            f"persistent layout the collector can mostly skip: bench_manager's floor table (a map of "
+            f"`sid -> (session dict, tick)`, a ring a tuple of untracked items), whose ring tuples, session dicts "
+            f"and node tuples the collector untracks once it finds they hold only untracked values. Freezing the sessions too helps "
             f"only until they are replaced, and a commit replaces its session's node, session and object. The "
             f"machine is shared (2 cores, other jobs running): collection times vary with its cache pressure. "
             f"Reproduce: `GC_SESSIONS={n} python benchmarks/run.py gc`."
