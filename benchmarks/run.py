@@ -23,6 +23,7 @@ BENCHES = [
     "encoder_window",
     "dreamzero_memory",
     "manager",
+    "gc",
     "shell",
     "bridge",
     "accounting",
@@ -83,12 +84,26 @@ def _section(name: str, result: dict) -> str:
         "",
     ]
     lines += [_table(result["header"], result["rows"]), ""]
+    bare = untailed(result["header"], result["rows"])
+    if bare:
+        lines += [f"*Median only, no p99 / p99.9 measured, in: {', '.join(bare)}.*", ""]
     for label, value in [result["ratio"], *result.get("extra_ratios", [])]:
         lines.append(f"**{label}: {value:.3g}**{verdict(label, value)}  ")
     lines.append("")
     lines.append(result["notes"])
     lines.append("")
     return "\n".join(lines)
+
+
+_BARE_TIME = re.compile(r"^[0-9][0-9.,]* (ns|µs|ms|s)$")
+
+
+def untailed(header: list[str], rows: list[list]) -> list[str]:
+    """The columns that show a time with no p99 and p99.9 beside it (a bare ``1.20 µs``, where `_timing.fmt_cell`
+    writes ``1.20 µs (p99 ..., p99.9 ...)``): the report names them, so a median alone never passes for a cell."""
+    return [
+        h for i, h in enumerate(header) if any(_BARE_TIME.match(str(row[i]).strip()) for row in rows if i < len(row))
+    ]
 
 
 def _table(header: list[str], rows: list[list]) -> str:
@@ -132,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         "# Benchmarks\n\n"
         f"Written by `make bench` on {now}{' (sections: ' + ', '.join(names) + ')' if args.names else ''}.\n\n"
         f"Machine: {_machine()}.\n\n"
-        "Every figure is a median of repeated runs, timed with the garbage collector on, as in a server, and "
-        "every ratio compares two things measured side by side in the same run (interleaved), because this "
-        "machine is shared and noisy. Absolute times are for orientation only; the ratios are the claims. "
+        "Every figure is a median of repeated runs, timed with the garbage collector on, as in a server, with "
+        "its p99 and p99.9 beside it where the section measured them (a section that did not says so under its "
+        "table), and every ratio compares two things measured side by side in the same run (interleaved, the "
+        "order rotated round by round), because this machine is shared and noisy. Absolute times are for orientation only; the ratios are the claims. "
         "Each section names the command that reproduces it.\n\n" + "\n".join(ordered) + _notes(Path(args.output))
     )
     if not args.write:

@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 import collections
 import dataclasses
 import gc
@@ -7,6 +9,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 import functional_state as fs
@@ -287,3 +290,48 @@ def test_a_numpy_items_address_is_read_the_same_way_for_every_layout():
         assert out == [("cpu", start, start + a.nbytes)]
     shared = fs.LatentBuffer.create(maxlen=4).commit(readonly).commit(readonly[2:])
     assert fs.SessionState.empty().put("buf", shared).nbytes_by_device() == {"cpu": 256}
+
+
+KIB = 1024
+
+
+def _cpu(stats: dict) -> int:
+    return stats.get("nbytes:cpu", 0)
+
+
+@pytest.mark.parametrize("wrap", [lambda a: memoryview(a), lambda a: [memoryview(a)], lambda a: memoryview(a)[16:]])
+def test_a_memoryview_of_an_array_counts_the_array_and_is_refused_over_the_budget(wrap) -> None:
+    # A memoryview was one of the buffer-free types: a 1 MiB numpy array behind one counted zero in `stats`
+    # (kept and exact alike), so an attr holding it was admitted under a 4 KiB budget.
+    array = np.ones(1 << 20, np.uint8)
+    assert fs.nbytes_by_device(wrap(array)) == {"cpu": 1 << 20}
+    assert fs.nbytes_by_device(memoryview(b"\0" * 4096), memoryview(bytearray(64))) == {}  # (Python's own: zero)
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "m", wrap(array))
+    assert _cpu(fs.stats(s)) == _cpu(fs.stats(s, exact=True)) == 1 << 20
+    m = fs.SessionStateManager(byte_budget={"cpu": 4 * KIB})
+    h = m.get_or_create_session("a")
+    with pytest.raises(fs.BudgetExceededError):
+        h.set_attr("m", wrap(array))
+    assert _cpu(m.stats(exact=True)) == 0
+
+
+def test_a_released_memoryview_holds_nothing() -> None:
+    view = memoryview(np.ones(64, np.uint8))
+    view.release()
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "m", view)
+    assert fs.stats(s) == fs.stats(s, exact=True) and _cpu(fs.stats(s)) == 0
+
+
+def test_an_object_array_counts_the_arrays_it_holds() -> None:
+    # Its pointer buffer alone was counted (16 B for two slots): a 1 MiB array inside counted nothing.
+    holder = np.empty(2, dtype=object)
+    holder[0], holder[1] = np.ones(1 << 20, np.uint8), "text"
+    assert fs.nbytes_by_device(holder) == {"cpu": (1 << 20) + holder.nbytes}
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "o", holder)
+    assert _cpu(fs.stats(s)) == _cpu(fs.stats(s, exact=True)) == (1 << 20) + holder.nbytes
+    m = fs.SessionStateManager(byte_budget={"cpu": 4 * KIB})
+    with pytest.raises(fs.BudgetExceededError):
+        m.get_or_create_session("a").set_attr("o", holder)

@@ -27,6 +27,8 @@ import functional_state as fs
 from functional_state import CheckpointError, ManagerState
 from functional_state.persist import manifest as manifest_module
 from functional_state.persist.confined import MAX_DEPTH
+from functional_state.transfer import checkpoint_info
+from functional_state.transfer.blob import SessionBlob
 from helpers import assert_unchanged, craft_ocdbt, refused_load_growth, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -802,7 +804,6 @@ def test_json_that_could_hold_more_values_than_the_bound_is_refused_before_it_is
 def test_a_transfer_blob_manifest_of_too_many_values_is_refused_as_a_transfer_error():
     from functional_state import TransferError
     from functional_state.persist.confined import MAX_JSON_VALUES
-    from functional_state.transfer.blob import SessionBlob
 
     with pytest.raises(TransferError, match="values, more than the"):
         SessionBlob.from_parts(b"[" + b"0," * MAX_JSON_VALUES + b"0]", [])
@@ -852,3 +853,145 @@ def test_a_save_a_load_would_refuse_as_too_large_is_refused_before_anything_is_w
     fs.save_session(s, "a", tmp_path / "ok")  # within the bound: saves and loads back
     loaded = fs.load_session(ManagerState.create(), "a", tmp_path / "ok")
     assert fs.view(loaded, "a", "many")[2999].tolist() == [2999.0, 2999.0]
+
+
+def test_a_manifest_of_empty_containers_stays_within_64_mib_of_the_baseline(tmp_path):
+    # Found: a manifest was parsed whole (`confined.load_json`) before its seal or fields were checked, up to
+    # 256 MiB of it: JSON of empty containers costs ~45x its bytes as Python objects (a 28 MiB manifest of `{}`
+    # peaked at +1.3 GiB). Now its values are counted in the raw text and bounded before it is parsed.
+    code = textwrap.dedent(
+        f"""
+        import json, numpy as np, functional_state as fs
+        s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+        fs.save_session(fs.put(s, "a", "d", fs.DenseValue.create(np.zeros(4))), "a", {str(tmp_path / "ck")!r})
+        fs.load_session(fs.ManagerState.create(), "a", {str(tmp_path / "ck")!r})  # (the baseline: a real load)
+        meta = {str(tmp_path / "ck" / "0" / "manifest" / "metadata")!r}
+        text = open(meta).read()
+        open(meta, "w").write(text[:-1] + ', "junk": [' + ",".join(["{{}}"] * 3_000_000) + "]}}")
+        del text
+        refused_growth({str(tmp_path / "ck")!r})
+        """
+    )
+    growth, loaded = refused_load_growth(code, ROOT)
+    assert not loaded
+    assert growth and growth[0] < 64 * 1024, f"a 9 MB manifest grew the peak by {growth[0] // 1024} MiB"
+
+
+def test_a_compressed_leaf_cannot_allocate_far_more_than_its_stored_bytes(tmp_path):
+    # Found: `check_stored` skipped the size check for a compressed zarr leaf (only checkpoints of versions
+    # before 0.2.0 hold one): a ~100 KB checkpoint whose JAX leaf is one zstd chunk of zeros loaded a 256 MiB
+    # array (2**31 floats would be 8 GiB). Compressed leaves are now held to a ratio of their stored bytes.
+    code = textwrap.dedent(
+        f"""
+        import json, numpy as np, jax.numpy as jnp, tensorstore as ts, functional_state as fs
+        from functional_state.persist import manifest as mf
+        n, ck = 2**26, {str(tmp_path / "ck")!r}
+        s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+        fs.save_session(fs.put(s, "a", "p", fs.PytreeValue.create({{"k": jnp.ones(1024, jnp.float32)}})), "a", ck)
+        fs.load_session(fs.ManagerState.create(), "a", ck)  # (the baseline: a real load)
+        meta = {{"shape": [n], "chunks": [n], "dtype": "<f4", "compressor": {{"id": "zstd", "level": 3}},
+                "fill_value": None, "dimension_separator": "."}}
+        kv = {{"driver": "ocdbt", "base": "file://" + ck + "/0/arrays/", "path": "leaf0/"}}
+        a = ts.open({{"driver": "zarr", "kvstore": kv, "metadata": meta}}, create=True, delete_existing=True).result()
+        a.write(np.zeros(n, np.float32)).result()
+        m = json.load(open(ck + "/0/manifest/metadata"))
+        m["leaves"]["leaf0"].update(shape=[n], xxh3_128=mf.checksum(np.zeros(n, np.float32)))
+        aval = {{"t": "tuple", "items": [{{"t": "tuple", "items": [{{"t": "v", "v": n}}]}}, {{"t": "v", "v": "float32"}}]}}
+        m["sessions"][0]["objects"]["p"]["static"]["avals"] = {{"t": "tuple", "items": [aval]}}
+        mf.seal(m)
+        json.dump(m, open(ck + "/0/manifest/metadata", "w"))
+        del a
+        refused_growth(ck)
+        """
+    )
+    growth, loaded = refused_load_growth(code, ROOT)
+    assert not loaded, f"a ~100 KB checkpoint loaded a 256 MiB leaf (peak +{growth[0] // 1024} MiB)"
+    assert growth and growth[0] < 64 * 1024, f"a refused load grew the peak by {growth[0] // 1024} MiB"
+
+
+def test_checkpoint_info_of_a_resealed_float_attr_that_is_no_float_raises_a_checkpoint_error(tmp_path):
+    # Found: `functional_state.transfer.checkpoint_info` (what a replica's router reads) raised a raw ValueError
+    # from `float("abc")`; the validator checks an "f" node's value is a str, not that it parses.
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    fs.save_session(fs.set_attr(s, "a", "step", 16.5), "a", tmp_path / "ck")
+    meta = tmp_path / "ck" / "0" / "manifest" / "metadata"
+    m = json.loads(meta.read_text())
+    m["sessions"][0]["attrs"]["step"] = {"t": "f", "v": "abc"}
+    manifest_module.seal(m)
+    meta.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=str(tmp_path / "ck")):
+        checkpoint_info(tmp_path / "ck")
+
+
+def _bogus_fork_policy(m: dict) -> None:
+    m["sessions"][0]["policies"] = {"h": "bogus"}
+
+
+def _empty_session_id(m: dict) -> None:
+    m["sessions"][1]["id"] = ""
+
+
+def _empty_object_name(m: dict) -> None:
+    m["sessions"][0]["objects"][""] = m["sessions"][0]["objects"].pop("d")
+
+
+def _empty_attr_name(m: dict) -> None:
+    m["sessions"][0]["attrs"][""] = m["sessions"][0]["attrs"].pop("h")
+
+
+@pytest.mark.parametrize("edit", [_bogus_fork_policy, _empty_session_id, _empty_object_name, _empty_attr_name])
+def test_a_resealed_table_checkpoint_of_names_or_policies_no_table_holds_raises_a_checkpoint_error(tmp_path, edit):
+    # Found: `load` re-raised every SessionStateError as it was, so the InvalidArgumentError / InvalidTypeError
+    # that rebuilding a crafted session raises (an unknown fork policy, an empty session, object or attr name)
+    # escaped raw; `load_session` already turned them into CheckpointError.
+    s, _ = fs.get_or_create(ManagerState.create(max_sessions=4), "a")
+    s = fs.put(s, "a", "d", fs.DenseValue.create(np.zeros(4)))
+    s = fs.set_attr(s, "a", "h", [1, 2], on_fork="copy_container")
+    fs.save(fs.get_or_create(s, "b")[0], tmp_path / "ck")
+    meta = tmp_path / "ck" / "0" / "manifest" / "metadata"
+    m = json.loads(meta.read_text())
+    edit(m)
+    manifest_module.seal(m)
+    meta.write_text(json.dumps(m))
+    with pytest.raises(CheckpointError, match=str(tmp_path / "ck")):
+        fs.load(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("nbytes", [2**40, 2**30])
+def test_a_database_entry_claiming_more_bytes_than_its_data_file_holds_is_refused_before_allocating(
+    tmp_path, monkeypatch, nbytes
+):
+    # Found: `check_stored` holds a leaf's declared bytes to the length its OCDBT entry claims, never to the data
+    # file: a hand-made tree node (simulated here as the hostile suite does, by editing what `ts.ocdbt.dump`
+    # lists) claiming 1 TiB made the load raise a raw MemoryError from `np.empty`; 1 GiB allocated it, then
+    # failed on the short read.
+
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    fs.save_session(fs.put(s, "a", "d", fs.DenseValue.create(torch.arange(1024.0))), "a", tmp_path / "ck")
+    meta = tmp_path / "ck" / "0" / "manifest" / "metadata"
+    m = json.loads(meta.read_text())
+    key = next(k for k, v in m["leaves"].items() if v["kind"] == "torch_storage")
+    m["leaves"][key]["nbytes"] = nbytes
+    manifest_module.seal(m)
+    meta.write_text(json.dumps(m))
+
+    def claim(entry):
+        if entry["key"] == f"{key}/.zarray".encode():
+            z = json.loads(bytes(entry["inline_value"]))
+            z.update(shape=[nbytes], chunks=[nbytes])
+            entry["inline_value"] = json.dumps(z).encode()
+        elif entry["key"] == f"{key}/0".encode():
+            entry["indirect_value"] = entry["indirect_value"].rsplit(":", 1)[0] + f":{nbytes}"
+
+    craft_ocdbt(monkeypatch, claim)
+    allocated: list[int] = []
+    real_empty = np.empty
+
+    def watched(shape, *args, **kw):
+        allocated.append(int(np.prod(shape)))
+        return real_empty(shape, *args, **kw)
+
+    monkeypatch.setattr(np, "empty", watched)
+    with pytest.raises(CheckpointError, match="holds"):
+        fs.load_session(ManagerState.create(), "a", tmp_path / "ck")
+    assert max(allocated, default=0) < 2**20, f"allocated {max(allocated)} bytes for a 4 KiB storage"

@@ -13,6 +13,8 @@ from test_holder_index import SIDS, HolderMachine
 
 import functional_state as fs
 from functional_state import ManagerState
+from functional_state.memory import holders
+from functional_state.table.manager_state import ledger_of
 
 
 def _session():
@@ -94,3 +96,24 @@ TestAttrHolderMachine = AttrHolderMachine.TestCase
 TestAttrHolderMachine.settings = settings(
     max_examples=15, stateful_step_count=15, deadline=None, suppress_health_check=list(HealthCheck)
 )
+
+
+KIB = 1024
+
+
+BIG = 64 * KIB
+
+
+def test_the_holder_index_sees_the_storage_a_resized_attr_tensor_holds_now() -> None:
+    # A donation asks whether anything else holds a buffer: the resized tensor's new storage is held.
+    state, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    t = torch.zeros(256, dtype=torch.uint8)
+    state = fs.set_attr(state, "a", "x", t)
+    ledger_of(state)  # (the ledger is built on first use: built here, it has recorded the attr before the resize)
+    s = t.untyped_storage()
+    old = ("cpu", s.data_ptr(), s.data_ptr() + s.nbytes())
+    t.resize_(BIG)
+    s = t.untyped_storage()
+    new = ("cpu", s.data_ptr(), s.data_ptr() + s.nbytes())
+    state = fs.set_attr(state, "a", "x", t)  # set again: recorded anew
+    assert holders.held_elsewhere(ledger_of(state), [new, old]) == {new}

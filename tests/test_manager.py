@@ -10,7 +10,6 @@ from functional_state import (
     ArrayRing,
     LatentBuffer,
     ManagerState,
-    ReentrantWriteError,
     SessionAdmissionError,
     SessionExistsError,
     SessionStateLostError,
@@ -171,14 +170,6 @@ def test_a_factory_may_use_the_manager():
 
     assert finishes(lambda: h.get_or_create("buf", factory, LatentBuffer)), "factory deadlocked"
     assert "buf" in h.state and m.get_session("other").get_attr("made_by") == "factory"
-
-
-def test_a_transaction_that_writes_its_own_session_is_refused_clearly():
-    m = SessionStateManager()
-    h = m.get_or_create_session("s").set_attr("n", 1)
-    with pytest.raises(ReentrantWriteError, match="Return the new state"):
-        h.transact(lambda s: (h.set_attr("n", 5), s)[1])
-    assert h.get_attr("n") == 1
 
 
 def test_a_transaction_retries_on_a_concurrent_change_and_loses_nothing():

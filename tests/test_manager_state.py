@@ -1,3 +1,5 @@
+from __future__ import annotations
+
 import gc
 import logging
 import sys
@@ -690,3 +692,23 @@ def test_stats_and_exact_stats_agree_on_parked_bytes(make):
     s, _ = fs.park(s, "a", "x")
     fast, exact = fs.stats(s), fs.stats(s, exact=True)
     assert fast == exact and fast["parked_nbytes"] == 1024
+
+
+def test_with_issued_is_pure_keeps_everything_but_the_counter_and_refuses_a_reissue() -> None:
+    from functional_state.table.manager_state import with_issued  # (here: the shell tests above run on any base)
+
+    state, _ = fs.get_or_create(fs.ManagerState.create(4), "a")
+    state = fs.commit(fs.put(state, "a", "x", LatentBuffer.create(maxlen=2)), "a", "x", np.ones(2))
+    snap = snapshot(state)
+    moved = with_issued(state, state.issued + 5)
+    assert_unchanged(state, snap)
+    assert moved.issued == state.issued + 5 and moved.counters == state.counters
+    assert moved.session_ids == state.session_ids and fs.incarnation(moved, "a") == fs.incarnation(state, "a")
+    assert fs.lookup(moved, "a") is fs.lookup(state, "a") and moved.max_sessions == state.max_sessions
+    nxt, _ = fs.get_or_create(moved, "b")
+    assert fs.incarnation(nxt, "b") == state.issued + 5
+    assert with_issued(state, state.issued) is state
+    for bad in (state.issued - 1, True, 1.5, None):
+        with pytest.raises(fs.InvalidArgumentError, match="with_issued"):
+            with_issued(state, bad)  # type: ignore[arg-type]
+    assert_unchanged(state, snap)

@@ -24,6 +24,7 @@ from functional_state import (
     ObjectParkedError,
     SharedStorageError,
 )
+from functional_state.memory import host_buffers, parking
 from functional_state.memory.parking import park_values, restore_values
 from helpers import assert_unchanged, snapshot
 from torch_bridge import to_jax
@@ -581,3 +582,65 @@ def test_restore_gives_each_storage_a_fresh_allocation_of_its_own_bytes(monkeypa
         t.add_(1)  # writing the restored values leaves the parked copy as it was
     assert bytes(host.numpy()) == host_bits
     assert [_bits(t) for t in restore_values(parked)] == [_bits(t) for t in tensors]
+
+
+def _pinned(x: jax.Array) -> jax.Array:
+    return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+
+
+def test_a_parked_host_array_survives_the_deletion_of_its_source():
+    source = _pinned(jnp.arange(8.0))
+    parked = park_values({"a": source})
+    host = parked.slots[0].host
+    assert host is not source and host.unsafe_buffer_pointer() != source.unsafe_buffer_pointer()
+    source.delete()  # (what donating it to a jitted call does)
+    back = restore_values(parked)["a"]
+    assert back.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(back), np.arange(8.0))
+
+
+def test_a_restored_host_array_is_not_the_parked_copy():
+    parked = park_values({"a": _pinned(jnp.arange(6, dtype=jnp.int32))})
+    first = restore_values(parked)["a"]
+    assert first.unsafe_buffer_pointer() != parked.slots[0].host.unsafe_buffer_pointer()
+    first.delete()
+    np.testing.assert_array_equal(np.asarray(restore_values(parked)["a"]), np.arange(6))
+
+
+def test_an_object_over_a_host_array_restores_after_its_source_and_first_restore_are_donated():
+    source = _pinned(jnp.full((4,), 3.0))
+    parked = DenseValue.create(source).park()
+    source.delete()
+    first = parked.restore()
+    first.value.delete()  # the memo now holds a deleted array: restore rebuilds from the host copy
+    np.testing.assert_array_equal(np.asarray(parked.restore().value), np.full((4,), 3.0))
+
+
+def _tensors(n: int, numel: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n + numel)
+    return [torch.randn(numel, generator=g).to(dtype) for _ in range(n)]
+
+
+def test_a_uniform_list_parks_as_one_segment_holding_each_storage_back_to_back():
+    values = _tensors(600, 1024)  # 2.3 MiB: over the shared buffer's threshold, every storage under a run
+    assert sum(t.nbytes for t in values) >= host_buffers.MIN_NBYTES and parking._CHUNK >= 4096
+    one = park_values(values)
+    assert len(one.buffers) == 1 and len(one.layout.segments) == 1
+    assert torch.equal(one.buffers[0], torch.cat(values).view(torch.uint8))
+    assert [(s.buffer, s.start, s.nbytes) for s in one.storages] == [(0, 4096 * k, 4096) for k in range(600)]
+    assert [leaf.shape for leaf in one.leaves] == [(1024,)] * 600
+    back = restore_values(one)
+    assert [t.dtype for t in back] == [t.dtype for t in values]
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(back, values))
+    assert len({t.untyped_storage().data_ptr() for t in back}) == len(values)  # one allocation per storage
+    assert all(t.untyped_storage().nbytes() == t.nbytes and t.stride() == (1,) for t in back)
+
+
+def test_a_uniform_list_under_the_shared_threshold_or_with_a_large_storage_keeps_its_runs():
+    small = park_values(_tensors(64, 1024, torch.bfloat16))  # 128 KiB: no shared buffer
+    assert small.layout.segments and len(small.buffers) == len(small.layout.segments)
+    values = [*_tensors(600, 1024), torch.randn(100_000)]  # one storage over a run: it gets a buffer of its own
+    parked = park_values(values)
+    assert len(parked.buffers) == 2
+    back = restore_values(parked)
+    assert all(torch.equal(a, b) for a, b in zip(back, values))

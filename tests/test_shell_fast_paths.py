@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import functional_state as fs
-from functional_state import ArrayRing, LatentBuffer, ReentrantWriteError, SessionStateManager
+from functional_state import ArrayRing, LatentBuffer, SessionStateManager
 
 
 def test_a_hit_returns_the_sessions_handle_and_a_new_incarnation_gets_a_new_one():
@@ -19,21 +19,6 @@ def test_a_hit_returns_the_sessions_handle_and_a_new_incarnation_gets_a_new_one(
     m.get_or_create_session("b")  # evicts "a"
     again = m.get_or_create_session("a")
     assert again is not h and again.in_table and not h.in_table
-
-
-def test_a_factory_that_writes_its_own_session_is_refused_and_changes_nothing():
-    m = SessionStateManager()
-    h = m.get_or_create_session("s").set_attr("n", 1)
-
-    def factory():
-        h.set_attr("n", 5)
-        return LatentBuffer.create()
-
-    with pytest.raises(ReentrantWriteError):
-        h.get_or_create("buf", factory)
-    assert h.get_attr("n") == 1 and "buf" not in h.state
-    h.set_attr("n", 2)  # the session is writable again afterwards
-    assert h.get_attr("n") == 2
 
 
 def test_a_factory_of_the_wrong_class_is_refused_and_changes_nothing():

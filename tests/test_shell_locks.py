@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 import functional_state as fs
-from functional_state import ArrayRing, LatentBuffer, SessionStateManager
+from functional_state import ArrayRing, LatentBuffer, SessionStateManager, table
 from functional_state.shell.writes import Writes
-from functional_state.table import manager_state
 from helpers import finishes, race
 
 
@@ -183,7 +182,7 @@ def test_many_threads_committing_to_one_session_lose_nothing(lock, monkeypatch):
         time.sleep(0)
         return install(self, decision)
 
-    commit = manager_state.commit
+    commit = table.commit
 
     def slow_commit(*args):  # the pure commit the handle's one-step write calls: between reading and installing
         out = commit(*args)
@@ -191,7 +190,7 @@ def test_many_threads_committing_to_one_session_lose_nothing(lock, monkeypatch):
         return out
 
     monkeypatch.setattr(Writes, "install", slow_install)
-    monkeypatch.setattr(manager_state, "commit", slow_commit)
+    monkeypatch.setattr(table, "commit", slow_commit)
     m = SessionStateManager(lock_factory=factory)
     m.get_or_create_session("a").put("log", LatentBuffer.create())
     n_threads, n = 8, 150

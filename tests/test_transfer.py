@@ -19,7 +19,9 @@ from functional_state import (
     StaleEpochError,
     TransferError,
 )
+from functional_state.persist import manifest as manifest_module
 from functional_state.transfer import SessionBlob, claim, epoch_of, export_session, import_session
+from functional_state.transfer.blob import TRANSFER
 from helpers import assert_unchanged, snapshot
 
 
@@ -225,3 +227,64 @@ def test_a_jax_leaf_is_imported_into_memory_of_its_own_and_checked():
         with pytest.raises(TransferError, match="checksum"):
             import_session(target, SessionBlob(blob.manifest, tuple(flipped)))
         assert target.session_ids == ()
+
+
+def _dense_blob() -> SessionBlob:
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    return export_session(fs.put(s, "a", "d", fs.DenseValue.create(np.zeros(4))), "a")
+
+
+def _table_kind_without_sessions(m: dict) -> None:
+    m.update(kind="table", sessions=[], leaves={})
+    m[TRANSFER]["buffers"] = []
+    m["table"] = {"max_sessions": 1, "byte_budget": None, "evict_when_full": True, "counters": [0] * 5}
+
+
+def _table_kind_with_two_sessions(m: dict) -> None:
+    m.update(kind="table", sessions=[m["sessions"][0], dict(m["sessions"][0], id="other")])
+    m["table"] = {"max_sessions": 4, "byte_budget": None, "evict_when_full": True, "counters": [0] * 5}
+
+
+def _buffer_keys_of_mixed_types(m: dict) -> None:
+    m[TRANSFER]["buffers"] = [1, "leaf0"]
+
+
+def _transfer_record_not_a_mapping(m: dict) -> None:
+    m[TRANSFER] = [1]
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        _table_kind_without_sessions,
+        _table_kind_with_two_sessions,
+        _buffer_keys_of_mixed_types,
+        _transfer_record_not_a_mapping,
+    ],
+)
+def test_a_resealed_transfer_blob_is_refused_with_a_transfer_error_never_a_raw_one(edit):
+    # Found: IndexError (a "table" blob of no sessions), TypeError (buffer keys sorted across types),
+    # AssertionError (a transfer record that is not a mapping), and a "table" blob of two sessions imported
+    # as its first (ambiguity accepted).
+    blob = _dense_blob()
+    m = json.loads(blob.manifest_bytes())
+    edit(m)
+    manifest_module.seal(m)
+    state = ManagerState.create()
+    with pytest.raises(fs.TransferError):
+        import_session(state, SessionBlob.from_parts(json.dumps(m).encode(), blob.buffers))
+    assert len(state) == 0
+
+
+@pytest.mark.parametrize(
+    "buf",
+    [np.array([object()] * 32, dtype=object), memoryview(np.zeros(64, np.uint8))[::2]],
+    ids=["object-array", "non-contiguous-memoryview"],
+)
+def test_a_blob_buffer_that_is_not_plain_bytes_is_refused_with_a_transfer_error(buf):
+    # Found: `_as_bytes` raised a raw TypeError (an object array) or BufferError (a strided memoryview).
+    blob = _dense_blob()
+    state = ManagerState.create()
+    with pytest.raises(fs.TransferError):
+        import_session(state, SessionBlob.from_parts(blob.manifest_bytes(), (buf,)))
+    assert len(state) == 0

@@ -1,4 +1,6 @@
-"""A loaded table continues the installed table's incarnation numbers (issue 24).
+"""Tests of `table/renumber.py`.
+
+A loaded table continues the installed table's incarnation numbers (issue 24).
 
 A table read from a checkpoint was built from an empty one, so it numbered its sessions from 0 again: after
 a `load` the shell's installed table could hold, under an id a handle had, the very incarnation number that

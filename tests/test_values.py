@@ -1,9 +1,11 @@
-"""One set of values that hold no array buffer (issue 24, budget9): `values.NO_BUFFER_TYPES`, read by the
+"""Tests of `memory/values.py`.
+
+One set of values that hold no array buffer (issue 24, budget9): `values.NO_BUFFER_TYPES`, read by the
 accounting's walk, the ledger's attr index and the shell's budget check alike. Python's own byte buffers
 (``bytes``, ``bytearray``) are memory but not array memory: the walk counts them zero, so the index keeps
 none of them (it once re-read a ``bytearray`` attr on every question, as a container) and the budget check
 never reads them (it once read all but five scalar types on every write). (A ``memoryview`` counts what it
-exports since review9: tests/test_review9.py.)"""
+exports since the wave-9 review: tests/test_accounting.py.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""A damaged checkpoint's load leaves no read behind (issue 24): orbax's JAX array handler gathers its leaves'
+"""Tests of `persist/direct.py`.
+
+A damaged checkpoint's load leaves no read behind (issue 24): orbax's JAX array handler gathers its leaves'
 reads and raises at the first failure, and the reads still running then called back into the event loop orbax
 had closed ("Event loop is closed", an unraisable exception, intermittently in the full suite)."""
 

@@ -1,4 +1,6 @@
-"""A write taken back after a failed engine ``free`` never lets the shell issue an incarnation number twice
+"""Tests of `shell/release.py` (engine blocks handed back) and the shell's take-back of a write.
+
+A write taken back after a failed engine ``free`` never lets the shell issue an incarnation number twice
 (issue 24), and `with_issued`, the table accessor that keeps the counter, is pure."""
 
 from __future__ import annotations
@@ -9,8 +11,7 @@ import numpy as np
 import pytest
 
 import functional_state as fs
-from functional_state import LatentBuffer, SessionStateManager
-from helpers import assert_unchanged, snapshot
+from functional_state import SessionStateManager
 
 
 class _Engine:
@@ -60,26 +61,6 @@ def test_a_drop_taken_back_reinstalls_the_very_table() -> None:
         m.drop_session("a")  # issues no number: the table before it comes back as it was
     assert m.state is before
     del engine.pool
-
-
-def test_with_issued_is_pure_keeps_everything_but_the_counter_and_refuses_a_reissue() -> None:
-    from functional_state.table.manager_state import with_issued  # (here: the shell tests above run on any base)
-
-    state, _ = fs.get_or_create(fs.ManagerState.create(4), "a")
-    state = fs.commit(fs.put(state, "a", "x", LatentBuffer.create(maxlen=2)), "a", "x", np.ones(2))
-    snap = snapshot(state)
-    moved = with_issued(state, state.issued + 5)
-    assert_unchanged(state, snap)
-    assert moved.issued == state.issued + 5 and moved.counters == state.counters
-    assert moved.session_ids == state.session_ids and fs.incarnation(moved, "a") == fs.incarnation(state, "a")
-    assert fs.lookup(moved, "a") is fs.lookup(state, "a") and moved.max_sessions == state.max_sessions
-    nxt, _ = fs.get_or_create(moved, "b")
-    assert fs.incarnation(nxt, "b") == state.issued + 5
-    assert with_issued(state, state.issued) is state
-    for bad in (state.issued - 1, True, 1.5, None):
-        with pytest.raises(fs.InvalidArgumentError, match="with_issued"):
-            with_issued(state, bad)  # type: ignore[arg-type]
-    assert_unchanged(state, snap)
 
 
 def test_an_eviction_taken_back_leaves_the_handle_live_and_a_later_one_lists_it_once() -> None:

@@ -1,4 +1,6 @@
-"""`SessionHandle.table_only` (issue 24): a handle whose every read and write refuses, with nothing written,
+"""Tests of `shell/handle.py`.
+
+`SessionHandle.table_only` (issue 24): a handle whose every read and write refuses, with nothing written,
 once its incarnation left the table; what the strict DreamZero adapter writes through."""
 
 from __future__ import annotations
@@ -6,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 import pytest
 
 import functional_state as fs
-from functional_state import LatentBuffer, SessionStateManager
+from functional_state import ArrayRing, LatentBuffer, SessionStateManager
 from helpers import leave_table
 
 _USES: dict[str, Callable[[fs.SessionHandle], Any]] = {
@@ -73,3 +76,23 @@ def test_a_parked_object_is_restored_through_a_table_only_handle() -> None:
     only = manager.get_or_create_session("a").put("x", LatentBuffer.create(maxlen=2)).table_only()
     only.commit("x", 1.0).park("x")
     assert only.get("x").view() == (1.0,) and fs.lookup(manager.state, "a").get("x").resident
+
+
+def _add(ring: ArrayRing, x: jnp.ndarray) -> ArrayRing:
+    return ring.commit(x)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_handle_never_steps_a_later_incarnation_of_its_session(donate: bool) -> None:
+    m = SessionStateManager()
+    old = m.get_or_create_session("a").put("ring", ArrayRing.create(4, (2,)))
+    old.step("ring", _add, jnp.ones(2), donate=donate)
+    m.drop_session("a")
+    new = m.get_or_create_session("a").put("ring", ArrayRing.create(4, (2,)))
+    with pytest.raises(fs.SessionStateLostError, match="'a'"):
+        old.step("ring", _add, jnp.full(2, 7.0), donate=donate)
+    assert new.get("ring").view().shape == (0, 2)  # the new incarnation is untouched
+    new.step("ring", _add, jnp.full(2, 3.0), donate=donate)  # its own handle steps it
+    assert new.get("ring").view().tolist() == [[3.0, 3.0]]
+    m.step("a", "ring", _add, jnp.full(2, 4.0))  # by id: whichever incarnation is there
+    assert new.get("ring").view().shape == (2, 2)

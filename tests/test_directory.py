@@ -1,4 +1,6 @@
-"""A save whose step cannot be made durable (`make_durable`, its syncs issued together on threads since issue 24)
+"""Tests of `persist/directory.py`.
+
+A save whose step cannot be made durable (`make_durable`, its syncs issued together on threads since issue 24)
 fails, and the previous checkpoint is the one a load finds, bit for bit: the new step, already renamed into
 place by orbax, was left in front of it while the error said the previous one was still there."""
 

@@ -1,4 +1,6 @@
-"""Regression (issue 24, wave 9): `pytree_dataclass` made a hidden "draft" class per decorated class (a
+"""Tests of `core/pytree.py`.
+
+Regression (issue 24, wave 9): `pytree_dataclass` made a hidden "draft" class per decorated class (a
 sibling built for `_replace`), so a user's ``Base.__subclasses__()`` and ``__init_subclass__`` hooks saw a
 class nobody wrote. No class a user did not write may enter their hierarchy."""
 
@@ -97,3 +99,46 @@ def test_the_library_ring_commit_stays_a_frozen_latent_buffer():
     assert type(buf) is fs.LatentBuffer and buf.view() == (1, 2) and buf._acct_cache is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         buf.items = ()  # type: ignore[misc]
+
+
+def test_replace_runs_no_base_init():
+    """`_replace` built a draft by calling it, which ran a base class's ``__init__`` on every copy (a mixin that
+    counts, registers or validates); the generated replace promises never to re-run an ``__init__``."""
+    from functional_state.core.pytree import pytree_dataclass
+
+    calls = []
+
+    class Mixin:
+        def __init__(self):
+            calls.append(1)
+
+    @pytree_dataclass()
+    class Point(Mixin):
+        x: object
+        y: object
+
+    p = Point(1, 2)
+    calls.clear()
+    q = p._replace(x=3)
+    assert type(q) is Point and (q.x, q.y) == (3, 2) and not calls
+
+
+def test_a_base_hook_that_refuses_the_draft_class_leaves_the_decorator_working():
+    """The draft class `pytree_dataclass` makes is a subclass of the class's bases: a base whose
+    ``__init_subclass__`` checks what a subclass declares raised out of the decorator (only TypeError and
+    AttributeError were taken as "no draft")."""
+    from functional_state.core.pytree import pytree_dataclass
+
+    class Kinded:
+        def __init_subclass__(cls, **kw):
+            super().__init_subclass__(**kw)
+            if "kind" not in cls.__dict__:
+                raise ValueError(f"{cls.__name__} must declare `kind`")
+
+    @pytree_dataclass()
+    class Frame(Kinded):
+        kind = "frame"
+        x: object
+
+    q = Frame(1)._replace(x=2)
+    assert type(q) is Frame and q.x == 2
