@@ -262,7 +262,7 @@ def run() -> dict:
             "dtype, the storage each spans, the negative bit, a storage twice), in blocks of 256 tensors, and "
             "the one `torch.cat` into the host buffer, run with autograd on, refuses a tensor on another device, "
             "of a sparse, nested or mkldnn layout, of other dimensions or that requires grad in C++; the park "
-            "then takes the general path, which refuses or keeps it (tests/test_park9_one_segment.py). The checks "
+            "then takes the general path, which refuses or keeps it (tests/test_small_tensors.py). The checks "
             "and copy rows time a small park's two parts alone: the Python checks "
             f"took {t['checks@small'] / t['copy@small']:.1f}x the copy, and the per-tensor clone "
             f"loop took {reach:.2f}x the two together"
