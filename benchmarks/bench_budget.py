@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import math
 import resource
 import statistics
 import time
@@ -173,7 +174,9 @@ def _commit_costs() -> dict[str, float]:
         },
         repeats=9,
     )
+    tails = _commit_tails(plain, budgeted, items)
     return {
+        "tails": tails,
         "commit_plain": t["commit_plain"] / 200,
         "commit_budgeted": t["commit_budgeted"] / 200,
         "commit_loose": t["commit_loose"] / 200,
@@ -182,6 +185,31 @@ def _commit_costs() -> dict[str, float]:
         "step_plain": t["step_plain"] / 4,
         "step_budgeted": t["step_budgeted"] / 4,
     }
+
+
+TAIL_ROUNDS = 100  # x 200 commits each, one at a time: p99.9 over 20,000 of each
+
+
+def _commit_tails(plain: Any, budgeted: Any, items: list[torch.Tensor]) -> dict[str, list[float]]:
+    """Per-commit times of the unbudgeted and the budgeted handle commit, each commit timed alone, 200 at a
+    time, the two alternating which goes first (GC on): the medians' tails, p99 and p99.9."""
+    out: dict[str, list[float]] = {"plain": [], "budgeted": []}
+    clock = time.perf_counter
+    for r in range(TAIL_ROUNDS):
+        for name in ("plain", "budgeted") if r % 2 == 0 else ("budgeted", "plain"):
+            handle, times = (plain if name == "plain" else budgeted), out[name]
+            for k in range(200):
+                item = items[(r + k) % 64]
+                t0 = clock()
+                handle.commit("buf", item)
+                times.append(clock() - t0)
+    return out
+
+
+def _tail(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs``, nearest rank."""
+    ordered = sorted(xs)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _planner_costs() -> dict[int, tuple[float, float]]:
@@ -391,8 +419,17 @@ def run() -> dict:
     pressure_s = time.perf_counter() - t0
     pressure, budget, m = found["results"], found["budget"], found["medians"]
     _plot(pressure, budget)
+    tails = costs["tails"]
     rows = [
         ("commit (handle, 4-item ring), no budget", fmt_time(costs["commit_plain"]), "-"),
+        *(
+            (
+                f"  one commit timed alone, {name}: median / p99 / p99.9 ({len(xs):,} commits)",
+                " / ".join(fmt_time(v) for v in (statistics.median(xs), _tail(xs, 0.99), _tail(xs, 0.999))),
+                "-",
+            )
+            for name, xs in tails.items()
+        ),
         (
             "commit (handle, 4-item ring), budget enforced",
             fmt_time(costs["commit_budgeted"]),
@@ -487,6 +524,18 @@ def run() -> dict:
                 costs["commit_floor"] / costs["commit_plain"],
             ),
             ("bare handle commit: budget enforced / floor", costs["commit_budgeted"] / costs["commit_floor"]),
+            (
+                "one handle commit timed alone: budgeted / none, median (goal <= 1.5)",
+                statistics.median(tails["budgeted"]) / statistics.median(tails["plain"]),
+            ),
+            (
+                "one handle commit timed alone: budgeted / none, p99",
+                _tail(tails["budgeted"], 0.99) / _tail(tails["plain"], 0.99),
+            ),
+            (
+                "  p99.9",
+                _tail(tails["budgeted"], 0.999) / _tail(tails["plain"], 0.999),
+            ),
             ("plan at 100,000 / plan at 1,000 sessions (linear would be 100)", planner[100_000][0] / planner[1_000][0]),
             ("pressure run / its data-movement floor, fresh host buffers (goal <= 1.5)", m["ratio"]),
             ("pressure run / the stricter floor, memcpy into reused buffers", m["ratio_memcpy"]),

@@ -177,3 +177,28 @@ def test_the_watcher_reads_each_threads_name_at_most_twice_while_saves_are_in_fl
     handle.wait()
     assert per_thread and max(per_thread.values()) <= 2
     assert _until(lambda: all(n < LOWERED for n in _workers().values()))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread niceness is Linux's")
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_an_asynchronous_saves_checksums_run_lowered_and_a_synchronous_saves_do_not(
+    tmp_path, monkeypatch, asynchronous
+):
+    """Issue 39: an asynchronous save's checksums moved off the caller's thread onto the save's own, which runs
+    at the writes' lowered priority (it ends with the work: nothing to give back); a synchronous save, which
+    its caller waits for, hashes at full priority. Seen failing without `lower_this_thread` (niceness 0)."""
+    from functional_state.persist import encode as encode_module
+
+    seen: list[int] = []
+    original = encode_module.checksum
+
+    def recording(*args, **kwargs):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(encode_module, "checksum", recording)
+    normal = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    s = fs.set_attr(s, "a", "x", np.arange(1 << 10))
+    fs.save_session(s, "a", tmp_path / "ck", asynchronous=asynchronous).wait()
+    assert seen and all(n == (max(LOWERED, normal) if asynchronous else normal) for n in seen)

@@ -45,7 +45,7 @@ from typing import Any
 import jax
 
 from ..errors import DeletedArrayError
-from . import accounting, host_buffers, torch_host
+from . import accounting, host_buffers, small_tensors, torch_host
 from .extents import Extent
 from .shardings import copy_to
 from .torch_host import TorchLeaf as TorchLeaf
@@ -179,6 +179,11 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
       [0.0, 1.0, 2.0, 3.0]
     """
     leaves, treedef = jax.tree_util.tree_flatten(values)
+    one = small_tensors.copied(leaves, _CHUNK, _NUMPY_MIN)
+    if one is not None:  # many small 1-D tensors of one dtype: one segment, one copy
+        layout = _Layout(one[0])
+        layout.segments.append((0, 0, one[1].numel(), range(len(leaves)), one[0].dtypes[0], ()))
+        return ParkedStorage(treedef, (_TORCH,) * len(leaves), layout, (one[1],))
     gathered = torch_host.gather(leaves, _NUMPY_MIN, (values, what))
     if gathered.direct:  # every leaf a tensor spanning its own storage: nothing else to look at
         layout, buffers = _copy_storages_to_host(gathered)

@@ -19,6 +19,7 @@ one); a subclass that cannot be is refused before anything moves (`rebuildable`)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 import sys
@@ -38,6 +39,7 @@ __all__ = [
     "host_storage",
     "jax_alias",
     "leaf_recipe",
+    "plain_dtypes",
     "rebuild",
     "rebuild_leaf",
     "rebuildable",
@@ -63,7 +65,8 @@ def torch_module() -> Any:
     return sys.modules.get("torch")
 
 
-def _plain_dtypes(torch: Any) -> frozenset[Any]:
+@functools.cache
+def plain_dtypes(torch: Any) -> frozenset[Any]:
     # Copied by `torch.cat` / `clone`, whose same-dtype CPU copies move bytes. Bool (a byte that may hold
     # any value through a view) and the float8 types (not every op has them) are copied as raw bytes instead.
     names = [
@@ -82,7 +85,6 @@ def _plain_dtypes(torch: Any) -> frozenset[Any]:
     return frozenset(getattr(torch, n) for n in names)
 
 
-_PLAIN: dict[str, frozenset[Any]] = {}
 ONE_D = (0,)  # the shape recorded for every 1-D plain storage: only its trailing shape, (), is read
 
 
@@ -125,7 +127,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
     if torch is None:
         g.others = list(range(len(leaves)))
         return g
-    plain = _PLAIN.get("dtypes") or _PLAIN.setdefault("dtypes", _plain_dtypes(torch))
+    plain = plain_dtypes(torch)
     tensor_type, cpu, strided = torch.Tensor, torch.device("cpu"), torch.strided
     if _all_plain(leaves, torch, plain, plain_max, g):
         return g

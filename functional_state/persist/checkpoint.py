@@ -99,8 +99,9 @@ def save_session(
 
     Args:
       asynchronous: return once the values are captured; the write completes in the background
-        (``handle.wait()``), even if nobody waits: at exit, Python waits for it. Host buffers a model could
-        change in place are copied first. A save to a path with a save in flight waits for that one first.
+        (``handle.wait()``), even if nobody waits: at exit, Python waits for it. The call waits for one copy of
+        the host buffers a model could change in place (torch CPU storages, numpy views; a JAX array is
+        immutable and only referenced); their checksums are computed on the save's own threads. A save to a path with a save in flight waits for that one first.
         On Linux the background writes run at lower CPU priority than the model's threads (tensorstore's
         pool at nice ``persist.priority.BACKGROUND_NICE``, 10, while any asynchronous save is in flight; set it
         to 0 for none), where the process may give the threads their priority back afterwards.

@@ -26,6 +26,8 @@ from .manifest import (
     in_parallel,
 )
 
+_COPY_CHUNK = 64 << 20  # `own_copies` shares one large storage's copy out across the cores in pieces this size
+
 AttrHooks = Mapping[str, tuple[Callable[[Any], Any], Callable[[Any], Any]]]
 
 
@@ -168,10 +170,29 @@ class Writer:
         self._to_hash.append((key, raw, self.copy_host and raw.base is not None))
         return {"t": "numpy", "key": key, "dtype": a.dtype.name, "shape": list(a.shape)}
 
+    def own_copies(self) -> None:
+        """Copy, now, every host buffer the model may change in place during an asynchronous write (its CPU
+        torch storages and numpy views); the copies are what is written and hashed. One plain copy, split
+        across the cores, and nothing else: this is all an asynchronous save's caller waits for (JAX arrays are
+        immutable and only referenced; the checksums are computed later, off the caller's thread)."""
+        owned: list[tuple[str, np.ndarray, np.ndarray]] = []
+        chunks: list[tuple[np.ndarray, np.ndarray]] = []
+        for key, data, copy in self._to_hash:
+            if not copy:
+                continue
+            src = np.asarray(data).reshape(-1).view(np.uint8)
+            out = np.empty_like(src)
+            owned.append((key, src, out))
+            chunks += [(out[i : i + _COPY_CHUNK], src[i : i + _COPY_CHUNK]) for i in range(0, src.nbytes, _COPY_CHUNK)]
+        in_parallel(lambda pair: np.copyto(*pair), chunks, sum(src.nbytes for _, src, _ in owned))
+        copied = {key: out for key, _, out in owned}
+        self.arrays.update(copied)
+        self._to_hash = [(key, copied.get(key, data), False) for key, data, _ in self._to_hash]
+
     def checksums(self) -> None:
         """Give every leaf its checksum, largest first across the cores; a buffer the save must own (the
-        model may change it during an asynchronous write) is copied in the same pass, each chunk hashed from
-        cache right after it is copied, and the copy is what is written."""
+        model may change it during an asynchronous write, and `own_copies` has not copied it) is copied in the
+        same pass, each chunk hashed from cache right after it is copied, and the copy is what is written."""
 
         def run(job: tuple[str, Any, bool]) -> tuple[str, Any]:
             _, data, copy = job

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-__all__ = ["BACKGROUND_NICE", "background_begin", "background_end"]
+__all__ = ["BACKGROUND_NICE", "background_begin", "background_end", "lower_this_thread"]
 
 _log = logging.getLogger("functional_state")
 
@@ -169,3 +169,13 @@ def background_end() -> None:
                     os.setpriority(os.PRIO_PROCESS, tid, _nice_before.get(tid, _normal[0]))
         _nice_before.clear()
         _looked.clear()
+
+
+def lower_this_thread() -> None:
+    """Run the calling thread, one of a save's own that ends with it, at `BACKGROUND_NICE` (Linux; threads it
+    starts inherit it). Raising a thread's niceness needs no privilege, and nothing gives it back: the thread
+    ends with the work it was started for."""
+    if sys.platform.startswith("linux") and hasattr(os, "setpriority"):
+        tid = threading.get_native_id()
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, tid)))

@@ -29,7 +29,7 @@ from .fencing import check_newest_not_behind, check_not_behind
 from .handlers import import_orbax
 from .manifest import in_arrays_item, seal
 from .paths import is_url, local_path, remote_path
-from .priority import background_begin, background_end
+from .priority import background_begin, background_end, lower_this_thread
 from .remote import newest_manifest, upload_step
 
 _log = logging.getLogger("functional_state")
@@ -156,10 +156,13 @@ def _wait_at_exit() -> bool:
         return True
 
 
-def _sealed_in_background(manifest: dict[str, Any], writer: Writer) -> Future[dict[str, Any]]:
-    """``manifest`` with every leaf's checksum and its seal, computed on a thread of its own."""
+def _sealed_in_background(manifest: dict[str, Any], writer: Writer, lowered: bool) -> Future[dict[str, Any]]:
+    """``manifest`` with every leaf's checksum and its seal, computed on a thread of its own (at
+    `BACKGROUND_NICE` where ``lowered``, with the threads it starts)."""
 
     def run() -> dict[str, Any]:
+        if lowered:
+            lower_this_thread()
         writer.checksums()
         seal(manifest)
         return manifest
@@ -195,15 +198,12 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
         asynchronous = False  # a save asked for while the interpreter exits finishes before it returns
     manifest["leaves"] = writer.leaves
     _check_loadable(manifest, root)
-    sealed: Future[dict[str, Any]] | None = None
     if asynchronous:
-        # Before it returns: the copies of buffers the model may change are made in the checksums' pass.
-        writer.checksums()
-        seal(manifest)
-    else:
-        # Nothing is copied: the checksums (~25 ms of CPU for 607 MiB on two cores) run while orbax writes the
-        # arrays, and the manifest is written once they are done (`directory.orbax_manager`).
-        sealed = _sealed_in_background(manifest, writer)
+        # All the caller waits for: one copy of the buffers the model may change in place (none of a JAX array).
+        writer.own_copies()
+    # The checksums run while orbax writes the arrays, and the manifest is written once they are done
+    # (`directory.orbax_manager`); an asynchronous save's at the writes' lowered priority.
+    sealed = _sealed_in_background(manifest, writer, asynchronous)
     key = os.path.realpath(root)
     with _path_lock(key):
         earlier = _IN_FLIGHT.pop(key, None)
@@ -213,9 +213,8 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
         try:
             check_not_behind(root, manifest)  # (under the lock: no save of this process can slip between)
         except StaleEpochError:
-            if sealed is not None:  # no thread of this save reads the caller's buffers once it is refused
-                with contextlib.suppress(Exception):
-                    sealed.result()
+            with contextlib.suppress(Exception):  # no thread of this save reads the caller's buffers once refused
+                sealed.result()
             raise
         # Orbax keeps every step: `drop_steps_before` removes the old ones itself, in a way a kill cannot
         # leave half done.
@@ -236,9 +235,8 @@ def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: boo
                 declined = True  # nothing of this save's in that step: it is left alone
                 raise RuntimeError(f"orbax declined to write step {step}")
         except Exception as e:
-            if sealed is not None:  # no thread of this save still reads the caller's buffers once it has failed
-                with contextlib.suppress(Exception):
-                    sealed.result()
+            with contextlib.suppress(Exception):  # no thread of this save still reads the caller's buffers
+                sealed.result()
             if lowered:
                 background_end()
             if manager is not None:

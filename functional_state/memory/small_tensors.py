@@ -1,0 +1,91 @@
+"""Many small tensors parked with one ``torch.cat`` that checks most of what a park must refuse, in C++.
+
+A park of thousands of small 1-D tensors of one dtype (a list cache, per-layer scalars) costs per-tensor
+checks, not bytes: each refusal `torch_host.gather` makes reads a property per tensor in Python. Here Python
+reads only what ``torch.cat`` does not check (`one_run`): the type, the dtype (``cat`` would convert it, and a
+quantized tensor crashed it), that each tensor spans its own storage from the start (no view of another leaf,
+no storage twice) and the negative bit. The copy then checks the rest (`copied`): into a CPU host buffer, with
+autograd on, ``torch.cat`` raises for a tensor on another device, of a sparse, nested or mkldnn layout, of
+other dimensions than the first, or that requires grad (an ``out=`` copy cannot record one). Whatever either
+turns down takes `parking.park_values`'s general path, which refuses it naming the leaf or parks it as it
+always did; the unused buffer goes back to `host_buffers`. Measured in benchmarks/bench_park.py.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from . import host_buffers
+from .torch_host import ONE_D, Gathered, plain_dtypes, torch_module
+
+__all__ = ["copied", "one_run"]
+
+_DTYPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("nbytes")
+_BLOCK = 256  # leaves per block of checks: their tensors' metadata stays in the cache across the passes
+
+
+def one_run(leaves: list[Any], most: int) -> Gathered | None:
+    """The leaves as `torch_host.gather` files them, when every one is a 1-D plain tensor of one real dtype
+    spanning a storage of its own from the start (no negative bit, no storage twice, more than one element: a
+    one-element tensor may carry any stride), each of at most ``most`` bytes; else None, from the first check
+    that fails. The rest is `copied`'s ``torch.cat``'s to check."""
+    torch = torch_module()
+    if torch is None or not leaves or type(leaves[0]) is not torch.Tensor:
+        return None
+    dtype = leaves[0].dtype
+    if dtype not in plain_dtypes(torch) or dtype.is_complex or leaves[0].ndim != 1:
+        return None
+    tensor, n = torch.Tensor, len(leaves)
+    storage_nbytes, storage_ptr = torch.UntypedStorage.nbytes, torch.UntypedStorage.data_ptr
+    one_type, one_dtype = {tensor}, {dtype}
+    sizes: list[int] = []
+    ptrs: set[int] = set()
+    try:  # (a sparse or mkldnn tensor raises on these reads: the general path names it)
+        for lo in range(0, n, _BLOCK):
+            block = leaves[lo : lo + _BLOCK]
+            if set(map(type, block)) != one_type or set(map(_DTYPE, block)) != one_dtype:
+                return None
+            size = list(map(_NBYTES, block))
+            if min(size) <= dtype.itemsize or max(size) > most:
+                return None
+            storages = list(map(tensor.untyped_storage, block))
+            ptrs.update(map(storage_ptr, storages))  # (each tensor starts its storage: checked next)
+            if (
+                any(map(tensor.storage_offset, block))
+                or not all(map(tensor.is_contiguous, block))
+                or size != list(map(storage_nbytes, storages))
+                or any(map(tensor.is_neg, block))
+            ):
+                return None
+            sizes += size
+    except (RuntimeError, NotImplementedError):
+        return None
+    if len(ptrs) != n:  # views of one storage, or one tensor twice
+        return None
+    g = Gathered()
+    g.sources, g.devices, g.sizes = leaves, [torch.device("cpu")] * n, sizes
+    g.dtypes, g.shapes = [dtype] * n, [ONE_D] * n
+    g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
+    g.uniform = g.direct = True
+    return g
+
+
+def copied(leaves: list[Any], most: int, least: int) -> tuple[Gathered, Any] | None:
+    """``(gathered, host buffer)``: the leaves (`one_run`, each of at most ``most`` bytes, ``least`` bytes or
+    more in all) copied back to back into one host buffer by one ``torch.cat``; None where they are not such a
+    run or the ``torch.cat`` refuses one of them. Under inference mode, where ``torch.cat`` would not refuse a
+    tensor that requires grad, None."""
+    torch = torch_module()
+    if torch is None or len(leaves) < 2 or torch.is_inference_mode_enabled():
+        return None
+    g = one_run(leaves, most)
+    if g is None or (total := sum(g.sizes)) < least:
+        return None
+    pool = host_buffers.host_bytes(total, False)
+    try:
+        with torch.enable_grad():
+            torch.cat(leaves, out=pool.view(g.dtypes[0]))
+    except (RuntimeError, NotImplementedError):
+        return None
+    return g, pool
