@@ -55,7 +55,7 @@ PURE_TESTS = tests/test_compiled.py tests/test_manager*.py tests/test_table*.py 
 	tests/test_checkpoint*.py tests/test_shell*.py tests/test_*machine*.py
 test-pure: $(STAMP)
 	rm -rf $(PURE_TREE) && mkdir $(PURE_TREE)
-	git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t $(PURE_TREE)
+	git ls-files -co --exclude-standard -z | xargs -0 cp -P --parents -t $(PURE_TREE)
 	cd $(PURE_TREE) && FUNCTIONAL_STATE_PURE=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(PURE_TESTS)
 	rm -rf $(PURE_TREE)
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 # The list of compiled modules and the variable that asks for a pure build, from the one place the package
@@ -43,4 +44,24 @@ def _extensions() -> list:
     return extensions
 
 
-setup(ext_modules=_extensions())
+class _AllOrNone(build_ext):
+    """``build_ext`` that installs the compiled modules together or not at all: each is a small extension
+    importing one shared library, so if one failed (each is optional), those built would import a library
+    that is missing. They are removed, and the ``.py`` files run."""
+
+    def run(self) -> None:
+        super().run()
+        built = [self._paths(ext.name) for ext in self.extensions]
+        if all(any(path.is_file() for path in paths) for paths in built):
+            return
+        print("functional-state: a compiled module failed to build: installing pure Python", file=sys.stderr)
+        for paths in built:
+            for path in paths:
+                path.unlink(missing_ok=True)
+
+    def _paths(self, name: str) -> list[Path]:
+        filename = self.get_ext_filename(name)
+        return [Path(self.build_lib) / filename, *([HERE / filename] if self.inplace else [])]
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": _AllOrNone})
