@@ -137,7 +137,9 @@ test-pythons:
 # (the ones that need torch skip, saying why: tests/conftest.py), then the sdist is installed over it, and
 # scripts/smoke_install.py checks each install from outside the tree. The test tools keep their pins. The
 # wheel is the pure-Python one (FUNCTIONAL_STATE_PURE=1; a compiled wheel would be for the venv's Python,
-# not 3.13): this is the fallback's full run, and tests/test_compiled.py checks that it is pure.
+# not 3.13): this is the fallback's full run, and tests/test_compiled.py checks that it is pure. The sdist
+# installed over it afterwards is built on 3.13 as a user's pip builds it (compiled where a compiler is),
+# and smoke_install.py imports that build.
 NEWEST_PYTHON ?= /root/.pyenv/versions/3.13.0/bin/python
 NEWEST := .venv-py-newest
 NEWEST_TOOLS = $(shell grep -E '^(pytest|hypothesis|chex|mktestdocs)==' constraints.txt)
