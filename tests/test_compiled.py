@@ -49,6 +49,13 @@ def test_a_partial_build_does_not_report_compiled(tmp_path, monkeypatch):
     assert runpy.run_path(str(fake))["COMPILED"] is False
 
 
+def test_the_compiled_modules_hold_no_doctest():
+    # `make test` cannot collect a compiled module's source for doctests (pytest refuses a module whose
+    # __file__ is its .so), so it skips them: a doctest there would never run.
+    for name in _compiled.MODULES:
+        assert ">>>" not in (ROOT / (name.replace(".", "/") + ".py")).read_text(), f"{name}: move its doctest"
+
+
 @pytest.mark.skipif(
     not os.environ.get("FUNCTIONAL_STATE_EXPECT_COMPILED"), reason="`make test` asks for the compiled build"
 )
