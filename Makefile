@@ -53,7 +53,7 @@ test: lint typecheck check-core-install docs $(NATIVE)
 # of the tracked and unignored files: the editable install's .so files sit beside the sources), run by the
 # same venv, on the tests of the table, the shell, checkpoints and the hypothesis machines. make test-newest
 # runs every test that needs no torch on a pure build (Python 3.13), and make test-pythons the core ones.
-PURE_TESTS = tests/test_compiled.py tests/test_manager*.py tests/test_table*.py tests/test_ledger*.py \
+PURE_TESTS = tests/test_compiled.py tests/test_records.py tests/test_manager*.py tests/test_table*.py tests/test_ledger*.py \
 	tests/test_checkpoint*.py tests/test_shell*.py tests/test_*machine*.py
 test-pure: $(STAMP)
 	rm -rf $(PURE_TREE) && mkdir $(PURE_TREE)

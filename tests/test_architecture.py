@@ -126,7 +126,7 @@ def test_no_private_name_crosses_a_module():
     assert not crossing, crossing
 
 
-# The modules of the table's own encoding: `state` defines its records (`Node`, `Recency`, `Totals`), the
+# The modules of the table's own encoding: `records` defines its records (`Node`, `Recency`, `Totals`), the
 # others build them on the table's write paths.
 TABLE_ENCODING = {"table.manager_state", "table.checks", "table.lru", "table.session_verbs", "table.object_verbs"}
 
@@ -275,7 +275,7 @@ def test_the_circle_check_sees_a_circle():
 #    subscripted by an int (``e[0]``, ``e[2] - e[1]``).
 TUPLE_RECORDS = {"Extent", "Loose", "StorageStamp", "Counters", "AttrEntry"}
 CLASS_RECORDS = {
-    "table.manager_state": ("Node", "Recency", "Totals"),
+    "table.records": ("Node", "Recency", "Totals"),
     "core.state_object": ("LedgerDelta", "BlocksMoved"),
     "table.ledger": ("ReleaseLog",),
 }
