@@ -4,6 +4,7 @@ The pure core (`ManagerState` and the functions over it) never mutates its input
 is a thread-safe imperative shell that swaps one immutable value under a lock.
 """
 
+from ._compiled import COMPILED
 from ._version import __version__
 from .core.array_ring import ArrayRing
 from .core.dense_value import DenseValue
@@ -84,6 +85,7 @@ from .table.usage import stats, usage
 register_checkpoint_type(PytreeValue)  # its structure is plain static data: no hooks needed
 
 __all__ = [
+    "COMPILED",
     "DEFAULT_MAX_SESSIONS",
     "DEFAULT_SESSION_ID",
     "FORK_POLICIES",

@@ -39,7 +39,7 @@ SANITY_LINES = 1_500
 # The public face: what README, docs/api/functional_state.md (`::: functional_state`) and users rely on.
 # Changing it is a decision: change this list, the docs and the changelog together.
 PUBLIC = {
-    *("DEFAULT_MAX_SESSIONS", "DEFAULT_SESSION_ID", "FORK_POLICIES", "LEVERS", "__version__"),
+    *("DEFAULT_MAX_SESSIONS", "DEFAULT_SESSION_ID", "FORK_POLICIES", "LEVERS", "__version__", "COMPILED"),
     *("ArrayRing", "DenseValue", "LatentBuffer", "ManagerState", "PagedKVHandle", "PagedKVPool", "SessionAttr"),
     *("ReentrantWriteError", "ReleaseAction", "ReleasePlan", "SaveHandle", "SessionHandle", "SessionState"),
     *("SessionStateManager", "StateObject", "PytreeValue", "pytree_dataclass", "Pool", "Usage"),
@@ -126,7 +126,7 @@ def test_no_private_name_crosses_a_module():
     assert not crossing, crossing
 
 
-# The modules of the table's own encoding: `state` defines its records (`Node`, `Recency`, `Totals`), the
+# The modules of the table's own encoding: `records` defines its records (`Node`, `Recency`, `Totals`), the
 # others build them on the table's write paths.
 TABLE_ENCODING = {"table.manager_state", "table.checks", "table.lru", "table.session_verbs", "table.object_verbs"}
 
@@ -163,7 +163,7 @@ def test_the_public_face_is_the_documented_set_and_each_layer_exports_its_part()
     layers = [memory, core, engine, table, policy, persist, shell]
     exported = [n for layer in layers for n in layer.__all__]
     assert len(exported) == len(set(exported)), "a name exported by two layers"
-    assert set(exported) | set(errors.__all__) | {"__version__", "step", "usage"} == PUBLIC
+    assert set(exported) | set(errors.__all__) | {"__version__", "COMPILED", "step", "usage"} == PUBLIC
     for layer in layers:
         assert all(getattr(layer, n) is getattr(fs, n) for n in layer.__all__), layer.__name__
 
@@ -275,7 +275,7 @@ def test_the_circle_check_sees_a_circle():
 #    subscripted by an int (``e[0]``, ``e[2] - e[1]``).
 TUPLE_RECORDS = {"Extent", "Loose", "StorageStamp", "Counters", "AttrEntry"}
 CLASS_RECORDS = {
-    "table.manager_state": ("Node", "Recency", "Totals"),
+    "table.records": ("Node", "Recency", "Totals"),
     "core.state_object": ("LedgerDelta", "BlocksMoved"),
     "table.ledger": ("ReleaseLog",),
 }

@@ -2,7 +2,7 @@
 table is full), remove one, and replace sessions without touching their recency.
 
 Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see
-`manager_state.Recency`): a use takes the next tick and appends one entry; eviction takes the oldest entry
+`records.Recency`): a use takes the next tick and appends one entry; eviction takes the oldest entry
 that is still current. A hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
 table holds its new one), and the next write of that node (the commit that follows a hit) stores the tick
 with the new session, so a hit and its commit write one node. The next hit on another session settles the
@@ -23,8 +23,9 @@ from ..core.session import SessionState
 from ..errors import SessionAdmissionError
 from ..memory.accounting import total_nbytes
 from ..memory.budget import format_bytes
-from .manager_state import COMPACT_AT, ManagerState, Node, Recency, Totals, make_state, with_nodes
+from .manager_state import COMPACT_AT, ManagerState, make_state, with_nodes
 from .recency_log import MAX_DEPTH, Log, append, entries
+from .records import Node, Recency, Totals
 from .torch_versions import RECORDS, release
 
 __all__ = [
@@ -45,7 +46,7 @@ def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, t
     """The current entries of a window (``pending``'s tick is ``tick``), in order, in one new segment."""
     sids, ticks = [], []
     for sid, t in entries(log, start, end):
-        node = nodes.get(sid)
+        node: Node | None = nodes.get(sid)
         if node is not None and (tick if sid == pending else node.used) == t:
             sids.append(sid)
             ticks.append(t)
@@ -54,7 +55,7 @@ def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, t
 
 def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
     """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
-    r = state._recency
+    r: Recency = state._recency
     clock = r.clock
     if r.tick_of(sid, node) == clock - 1:  # already the most recent
         if not hits:
@@ -63,7 +64,7 @@ def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
     nodes = state._nodes
     pending = r.pending
     if pending is not None:  # settle the previous hit's node unless its commit already did
-        p = nodes[pending]
+        p: Node = nodes[pending]
         if p.used != r.pending_tick:
             nodes = nodes.set(pending, Node(p.session, r.pending_tick, p.uid))
     log = append(r.log, r.end, sid, clock)
@@ -85,7 +86,9 @@ def insert(
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    r, totals, config = state._recency, state._totals, state._config
+    r: Recency = state._recency
+    totals: Totals = state._totals
+    config = state._config
     clock, log, start, end, pending = r.clock, r.log, r.start, r.end, r.pending
     evictions = totals.evictions
     acct = state._acct
@@ -103,7 +106,7 @@ def insert(
         # The oldest current entry; those before it were superseded (about ten entries per miss here).
         for victim_id, tick in entries(log, start, end):
             start += 1
-            victim = nodes.get(victim_id)
+            victim: Node | None = nodes.get(victim_id)
             if victim is not None and r.tick_of(victim_id, victim) == tick:
                 break
         assert victim is not None  # (a full table's window holds a current entry for each of its sessions)
@@ -148,7 +151,7 @@ def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, lis
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    node = state._nodes.get(sid)
+    node: Node | None = state._nodes.get(sid)
     if node is not None:
         return touch(state, sid, node, 1), node.uid, None
     evicted: list[Any] = []
@@ -160,7 +163,7 @@ def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
     if RECORDS:
         release(state, node.session, None)
-    r = state._recency
+    r: Recency = state._recency
     log, start, end, pending = r.log, r.start, r.end, r.pending
     nodes = state._nodes.delete(sid)
     if sid == pending:
@@ -182,7 +185,8 @@ def replace_session(state: ManagerState, sid: str, node: Node, session: SessionS
     acct = state._acct
     if acct is not None:
         acct = acct.swap_session(node.session, session)
-    new = Node(session, state._recency.tick_of(sid, node), node.uid)
+    r: Recency = state._recency
+    new = Node(session, r.tick_of(sid, node), node.uid)
     return with_nodes(state, state._nodes.set(sid, new), acct)
 
 
@@ -196,7 +200,7 @@ def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> im
     """The nodes of ``state`` with the session of each id in ``new`` replaced; recency kept."""
     mm = state._nodes.mutate()
     for sid, session in new.items():
-        n = mm[sid]
+        n: Node = mm[sid]
         if RECORDS:
             release(state, n.session, session)
         mm[sid] = Node(session, n.used, n.uid)

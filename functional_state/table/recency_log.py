@@ -34,6 +34,10 @@ class Log:
         self.parent = parent
         self.depth: int = 1 if parent is None else parent.depth + 1
 
+    def __reduce__(self) -> tuple[type[Log], tuple[list[str], list[int], int, Log | None]]:
+        # By its constructor, as `records` does, so that the compiled class pickles and copies too.
+        return Log, (self.sids, self.ticks, self.base, self.parent)
+
 
 def append(log: Log, end: int, sid: str, tick: int) -> Log:
     """The log of a window ``[..., end)`` of ``log`` with ``(sid, tick)`` appended at position ``end``."""
