@@ -22,8 +22,9 @@ from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
 from ..memory.extents import Extent
 from ..memory.holders import held_elsewhere, holder_extents
+from .buffer_record import leaf_extents, seed_extents
 from .checks import find_object, locate
-from .ledger import Acct, held_by, value_extents
+from .ledger import Acct, held_by
 from .lru import replace_session
 from .manager_state import ConsumedManagerState, ManagerState, ledger_of, node_session
 from .torch_writes import check_object
@@ -51,15 +52,21 @@ def _jitted(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
 
 
 def _protected(state: ManagerState, retained: Iterable[Any]) -> tuple[list[Acct], set[Extent]]:
-    """The ledgers of the retained tables, and the extents of the other retained values (walked)."""
+    """The ledgers of the retained tables, and the extents of the other retained values: a state object's
+    as the ledger figures it (memoized on it: objects are immutable), anything else walked."""
     tables, values = [], []
+    extents: set[Extent] = set()
     for value in retained:
         if isinstance(value, ManagerState):
             if value is not state:
                 tables.append(ledger_of(value))
+        elif isinstance(value, StateObject):
+            extents.update(held_by(value))
         else:
             values.append(value)
-    return tables, (holder_extents(values) if values else set())
+    if values:
+        extents.update(holder_extents(values))
+    return tables, extents
 
 
 def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[Any] = ()) -> tuple[StateObject, int]:
@@ -68,7 +75,8 @@ def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[A
 
     "Anything else" is every other holder in ``state`` (answered by its ledger: objects, their unaccounted
     leaves, attr values, in O(size of ``obj``)) and everything in ``retained``. Compared by extent, so
-    aliases, views and forks count.
+    aliases, views and forks count. Each leaf's extents come from the record of ``obj``'s structure and
+    buffers where one was made (`buffer_record`): only the holders are asked anew.
     """
     acct = ledger_of(state)
     own = held_by(obj)
@@ -76,9 +84,8 @@ def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[A
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     new_leaves = []
     donated: set[Extent] = set()  # XLA refuses one buffer donated twice: a leaf repeated in obj is copied
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            extents = value_extents(leaf)
+    for leaf, extents in zip(leaves, leaf_extents(obj, leaves, treedef)):
+        if extents is not None:
             if (
                 not extents  # an empty buffer: no address to compare, and a copy costs nothing
                 or not donated.isdisjoint(extents)
@@ -165,6 +172,7 @@ def step(
         obj, _ = _donation_copies(state, obj, retained)
     out = jitted(obj, *args)
     new_obj, aux = out if has_aux else (out, None)
+    seed_extents(new_obj)  # (the ledger reads the new object's extents from the record of its buffers, if any)
     if donate:
         state.__class__ = ConsumedManagerState
     new_state = replace_session(state, sid, node, node_session(node)._with_object(name, new_obj))
