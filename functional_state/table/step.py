@@ -9,6 +9,7 @@ table's ledger counts holders; any other buffer is copied first and the copy don
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -36,19 +37,54 @@ __all__ = ["step"]
 # the process-wide filters from whichever thread steps (it is not thread-safe).
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable", category=UserWarning)
 
-_JITTED: weakref.WeakKeyDictionary[Callable[..., Any], dict[bool, Callable[..., Any]]] = weakref.WeakKeyDictionary()
+_JITTED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[bool, bool], Callable[..., Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 _JITTED_LOCK = threading.Lock()
 
 
-def _jitted(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
-    """One jitted wrapper per (fn, donate): jit caches traces per wrapper, so reuse keeps it at one trace."""
+def _jitted(fn: Callable[..., Any], donate: bool, has_aux: bool) -> Callable[..., Any]:
+    """One jitted wrapper per (fn, donate, has_aux): jit caches traces per wrapper, so reuse keeps it at one
+    trace. The wrapper checks what ``fn`` returns while it is traced (`_returning_same_type`)."""
     with _JITTED_LOCK:
         per_fn = _JITTED.setdefault(fn, {})
-        jitted = per_fn.get(donate)
+        jitted = per_fn.get((donate, has_aux))
         if jitted is None:
-            jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
-            per_fn[donate] = jitted
+            jitted = jax.jit(_returning_same_type(fn, has_aux), donate_argnums=(0,) if donate else ())
+            per_fn[(donate, has_aux)] = jitted
         return jitted
+
+
+def _returning_same_type(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``fn``, raising `InvalidTypeError` unless it returns an object of its input's type (with ``has_aux``, a
+    pair whose first item is one). Checked as jit traces it: once per input structure, and before the call
+    runs, so a refused call has donated nothing (no per-step walk of the arguments' structure either)."""
+
+    @functools.wraps(fn)
+    def checked(obj: Any, *args: Any) -> Any:
+        out = fn(obj, *args)
+        new = out
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise InvalidTypeError(
+                    f"`step(..., has_aux=True)`: fn must return a pair (new {type(obj).__name__}, aux), got "
+                    f"{_kind(out)}."
+                )
+            new = out[0]
+        if type(new) is not type(obj):
+            raise InvalidTypeError(
+                f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got {_kind(new)}."
+            )
+        return out
+
+    return checked
+
+
+def _kind(value: Any) -> str:
+    """What a refused result is, as its author would name it (a traced array is a tracer while jit traces)."""
+    if isinstance(value, jax.Array):
+        return f"an array of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _protected(state: ManagerState, retained: Iterable[Any]) -> tuple[list[Acct], set[Extent]]:
@@ -166,8 +202,7 @@ def step(
     obj = find_object(node, name, "step")
     obj._require_resident("step")
     check_object(state, sid, name, obj, "step")
-    jitted = _jitted(fn, donate)
-    _check_returns_same_type(jitted, obj, args, has_aux)  # before anything is donated: a refusal changes nothing
+    jitted = _jitted(fn, donate, has_aux)  # (a wrong return type is refused as it traces, before it runs)
     if donate:
         obj, _ = _donation_copies(state, obj, retained)
     out = jitted(obj, *args)
@@ -179,37 +214,8 @@ def step(
     return (new_state, aux) if has_aux else new_state
 
 
-_CHECKED: weakref.WeakKeyDictionary[Callable[..., Any], set[Any]] = weakref.WeakKeyDictionary()
 # jitted -> {(input structure, has_aux, leaf shapes and dtypes): whether the output keeps the object's leaves}
 _KEEPS_LAYOUT: weakref.WeakKeyDictionary[Callable[..., Any], dict[Any, bool]] = weakref.WeakKeyDictionary()
-
-
-def _check_returns_same_type(
-    jitted: Callable[..., Any], obj: StateObject, args: tuple[Any, ...], has_aux: bool = False
-) -> None:
-    """Raise unless ``jitted(obj, *args)`` returns an object of ``obj``'s type (with ``has_aux``, a pair
-    whose first item is one); checked once per input structure with an abstract evaluation (no computation,
-    no donation)."""
-    key = (jax.tree_util.tree_structure((obj, args)), has_aux)
-    with _JITTED_LOCK:
-        checked = _CHECKED.setdefault(jitted, set())
-        if key in checked:
-            return
-    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise InvalidTypeError(
-                f"`step(..., has_aux=True)`: fn must return a pair (new {type(obj).__name__}, aux), got "
-                f"{type(out).__name__}."
-            )
-        out = out[0]
-    if type(out) is not type(obj):
-        raise InvalidTypeError(
-            f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got "
-            f"{type(out).__name__}."
-        )
-    with _JITTED_LOCK:
-        checked.add(key)
 
 
 def trace(
@@ -236,8 +242,7 @@ def trace(
     _, node = locate(state, session_id, "step")
     obj = find_object(node, name, "step")
     obj._require_resident("step")
-    jitted = _jitted(fn, donate)
-    _check_returns_same_type(jitted, obj, args, has_aux)
+    jitted = _jitted(fn, donate, has_aux)
     # Once per input structure and leaf shapes, as JAX traces: an abstract evaluation costs more than a step.
     leaves, in_tree = jax.tree_util.tree_flatten((obj, args))
     key = (in_tree, has_aux, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
