@@ -15,7 +15,7 @@ object, a fork, an attr or a retained value holds a buffer is asked of the ledge
 from __future__ import annotations
 
 import threading
-from operator import attrgetter, methodcaller
+from operator import attrgetter, is_, methodcaller
 from typing import Any, NamedTuple
 
 import jax
@@ -35,10 +35,11 @@ _LOCK = threading.Lock()
 
 
 class BufferRecord(NamedTuple):
-    """One object's walk: its ledger figures and each leaf's extents."""
+    """One object's walk: its ledger figures, each leaf's extents, and the leaves' shardings it read."""
 
     walked: frozenset[Extent]  # what `StateObject.ledger_extents` returned (its memo, with the leaf extras)
     per_leaf: tuple[tuple[Extent, ...] | None, ...]  # per tree leaf: its extents; None for a leaf not donated
+    shardings: tuple[Any, ...]  # per leaf: where it lives (its pool), compared on every read of the record
 
 
 def buffer_key(obj: StateObject, leaves: list[Any], treedef: Any) -> Any:
@@ -53,19 +54,34 @@ def buffer_key(obj: StateObject, leaves: list[Any], treedef: Any) -> Any:
         return None
     try:
         pointers = tuple(map(_POINTER, leaves))
-        shardings = tuple(map(_SHARDING, leaves))
     except Exception:  # a deleted or multi-device array, a numpy or torch leaf: walked
         return None
     if any_aliased(leaves):
         return None
-    return (type(obj), treedef, pointers, shardings)
+    return (type(obj), treedef, pointers)
 
 
 def _walk(obj: StateObject, leaves: list[Any]) -> BufferRecord:
     per_leaf = tuple(
         tuple(value_extents(leaf)) if isinstance(leaf, jax.Array) and not leaf.is_deleted() else None for leaf in leaves
     )
-    return BufferRecord(obj.ledger_extents(), per_leaf)
+    return BufferRecord(obj.ledger_extents(), per_leaf, tuple(map(_SHARDING, leaves)))
+
+
+def _recorded(key: Any, leaves: list[Any]) -> BufferRecord | None:
+    """The record under ``key`` if its leaves live where the recorded ones did (a pointer names a buffer only
+    with its device and memory kind); a step's outputs usually carry the very sharding objects it read."""
+    record = _RECORDS.get(key)
+    if record is None:
+        return None
+    shardings = tuple(map(_SHARDING, leaves))
+    if all(map(is_, shardings, record.shardings)):
+        return record
+    if shardings != record.shardings:
+        return None
+    record = record._replace(shardings=shardings)  # (equal placements: kept as these objects, read by identity)
+    _RECORDS[key] = record
+    return record
 
 
 def leaf_extents(obj: StateObject, leaves: list[Any], treedef: Any) -> tuple[tuple[Extent, ...] | None, ...]:
@@ -74,7 +90,7 @@ def leaf_extents(obj: StateObject, leaves: list[Any], treedef: Any) -> tuple[tup
     key = buffer_key(obj, leaves, treedef)
     if key is None:
         return _walk(obj, leaves).per_leaf
-    record = _RECORDS.get(key)
+    record = _recorded(key, leaves)
     if record is None:
         record = _walk(obj, leaves)
         with _LOCK:
@@ -91,7 +107,7 @@ def seed_extents(obj: StateObject) -> bool:
         return False
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     key = buffer_key(obj, leaves, treedef)
-    record = _RECORDS.get(key) if key is not None else None
+    record = _recorded(key, leaves) if key is not None else None
     if record is None:
         return False
     ACCT_SLOT.__set__(obj, record.walked)  # a memo, not state: what the walk of these buffers gives

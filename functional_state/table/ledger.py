@@ -412,6 +412,15 @@ class Acct:
         same_objects, same_attrs = old._objects is new._objects, old._attrs is new._attrs
         if same_objects and same_attrs:
             return self
+        if same_attrs and new._objects.keys() == old._objects.keys():
+            # Objects replaced under their names (a step, a commit): each pair priced by `swap`, which moves
+            # only the extents that differ (none, for a step that wrote its object's buffers in place).
+            acct = self
+            for name, obj in new._objects.items():
+                prev = old._objects[name]
+                if prev is not obj:
+                    acct = acct.swap(prev, obj)
+            return acct
         added, removed, attrs_added, attrs_removed = [], [], [], []
         if not same_objects:
             for name, obj in new._objects.items():

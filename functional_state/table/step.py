@@ -119,22 +119,27 @@ def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[A
     tables, walked = _protected(state, retained)
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     new_leaves = []
+    per_leaf = leaf_extents(obj, leaves, treedef)
+    # Asked once for all the leaves' extents (each extent's answer is its own): held by another holder.
+    every = [e for extents in per_leaf if extents for e in extents]
+    elsewhere = held_elsewhere(acct, every, own)
+    for t in tables:
+        elsewhere |= held_elsewhere(t, every)
+    elsewhere |= walked.intersection(every)
     donated: set[Extent] = set()  # XLA refuses one buffer donated twice: a leaf repeated in obj is copied
-    for leaf, extents in zip(leaves, leaf_extents(obj, leaves, treedef)):
+    for leaf, extents in zip(leaves, per_leaf):
         if extents is not None:
             if (
                 not extents  # an empty buffer: no address to compare, and a copy costs nothing
                 or not donated.isdisjoint(extents)
-                or held_elsewhere(acct, extents, own)
-                or any(held_elsewhere(t, extents) for t in tables)
-                or not walked.isdisjoint(extents)
+                or not elsewhere.isdisjoint(extents)
             ):
                 leaf = jnp.array(leaf, copy=True)
             else:
                 donated.update(extents)
         new_leaves.append(leaf)
     copied = sum(a is not b for a, b in zip(leaves, new_leaves))
-    return jax.tree_util.tree_unflatten(treedef, new_leaves), copied
+    return (jax.tree_util.tree_unflatten(treedef, new_leaves) if copied else obj), copied
 
 
 def step(
