@@ -101,3 +101,22 @@ def test_no_record_for_a_leaf_deleted_or_not_a_jax_array():
     leaves[0].delete()
     assert buffer_record.buffer_key(gone, leaves, treedef) is None
     assert buffer_record.leaf_extents(gone, leaves, treedef) == (None,)
+
+
+def test_a_batched_step_over_the_same_slots_does_not_walk(walks):
+    pytest.importorskip("flax")
+    import test_nnx  # (the tests' tiny NNX decoder)
+
+    from functional_state.nnx import SessionCaches
+
+    batch = SessionCaches(test_nnx.make_model()).batched(4)
+    s = batch.create(ManagerState.create())
+    for sid in ("a", "b"):
+        s = batch.join(s, sid)
+    x = batch.inputs(s, {"a": np.full((1, 1), 3, np.int32), "b": np.full((1, 1), 4, np.int32)})
+    for _ in range(2):
+        s, _ = batch.step(s, ["a", "b"], x)
+    walks["n"] = 0
+    s, _ = batch.step(s, ["a", "b"], x)
+    assert walks["n"] == 0, "a batched step over the same stacked structure walked it again"
+    assert fs.stats(s) == fs.stats(s, exact=True)
