@@ -190,3 +190,23 @@ def test_an_attr_aliasing_an_object_counts_once_and_its_bytes_stay_when_the_obje
     state, _ = fs.drop_session(state, "s1")
     assert dict(ledger_of(state).attr_only) == {"cpu": 2 * 8}
     assert fs.stats(state)["nbytes:cpu"] == fs.stats(state, exact=True)["nbytes:cpu"]
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_an_object_replaced_under_its_name_beside_an_attr_alias_keeps_exact_figures(donate):
+    """`swap_session` prices objects replaced under the same names pair by pair (issue 37): an attr that
+    shared the old object's buffer keeps its bytes once the object moves to new ones."""
+    import jax.numpy as jnp
+
+    x = jnp.ones((4, 8))
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "kv", fs.PytreeValue.create({"k": x, "n": jnp.zeros(3)}))
+    state = fs.put(state, "a", "other", fs.PytreeValue.create({"k": jnp.zeros(5)}))
+    state = fs.set_attr(state, "a", "alias", x)
+    for i in range(3):
+        state = fs.step(
+            state, "a", "kv", lambda v, d: v.commit({"k": v.view()["k"] + d, "n": v.view()["n"]}), i, donate=donate
+        )
+        assert fs.stats(state) == fs.stats(state, exact=True)
+    assert fs.stats(state)["nbytes:cpu"] == 2 * x.nbytes + 3 * 4 + 5 * 4
+    np.testing.assert_array_equal(np.asarray(fs.get_attr(state, "a", "alias")), np.ones((4, 8)))

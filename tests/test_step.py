@@ -139,6 +139,24 @@ def test_step_checks_what_fn_returns_before_donating_anything(donate):
     assert_unchanged(state, snap)  # refused: nothing donated, nothing consumed
 
 
+def test_a_wrong_return_type_under_a_new_argument_structure_is_refused_before_donating():
+    """The return type is checked as jit traces, once per input structure (issue 37: no per-step walk of the
+    arguments' structure): a structure seen first at the tenth step is checked before that step runs."""
+
+    def sometimes(ring, frame, extra=None):
+        return ring.storage if extra is not None else ring.commit(frame)
+
+    state = _table()
+    for i in range(3):
+        state = fs.step(state, "a", "ring", sometimes, jnp.full((128,), float(i)), donate=True)
+    snap = snapshot(state)
+    with pytest.raises(InvalidTypeError, match="got an array of shape"):
+        fs.step(state, "a", "ring", sometimes, jnp.ones(128), {"x": jnp.ones(2)}, donate=True)
+    assert_unchanged(state, snap)
+    state = fs.step(state, "a", "ring", sometimes, jnp.full((128,), 9.0), donate=True)
+    assert float(fs.view(state, "a", "ring")[-1, 0]) == 9.0
+
+
 def test_step_on_a_latent_buffer_of_jax_arrays():
     state, _ = fs.get_or_create(ManagerState.create(), "a")
     state = fs.put(state, "a", "buf", LatentBuffer.create(maxlen=2).commit(jnp.zeros(3)))

@@ -299,6 +299,8 @@ class PytreeValue(StateObject):
       functional_state.errors.StateShapeError: `PytreeValue.commit`: the leaf at ['k'] is f32[2,4], expected f32[2,3] ...
     """
 
+    extents_from_leaves = True  # (its storage is its leaves; a ClassVar of `StateObject`, not a field)
+
     leaves: Any  # a tuple of arrays, one per leaf of the tree in flatten order; None when not resident
     staged: Any  # a staged replacement tree, or None
     host_copy: Any  # ParkedStorage of `leaves` while parked, else None

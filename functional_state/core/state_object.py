@@ -29,7 +29,7 @@ from __future__ import annotations
 import abc
 import weakref
 from collections.abc import Collection
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypeVar
 
 import jax
 import numpy as np
@@ -87,6 +87,11 @@ class StateObject(abc.ABC):
     # of its restore (a weak reference and its leaves' write marks), so forks parked together restore to one
     # device copy while nobody has written it.
     __slots__ = ("__weakref__", "_acct_cache", "_restored")
+
+    # A type whose buffers are exactly its pytree leaves while resident with nothing staged or parked, and
+    # whose ledger figures are the default walk: a step may then read them from the record of a walk of the
+    # same structure and buffers (`functional_state.table.buffer_record`) instead of walking it again.
+    extents_from_leaves: ClassVar[bool] = False
 
     # Provided by subclasses as dataclass fields.
     staged: Any

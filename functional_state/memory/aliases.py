@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import jax
 
 from .extents import Extent
 
-__all__ = ["OWNED", "alias_owner", "register_alias"]
+__all__ = ["OWNED", "alias_owner", "any_aliased", "register_alias"]
 
 # Extents ``("cpu", start, end)`` of host buffers this package allocated for one storage each (`host_buffers`):
 # torch reports them as storages it did not allocate (``from_numpy``), yet they are allocations proper, equal
@@ -56,3 +57,8 @@ def alias_owner(array: Any) -> Any:
     if entry is not None and entry[0]() is array:
         return entry[1]
     return None
+
+
+def any_aliased(arrays: Iterable[Any]) -> bool:
+    """Whether any of ``arrays`` has an owner recorded by `register_alias` (one dict read while none has)."""
+    return bool(_ALIASES) and any(alias_owner(a) is not None for a in arrays)

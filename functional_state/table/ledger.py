@@ -412,6 +412,23 @@ class Acct:
         same_objects, same_attrs = old._objects is new._objects, old._attrs is new._attrs
         if same_objects and same_attrs:
             return self
+        if same_attrs and len(new._objects) == len(old._objects):
+            # Objects replaced under the same names (a step, a commit): each pair priced by `swap`, which moves
+            # only the extents that differ (none, for a step that wrote its object's buffers in place).
+            pairs: list[tuple[Any, Any]] = []
+            renamed = False
+            for name, obj in new._objects.items():
+                prev = old._objects.get(name)
+                if prev is None:  # (a name added, so another removed: priced below)
+                    renamed = True
+                    break
+                if prev is not obj:
+                    pairs.append((prev, obj))
+            if not renamed:
+                acct = self
+                for prev, obj in pairs:
+                    acct = acct.swap(prev, obj)
+                return acct
         added, removed, attrs_added, attrs_removed = [], [], [], []
         if not same_objects:
             for name, obj in new._objects.items():

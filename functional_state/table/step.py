@@ -9,6 +9,7 @@ table's ledger counts holders; any other buffer is copied first and the copy don
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 import weakref
@@ -22,8 +23,9 @@ from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
 from ..memory.extents import Extent
 from ..memory.holders import held_elsewhere, holder_extents
+from .buffer_record import leaf_extents, seed_extents
 from .checks import find_object, locate
-from .ledger import Acct, held_by, value_extents
+from .ledger import Acct, held_by
 from .lru import replace_session
 from .manager_state import ConsumedManagerState, ManagerState, ledger_of, node_session
 from .torch_writes import check_object
@@ -35,31 +37,72 @@ __all__ = ["step"]
 # the process-wide filters from whichever thread steps (it is not thread-safe).
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable", category=UserWarning)
 
-_JITTED: weakref.WeakKeyDictionary[Callable[..., Any], dict[bool, Callable[..., Any]]] = weakref.WeakKeyDictionary()
+_JITTED: weakref.WeakKeyDictionary[Callable[..., Any], dict[tuple[bool, bool], Callable[..., Any]]] = (
+    weakref.WeakKeyDictionary()
+)
 _JITTED_LOCK = threading.Lock()
 
 
-def _jitted(fn: Callable[..., Any], donate: bool) -> Callable[..., Any]:
-    """One jitted wrapper per (fn, donate): jit caches traces per wrapper, so reuse keeps it at one trace."""
+def _jitted(fn: Callable[..., Any], donate: bool, has_aux: bool) -> Callable[..., Any]:
+    """One jitted wrapper per (fn, donate, has_aux): jit caches traces per wrapper, so reuse keeps it at one
+    trace. The wrapper checks what ``fn`` returns while it is traced (`_returning_same_type`)."""
     with _JITTED_LOCK:
         per_fn = _JITTED.setdefault(fn, {})
-        jitted = per_fn.get(donate)
+        jitted = per_fn.get((donate, has_aux))
         if jitted is None:
-            jitted = jax.jit(fn, donate_argnums=(0,) if donate else ())
-            per_fn[donate] = jitted
+            jitted = jax.jit(_returning_same_type(fn, has_aux), donate_argnums=(0,) if donate else ())
+            per_fn[(donate, has_aux)] = jitted
         return jitted
 
 
+def _returning_same_type(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``fn``, raising `InvalidTypeError` unless it returns an object of its input's type (with ``has_aux``, a
+    pair whose first item is one). Checked as jit traces it: once per input structure, and before the call
+    runs, so a refused call has donated nothing (no per-step walk of the arguments' structure either)."""
+
+    @functools.wraps(fn)
+    def checked(obj: Any, *args: Any) -> Any:
+        out = fn(obj, *args)
+        new = out
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise InvalidTypeError(
+                    f"`step(..., has_aux=True)`: fn must return a pair (new {type(obj).__name__}, aux), got "
+                    f"{_kind(out)}."
+                )
+            new = out[0]
+        if type(new) is not type(obj):
+            raise InvalidTypeError(
+                f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got {_kind(new)}."
+            )
+        return out
+
+    return checked
+
+
+def _kind(value: Any) -> str:
+    """What a refused result is, as its author would name it (a traced array is a tracer while jit traces)."""
+    if isinstance(value, jax.Array):
+        return f"an array of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
 def _protected(state: ManagerState, retained: Iterable[Any]) -> tuple[list[Acct], set[Extent]]:
-    """The ledgers of the retained tables, and the extents of the other retained values (walked)."""
+    """The ledgers of the retained tables, and the extents of the other retained values: a state object's
+    as the ledger figures it (memoized on it: objects are immutable), anything else walked."""
     tables, values = [], []
+    extents: set[Extent] = set()
     for value in retained:
         if isinstance(value, ManagerState):
             if value is not state:
                 tables.append(ledger_of(value))
+        elif isinstance(value, StateObject):
+            extents.update(held_by(value))
         else:
             values.append(value)
-    return tables, (holder_extents(values) if values else set())
+    if values:
+        extents.update(holder_extents(values))
+    return tables, extents
 
 
 def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[Any] = ()) -> tuple[StateObject, int]:
@@ -68,30 +111,35 @@ def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[A
 
     "Anything else" is every other holder in ``state`` (answered by its ledger: objects, their unaccounted
     leaves, attr values, in O(size of ``obj``)) and everything in ``retained``. Compared by extent, so
-    aliases, views and forks count.
+    aliases, views and forks count. Each leaf's extents come from the record of ``obj``'s structure and
+    buffers where one was made (`buffer_record`): only the holders are asked anew.
     """
     acct = ledger_of(state)
     own = held_by(obj)
     tables, walked = _protected(state, retained)
     leaves, treedef = jax.tree_util.tree_flatten(obj)
     new_leaves = []
+    per_leaf = leaf_extents(obj, leaves, treedef)
+    # Asked once for all the leaves' extents (each extent's answer is its own): held by another holder.
+    every = [e for extents in per_leaf if extents for e in extents]
+    elsewhere = held_elsewhere(acct, every, own)
+    for t in tables:
+        elsewhere |= held_elsewhere(t, every)
+    elsewhere |= walked.intersection(every)
     donated: set[Extent] = set()  # XLA refuses one buffer donated twice: a leaf repeated in obj is copied
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            extents = value_extents(leaf)
+    for leaf, extents in zip(leaves, per_leaf):
+        if extents is not None:
             if (
                 not extents  # an empty buffer: no address to compare, and a copy costs nothing
                 or not donated.isdisjoint(extents)
-                or held_elsewhere(acct, extents, own)
-                or any(held_elsewhere(t, extents) for t in tables)
-                or not walked.isdisjoint(extents)
+                or not elsewhere.isdisjoint(extents)
             ):
                 leaf = jnp.array(leaf, copy=True)
             else:
                 donated.update(extents)
         new_leaves.append(leaf)
     copied = sum(a is not b for a, b in zip(leaves, new_leaves))
-    return jax.tree_util.tree_unflatten(treedef, new_leaves), copied
+    return (jax.tree_util.tree_unflatten(treedef, new_leaves) if copied else obj), copied
 
 
 def step(
@@ -159,49 +207,20 @@ def step(
     obj = find_object(node, name, "step")
     obj._require_resident("step")
     check_object(state, sid, name, obj, "step")
-    jitted = _jitted(fn, donate)
-    _check_returns_same_type(jitted, obj, args, has_aux)  # before anything is donated: a refusal changes nothing
+    jitted = _jitted(fn, donate, has_aux)  # (a wrong return type is refused as it traces, before it runs)
     if donate:
         obj, _ = _donation_copies(state, obj, retained)
     out = jitted(obj, *args)
     new_obj, aux = out if has_aux else (out, None)
+    seed_extents(new_obj)  # (the ledger reads the new object's extents from the record of its buffers, if any)
     if donate:
         state.__class__ = ConsumedManagerState
     new_state = replace_session(state, sid, node, node_session(node)._with_object(name, new_obj))
     return (new_state, aux) if has_aux else new_state
 
 
-_CHECKED: weakref.WeakKeyDictionary[Callable[..., Any], set[Any]] = weakref.WeakKeyDictionary()
 # jitted -> {(input structure, has_aux, leaf shapes and dtypes): whether the output keeps the object's leaves}
 _KEEPS_LAYOUT: weakref.WeakKeyDictionary[Callable[..., Any], dict[Any, bool]] = weakref.WeakKeyDictionary()
-
-
-def _check_returns_same_type(
-    jitted: Callable[..., Any], obj: StateObject, args: tuple[Any, ...], has_aux: bool = False
-) -> None:
-    """Raise unless ``jitted(obj, *args)`` returns an object of ``obj``'s type (with ``has_aux``, a pair
-    whose first item is one); checked once per input structure with an abstract evaluation (no computation,
-    no donation)."""
-    key = (jax.tree_util.tree_structure((obj, args)), has_aux)
-    with _JITTED_LOCK:
-        checked = _CHECKED.setdefault(jitted, set())
-        if key in checked:
-            return
-    out = jitted.eval_shape(obj, *args)  # type: ignore[attr-defined]
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise InvalidTypeError(
-                f"`step(..., has_aux=True)`: fn must return a pair (new {type(obj).__name__}, aux), got "
-                f"{type(out).__name__}."
-            )
-        out = out[0]
-    if type(out) is not type(obj):
-        raise InvalidTypeError(
-            f"`step`: fn must return a {type(obj).__name__} (the object it was given, updated), got "
-            f"{type(out).__name__}."
-        )
-    with _JITTED_LOCK:
-        checked.add(key)
 
 
 def trace(
@@ -228,8 +247,7 @@ def trace(
     _, node = locate(state, session_id, "step")
     obj = find_object(node, name, "step")
     obj._require_resident("step")
-    jitted = _jitted(fn, donate)
-    _check_returns_same_type(jitted, obj, args, has_aux)
+    jitted = _jitted(fn, donate, has_aux)
     # Once per input structure and leaf shapes, as JAX traces: an abstract evaluation costs more than a step.
     leaves, in_tree = jax.tree_util.tree_flatten((obj, args))
     key = (in_tree, has_aux, tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))

@@ -1,0 +1,114 @@
+"""What a walk of a state object's buffers found, recorded per structure and buffers, so a step reads it.
+
+A donated `step` asks, per array leaf of the object, which extents it holds (to compare them with every
+other holder), and the ledger then asks the same of the object the step returned. Both answers are a
+function of the object's type, its treedef (its static fields: a `PytreeValue`'s leaf shapes and dtypes)
+and its leaves' buffers, for a type whose storage is its leaves (`StateObject.extents_from_leaves`), while
+it is resident with nothing staged or parked and its leaves are plain single-device JAX arrays (no bridge
+alias, no engine pool). A donated step writes its output into its input's buffers, so the object a step
+returns usually has the buffers of the one it was given: its record is found under the same key.
+
+Only facts about buffers are recorded (their extents), never an answer about holders: whether another
+object, a fork, an attr or a retained value holds a buffer is asked of the ledger on every step.
+"""
+
+from __future__ import annotations
+
+import threading
+from operator import attrgetter, is_, methodcaller
+from typing import Any, NamedTuple
+
+import jax
+
+from ..core.state_object import ACCT_SLOT, StateObject, value_extents
+from ..memory import accounting
+from ..memory.aliases import any_aliased
+from ..memory.extents import Extent
+
+__all__ = ["BufferRecord", "buffer_key", "leaf_extents", "seed_extents"]
+
+_POINTER = methodcaller("unsafe_buffer_pointer")  # (raises for a deleted or multi-device array, or a non-JAX leaf)
+_SHARDING = attrgetter("sharding")
+_MAX_RECORDS = 4096  # structures times buffer sets seen; cleared whole when full (a record is rebuilt by one walk)
+_RECORDS: dict[Any, BufferRecord] = {}
+_LOCK = threading.Lock()
+
+
+class BufferRecord(NamedTuple):
+    """One object's walk: its ledger figures, each leaf's extents, and the leaves' shardings it read."""
+
+    walked: frozenset[Extent]  # what `StateObject.ledger_extents` returned (its memo, with the leaf extras)
+    per_leaf: tuple[tuple[Extent, ...] | None, ...]  # per tree leaf: its extents; None for a leaf not donated
+    shardings: tuple[Any, ...]  # per leaf: where it lives (its pool), compared on every read of the record
+
+
+def buffer_key(obj: StateObject, leaves: list[Any], treedef: Any) -> Any:
+    """The key of ``obj``'s record (``leaves``, ``treedef``: its flattening), or None where its extents may
+    depend on more than its type, treedef and leaves' buffers."""
+    if (
+        not type(obj).extents_from_leaves
+        or obj.staged is not None
+        or obj.host_copy is not None
+        or accounting.POOL_STORAGES
+    ):
+        return None
+    try:
+        pointers = tuple(map(_POINTER, leaves))
+    except Exception:  # a deleted or multi-device array, a numpy or torch leaf: walked
+        return None
+    if any_aliased(leaves):
+        return None
+    return (type(obj), treedef, pointers)
+
+
+def _walk(obj: StateObject, leaves: list[Any]) -> BufferRecord:
+    per_leaf = tuple(
+        tuple(value_extents(leaf)) if isinstance(leaf, jax.Array) and not leaf.is_deleted() else None for leaf in leaves
+    )
+    return BufferRecord(obj.ledger_extents(), per_leaf, tuple(map(_SHARDING, leaves)))
+
+
+def _recorded(key: Any, leaves: list[Any]) -> BufferRecord | None:
+    """The record under ``key`` if its leaves live where the recorded ones did (a pointer names a buffer only
+    with its device and memory kind); a step's outputs usually carry the very sharding objects it read."""
+    record = _RECORDS.get(key)
+    if record is None:
+        return None
+    shardings = tuple(map(_SHARDING, leaves))
+    if all(map(is_, shardings, record.shardings)):
+        return record
+    if shardings != record.shardings:
+        return None
+    record = record._replace(shardings=shardings)  # (equal placements: kept as these objects, read by identity)
+    _RECORDS[key] = record
+    return record
+
+
+def leaf_extents(obj: StateObject, leaves: list[Any], treedef: Any) -> tuple[tuple[Extent, ...] | None, ...]:
+    """Per leaf of ``obj`` (flattened as ``leaves``, ``treedef``), the extents its buffer holds (None: not a
+    live JAX array): from the record of its structure and buffers, else by a walk, then recorded."""
+    key = buffer_key(obj, leaves, treedef)
+    if key is None:
+        return _walk(obj, leaves).per_leaf
+    record = _recorded(key, leaves)
+    if record is None:
+        record = _walk(obj, leaves)
+        with _LOCK:
+            if len(_RECORDS) >= _MAX_RECORDS:
+                _RECORDS.clear()
+            _RECORDS[key] = record
+    return record.per_leaf
+
+
+def seed_extents(obj: StateObject) -> bool:
+    """Give ``obj`` (just returned by a step) its ledger figures from the record of its structure and
+    buffers, if one was made, so the ledger does not walk it; whether it did."""
+    if getattr(obj, "_acct_cache", None) is not None:
+        return False
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    key = buffer_key(obj, leaves, treedef)
+    record = _recorded(key, leaves) if key is not None else None
+    if record is None:
+        return False
+    ACCT_SLOT.__set__(obj, record.walked)  # a memo, not state: what the walk of these buffers gives
+    return True

@@ -1,0 +1,122 @@
+"""A step over a structure and buffers already seen reads their extents from a record, not from a walk
+(issue 37), while every holder question is still asked anew: a buffer shared since (a fork, an attr, a
+retained object) is copied, never donated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import functional_state as fs
+from functional_state import ManagerState, PytreeValue
+from functional_state.memory import accounting
+from functional_state.table import buffer_record
+
+LEAVES = 12
+
+
+def _add(value, x):
+    return value.commit(jax.tree_util.tree_map(lambda a: a + x, value.view()))
+
+
+def _table():
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    tree = {f"k{i}": jnp.full((4, 8), float(i)) for i in range(LEAVES)}
+    return fs.put(state, "a", "kv", PytreeValue.create(tree))
+
+
+def _step(state, x=1.0, **kw):
+    return fs.step(state, "a", "kv", _add, jnp.float32(x), donate=True, **kw)
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """Counts the JAX arrays the extent walk reads (every walk of a JAX leaf goes through `jax_extents`)."""
+    calls = {"n": 0}
+    real = accounting.jax_extents
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accounting, "jax_extents", counted)
+    return calls
+
+
+def _snapshot(state, sid):
+    return {k: np.asarray(v).copy() for k, v in fs.view(state, sid, "kv").items()}
+
+
+def test_a_second_step_over_the_same_structure_does_not_walk(walks):
+    state = _step(_step(_table()))  # the first steps record the structure and its buffers
+    walks["n"] = 0
+    for _ in range(3):
+        state = _step(state, 2.0)
+    assert walks["n"] == 0, "a step over a structure and buffers already seen walked the object again"
+    np.testing.assert_array_equal(fs.view(state, "a", "kv")["k3"], np.full((4, 8), 3.0 + 2 + 6))
+    assert fs.stats(state) == fs.stats(state, exact=True)
+
+
+def test_a_buffer_newly_shared_by_a_fork_is_copied_not_donated():
+    state = _step(_step(_table()))  # recorded: the next step would find these buffers in the record
+    state = fs.fork_session(state, "a", "b")  # shared since the record was made
+    before = _snapshot(state, "b")
+    state = _step(state, 5.0)
+    after = _snapshot(state, "b")  # would raise "Array has been deleted" had a recorded answer been trusted
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    np.testing.assert_array_equal(fs.view(state, "a", "kv")["k0"], np.full((4, 8), 7.0))
+    assert fs.stats(state, exact=True)["deleted_arrays"] == 0
+    assert fs.stats(state) == fs.stats(state, exact=True)
+
+
+def test_a_buffer_newly_held_by_an_attr_or_a_retained_object_is_copied():
+    state = _step(_step(_table()))
+    obj = fs.lookup(state, "a").get("kv")
+    state = fs.set_attr(state, "a", "alias", obj.view()["k1"])
+    state = _step(state, retained=(obj,))  # the object taken out and still read: retained by the caller
+    np.testing.assert_array_equal(np.asarray(fs.get_attr(state, "a", "alias")), np.full((4, 8), 3.0))
+    np.testing.assert_array_equal(np.asarray(obj.view()["k5"]), np.full((4, 8), 7.0))
+    assert fs.stats(state) == fs.stats(state, exact=True)
+
+
+def test_the_ledger_reads_the_record_of_the_stepped_object():
+    state = _step(_step(_table()))
+    new = _step(state)
+    obj = fs.lookup(new, "a").get("kv")
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    walked = obj.ledger_extents()
+    per_leaf = buffer_record.leaf_extents(obj, leaves, treedef)
+    assert walked == frozenset(e for extents in per_leaf for e in extents)
+    assert walked == frozenset(e for leaf in leaves for e in fs.core.state_object.value_extents(leaf))
+
+
+def test_no_record_for_a_leaf_deleted_or_not_a_jax_array():
+    obj = PytreeValue.create({"a": jnp.zeros(3), "b": np.zeros(3)})
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    assert buffer_record.buffer_key(obj, leaves, treedef) is None
+    gone = PytreeValue.create({"a": jnp.zeros(3)})
+    leaves, treedef = jax.tree_util.tree_flatten(gone)
+    assert buffer_record.buffer_key(gone, leaves, treedef) is not None
+    leaves[0].delete()
+    assert buffer_record.buffer_key(gone, leaves, treedef) is None
+    assert buffer_record.leaf_extents(gone, leaves, treedef) == (None,)
+
+
+def test_a_batched_step_over_the_same_slots_does_not_walk(walks):
+    pytest.importorskip("flax")
+    import test_nnx  # (the tests' tiny NNX decoder)
+
+    from functional_state.nnx import SessionCaches
+
+    batch = SessionCaches(test_nnx.make_model()).batched(4)
+    s = batch.create(ManagerState.create())
+    for sid in ("a", "b"):
+        s = batch.join(s, sid)
+    x = batch.inputs(s, {"a": np.full((1, 1), 3, np.int32), "b": np.full((1, 1), 4, np.int32)})
+    for _ in range(2):
+        s, _ = batch.step(s, ["a", "b"], x)
+    walks["n"] = 0
+    s, _ = batch.step(s, ["a", "b"], x)
+    assert walks["n"] == 0, "a batched step over the same stacked structure walked it again"
+    assert fs.stats(s) == fs.stats(s, exact=True)
