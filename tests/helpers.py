@@ -230,3 +230,17 @@ def refused_load_growth(code: str, cwd: Any) -> tuple[list[int], bool]:
     assert out.returncode == 0, out.stderr[-3000:]
     growth = [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("GROWTH_KIB")]
     return growth, "LOADED" in out.stdout
+
+
+def table_with_attrs(n: int, attr: Callable[[int], Any]) -> fs.ManagerState:
+    """A table of ``n`` sessions ``s{i}``, each with a 2-item torch `LatentBuffer` and the attr ``prompt =
+    attr(i)``, its byte totals kept (`stats` called once)."""
+    import torch
+
+    state = fs.ManagerState.create(max_sessions=n)
+    for i in range(n):
+        state, _ = fs.get_or_create(state, f"s{i}")
+        state = fs.put(state, f"s{i}", "buf", fs.LatentBuffer.create(maxlen=2).commit(torch.zeros(4)))
+        state = fs.set_attr(state, f"s{i}", "prompt", attr(i))
+    fs.stats(state)
+    return state

@@ -15,6 +15,7 @@ from functional_state import LatentBuffer, ManagerState
 from functional_state.memory import accounting, holders
 from functional_state.policy.enforce import attr_surplus
 from functional_state.table.manager_state import ledger_of
+from helpers import table_with_attrs
 
 
 def _arrays(n):
@@ -107,16 +108,6 @@ KeptAttrBytes.TestCase.settings = settings(
 TestKeptAttrBytes = KeptAttrBytes.TestCase
 
 
-def _table(n: int, attr) -> ManagerState:
-    state = ManagerState.create(max_sessions=n)
-    for i in range(n):
-        state, _ = fs.get_or_create(state, f"s{i}")
-        state = fs.put(state, f"s{i}", "buf", LatentBuffer.create(maxlen=2).commit(torch.zeros(4)))
-        state = fs.set_attr(state, f"s{i}", "prompt", attr(i))
-    fs.stats(state)
-    return state
-
-
 class _CountingRefs:
     """A stand-in for an attr index's ``refs`` map that counts the extents read by iterating it."""
 
@@ -158,7 +149,7 @@ def test_stats_and_park_read_no_attr_extent_whatever_the_sessions():
     # objects' on every call (O(attr values)): 290 ms and 683 ms at 100k sessions with one 32-byte prompt
     # tensor each. The ledger keeps those bytes now: neither reads one attr extent.
     for attr in (lambda i: torch.zeros(8), lambda i: np.zeros(2, np.float32)):
-        state = _table(50, attr)
+        state = table_with_attrs(50, attr)
         exact = {k: v for k, v in fs.stats(state, exact=True).items() if k.startswith("nbytes")}
 
         def stats(s, exact=exact):
@@ -177,7 +168,7 @@ def test_an_attr_aliasing_an_object_counts_once_and_its_bytes_stay_when_the_obje
     # numpy values: fixed, so recorded per extent whatever engine pools other tests left alive (torch
     # tensors are walked as containers while one is).
     t = np.zeros(16, np.float32)
-    state = _table(3, lambda i: np.zeros(2, np.float32))
+    state = table_with_attrs(3, lambda i: np.zeros(2, np.float32))
     state = fs.commit(state, "s1", "buf", t)
     state = fs.set_attr(state, "s1", "view", t[4:])  # an attr over the object's buffer: no extra bytes
     before = fs.stats(state)["nbytes:cpu"]

@@ -5,18 +5,8 @@ import numpy as np
 import torch
 
 import functional_state as fs
-from functional_state import LatentBuffer, ManagerState
 from functional_state.memory import accounting
-
-
-def _table(n: int, attr) -> ManagerState:
-    state = ManagerState.create(max_sessions=n)
-    for i in range(n):
-        state, _ = fs.get_or_create(state, f"s{i}")
-        state = fs.put(state, f"s{i}", "buf", LatentBuffer.create(maxlen=2).commit(torch.zeros(4)))
-        state = fs.set_attr(state, f"s{i}", "prompt", attr(i))
-    fs.stats(state)
-    return state
+from helpers import table_with_attrs
 
 
 def test_parked_bytes_are_kept_not_read_from_every_copy(monkeypatch):
@@ -24,7 +14,7 @@ def test_parked_bytes_are_kept_not_read_from_every_copy(monkeypatch):
     # 92 ms with 10,000 sessions parked). The ledger keeps those bytes as copies come and go: one stats
     # call reads no copy, and agrees with a walk of them.
     n = 40
-    state = _table(n, lambda i: np.zeros(2, np.float32))
+    state = table_with_attrs(n, lambda i: np.zeros(2, np.float32))
     for i in range(n):
         state, _ = fs.park(state, f"s{i}", "buf")
     state = fs.commit(fs.restore(state, "s3", "buf")[0], "s3", "buf", torch.ones(4))  # one copy let go
