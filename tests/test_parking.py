@@ -674,6 +674,24 @@ def test_a_parked_copy_reads_its_host_extents_once():
     assert sum(e.end - e.start for e in first) == parked.nbytes == 4 * 4 * 16 * 8 * 4
 
 
+def test_a_parked_copy_flattened_and_walked_is_freed_without_the_cycle_collector():
+    # Issue 38: a memo of the copy's pytree aux in the copy (the aux holds the copy) made every parked copy a
+    # reference cycle: its host buffers stayed held until the cyclic GC ran, and the park/restore loop slowed.
+    import gc
+    import weakref
+
+    parked = park_values([torch.randn(1, 4, 16, 8) for _ in range(4)])
+    jax.tree_util.tree_flatten(parked)
+    fs.nbytes_by_device(parked)
+    gone = weakref.ref(parked)
+    gc.disable()
+    try:
+        del parked
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_a_uniform_list_under_the_shared_threshold_or_with_a_large_storage_keeps_its_runs():
     small = park_values(_tensors(64, 1024, torch.bfloat16))  # 128 KiB: no shared buffer
     assert small.layout.segments and len(small.buffers) == len(small.layout.segments)
