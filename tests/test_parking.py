@@ -636,6 +636,62 @@ def test_a_uniform_list_parks_as_one_segment_holding_each_storage_back_to_back()
     assert all(t.untyped_storage().nbytes() == t.nbytes and t.stride() == (1,) for t in back)
 
 
+def test_storages_of_one_dtype_and_trailing_shape_park_as_one_segment_like_a_uniform_list():
+    # Issue 38: per-layer K/V of shape (1, heads, n, d) share a buffer back to back; they were one segment per
+    # storage (one torch.cat and one split each), only 1-D storages were merged.
+    g = torch.Generator().manual_seed(3)
+    values = [torch.randn(1, 4, 40, 64, generator=g) for _ in range(60)]  # 40 KiB each, 2.3 MiB in all
+    assert sum(t.nbytes for t in values) >= host_buffers.MIN_NBYTES
+    parked = park_values(values)
+    assert len(parked.buffers) == 1 and len(parked.layout.segments) == 1
+    assert torch.equal(parked.buffers[0], torch.cat(values).view(-1).view(torch.uint8))
+    back = restore_values(parked)
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(back, values))
+    assert len({t.untyped_storage().data_ptr() for t in back}) == len(values)
+
+
+def test_a_plain_tensor_with_a_size_one_dim_and_its_own_strides_restores_as_its_storage():
+    # Issue 38: a K/V tensor's batch dim of 1 gave every leaf a rebuild recipe (a size-1 dim may carry any
+    # stride), so no park of a transformers cache took the direct path; only odd strides need one.
+    kv = [torch.randn(1, 4, 16, 8) for _ in range(4)]
+    odd = torch.empty_strided((3, 1), (1, 7)).fill_(2.0)  # contiguous, but not the strides a copy gets
+    parked = park_values(kv)
+    assert parked.layout.direct and parked.layout.recipe == [None] * 4
+    back = restore_values(parked)
+    assert all(torch.equal(a, b) and a.stride() == b.stride() for a, b in zip(back, kv))
+    mixed = park_values([*kv, odd])
+    assert not mixed.layout.direct and mixed.layout.recipe[-1] is not None
+    again = restore_values(mixed)
+    assert again[-1].stride() == (1, 7) and torch.equal(again[-1], odd)
+
+
+def test_a_parked_copy_reads_its_host_extents_once():
+    # Issue 38: the ledger's walk of a parked object and the index of parked copies each re-read every host
+    # buffer's storage; they are the copy's own and never change.
+    parked = park_values([torch.randn(1, 4, 16, 8) for _ in range(4)])
+    first = parked._accounting_extents()
+    assert parked._accounting_extents() is first
+    assert sum(e.end - e.start for e in first) == parked.nbytes == 4 * 4 * 16 * 8 * 4
+
+
+def test_a_parked_copy_flattened_and_walked_is_freed_without_the_cycle_collector():
+    # Issue 38: a memo of the copy's pytree aux in the copy (the aux holds the copy) made every parked copy a
+    # reference cycle: its host buffers stayed held until the cyclic GC ran, and the park/restore loop slowed.
+    import gc
+    import weakref
+
+    parked = park_values([torch.randn(1, 4, 16, 8) for _ in range(4)])
+    jax.tree_util.tree_flatten(parked)
+    fs.nbytes_by_device(parked)
+    gone = weakref.ref(parked)
+    gc.disable()
+    try:
+        del parked
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_a_uniform_list_under_the_shared_threshold_or_with_a_large_storage_keeps_its_runs():
     small = park_values(_tensors(64, 1024, torch.bfloat16))  # 128 KiB: no shared buffer
     assert small.layout.segments and len(small.buffers) == len(small.layout.segments)

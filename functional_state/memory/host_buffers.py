@@ -148,27 +148,27 @@ def _trim(keep: int) -> int:
 
 
 def pack_runs(
-    members: Any, sizes: list[int], dtypes: list[Any], shapes: list[Any], uniform: bool, chunk: int
+    members: Any, sizes: list[int], dtypes: list[Any], shapes: list[Any], trail: tuple[int, ...] | None, chunk: int
 ) -> list[tuple[int, list[Any]]]:
     """How parking packs storages ``members`` (indices into the per-storage ``sizes``, ``dtypes`` and ``shapes``
     of `torch_host.Gathered`; a range or a list) into host buffers: ``(bytes, segments)`` per run of at most
     ``chunk`` bytes, in order (a larger storage is a run of its own). A segment ``(start, end, storages,
     dtype, trail)`` is a stretch of plain storages of one dtype and trailing shape (one ``torch.cat`` of the
     tensors themselves), or of raw storages (``dtype`` None: one ``torch.cat`` of their bytes).
-    ``uniform``: every storage plain, 1-D, of one dtype (one segment per run).
+    ``trail``: not None when every storage is plain, of one dtype and this trailing shape (one segment per run).
 
     Example:
-      >>> pack_runs(range(3), [40, 40, 40], [None] * 3, [None] * 3, False, 100)
+      >>> pack_runs(range(3), [40, 40, 40], [None] * 3, [None] * 3, None, 100)
       [(80, [(0, 80, range(0, 2), None, ())]), (40, [(0, 40, range(2, 3), None, ())])]
     """
     runs: list[tuple[int, list[Any]]] = []
-    if uniform:  # one segment per run: the same greedy runs, cut by bisecting the running byte count
+    if trail is not None:  # one segment per run: the same greedy runs, cut by bisecting the running byte count
         every = type(members) is range and len(members) == len(sizes)
         ends = list(itertools.accumulate(sizes if every else (sizes[k] for k in members)))
         j = base = 0
         while j < len(members):
             e = max(bisect.bisect_right(ends, base + chunk, j), j + 1)
-            runs.append((ends[e - 1] - base, [(0, ends[e - 1] - base, members[j:e], dtypes[members[j]], ())]))
+            runs.append((ends[e - 1] - base, [(0, ends[e - 1] - base, members[j:e], dtypes[members[j]], trail)]))
             j, base = e, ends[e - 1]
         return runs
     segments: list[Any] = []

@@ -11,7 +11,7 @@ into a `ParkedStorage`; `restore_values` gives them back.
   memory in runs of at most `_CHUNK` bytes per device, back to back (`host_buffers.pack_runs`; on the CPU
   the runs of small storages share one host buffer once they fill a huge page). For CPU sources that is one
   ``torch.cat`` per run of tensors that span their storages exactly, of one dtype, and one of raw bytes for
-  the rest; for a GPU, a pinned buffer filled with ``non_blocking`` copies and one stream sync. A restore
+  the rest (storages of one dtype and trailing shape that share a buffer are one segment: one ``torch.cat``); for a GPU, a pinned buffer filled with ``non_blocking`` copies and one stream sync. A restore
   makes a fresh allocation per storage on its device (one ``split_with_sizes_copy`` per such run); every
   other tensor is rebuilt as a view with its own offset, shape, strides and conjugate/negative bits. Tensors that were
   views of one storage are views of one storage again; separate storages stay separate, also over
@@ -145,14 +145,22 @@ class ParkedStorage:
         # JAX host arrays report their memory kind themselves; torch buffers are filed by _accounting_extents.
         return [leaf.host if isinstance(leaf, JaxLeaf) else leaf for leaf in self.slots if leaf is not _TORCH]
 
-    def _accounting_extents(self) -> accounting.Extents:
+    def _accounting_extents(self) -> tuple[Extent, ...]:
+        # Read once (a memo in the instance dict, as `cached_property` keeps one, without its lock): the host
+        # buffers are this copy's own and never change, and the ledger's walk of a parked object and the
+        # table's index of parked copies both read them.
+        memo = self.__dict__.get("_host_extents")
+        if memo is not None:
+            return memo
         out: accounting.Extents = []
         for buf in self.buffers:
-            n = buf.untyped_storage().nbytes()
+            storage = buf.untyped_storage()
+            n = storage.nbytes()
             if n:
-                start = buf.untyped_storage().data_ptr()
+                start = storage.data_ptr()
                 out.append(Extent("cpu/pinned_host" if buf.is_pinned() else "cpu/unpinned_host", start, start + n))
-        return out
+        self.__dict__["_host_extents"] = memo = tuple(out)
+        return memo
 
     def __repr__(self) -> str:
         n = len(self.layout.nbytes) if self.layout is not None else 0
@@ -231,13 +239,13 @@ def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
     torch = torch_host.torch_module()
     layout = _Layout(g)
     devices, sources = g.devices, g.sources
-    if g.uniform and max(g.sizes) <= _CHUNK and (total := sum(g.sizes)) >= _NUMPY_MIN:
-        # Every run would sit back to back in the shared buffer below: one segment, so one ``torch.cat`` (and
-        # one split on restore) instead of one per run. (`uniform`: plain 1-D CPU storages of one dtype.)
-        layout.segments.append((0, 0, total, range(len(sources)), g.dtypes[0], ()))
+    if (trail := g.trail) is not None and max(g.sizes) <= _CHUNK and (total := sum(g.sizes)) >= _NUMPY_MIN:
+        # Plain CPU storages of one dtype and trailing shape, whose runs would sit back to back in the shared
+        # buffer below: one segment, so one ``torch.cat`` (and one split on restore) instead of one per run.
+        layout.segments.append((0, 0, total, range(len(sources)), g.dtypes[0], trail))
         pool = host_buffers.host_bytes(total, False)
         with torch.no_grad():
-            _fill(pool, 0, total, sources, g.dtypes[0], (), False)
+            _fill(pool, 0, total, sources, g.dtypes[0], trail, False)
         return layout, [pool]
     groups: dict[Any, Any]
     if devices.count(devices[0]) == len(devices):
@@ -250,7 +258,7 @@ def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
     with torch.no_grad():  # bytes, not graphs (an out= copy refuses inputs that require grad)
         for device, members in groups.items():
             pinned = device.type == "cuda"
-            runs = host_buffers.pack_runs(members, g.sizes, g.dtypes, g.shapes, g.uniform, _CHUNK)
+            runs = host_buffers.pack_runs(members, g.sizes, g.dtypes, g.shapes, g.trail, _CHUNK)
             # Runs of small storages share one host buffer once they fill a huge page, recycled when the same
             # bytes were parked before: a run each from malloc took pages the heap trimmed as the last parked
             # copy died (~4,000 faults, 6x the park itself, for 4,096 small tensors parked and restored in turn).
@@ -263,6 +271,14 @@ def _copy_storages_to_host(g: torch_host.Gathered) -> tuple[_Layout, list[Any]]:
                 if pool is not None and total <= _CHUNK:
                     host, b, off = pool, pool_at, base
                     base += total
+                elif not pinned and total < _NUMPY_MIN and len(segments) == 1 and segments[0][3] is not None:
+                    # A run of plain storages of its own from torch's allocator: a ``torch.cat`` allocates it
+                    # and copies in one call (as `host_bytes` would allocate it, then `_fill` copy).
+                    _a, end, seg, dtype, trail = segments[0]
+                    srcs = sources[seg.start : seg.stop] if type(seg) is range else [sources[k] for k in seg]
+                    layout.segments.append((len(buffers), 0, end, seg, dtype, trail))
+                    buffers.append(torch.cat(srcs).view(-1).view(torch.uint8))
+                    continue
                 else:
                     host, b, off = host_buffers.host_bytes(total, pinned), len(buffers), 0
                     buffers.append(host)
@@ -324,12 +340,14 @@ def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
     result: list[Any] = [None] * len(lay.nbytes)
     synced = set()
     for b, a, end, members, dtype, trail in lay.segments:
-        seg, sizes = parked.buffers[b][a:end], lay.split_sizes(members, dtype, trail)
+        seg, sizes = parked.buffers[b], lay.split_sizes(members, dtype, trail)
+        if a or end != seg.numel():
+            seg = seg[a:end]
         if dtype is not None:
             if a % dtype.itemsize:
                 seg = seg.clone()  # (off its dtype's alignment in the host buffer: realigned by one copy)
             typed = seg.view(dtype).view(-1, *trail) if trail else seg.view(dtype)
-            pieces = torch.split_with_sizes_copy(typed, sizes)
+            pieces = torch.split_with_sizes_copy(typed, sizes) if len(sizes) > 1 else (typed.clone(),)
             lo, hi = members[0], members[-1] + 1
             if hi - lo == len(members):  # (increasing storage indices: consecutive ones are one slice)
                 result[lo:hi] = pieces

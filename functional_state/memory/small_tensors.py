@@ -67,7 +67,7 @@ def one_run(leaves: list[Any], most: int) -> Gathered | None:
     g.sources, g.devices, g.sizes = leaves, [torch.device("cpu")] * n, sizes
     g.dtypes, g.shapes = [dtype] * n, [ONE_D] * n
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
-    g.uniform = g.direct = True
+    g.trail, g.direct = (), True
     return g
 
 

@@ -96,7 +96,7 @@ class Gathered:
 
     __slots__ = (
         *("devices", "direct", "dtypes", "leaf", "others", "recipe", "shapes", "sizes", "sources", "storage"),
-        "uniform",
+        "trail",
     )
 
     def __init__(self) -> None:
@@ -109,7 +109,9 @@ class Gathered:
         self.storage: list[int] = []
         self.recipe: list[TorchLeaf | None] = []
         self.others: list[int] = []  # indices of the leaves that are not torch tensors
-        self.uniform = False  # every storage plain, 1-D, of one dtype, on the CPU (runs need no segments)
+        # Every storage plain, on the CPU, of one dtype and this trailing shape (``()``: 1-D), so a run of them
+        # is one segment; None otherwise.
+        self.trail: tuple[int, ...] | None = None
         self.direct = False  # leaf i is storage i's own tensor, for every leaf (restored as the storages)
 
 
@@ -165,7 +167,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
                     storage_of(k)
                     # Restored by a contiguous copy: exact for the leaf itself unless a size-1 dim let it
                     # carry other strides (or it needs its autograd flag back): those get a recipe.
-                    recipe_of(leaf_recipe(leaf, k, None) if 1 in shape or leaf.requires_grad else None)
+                    recipe_of(leaf_recipe(leaf, k, None) if _needs_recipe(leaf) else None)
                     continue
         tensor, owner = as_torch(leaf)
         if tensor is None:
@@ -237,7 +239,9 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     n = len(leaves)
     dtypes = [next(iter(kinds))] * n if len(kinds) == 1 else list(map(_GET["dtype"], leaves))
     if dims == {1}:  # 1-D: no shape objects (a park must not allocate one tracked object per tensor)
-        g.shapes, g.uniform = [ONE_D] * n, len(kinds) == 1
+        g.shapes = [ONE_D] * n
+        if len(kinds) == 1:
+            g.trail = ()
         if len(kinds) == 1:  # (a 1-element tensor may carry any stride: it gets a recipe)
             unit = dtypes[0].itemsize in sizes
         else:
@@ -245,12 +249,33 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     else:
         g.shapes = list(map(_GET["shape"], leaves))
         unit = any(map(operator.contains, g.shapes, itertools.repeat(1)))
+        trails = {shape[1:] for shape in g.shapes}
+        if len(kinds) == 1 and len(trails) == 1:
+            g.trail = tuple(trails.pop())
     g.sources, g.devices, g.sizes, g.dtypes = list(leaves), [torch.device("cpu")] * n, sizes, dtypes
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
     if unit or any(p[3] for p in props):
-        g.recipe = [leaf_recipe(t, k, None) if 1 in t.shape or t.requires_grad else None for k, t in enumerate(leaves)]
+        g.recipe = [leaf_recipe(t, k, None) if _needs_recipe(t) else None for k, t in enumerate(leaves)]
     g.direct = g.recipe.count(None) == n
     return True
+
+
+def _needs_recipe(t: Any) -> bool:
+    """Whether plain tensor ``t`` needs a recipe to come back as it was: a contiguous copy of it (what a restore
+    makes of a plain storage) has the strides `_contiguous_stride` gives, which a size-1 dim lets ``t`` differ
+    from (``torch.empty_strided((3, 1), (1, 9))`` is contiguous); and the copy does not require grad."""
+    shape = t.shape
+    return bool(t.requires_grad) or (1 in shape and t.stride() != _contiguous_stride(shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a fresh contiguous tensor of ``shape`` (a size-1 or empty dim counts as 1)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def _check_copyable(tensor: Any, owner: Any, index: int, where: tuple[Any, str]) -> None:
@@ -323,11 +348,7 @@ def leaf_recipe(tensor: Any, k: int, owner: Any) -> TorchLeaf:
 
 def plain_leaf(k: int, dtype: Any, shape: tuple[int, ...]) -> TorchLeaf:
     """The recipe of a plain storage's own tensor (contiguous, from the start), written out on request."""
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= max(size, 1)
-    return TorchLeaf(k, dtype, tuple(shape), tuple(reversed(stride)), 0, False, False, None, False)
+    return TorchLeaf(k, dtype, tuple(shape), _contiguous_stride(tuple(shape)), 0, False, False, None, False)
 
 
 def bytes_view(t: Any) -> Any:
