@@ -38,3 +38,22 @@ def test_an_import_over_the_targets_budget_is_refused_and_nothing_moves():
     with pytest.raises(fs.BudgetExceededError):
         b.accept(*a.export("s", epoch), epoch)
     assert "s" not in b.manager and len(b.manager) == 0 and a.steps("s") == 2
+
+
+def test_the_serving_package_imports_without_ray_and_names_it_on_the_router():
+    # Regression: the Serve router's module (it subclasses Ray Serve's `RequestRouter`) was imported by the
+    # package, so `SessionReplica` could not be imported where Ray is not installed (the newest-JAX CI leg).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from functional_state.serving import SessionReplica, choose\n"
+        "try:\n"
+        "    from functional_state.serving import SessionAffinityRouter\n"
+        "except ImportError as e:\n"
+        "    print('refused:', type(e).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "refused: ModuleNotFoundError"
