@@ -7,6 +7,8 @@ sessions joining, leaving, parked, forked and restored mid-stream, under one jit
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,25 @@ from functional_state.equinox import SessionStates  # noqa: E402
 from functional_state.nnx import SessionCaches  # noqa: E402
 
 CAP = 4
+
+
+def _pinned(package: str) -> str:
+    """The version constraints.txt pins for ``package``."""
+    for line in (Path(__file__).resolve().parents[1] / "constraints.txt").read_text().splitlines():
+        if line.startswith(f"{package}=="):
+            return line.split("==", 1)[1].strip()
+    raise LookupError(package)
+
+
+# The exact step promises bit-identity to the module run alone at the tested versions (the jax pin). A newer
+# JAX may compile the step's loop body and the module's own jit into XLA programs that round differently
+# (jax 0.12.1: one float32 ulp in one session's first token), which XLA does not promise; there the logits
+# must agree to float32 rounding, and the pinned run (make test) keeps the bitwise check.
+BITWISE = jax.__version__ == _pinned("jax")
+
+
+def _same_logits(want: np.ndarray, got: np.ndarray) -> bool:
+    return bool(np.array_equal(want, got) if BITWISE else np.allclose(want, got, rtol=1e-6, atol=1e-6))
 
 
 def _alone_logits(tokens):
@@ -102,7 +123,7 @@ def test_nnx_sessions_are_bit_identical_to_the_module_alone_through_join_leave_p
         alone = _alone_logits(toks)
         assert len(alone) == len(logits[sid])
         for i, (want, got) in enumerate(zip(alone, logits[sid])):
-            assert np.array_equal(want, got), f"session {sid!r}, token {i}: batched logits differ from alone"
+            assert _same_logits(want, got), f"session {sid!r}, token {i}: batched logits differ from alone"
 
 
 def test_nnx_session_state_reads_the_same_batched_or_not(nnx_batch):

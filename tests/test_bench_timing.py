@@ -57,6 +57,7 @@ def test_timed_each_times_every_op():
 
 
 def test_the_report_names_a_time_column_without_its_tail():
+    pytest.importorskip("tabulate", reason="the report writer formats its tables with tabulate (the [dev] extra)")
     run = _run_module()
     rows = [["64", "1.20 µs", "1.20 µs (p99 2.00 µs, p99.9 9.00 µs)", "3.10x"]]
     assert run.untailed(["sessions", "bare", "with tail", "ratio"], rows) == ["bare"]
