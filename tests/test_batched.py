@@ -7,8 +7,6 @@ sessions joining, leaving, parked, forked and restored mid-stream, under one jit
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +14,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_packaging import pins_of
 
 import functional_state as fs
 from functional_state.batched import BatchedSessions
@@ -32,19 +31,11 @@ from functional_state.nnx import SessionCaches  # noqa: E402
 CAP = 4
 
 
-def _pinned(package: str) -> str:
-    """The version constraints.txt pins for ``package``."""
-    for line in (Path(__file__).resolve().parents[1] / "constraints.txt").read_text().splitlines():
-        if line.startswith(f"{package}=="):
-            return line.split("==", 1)[1].strip()
-    raise LookupError(package)
-
-
 # The exact step promises bit-identity to the module run alone at the tested versions (the jax pin). A newer
 # JAX may compile the step's loop body and the module's own jit into XLA programs that round differently
 # (jax 0.12.1: one float32 ulp in one session's first token), which XLA does not promise; there the logits
 # must agree to float32 rounding, and the pinned run (make test) keeps the bitwise check.
-BITWISE = jax.__version__ == _pinned("jax")
+BITWISE = jax.__version__ == pins_of("constraints.txt")["jax"]
 
 
 def _same_logits(want: np.ndarray, got: np.ndarray) -> bool:

@@ -15,7 +15,8 @@ USER_EXTRAS = ("torch", "cli", "checkpoint")
 LOCAL_TORCH = "2.13.0"
 
 
-def _pins(name: str) -> dict[str, str]:
+def pins_of(name: str) -> dict[str, str]:
+    """The exact pins of a constraints file at the repository root, by normalised package name."""
     out = {}
     for line in (ROOT / name).read_text().splitlines():
         line = line.split("#", 1)[0].strip()
@@ -45,16 +46,16 @@ def _floor(req: Requirement) -> str:
 def test_constraints_lowest_is_exactly_the_floors_of_the_ranges():
     expected = {_norm(r.name): _floor(r) for r in _requirements(USER_EXTRAS)}
     expected["torch"] = LOCAL_TORCH
-    lowest = _pins("constraints-lowest.txt")
+    lowest = pins_of("constraints-lowest.txt")
     assert {k: Version(v) for k, v in lowest.items()} == {k: Version(v) for k, v in expected.items()}
 
 
 def test_every_floor_is_allowed_by_its_range_and_every_pin_by_its_range():
-    pins = _pins("constraints.txt")
+    pins = pins_of("constraints.txt")
     for req in _requirements(USER_EXTRAS + ("dev", "docs")):
         assert _norm(req.name) in pins, f"{req.name} is required by pyproject.toml but not pinned in constraints.txt"
         assert req.specifier.contains(pins[_norm(req.name)]), f"constraints.txt pins {req.name} outside {req}"
-    for name, version in _pins("constraints-lowest.txt").items():
+    for name, version in pins_of("constraints-lowest.txt").items():
         (req,) = [r for r in _requirements(USER_EXTRAS) if _norm(r.name) == name]
         assert req.specifier.contains(version), f"constraints-lowest.txt: {name}=={version} outside {req}"
 
