@@ -129,3 +129,42 @@ def test_a_batched_step_over_the_same_slots_does_not_walk(walks):
     s, _ = batch.step(s, ["a", "b"], x)
     assert walks["n"] == 0, "a batched step over the same stacked structure walked it again"
     assert fs.stats(s) == fs.stats(s, exact=True)
+
+
+def test_the_record_lists_every_extent_and_knows_a_buffer_held_twice():
+    # A step donates an object as is only when its record says each leaf's bytes are its own: an object
+    # holding one buffer under two leaves must be recorded as not separate, or XLA is asked to donate it twice.
+    x, y = jnp.arange(4.0), jnp.ones(4)
+    for tree, separate in (({"p": x, "q": y}, True), ({"p": x, "q": x}, False)):
+        obj = PytreeValue.create(tree)
+        leaves, treedef = jax.tree_util.tree_flatten(obj)
+        record = buffer_record.leaf_record(obj, leaves, treedef)
+        assert record.every == tuple(e for leaf in leaves for e in fs.core.state_object.value_extents(leaf))
+        assert record.separate is separate
+        assert buffer_record.leaf_record(obj, leaves, treedef) is record  # (recorded: read back, not walked)
+
+
+def test_a_recorded_object_holding_a_buffer_twice_is_still_copied_once():
+    x = jnp.arange(4.0) + 1
+    obj = PytreeValue.create({"p": x, "q": x})
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    buffer_record.leaf_record(obj, leaves, treedef)  # recorded, as an earlier step over these buffers would
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "kv", obj)
+    state = fs.step(state, "a", "kv", lambda v: v.commit({"p": v.view()["p"] + 1, "q": v.view()["q"] * 2}), donate=True)
+    got = fs.view(state, "a", "kv")
+    np.testing.assert_array_equal(np.asarray(got["p"]), [2.0, 3.0, 4.0, 5.0])
+    np.testing.assert_array_equal(np.asarray(got["q"]), [2.0, 4.0, 6.0, 8.0])
+    assert fs.stats(state, exact=True)["deleted_arrays"] == 0
+    assert fs.stats(state) == fs.stats(state, exact=True)
+
+
+def test_a_step_over_a_new_structure_walks_it_and_donates_safely(walks):
+    state = _step(_step(_table()))
+    grown = PytreeValue.create({**fs.view(state, "a", "kv"), "extra": jnp.zeros((2, 2))})  # a changed treedef
+    state = fs.put(state, "a", "kv", grown)
+    walks["n"] = 0
+    state = _step(state)
+    assert walks["n"] > 0, "a step over a structure never seen read a record instead of walking it"
+    np.testing.assert_array_equal(fs.view(state, "a", "kv")["extra"], np.ones((2, 2)))
+    assert fs.stats(state) == fs.stats(state, exact=True)

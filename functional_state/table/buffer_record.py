@@ -15,6 +15,7 @@ object, a fork, an attr or a retained value holds a buffer is asked of the ledge
 from __future__ import annotations
 
 import threading
+from itertools import pairwise
 from operator import attrgetter, is_, methodcaller
 from typing import Any, NamedTuple
 
@@ -25,7 +26,7 @@ from ..memory import accounting
 from ..memory.aliases import any_aliased
 from ..memory.extents import Extent
 
-__all__ = ["BufferRecord", "buffer_key", "leaf_extents", "seed_extents"]
+__all__ = ["BufferRecord", "buffer_key", "leaf_extents", "leaf_record", "seed_extents"]
 
 _POINTER = methodcaller("unsafe_buffer_pointer")  # (raises for a deleted or multi-device array, or a non-JAX leaf)
 _SHARDING = attrgetter("sharding")
@@ -40,6 +41,8 @@ class BufferRecord(NamedTuple):
     walked: frozenset[Extent]  # what `StateObject.ledger_extents` returned (its memo, with the leaf extras)
     per_leaf: tuple[tuple[Extent, ...] | None, ...]  # per tree leaf: its extents; None for a leaf not donated
     shardings: tuple[Any, ...]  # per leaf: where it lives (its pool), compared on every read of the record
+    every: tuple[Extent, ...] = ()  # every leaf's extents, in leaf order (what the holders are asked about)
+    separate: bool = False  # each live JAX leaf holds bytes of its own: none empty, none another leaf's too
 
 
 def buffer_key(obj: StateObject, leaves: list[Any], treedef: Any) -> Any:
@@ -65,7 +68,15 @@ def _walk(obj: StateObject, leaves: list[Any]) -> BufferRecord:
     per_leaf = tuple(
         tuple(value_extents(leaf)) if isinstance(leaf, jax.Array) and not leaf.is_deleted() else None for leaf in leaves
     )
-    return BufferRecord(obj.ledger_extents(), per_leaf, tuple(map(_SHARDING, leaves)))
+    every = tuple(e for extents in per_leaf if extents for e in extents)
+    separate = all(extents != () for extents in per_leaf) and len(set(every)) == len(every) and not _overlapping(every)
+    return BufferRecord(obj.ledger_extents(), per_leaf, tuple(map(_SHARDING, leaves)), every, separate)
+
+
+def _overlapping(extents: tuple[Extent, ...]) -> bool:
+    """Whether two of ``extents`` (distinct) share a byte of one pool: a view of another leaf's buffer."""
+    by_start = sorted(extents)  # (by pool, then start: one that overlaps another overlaps its successor)
+    return any(a.pool == b.pool and b.start < a.end for a, b in pairwise(by_start))
 
 
 def _recorded(key: Any, leaves: list[Any]) -> BufferRecord | None:
@@ -87,9 +98,15 @@ def _recorded(key: Any, leaves: list[Any]) -> BufferRecord | None:
 def leaf_extents(obj: StateObject, leaves: list[Any], treedef: Any) -> tuple[tuple[Extent, ...] | None, ...]:
     """Per leaf of ``obj`` (flattened as ``leaves``, ``treedef``), the extents its buffer holds (None: not a
     live JAX array): from the record of its structure and buffers, else by a walk, then recorded."""
+    return leaf_record(obj, leaves, treedef).per_leaf
+
+
+def leaf_record(obj: StateObject, leaves: list[Any], treedef: Any) -> BufferRecord:
+    """The `BufferRecord` of ``obj`` (flattened as ``leaves``, ``treedef``): the one made for its structure and
+    buffers, else a walk of it, recorded where its key says the walk's answer follows from them."""
     key = buffer_key(obj, leaves, treedef)
     if key is None:
-        return _walk(obj, leaves).per_leaf
+        return _walk(obj, leaves)
     record = _recorded(key, leaves)
     if record is None:
         record = _walk(obj, leaves)
@@ -97,7 +114,7 @@ def leaf_extents(obj: StateObject, leaves: list[Any], treedef: Any) -> tuple[tup
             if len(_RECORDS) >= _MAX_RECORDS:
                 _RECORDS.clear()
             _RECORDS[key] = record
-    return record.per_leaf
+    return record
 
 
 def seed_extents(obj: StateObject) -> bool:

@@ -23,7 +23,7 @@ from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
 from ..memory.extents import Extent
 from ..memory.holders import held_elsewhere, holder_extents
-from .buffer_record import leaf_extents, seed_extents
+from .buffer_record import leaf_record, seed_extents
 from .checks import find_object, locate
 from .ledger import Acct, held_by
 from .lru import replace_session
@@ -118,16 +118,19 @@ def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[A
     own = held_by(obj)
     tables, walked = _protected(state, retained)
     leaves, treedef = jax.tree_util.tree_flatten(obj)
-    new_leaves = []
-    per_leaf = leaf_extents(obj, leaves, treedef)
+    record = leaf_record(obj, leaves, treedef)
     # Asked once for all the leaves' extents (each extent's answer is its own): held by another holder.
-    every = [e for extents in per_leaf if extents for e in extents]
+    every = record.every
     elsewhere = held_elsewhere(acct, every, own)
     for t in tables:
         elsewhere |= held_elsewhere(t, every)
-    elsewhere |= walked.intersection(every)
+    if walked:
+        elsewhere |= walked.intersection(every)
+    if not elsewhere and record.separate:
+        return obj, 0  # nothing else holds a buffer of it, and it holds none twice: every leaf donated as is
+    new_leaves = []
     donated: set[Extent] = set()  # XLA refuses one buffer donated twice: a leaf repeated in obj is copied
-    for leaf, extents in zip(leaves, per_leaf):
+    for leaf, extents in zip(leaves, record.per_leaf):
         if extents is not None:
             if (
                 not extents  # an empty buffer: no address to compare, and a copy costs nothing
