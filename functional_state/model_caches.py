@@ -42,12 +42,21 @@ class ModelCaches:
         self._params = params
         self._apply = apply
         treedef = self._initial.treedef
+        # The parameters pass every call as their flat leaves, rebuilt inside the jitted call: jit's dispatch
+        # reads a tuple of arrays in C++, where the parameters' own pytree (NNX Variables, Equinox modules)
+        # would be flattened in Python on every call, at a cost that grows with their leaves.
+        flat_params, params_treedef = jax.tree_util.tree_flatten(params)
+        self._flat_params = tuple(flat_params)
 
-        def step_fn(obj: PytreeValue, params: Any, *args: Any) -> tuple[PytreeValue, Any]:
-            new_cache, out = apply(obj.view(), params, *args)
+        def step_fn(obj: PytreeValue, flat_params: tuple[Any, ...], *args: Any) -> tuple[PytreeValue, Any]:
+            new_cache, out = apply(obj.view(), jax.tree_util.tree_unflatten(params_treedef, flat_params), *args)
             return obj.commit(new_cache), out
 
-        def many_fn(per_session: list[tuple[Any, ...]], params: Any, *args: Any) -> tuple[list[tuple[Any, ...]], Any]:
+        def many_fn(
+            per_session: list[tuple[Any, ...]], flat_params: tuple[Any, ...], *args: Any
+        ) -> tuple[list[tuple[Any, ...]], Any]:
+            params = jax.tree_util.tree_unflatten(params_treedef, flat_params)
+
             def one(session_leaves: tuple[Any, ...], *session_args: Any) -> tuple[tuple[Any, ...], Any]:
                 new_cache, out = apply(jax.tree_util.tree_unflatten(treedef, session_leaves), params, *session_args)
                 return tuple(jax.tree_util.tree_leaves(new_cache)), out
@@ -135,7 +144,7 @@ class ModelCaches:
             session_id,
             self.name,
             self._step_fn,
-            self._params,
+            self._flat_params,
             *args,
             donate=donate,
             has_aux=True,
@@ -161,7 +170,7 @@ class ModelCaches:
         for sid in ids:
             state = self._resident(state, sid, "step_many")
         objs = [lookup(state, sid).get(self.name) for sid in ids]
-        new_leaves, outs = self._many_fn([o.leaves for o in objs], self._params, *args)
+        new_leaves, outs = self._many_fn([o.leaves for o in objs], self._flat_params, *args)
         for sid, obj, leaves in zip(ids, objs, new_leaves):
             # The jitted call returns the very structure, shapes and dtypes it was given: no check needed.
             state = put(state, sid, self.name, obj._replace(leaves=leaves))
