@@ -168,3 +168,34 @@ def test_a_step_over_a_new_structure_walks_it_and_donates_safely(walks):
     assert walks["n"] > 0, "a step over a structure never seen read a record instead of walking it"
     np.testing.assert_array_equal(fs.view(state, "a", "kv")["extra"], np.ones((2, 2)))
     assert fs.stats(state) == fs.stats(state, exact=True)
+
+
+def test_a_stepped_object_is_found_again_without_a_walk_and_forgotten_with_it():
+    state = _step(_step(_table()))
+    obj = fs.lookup(state, "a").get("kv")
+    known = buffer_record.object_record(obj)  # remembered when the step returned it
+    assert buffer_record.object_record(obj) is known
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    assert known.treedef == treedef and all(a is b for a, b in zip(known.leaves, leaves))
+    assert known.record.every == tuple(e for leaf in leaves for e in fs.core.state_object.value_extents(leaf))
+    # The memory of it keeps neither the object nor its buffers alive once the table lets them go.
+    import gc
+    import weakref
+
+    leaf = weakref.ref(leaves[0])
+    del state, obj, known, leaves
+    gc.collect()
+    assert leaf() is None, "the record of a dropped object kept its buffer alive"
+
+
+def test_a_remembered_object_is_walked_again_once_a_leaf_is_aliased_or_a_pool_is_registered(monkeypatch):
+    state = _step(_step(_table()))
+    obj = fs.lookup(state, "a").get("kv")
+    known = buffer_record.object_record(obj)
+    owner = np.zeros(64, np.float32)  # (a leaf now reported as lying inside this allocation)
+    accounting.register_alias(known.leaves[0], owner)
+    walked = buffer_record.object_record(obj).record
+    assert walked.every[0] == fs.core.state_object.value_extents(owner)[0], "a stale record answered for an alias"
+    assert walked.every == tuple(e for leaf in known.leaves for e in fs.core.state_object.value_extents(leaf))
+    monkeypatch.setattr(accounting, "POOL_STORAGES", {"pool": object()})
+    assert buffer_record.object_record(obj).record is not known.record

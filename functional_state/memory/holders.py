@@ -312,7 +312,10 @@ def held_elsewhere(acct: HolderCounts, extents: Iterable[Extent], own: frozenset
     place). Exact: the counts are those of every object and attr value of every session of the table.
     """
     refs, leaves, arefs = acct.refs, acct.leaves, acct.attrs.refs
-    out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
+    if leaves or arefs:
+        out = {e for e in extents if refs.get(e, 0) + leaves.get(e, 0) + arefs.get(e, 0) - (e in own) > 0}
+    else:  # (no unaccounted leaf nor attr value in the table: the objects' counts answer alone)
+        out = {e for e in extents if refs.get(e, 0) > (e in own)}
     opened: set[Extent] = set()
     if acct.attrs.opened:
         opened = acct.attrs.open_extents()

@@ -8,13 +8,16 @@ it is resident with nothing staged or parked and its leaves are plain single-dev
 alias, no engine pool). A donated step writes its output into its input's buffers, so the object a step
 returns usually has the buffers of the one it was given: its record is found under the same key.
 
-Only facts about buffers are recorded (their extents), never an answer about holders: whether another
-object, a fork, an attr or a retained value holds a buffer is asked of the ledger on every step.
+Only facts about buffers are recorded (their extents, and whether the leaves' bytes are each their own),
+never an answer about holders: whether another object, a fork, an attr or a retained value holds a buffer is
+asked of the ledger on every step. The object a step returns is remembered with its flattening and record
+(weakly: forgotten with it), so the next step over that very object neither flattens it nor reads its key.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from itertools import pairwise
 from operator import attrgetter, is_, methodcaller
 from typing import Any, NamedTuple
@@ -26,13 +29,16 @@ from ..memory import accounting
 from ..memory.aliases import any_aliased
 from ..memory.extents import Extent
 
-__all__ = ["BufferRecord", "buffer_key", "leaf_extents", "leaf_record", "seed_extents"]
+__all__ = ["BufferRecord", "ObjectRecord", "buffer_key", "leaf_extents", "leaf_record", "object_record", "seed_extents"]
 
 _POINTER = methodcaller("unsafe_buffer_pointer")  # (raises for a deleted or multi-device array, or a non-JAX leaf)
 _SHARDING = attrgetter("sharding")
 _MAX_RECORDS = 4096  # structures times buffer sets seen; cleared whole when full (a record is rebuilt by one walk)
 _RECORDS: dict[Any, BufferRecord] = {}
 _LOCK = threading.Lock()
+# id(object) -> (weakref to it, its `ObjectRecord`): the record of one object whose key was read (a step's
+# result, an object a step donated), found again without flattening it; forgotten with the object.
+_BY_OBJECT: dict[int, tuple[weakref.ref, ObjectRecord]] = {}
 
 
 class BufferRecord(NamedTuple):
@@ -43,6 +49,14 @@ class BufferRecord(NamedTuple):
     shardings: tuple[Any, ...]  # per leaf: where it lives (its pool), compared on every read of the record
     every: tuple[Extent, ...] = ()  # every leaf's extents, in leaf order (what the holders are asked about)
     separate: bool = False  # each live JAX leaf holds bytes of its own: none empty, none another leaf's too
+
+
+class ObjectRecord(NamedTuple):
+    """One object's flattening and the `BufferRecord` of its buffers."""
+
+    leaves: list[Any]
+    treedef: Any
+    record: BufferRecord
 
 
 def buffer_key(obj: StateObject, leaves: list[Any], treedef: Any) -> Any:
@@ -114,7 +128,35 @@ def leaf_record(obj: StateObject, leaves: list[Any], treedef: Any) -> BufferReco
             if len(_RECORDS) >= _MAX_RECORDS:
                 _RECORDS.clear()
             _RECORDS[key] = record
+    _remember(obj, ObjectRecord(leaves, treedef, record))
     return record
+
+
+def object_record(obj: StateObject) -> ObjectRecord:
+    """``obj``'s flattening and `BufferRecord`: remembered for this very object when its key was read before
+    (a step returned it), else as `leaf_record` finds it.
+
+    An object is immutable, so its leaves, and the buffers they hold while alive, are those its key was read
+    from; what may have changed since is asked again: whether an engine pool or a bridge alias now makes a
+    walk answer otherwise (then the key is read anew)."""
+    entry = _BY_OBJECT.get(id(obj))
+    if entry is not None and entry[0]() is obj:
+        known = entry[1]
+        if not accounting.POOL_STORAGES and not any_aliased(known.leaves):
+            return known
+    leaves, treedef = jax.tree_util.tree_flatten(obj)
+    return ObjectRecord(leaves, treedef, leaf_record(obj, leaves, treedef))
+
+
+def _remember(obj: StateObject, known: ObjectRecord) -> None:
+    key = id(obj)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        entry = _BY_OBJECT.get(key)
+        if entry is not None and entry[0] is ref:
+            _BY_OBJECT.pop(key, None)
+
+    _BY_OBJECT[key] = (weakref.ref(obj, forget), known)
 
 
 def seed_extents(obj: StateObject) -> bool:
@@ -128,4 +170,5 @@ def seed_extents(obj: StateObject) -> bool:
     if record is None:
         return False
     ACCT_SLOT.__set__(obj, record.walked)  # a memo, not state: what the walk of these buffers gives
+    _remember(obj, ObjectRecord(leaves, treedef, record))  # (the next step over it reads it from here)
     return True

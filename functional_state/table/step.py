@@ -23,7 +23,7 @@ from ..core.state_object import StateObject
 from ..errors import InvalidTypeError
 from ..memory.extents import Extent
 from ..memory.holders import held_elsewhere, holder_extents
-from .buffer_record import leaf_record, seed_extents
+from .buffer_record import object_record, seed_extents
 from .checks import find_object, locate
 from .ledger import Acct, held_by
 from .lru import replace_session
@@ -46,6 +46,10 @@ _JITTED_LOCK = threading.Lock()
 def _jitted(fn: Callable[..., Any], donate: bool, has_aux: bool) -> Callable[..., Any]:
     """One jitted wrapper per (fn, donate, has_aux): jit caches traces per wrapper, so reuse keeps it at one
     trace. The wrapper checks what ``fn`` returns while it is traced (`_returning_same_type`)."""
+    known = _JITTED.get(fn)  # (read without the lock: an entry is only added, or dropped with its function)
+    jitted = known.get((donate, has_aux)) if known is not None else None
+    if jitted is not None:
+        return jitted
     with _JITTED_LOCK:
         per_fn = _JITTED.setdefault(fn, {})
         jitted = per_fn.get((donate, has_aux))
@@ -117,8 +121,7 @@ def _donation_copies(state: ManagerState, obj: StateObject, retained: Iterable[A
     acct = ledger_of(state)
     own = held_by(obj)
     tables, walked = _protected(state, retained)
-    leaves, treedef = jax.tree_util.tree_flatten(obj)
-    record = leaf_record(obj, leaves, treedef)
+    leaves, treedef, record = object_record(obj)
     # Asked once for all the leaves' extents (each extent's answer is its own): held by another holder.
     every = record.every
     elsewhere = held_elsewhere(acct, every, own)
