@@ -96,15 +96,20 @@ def interleaved_rounds(
     gc_enabled: bool = True,
     rotate: bool = True,
     clock: Clock = "wall",
+    untimed: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, list[float]]:
     """Per function, its per-call time in each of ``repeats`` rounds (one sample of every function per round),
     after one warm-up call each. ``rotate``: round ``i`` starts at the ``i``-th function (mod their number),
     so every function runs in every position equally often and none always follows the same neighbour
     (one that evicts the caches, or leaves garbage for the collector). ``clock``: ``"wall"`` or ``"cpu"``
-    (`time.process_time`: this process's CPU time, every thread's). Pair the samples with `round_ratio`."""
+    (`time.process_time`: this process's CPU time, every thread's). ``untimed``: per function, a call made
+    after each of its runs, off the clock (a reset of what the run used up, e.g. a cache's positions, that
+    is no part of what is compared). Pair the samples with `round_ratio`."""
     now = _CLOCKS[clock]
-    for fn in fns.values():
+    for name, fn in fns.items():
         fn()
+        if untimed and name in untimed:
+            untimed[name]()
     names = list(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     was_enabled = gc.isenabled()
@@ -120,6 +125,8 @@ def interleaved_rounds(
                 samples[name].append((now() - start) / number)
                 if was_enabled:
                     gc.enable()
+                if untimed and name in untimed:
+                    untimed[name]()
     finally:
         if was_enabled:
             gc.enable()

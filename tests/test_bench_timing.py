@@ -71,3 +71,14 @@ def test_the_report_names_a_time_column_without_its_tail():
     assert "*Median only, no p99 / p99.9 measured, in: bare.*" in run._section("t", result)
     result["rows"] = [["64", str(timing.cell_of([3.35e-7]))]]
     assert "Median only" not in run._section("t", result)
+
+
+def test_an_untimed_reset_runs_after_each_run_of_its_function_off_the_clock():
+    order: list[str] = []
+    fns = {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    samples = timing.interleaved_rounds(
+        fns, repeats=4, clock="wall", untimed={"a": lambda: (order.append("reset a"), time.sleep(0.02))}
+    )
+    assert order.count("reset a") == order.count("a") == 5  # the warm-up call and each of the 4 rounds
+    assert all(order[i + 1] == "reset a" for i, k in enumerate(order) if k == "a")
+    assert max(samples["a"]) < 0.01 and max(samples["b"]) < 0.01, "a reset was timed as part of a run"
