@@ -1,0 +1,152 @@
+"""Copy-on-write imports (`import_session` over read-only blob buffers): torch storages borrow the object
+store's memory, `writable` copies them before an in-place write, a write outside it is refused, the bytes are
+accounted honestly, and the buffers live as long as a tensor uses them."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+import functional_state as fs
+from functional_state import ManagerState, SharedStorageWrittenError
+from functional_state.memory.borrowed import borrowed, immutable, n_borrowed
+from functional_state.transfer import SessionBlob, export_session, import_session, importing
+
+N = 1 << 14
+
+
+def _source() -> ManagerState:
+    """A session whose K/V cache a model writes in place (transformers' StaticCache: ``index_copy_``)."""
+    s, _ = fs.get_or_create(ManagerState.create(), "a")
+    g = torch.Generator().manual_seed(0)
+    kv = {"k": torch.randn(4, N // 4, generator=g), "v": torch.randn(N, generator=g).to(torch.bfloat16)}
+    s = fs.put(s, "a", "kv", fs.PytreeValue.create(kv))
+    s = fs.put(s, "a", "ring", fs.LatentBuffer.create(maxlen=2))
+    return fs.commit(s, "a", "ring", torch.arange(64, dtype=torch.float32))
+
+
+def _store_like(blob: SessionBlob, tmp_path) -> tuple[np.ndarray, ...]:
+    """The blob's buffers as the object store hands them out: read-only arrays over sealed, aligned memory
+    (here a file mapped read-only: a stray write would fault rather than pass unseen)."""
+    out = []
+    for i, b in enumerate(blob.buffers):
+        path = tmp_path / f"buffer{i}"
+        path.write_bytes(b.tobytes())
+        with open(path, "rb") as f:
+            out.append(np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8))
+    return tuple(out)
+
+
+def _step(state: ManagerState, sid: str) -> tuple[ManagerState, torch.Tensor]:
+    """One model step: an in-place cache update through `writable`, then an output read from the cache."""
+    state, kv = fs.writable(state, sid, "kv")
+    kv["k"].index_copy_(0, torch.tensor([1]), torch.full((1, N // 4), 0.5))
+    kv["v"].mul_(2)
+    state = fs.commit(state, sid, "kv", kv)
+    return state, (kv["k"].sum(1) + kv["v"].float().sum()).clone()
+
+
+def _storage_ptrs(state: ManagerState, sid: str) -> set[int]:
+    kv = fs.view(state, sid, "kv")
+    return {t.untyped_storage().data_ptr() for t in kv.values()}
+
+
+def _inside(ptrs: set[int], buffers: tuple[np.ndarray, ...]) -> bool:
+    spans = [(b.ctypes.data, b.ctypes.data + b.nbytes) for b in buffers]
+    return all(any(lo <= p < hi for lo, hi in spans) for p in ptrs)
+
+
+def test_an_import_borrows_store_buffers_and_writable_copies_them_before_a_write(tmp_path):
+    s = _source()
+    blob = export_session(s, "a")
+    store = _store_like(blob, tmp_path)
+    before = [b.copy() for b in store]
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
+    assert _inside(_storage_ptrs(t, "a"), store)  # no copy: the session's storages are the store's bytes
+    assert all(borrowed(x) for x in fs.view(t, "a", "kv").values())
+    assert fs.stats(t) == fs.stats(t, exact=True)
+
+    s, expected = _step(s, "a")  # the session continued where it was exported
+    t, got = _step(t, "a")
+    assert torch.equal(got, expected)  # the next step is bit-identical
+    assert not _inside(_storage_ptrs(t, "a"), store)  # `writable` gave the session memory of its own
+    assert all(np.array_equal(a, b) for a, b in zip(store, before))  # the store's bytes are untouched
+    assert fs.stats(t) == fs.stats(t, exact=True)
+    again = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
+    assert all(
+        torch.equal(x, y) for x, y in zip(fs.view(again, "a", "kv").values(), fs.view(_source(), "a", "kv").values())
+    )  # a second import of the same blob reads the original bytes
+
+
+def test_a_write_outside_writable_into_a_borrowed_storage_is_refused_as_for_a_fork(monkeypatch):
+    blob = export_session(_source(), "a")
+    # Memory that can be written, taken for the store's (whose pages a write would reach unseen by the store)
+    monkeypatch.setattr(importing, "immutable", lambda buf: True)
+    store = tuple(torch.empty(b.nbytes, dtype=torch.uint8).numpy() for b in blob.buffers)
+    for dst, src in zip(store, blob.buffers):
+        dst[:] = src
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
+    assert all(borrowed(x) for x in fs.view(t, "a", "kv").values())
+    fs.view(t, "a", "kv")["k"].add_(1)  # what a model writing outside `writable` does
+    with pytest.raises(SharedStorageWrittenError, match="borrows from a transfer blob"):
+        fs.writable(t, "a", "kv")
+
+
+def test_writable_buffers_attr_storages_and_copy_true_are_copied(tmp_path):
+    s = _source()
+    s = fs.set_attr(s, "a", "counter", torch.zeros(64))
+    blob = export_session(s, "a")
+    store = _store_like(blob, tmp_path)
+    private = import_session(ManagerState.create(), SessionBlob(blob.manifest, store), copy=True)
+    assert not _inside(_storage_ptrs(private, "a"), store)
+    assert not any(borrowed(x) for x in fs.view(private, "a", "kv").values())
+
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
+    counter = fs.lookup(t, "a").attrs["counter"]
+    assert not borrowed(counter) and not _inside({counter.untyped_storage().data_ptr()}, store)
+
+    rw = tuple(np.array(b) for b in blob.buffers)  # writable: the caller may change them after the import
+    assert not any(immutable(b) for b in rw)
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, rw))
+    for b in rw:
+        b[:] = 0
+    assert torch.equal(fs.view(t, "a", "kv")["k"], fs.view(s, "a", "kv")["k"])
+
+
+def test_borrowed_buffers_live_as_long_as_the_session_and_no_longer(tmp_path):
+    blob = export_session(_source(), "a")
+    expected = {k: v.clone() for k, v in fs.view(_source(), "a", "kv").items()}
+    store = _store_like(blob, tmp_path)
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
+    n = n_borrowed()
+    assert n >= 2
+    del store, blob
+    gc.collect()
+    kv = fs.view(t, "a", "kv")
+    assert all(torch.equal(kv[k], expected[k]) for k in expected)  # the tensors keep the buffers alive
+    del kv
+    t, _ = fs.drop_session(t, "a")
+    del t
+    gc.collect()
+    assert n_borrowed() == n - 3  # kv's two storages and the ring's one, forgotten with the session
+
+
+@pytest.mark.parametrize(
+    ("buf", "expected"),
+    [
+        (np.frombuffer(b"abcdefgh", np.uint8), True),
+        (np.frombuffer(memoryview(b"abcdefgh"), np.uint8), True),
+        (np.frombuffer(bytearray(8), np.uint8), False),
+        (np.frombuffer(memoryview(bytearray(8)).toreadonly(), np.uint8), False),
+        (np.zeros(8, np.uint8), False),
+    ],
+)
+def test_only_memory_nobody_can_write_is_immutable(buf, expected):
+    assert immutable(buf) is expected
+    ro = np.zeros(8, np.uint8)
+    ro.flags.writeable = False  # (its owner may flag it writable again)
+    assert not immutable(ro) and not immutable(ro[2:])
