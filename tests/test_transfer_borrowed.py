@@ -13,7 +13,7 @@ import torch
 
 import functional_state as fs
 from functional_state import ManagerState, SharedStorageWrittenError
-from functional_state.memory.borrowed import borrowed, immutable, n_borrowed
+from functional_state.memory.outside_readers import immutable, n_read_outside, read_outside
 from functional_state.transfer import SessionBlob, export_session, import_session, importing
 
 N = 1 << 14
@@ -67,7 +67,7 @@ def test_an_import_borrows_store_buffers_and_writable_copies_them_before_a_write
     before = [b.copy() for b in store]
     t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
     assert _inside(_storage_ptrs(t, "a"), store)  # no copy: the session's storages are the store's bytes
-    assert all(borrowed(x) for x in fs.view(t, "a", "kv").values())
+    assert all(read_outside(x) for x in fs.view(t, "a", "kv").values())
     assert fs.stats(t) == fs.stats(t, exact=True)
 
     s, expected = _step(s, "a")  # the session continued where it was exported
@@ -90,9 +90,9 @@ def test_a_write_outside_writable_into_a_borrowed_storage_is_refused_as_for_a_fo
     for dst, src in zip(store, blob.buffers):
         dst[:] = src
     t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
-    assert all(borrowed(x) for x in fs.view(t, "a", "kv").values())
+    assert all(read_outside(x) for x in fs.view(t, "a", "kv").values())
     fs.view(t, "a", "kv")["k"].add_(1)  # what a model writing outside `writable` does
-    with pytest.raises(SharedStorageWrittenError, match="borrows from a transfer blob"):
+    with pytest.raises(SharedStorageWrittenError, match="which a transfer blob reads"):
         fs.writable(t, "a", "kv")
 
 
@@ -103,11 +103,11 @@ def test_writable_buffers_attr_storages_and_copy_true_are_copied(tmp_path):
     store = _store_like(blob, tmp_path)
     private = import_session(ManagerState.create(), SessionBlob(blob.manifest, store), copy=True)
     assert not _inside(_storage_ptrs(private, "a"), store)
-    assert not any(borrowed(x) for x in fs.view(private, "a", "kv").values())
+    assert not any(read_outside(x) for x in fs.view(private, "a", "kv").values())
 
     t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
     counter = fs.lookup(t, "a").attrs["counter"]
-    assert not borrowed(counter) and not _inside({counter.untyped_storage().data_ptr()}, store)
+    assert not read_outside(counter) and not _inside({counter.untyped_storage().data_ptr()}, store)
 
     rw = tuple(np.array(b) for b in blob.buffers)  # writable: the caller may change them after the import
     assert not any(immutable(b) for b in rw)
@@ -118,21 +118,22 @@ def test_writable_buffers_attr_storages_and_copy_true_are_copied(tmp_path):
 
 
 def test_borrowed_buffers_live_as_long_as_the_session_and_no_longer(tmp_path):
+    gc.collect()
+    n = n_read_outside()
     blob = export_session(_source(), "a")
     expected = {k: v.clone() for k, v in fs.view(_source(), "a", "kv").items()}
     store = _store_like(blob, tmp_path)
     t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
-    n = n_borrowed()
-    assert n >= 2
     del store, blob
     gc.collect()
+    assert n_read_outside() == n + 3  # kv's two storages and the ring's one
     kv = fs.view(t, "a", "kv")
     assert all(torch.equal(kv[k], expected[k]) for k in expected)  # the tensors keep the buffers alive
     del kv
     t, _ = fs.drop_session(t, "a")
     del t
     gc.collect()
-    assert n_borrowed() == n - 3  # kv's two storages and the ring's one, forgotten with the session
+    assert n_read_outside() == n  # forgotten with the session
 
 
 @pytest.mark.parametrize(
@@ -150,3 +151,28 @@ def test_only_memory_nobody_can_write_is_immutable(buf, expected):
     ro = np.zeros(8, np.uint8)
     ro.flags.writeable = False  # (its owner may flag it writable again)
     assert not immutable(ro) and not immutable(ro[2:])
+
+
+def test_an_exported_blob_stays_a_snapshot_while_the_session_is_written_in_place():
+    s = _source()
+    exported = {k: v.clone() for k, v in fs.view(s, "a", "kv").items()}
+    blob = export_session(s, "a")  # (views of the session's storages: no copy)
+    assert _inside(_storage_ptrs(s, "a"), blob.buffers)
+    s, _ = _step(s, "a")  # the session stepped before the blob was sent: `writable` copied what it wrote
+    t = import_session(ManagerState.create(), blob)  # (its checksums hold: the blob still has what it exported)
+    assert all(torch.equal(fs.view(t, "a", "kv")[k], exported[k]) for k in exported)
+    assert not torch.equal(fs.view(s, "a", "kv")["v"], exported["v"])
+    assert fs.stats(s) == fs.stats(s, exact=True)
+
+    blob = export_session(s, "a")
+    fs.view(s, "a", "kv")["v"].add_(1)  # outside `writable`, while the blob is alive: it would change the blob
+    with pytest.raises(SharedStorageWrittenError, match="which a transfer blob reads"):
+        fs.writable(s, "a", "kv")
+
+    s = _source()
+    blob = export_session(s, "a")
+    del blob  # (sent, say): nothing reads the storages outside the table any more
+    gc.collect()
+    before = _storage_ptrs(s, "a")
+    s, _ = _step(s, "a")
+    assert _storage_ptrs(s, "a") == before  # written in place, nothing copied

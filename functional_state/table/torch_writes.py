@@ -6,9 +6,9 @@ place, and torch models do write in place: transformers' ``StaticCache.update`` 
 cache it was given. Two halves keep a fork a snapshot:
 
 * `writable` copies exactly the torch storages that anything else holds (another session, an attr, another
-  object: the ledger's holder counts, the answer donation asks too; or a transfer blob an import borrowed it
-  from: `memory.borrowed`), each storage once, rebuilds every view
-  of it over its one copy, and installs the copies in this session. In-place writes on what it returns reach
+  object: the ledger's holder counts, the answer donation asks too; or a live transfer blob exported from it
+  or imported over it: `memory.outside_readers`), each storage once, rebuilds every view of it over its one
+  copy, and installs the copies in this session. In-place writes on what it returns reach
   nobody else.
 * Torch keeps a version counter per tensor (shared by a tensor and its views), raised by every in-place
   write. The versions of the tensors an object holds are recorded where the table takes the object in
@@ -40,8 +40,8 @@ from ..core.pytree import MISSING
 from ..core.session import SessionState
 from ..core.state_object import StateObject
 from ..errors import SharedStorageWrittenError
-from ..memory.borrowed import borrowed
 from ..memory.holders import held_elsewhere
+from ..memory.outside_readers import read_outside
 from ..memory.torch_host import leaf_recipe, rebuild
 from .checks import find_object, locate
 from .ledger import held_by, value_extents
@@ -126,8 +126,10 @@ def check_object(state: ManagerState, sid: str, name: str, obj: StateObject, wha
         extents = value_extents(tensor)
         if extents and held_elsewhere(acct, extents, own):
             sharer = "which another holder (a fork of the session, an attr or another object) shares"
-        elif borrowed(tensor):
-            sharer = "which it borrows from a transfer blob (the object store's read-only buffer other readers share)"
+        elif read_outside(tensor):
+            sharer = (
+                "which a transfer blob reads (a blob exported from it, or the read-only buffer it was imported over)"
+            )
         elif WRITTEN_SHARED.get(tensor.untyped_storage(), version) > version:
             sharer = "which another holder shared when it was written (that holder has left the table since)"
         else:
@@ -207,7 +209,7 @@ def _private(state: ManagerState, obj: StateObject) -> StateObject:
 
     def shared(leaf: Any) -> bool:
         extents = value_extents(leaf)
-        return bool(extents and held_elsewhere(acct, extents, own)) or borrowed(leaf)
+        return bool(extents and held_elsewhere(acct, extents, own)) or read_outside(leaf)
 
     return _copied(obj, shared)
 

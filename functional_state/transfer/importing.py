@@ -12,7 +12,7 @@ import numpy as np
 from .. import table as ms
 from ..core.session import SessionState
 from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, StaleEpochError, TransferError
-from ..memory.borrowed import borrow, immutable
+from ..memory.outside_readers import borrow, immutable
 from ..persist.checkpoint import check_free, install_session
 from ..persist.confined import check_depth
 from ..persist.decode import Reader, check_templates, decode_sharding, release_sessions
@@ -47,7 +47,7 @@ def import_session(
     buffer's checksum.
 
     Copy-on-write: a torch storage of the session's objects is built over the blob's buffer itself, with no
-    copy, where that buffer's memory can never change (`memory.borrowed.immutable`: what ``ray.get`` returns,
+    copy, where that buffer's memory can never change (`memory.outside_readers.immutable`: what ``ray.get`` returns,
     the object store's sealed memory, read in place) and is 64-byte aligned. Such a storage is *borrowed*:
     `writable` copies it into the session's own memory before any in-place write (as it copies a storage a
     fork shares), and a write made outside `writable` is refused (`SharedStorageWrittenError`) as for a fork.
