@@ -176,3 +176,20 @@ def test_an_exported_blob_stays_a_snapshot_while_the_session_is_written_in_place
     before = _storage_ptrs(s, "a")
     s, _ = _step(s, "a")
     assert _storage_ptrs(s, "a") == before  # written in place, nothing copied
+
+
+def test_a_storage_a_jax_alias_views_is_copied_never_borrowed(tmp_path):
+    from torch_bridge import to_jax
+
+    s = _source()
+    aliased = torch.arange(1 << 14, dtype=torch.float32)
+    s = fs.put(s, "a", "alias", fs.DenseValue.create([to_jax(aliased)]))
+    blob = export_session(s, "a")
+    store = _store_like(blob, tmp_path)
+    t = import_session(ManagerState.create(), SessionBlob(blob.manifest, store))
+    alias = fs.view(t, "a", "alias")[0]
+    assert np.array_equal(np.asarray(alias), aliased.numpy())
+    # (a step may donate the alias: XLA must never be handed the store's memory as a buffer to write)
+    assert not _inside({np.asarray(alias).ctypes.data}, store)
+    assert all(read_outside(x) for x in fs.view(t, "a", "kv").values())  # the rest is still borrowed
+    assert fs.stats(t) == fs.stats(t, exact=True)

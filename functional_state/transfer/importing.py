@@ -53,8 +53,8 @@ def import_session(
     fork shares), and a write made outside `writable` is refused (`SharedStorageWrittenError`) as for a fork.
     The storages keep the buffer alive while any tensor uses them; the ledger counts their bytes as the
     session's. Everything else is copied, checksummed in the same pass: a writable buffer (a caller could
-    change it after the import), a storage an attr holds (attrs are not written through `writable`), and JAX
-    leaves (a step donates JAX buffers, and XLA may write into a donated one). ``copy=True`` copies every
+    change it after the import), a storage an attr holds (attrs are not written through `writable`), JAX
+    leaves and storages a JAX alias views (a step donates JAX buffers, and XLA may write into a donated one). ``copy=True`` copies every
     storage into private memory at once.
 
     Args:
@@ -236,7 +236,7 @@ def _owned_arrays(blob: SessionBlob, where: str, placement: Any, copy: bool) -> 
     (`_borrowable`), else copied into memory the new session owns (checksummed in the same pass); leaves of
     no bytes rebuilt from the manifest."""
     leaves, keys = blob.manifest["leaves"], blob.manifest[TRANSFER]["buffers"]
-    private = set() if copy else _attr_storages(blob.manifest["sessions"][0])
+    private = set() if copy else _private_storages(blob.manifest["sessions"][0])
 
     def read(job: tuple[str, Any]) -> tuple[str, Any]:
         key, buf = job
@@ -280,19 +280,21 @@ def _borrowable(buf: Any, src: np.ndarray) -> bool:
 _ALIGN = 64  # (what `read.host_storage` gives, and JAX's DLPack import needs to alias rather than copy)
 
 
-def _attr_storages(entry: dict[str, Any]) -> set[str]:
-    """The storage keys the session's attrs name: copied, never borrowed (`writable` guards objects only, and
-    a model may write an attr tensor in place)."""
+def _private_storages(entry: dict[str, Any]) -> set[str]:
+    """The storage keys that are copied, never borrowed: those the session's attrs name (`writable` guards
+    objects only, and a model may write an attr tensor in place), and those a JAX alias of the torch bridge
+    views (a step may donate the alias, and XLA may write its output into a donated buffer)."""
     found: set[str] = set()
-    stack: list[Any] = [entry.get("attrs")]
+    stack: list[tuple[Any, bool]] = [(entry.get("attrs"), True), (entry.get("objects"), False)]
     while stack:
-        x = stack.pop()
+        x, private = stack.pop()
         if isinstance(x, dict):
-            if x.get("t") == "torch" and isinstance(x.get("storage"), str):
+            private = private or x.get("t") == "jax_alias"
+            if private and x.get("t") == "torch" and isinstance(x.get("storage"), str):
                 found.add(x["storage"])
-            stack.extend(x.values())
+            stack.extend((v, private) for v in x.values())
         elif isinstance(x, list):
-            stack.extend(x)
+            stack.extend((v, private) for v in x)
     return found
 
 
