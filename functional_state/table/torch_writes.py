@@ -41,6 +41,7 @@ from ..core.session import SessionState
 from ..core.state_object import StateObject
 from ..errors import SharedStorageWrittenError
 from ..memory.holders import held_elsewhere
+from ..memory.huge_pages import HUGE_PAGE, advise_huge_pages
 from ..memory.outside_readers import read_outside
 from ..memory.torch_host import leaf_recipe, rebuild
 from .checks import find_object, locate
@@ -193,13 +194,27 @@ def _copied(obj: StateObject, copy_storage_of: Callable[[Any], bool]) -> StateOb
             storage = leaf.untyped_storage()
             key = (str(leaf.device), storage.data_ptr())
             if key not in copies:
-                copies[key] = storage.clone() if copy_storage_of(leaf) else None
+                copies[key] = _clone(storage, leaf.is_cpu) if copy_storage_of(leaf) else None
             if (copy := copies[key]) is not None:
                 leaf = rebuild(leaf_recipe(leaf, 0, None), copy, leaf.device)
         out.append(leaf)
     if not any(c is not None for c in copies.values()):
         return obj
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _clone(storage: Any, is_cpu: bool) -> Any:
+    """A copy of untyped ``storage``. A large host one goes into memory advised for huge pages before its first
+    touch (`memory.huge_pages`): the first in-place write after a copy-on-write import copies whole storages
+    of hundreds of MiB, and torch's allocator never asks, so each 4 KiB page would fault on its own."""
+    nbytes = storage.nbytes()
+    if not is_cpu or nbytes < 2 * HUGE_PAGE:
+        return storage.clone()
+    torch = sys.modules["torch"]
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    advise_huge_pages(out.data_ptr(), nbytes)
+    out.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    return out.untyped_storage()
 
 
 def _private(state: ManagerState, obj: StateObject) -> StateObject:
