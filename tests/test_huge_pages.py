@@ -53,10 +53,12 @@ def test_the_copy_writable_makes_of_a_large_host_storage_takes_huge_pages():
 
     nbytes = 64 << 20
     s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
-    s = fs.put(s, "a", "kv", fs.PytreeValue.create({"k": torch.ones(nbytes, dtype=torch.uint8)}))
+    k = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    s = fs.put(s, "a", "kv", fs.PytreeValue.create({"k": k[8:].view(torch.int16)}))  # (a view: offset kept)
     s = fs.fork_session(s, "a", "b")  # (shared: `writable` must copy it)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     s, kv = fs.writable(s, "a", "kv")
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < nbytes // 4096 // 4, faults  # 4 KiB pages would be 16,384
     assert kv["k"].untyped_storage().resizable() and torch.equal(kv["k"], fs.view(s, "b", "kv")["k"])
+    assert kv["k"].untyped_storage().data_ptr() != fs.view(s, "b", "kv")["k"].untyped_storage().data_ptr()

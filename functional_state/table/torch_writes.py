@@ -27,6 +27,7 @@ without a record is one dictionary lookup.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -205,16 +206,23 @@ def _copied(obj: StateObject, copy_storage_of: Callable[[Any], bool]) -> StateOb
 
 def _clone(storage: Any, is_cpu: bool) -> Any:
     """A copy of untyped ``storage``. A large host one goes into memory advised for huge pages before its first
-    touch (`memory.huge_pages`): the first in-place write after a copy-on-write import copies whole storages
-    of hundreds of MiB, and torch's allocator never asks, so each 4 KiB page would fault on its own."""
+    touch (`memory.huge_pages`), copied by numpy: the first in-place write after a copy-on-write import copies
+    whole storages of hundreds of MiB, and ``clone()`` faulted every 4 KiB page (torch's allocator never asks)
+    and copied at a fraction of numpy's speed (measured: 5-7x slower for 603 MiB on this 2-core machine)."""
     nbytes = storage.nbytes()
     if not is_cpu or nbytes < 2 * HUGE_PAGE:
         return storage.clone()
     torch = sys.modules["torch"]
     out = torch.empty(nbytes, dtype=torch.uint8)
     advise_huge_pages(out.data_ptr(), nbytes)
-    out.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    # (views by address, not `.numpy()`: that would make the copy's storage non-resizable for good)
+    np.copyto(_bytes_at(out.data_ptr(), nbytes), _bytes_at(storage.data_ptr(), nbytes))
     return out.untyped_storage()
+
+
+def _bytes_at(address: int, nbytes: int) -> np.ndarray:
+    """A uint8 view of ``nbytes`` at ``address`` (valid while the storage there lives)."""
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
 
 
 def _private(state: ManagerState, obj: StateObject) -> StateObject:
