@@ -193,3 +193,16 @@ def test_a_storage_a_jax_alias_views_is_copied_never_borrowed(tmp_path):
     assert not _inside({np.asarray(alias).ctypes.data}, store)
     assert all(read_outside(x) for x in fs.view(t, "a", "kv").values())  # the rest is still borrowed
     assert fs.stats(t) == fs.stats(t, exact=True)
+
+
+def test_a_storage_stays_read_outside_while_any_of_its_blobs_lives():
+    s = _source()
+    k = fs.view(s, "a", "kv")["k"]
+    first, second = export_session(s, "a"), export_session(s, "a")
+    assert read_outside(k)
+    del first
+    gc.collect()
+    assert read_outside(k)  # (the second blob still reads it)
+    del second
+    gc.collect()
+    assert not read_outside(k)

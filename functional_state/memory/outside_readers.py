@@ -20,6 +20,7 @@ is refused.
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = ["borrow", "immutable", "n_read_outside", "read_by", "read_outside"]
 
 # (data address, bytes) of a CPU storage -> weak references to the arrays outside the table that read it
 _READERS: dict[tuple[int, int], list[weakref.ref[np.ndarray]]] = {}
+_LOCK = threading.RLock()  # (re-entrant: a collection inside `read_by` may run `_forget`)
 
 
 def immutable(buf: Any) -> bool:
@@ -71,15 +73,20 @@ def read_by(address: int, nbytes: int, reader: np.ndarray) -> None:
     table over its memory) for as long as ``reader`` lives."""
     if nbytes:
         key = (address, nbytes)
-        _READERS.setdefault(key, []).append(weakref.ref(reader, functools.partial(_forget, _READERS, key)))
+        ref = weakref.ref(reader, functools.partial(_forget, _READERS, key))
+        with _LOCK:  # (lists replaced, never changed in place: a reader's callback may run inside this block)
+            _READERS[key] = [*_READERS.get(key, ()), ref]
 
 
 def _forget(registry: dict[tuple[int, int], list[Any]], key: tuple[int, int], ref: Any) -> None:
-    refs = registry.get(key)
-    if refs is not None and ref in refs:
-        refs.remove(ref)
-        if not refs:
-            del registry[key]
+    with _LOCK:
+        refs = registry.get(key)
+        if refs is not None:
+            alive = [r for r in refs if r is not ref and r() is not None]
+            if alive:
+                registry[key] = alive
+            else:
+                del registry[key]
 
 
 def borrow(buf: np.ndarray) -> Any:
