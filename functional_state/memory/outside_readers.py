@@ -19,9 +19,9 @@ is refused.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
-import warnings
 import weakref
 from typing import Any
 
@@ -101,11 +101,13 @@ def borrow(buf: np.ndarray) -> Any:
     """
     import torch  # (only a blob holding torch storages borrows)
 
-    owner = buf.view()  # (a view of its own: torch keeps it, so it dies with the storage, and not before)
-    with warnings.catch_warnings():
-        # torch warns that the array is not writable: the registry is what keeps writes away from it
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        tensor = torch.from_numpy(owner)
+    # A view by address, not ``torch.from_numpy(buf)``: torch warns about a read-only array, and silencing it
+    # (``warnings.catch_warnings``) is not thread-safe. The view keeps ``buf`` alive: the store's buffer lives
+    # as long as the storage does.
+    window = (ctypes.c_ubyte * buf.nbytes).from_address(buf.ctypes.data)
+    window._keep = buf  # type: ignore[attr-defined]
+    owner = np.ctypeslib.as_array(window)
+    tensor = torch.from_numpy(owner)
     storage = tensor.untyped_storage()
     read_by(storage.data_ptr(), storage.nbytes(), owner)
     return tensor

@@ -243,7 +243,7 @@ def _owned_arrays(blob: SessionBlob, where: str, placement: Any, copy: bool) -> 
         src = _as_bytes(buf)
         if leaves[key]["kind"] == "torch_storage":
             if not copy and key not in private and _borrowable(buf, src):
-                return checksum(src), borrow(src)
+                return checksum(src), src  # (borrowed below, once its checksum held)
             out, owner = host_storage(src.nbytes)  # (aligned, resizable: as a checkpoint load gives)
             return copy_checksum(src, out), owner
         # A JAX leaf is always copied: a step donates JAX buffers, and XLA may write its output into a donated
@@ -260,7 +260,7 @@ def _owned_arrays(blob: SessionBlob, where: str, placement: Any, copy: bool) -> 
                 f"{where}: buffer {key!r} fails its checksum ({CHECKSUM}); the blob was damaged or tampered with in "
                 f"transit. Export it again."
             )
-        arrays[key] = data
+        arrays[key] = borrow(data) if isinstance(data, np.ndarray) and leaves[key]["kind"] == "torch_storage" else data
     for key, leaf in leaves.items():
         if leaf["kind"] == "jax":
             host = arrays.get(key, np.empty(0, np.uint8)).view(np.dtype(leaf["dtype"])).reshape(leaf["shape"])
