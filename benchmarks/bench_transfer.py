@@ -2,11 +2,15 @@
 
 At 64 MiB and 603 MiB of torch storages, medians of interleaved rounds of:
 
-* **memcpy**: every storage cloned (fresh memory, as an import needs).
+* **memcpy**: every storage's bytes copied by numpy into fresh memory (numpy asks for huge pages), and into
+  memory written before.
 * **object store put/get**: the same bytes as numpy arrays through ``ray.put`` and ``ray.get`` (the floor a
   transfer through Ray can reach: one copy into the store, the read in place).
 * **transfer**: `export_session` (the buffers are views), ``ray.put`` of its buffers and manifest, ``ray.get``,
-  `import_session` (checked whole, copied into memory of its own with the checksums in the same pass).
+  `import_session` (checked whole; copy-on-write: torch storages borrow the store's buffers), and the same with
+  ``copy=True`` (one copy into memory of its own, checksummed in the same pass).
+* **transfer + first step** against **memcpy + first step**: the first in-place write pays the deferred copy.
+* **xxh3 of every byte** (1 and 2 threads) and the **floor**: put/get plus one hash pass on each side.
 * **checkpoint** (64 MiB only): `save_session` + `load_session` through a directory, the way before.
 
 Then one move between two Ray actors (`SessionCluster.move`: export on one, import and claim on the other,
@@ -16,20 +20,34 @@ the placement figures of a 10,000-session table.
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+import xxhash
 
 import functional_state as fs
-from _timing import fmt_time, interleaved_medians
+from _timing import fmt_time, interleaved_medians, interleaved_rounds
 from functional_state.serving import SessionCluster, SessionReplica
 from functional_state.transfer import SessionBlob, claim, export_session, import_session, placement
 
 MIB = 2**20
 
-_BREAKDOWN = " Where the transfer's time goes (603 MiB, one process, separately, on the busy machine): export 23-63 ms (checksums of views), the put 78 ms into store memory touched before (490 ms the first times), the get 1-2 ms, the import 190-660 ms once warm. The import copies torch storages into fresh torch memory advised for huge pages (`memory.huge_pages`: ~1,100 page faults instead of ~154,000, 35-80 ms of kernel time instead of 250 ms), checksummed in the same pass; the first such import in a process paid 1.4 s of kernel time compacting memory (the machine's free memory is fragmented by other jobs), which the medians here include in their first rounds. An import must own writable memory for torch storages (a model writes them in place; the store's memory is read-only and shared), so one copy stays: the goals need that copy to land in recycled memory kept warm between imports, or a copy-on-write import over the store's buffers (`writable` copying a storage first), neither done."
+_BREAKDOWN = (
+    " The import is copy-on-write (`import_session`'s default): each torch storage is built over the buffer"
+    " `ray.get` returned (the store's sealed memory, read in place) and registered as read outside the table"
+    " (`memory.outside_readers`), so the import reads every byte once to check its XXH3 checksum and copies"
+    " nothing; `writable` copies a storage before the first in-place write (into memory advised for huge pages),"
+    " which is why 'transfer + first step'"
+    " (the feat map written in place through `writable`) is set beside 'memcpy + first step'. The export copies"
+    " nothing either (its buffers are views, registered while the blob lives: a write through `writable` before"
+    " the put copies first, so the blob stays a snapshot); the put is the one copy. The floor row is what any"
+    " checked transfer pays: put/get plus one XXH3 pass on each side (export and import), taken from the measured"
+    " 1-thread hash row; the 2-thread row shows whether a second core helps the hash on this machine."
+)
 
 
 def _session(mib: int) -> fs.ManagerState:
@@ -59,11 +77,31 @@ def _step_fn(handle, t):  # (the actors' model: the bench moves sessions, it ste
 def run() -> dict:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=1536 * MIB)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=3072 * MIB)
     try:
         return _run(ray)
     finally:
         ray.shutdown()
+
+
+def _hash_all(arrays: list[np.ndarray], threads: int) -> None:
+    """XXH3-128 of every buffer, each in 8 MiB chunks, on ``threads`` threads (the hash's speed, alone)."""
+    chunks = [a[i : i + (8 << 20)] for a in arrays for i in range(0, a.nbytes, 8 << 20)]
+    if threads == 1:
+        for c in chunks:
+            xxhash.xxh3_128(c.data).digest()
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda c: xxhash.xxh3_128(c.data).digest(), chunks))
+
+
+def _first_step(state: fs.ManagerState) -> fs.ManagerState:
+    """A model's first step after a move: the feat map written in place (a cache update), through `writable`
+    (which copies a storage the session borrows from the object store, once)."""
+    state, feat = fs.writable(state, "s", "feat_map")
+    for t in feat:
+        t[0] = 1.0
+    return fs.commit(state, "s", "feat_map", feat)
 
 
 def _run(ray) -> dict:
@@ -75,8 +113,14 @@ def _run(ray) -> dict:
         storages = _storages(state)
         arrays = [t.numpy() for t in storages]
 
-        def memcpy(storages=storages):
-            return [t.clone() for t in storages]
+        def memcpy(arrays=arrays):
+            return [a.copy() for a in arrays]  # (numpy: its fastest copy, and it asks for huge pages)
+
+        def memcpy_step(arrays=arrays):
+            out = [a.copy() for a in arrays]
+            for a in out:
+                a[:2] = 1  # (the step's own write, as `_first_step` makes)
+            return out
 
         warm = [np.empty_like(a) for a in arrays]
 
@@ -87,17 +131,33 @@ def _run(ray) -> dict:
         def put_get(arrays=arrays):
             return ray.get(ray.put(arrays))
 
-        def transfer(state=state):
+        def move(state=state, copy=False):
             blob = export_session(state, "s")
             manifest, buffers = ray.put(blob.manifest_bytes()), ray.put(list(blob.buffers))
+            del blob  # (sent: the session's storages are its own again)
             got = SessionBlob.from_parts(ray.get(manifest), ray.get(buffers))
-            return import_session(fs.ManagerState.create(), got)
+            return import_session(fs.ManagerState.create(), got, copy=copy)
+
+        sent = export_session(state, "s")
+        got_ref = ray.put(list(sent.buffers))
+        got = SessionBlob(sent.manifest, tuple(ray.get(got_ref)))
+        del sent
 
         fns = {
             "memcpy (fresh memory)": memcpy,
             "memcpy (memory touched before)": memcpy_warm,
             "object store put/get": put_get,
-            "transfer": transfer,
+            "xxh3 of every byte, 1 thread": lambda arrays=arrays: _hash_all(arrays, 1),
+            "xxh3 of every byte, 2 threads": lambda arrays=arrays: _hash_all(arrays, 2),
+            "export_session alone": lambda state=state: export_session(state, "s"),
+            "import_session alone (copy-on-write)": lambda got=got: import_session(fs.ManagerState.create(), got),
+            "import_session alone (copy=True)": lambda got=got: import_session(
+                fs.ManagerState.create(), got, copy=True
+            ),
+            "transfer (copy-on-write import)": move,
+            "transfer (copy=True import)": lambda state=state: move(state, copy=True),
+            "memcpy + first step": memcpy_step,
+            "transfer + first step": lambda state=state: _first_step(move(state)),
         }
         if mib == 64:
             path = tempfile.mkdtemp() + "/s"
@@ -107,19 +167,33 @@ def _run(ray) -> dict:
                 return fs.load_session(fs.ManagerState.create(), "s", path)
 
             fns["checkpoint save + load"] = checkpoint
-        t = interleaved_medians(fns, repeats=5 if mib > 100 else 9)
+        samples = interleaved_rounds(fns, repeats=5 if mib > 100 else 9)
+        t = {name: statistics.median(v) for name, v in samples.items()}
         for name, v in t.items():
-            rows.append([f"{nbytes / MIB:.0f} MiB: {name}", fmt_time(v), f"{nbytes / v / 1e9:.2f} GB/s"])
-        figures[f"{mib}"] = {k: v for k, v in t.items()}
+            spread = f"{fmt_time(min(samples[name]))} - {fmt_time(max(samples[name]))}"
+            rows.append([f"{nbytes / MIB:.0f} MiB: {name}", fmt_time(v), spread, f"{nbytes / v / 1e9:.2f} GB/s"])
+        floor = t["object store put/get"] + 2 * t["xxh3 of every byte, 1 thread"]
+        rows.append(
+            [
+                f"{nbytes / MIB:.0f} MiB: floor (put/get + one hash pass on each side)",
+                fmt_time(floor),
+                "",
+                f"{nbytes / floor / 1e9:.2f} GB/s",
+            ]
+        )
+        figures[f"{mib}"] = {**t, "floor": floor, "spread": {k: (min(v), max(v)) for k, v in samples.items()}}
+        tr = t["transfer (copy-on-write import)"]
         ratios += [
-            (f"{mib} MiB transfer / memcpy into fresh memory", t["transfer"] / t["memcpy (fresh memory)"]),
+            (f"{mib} MiB transfer / memcpy into fresh memory", tr / t["memcpy (fresh memory)"]),
+            (f"{mib} MiB transfer / memcpy into touched memory (goal <= 2)", tr / t["memcpy (memory touched before)"]),
             (
-                f"{mib} MiB transfer / memcpy into touched memory (goal <= 2)",
-                t["transfer"] / t["memcpy (memory touched before)"],
+                f"{mib} MiB transfer + first step / memcpy + first step",
+                t["transfer + first step"] / t["memcpy + first step"],
             ),
-            (f"{mib} MiB transfer / object store put+get (goal <= 1.2)", t["transfer"] / t["object store put/get"]),
+            (f"{mib} MiB floor (put/get + 2 hash passes) / object store put+get", floor / t["object store put/get"]),
+            (f"{mib} MiB transfer / object store put+get (goal <= 1.2)", tr / t["object store put/get"]),
         ]
-        del arrays, warm
+        del arrays, warm, got, got_ref
 
     # One move between two actors, and a failover, at 603 MiB (a fresh session built on the first actor).
     actor = ray.remote(SessionReplica).options(num_cpus=0)
@@ -138,9 +212,9 @@ def _run(ray) -> dict:
         cluster.failover("b")
         failover_s = time.perf_counter() - start
     rows.append(
-        [f"{nbytes / MIB:.0f} MiB: move between two actors", fmt_time(move_s), f"{nbytes / move_s / 1e9:.2f} GB/s"]
+        [f"{nbytes / MIB:.0f} MiB: move between two actors", fmt_time(move_s), "", f"{nbytes / move_s / 1e9:.2f} GB/s"]
     )
-    rows.append([f"{nbytes / MIB:.0f} MiB: failover (resume from checkpoint)", fmt_time(failover_s), ""])
+    rows.append([f"{nbytes / MIB:.0f} MiB: failover (resume from checkpoint)", fmt_time(failover_s), "", ""])
 
     table = fs.ManagerState.create(max_sessions=10_000, byte_budget="64 GiB")
     for i in range(10_000):
@@ -148,22 +222,24 @@ def _run(ray) -> dict:
         table = fs.put(table, f"s{i}", "x", fs.DenseValue.create([np.zeros(16, np.float32)]))
     placement(table)
     placed = interleaved_medians({"placement": lambda: placement(table)}, repeats=7)["placement"]
-    rows.append(["placement figures, 10,000 sessions", fmt_time(placed), ""])
+    rows.append(["placement figures, 10,000 sessions", fmt_time(placed), "", ""])
     figures.update(move_s=move_s, failover_s=failover_s, placement_10k_s=placed)
     return {
         "title": "Move a session between processes on Ray (export, object store, import)",
-        "header": ("operation", "median time", "throughput"),
+        "header": ("operation", "median time", "spread (min - max)", "throughput"),
         "rows": rows,
         "ratio": ratios[-1],
         "extra_ratios": ratios[:-1],
         "notes": (
-            "In one process, interleaved rounds (9 at 64 MiB, 5 at 603 MiB): memcpy (fresh memory) is a clone of every "
-            "storage, which pays the first touch of new pages as an import must; memcpy (memory touched before) copies "
-            "into buffers written once already (the issue's 110 ms memcpy); object store put/get is `ray.put` + `ray.get` of the same bytes as numpy arrays; transfer is "
-            "`export_session` (views of the storages, checksummed), `ray.put` of its manifest text and buffers, "
-            "`ray.get` (read in place), and `import_session` (every check of a checkpoint load, then one copy into "
-            "memory of the session's own, checksummed in the same pass). The actor rows are single runs including "
-            "Ray's task round trips." + _BREAKDOWN + " Measured on a 2-core machine shared with other jobs: noisy."
+            "In one process, interleaved rounds (9 at 64 MiB, 5 at 603 MiB), median and the spread of the rounds:"
+            " memcpy (fresh memory) is numpy's copy of every storage's bytes into new memory, which pays the first"
+            " touch of new pages (numpy asks for huge pages, as `import_session(copy=True)` and `writable`'s copies"
+            " do; torch's own clone was several times slower here, so it is not the baseline); memcpy"
+            " (memory touched before) copies into buffers written once already (the issue's 110 ms memcpy); object"
+            " store put/get is `ray.put` + `ray.get` of the same bytes as numpy arrays; transfer is `export_session`,"
+            " `ray.put` of its manifest text and buffers, `ray.get` (read in place) and `import_session`. The actor"
+            " rows are single runs including Ray's task round trips." + _BREAKDOWN + " Measured on a 2-core machine"
+            " shared with other jobs: noisy."
         ),
         "figures": figures,
     }

@@ -42,3 +42,23 @@ def test_a_torch_storage_an_import_fills_takes_huge_pages():
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < nbytes // 4096 // 4, faults  # 4 KiB pages would be 16,384
     assert owner.untyped_storage().nbytes() == nbytes and owner.untyped_storage().resizable()
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="transparent huge pages are off here")
+def test_the_copy_writable_makes_of_a_large_host_storage_takes_huge_pages():
+    # The first in-place write after a copy-on-write import copies whole borrowed storages (`writable`):
+    # `storage.clone()` faulted every 4 KiB page of the copy.
+    torch = pytest.importorskip("torch")
+    import functional_state as fs
+
+    nbytes = 64 << 20
+    s, _ = fs.get_or_create(fs.ManagerState.create(), "a")
+    k = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    s = fs.put(s, "a", "kv", fs.PytreeValue.create({"k": k[8:].view(torch.int16)}))  # (a view: offset kept)
+    s = fs.fork_session(s, "a", "b")  # (shared: `writable` must copy it)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    s, kv = fs.writable(s, "a", "kv")
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < nbytes // 4096 // 4, faults  # 4 KiB pages would be 16,384
+    assert kv["k"].untyped_storage().resizable() and torch.equal(kv["k"], fs.view(s, "b", "kv")["k"])
+    assert kv["k"].untyped_storage().data_ptr() != fs.view(s, "b", "kv")["k"].untyped_storage().data_ptr()

@@ -7,7 +7,7 @@ contiguous uint8 buffer per leaf that has bytes, in the order ``manifest["transf
 Nothing in it is pickled: a receiver builds only what the manifest describes, after checking all of it
 (`functional_state.transfer.import_session`). The buffers are plain numpy arrays, so Ray's object store
 carries them without a copy of their own (``ray.put(blob.buffers)``; a ``ray.get`` on the same node reads
-them in place, read-only).
+them in place, read-only, and an import builds its torch storages over them: copy-on-write).
 """
 
 from __future__ import annotations

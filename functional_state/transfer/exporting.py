@@ -1,5 +1,5 @@
 """`export_session`: one session of a table as a `SessionBlob`, with no filesystem and no extra copy of host
-storages (the buffers are views of them)."""
+storages (the buffers are views of them, registered as read outside the table while the blob lives)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import table as ms
 from .._version import __version__
+from ..memory.outside_readers import read_by
 from ..persist.encode import AttrHooks, Writer
 from ..persist.manifest import FORMAT, LAYOUT, in_arrays_item, seal
 from ..table.manager_state import ManagerState
@@ -30,8 +31,10 @@ def export_session(
 ) -> SessionBlob:
     """Session ``session_id`` of ``state`` as a `SessionBlob`: everything `save_session` would write, in memory.
 
-    The buffers of host torch storages and numpy arrays are views of them, not copies: import the blob (or
-    ``ray.put`` its buffers) before the session is written in place again. A JAX array becomes host bytes (a
+    The buffers of host torch storages are views of them, not copies, and the blob stays a snapshot: while it
+    lives, `writable` copies such a storage before the session writes it in place (as for a storage a fork
+    shares), and a write outside `writable` is refused. Drop the blob once it is sent (``ray.put`` copied it
+    into the object store) so that later writes copy nothing. A JAX array becomes host bytes (a
     device array is copied to the host once). Engine-owned KV (`PagedKVHandle`) goes through the engine's
     export hook, as for a checkpoint: pass ``object_hooks={name: (export, import)}``; without one it is refused.
 
@@ -79,7 +82,14 @@ def export_session(
         },
     }
     seal(manifest)
-    return SessionBlob(manifest, tuple(_host_bytes(writer.arrays[key]) for key in keys))
+    buffers = tuple(_host_bytes(writer.arrays[key]) for key in keys)
+    # The buffers of host storages are views of them: while the blob lives, `writable` copies such a storage
+    # before the session writes it in place, so the blob keeps holding the state it exported.
+    exported = {key: (ptr, n) for (device, ptr, n), key in writer.storages.items() if device == "cpu"}
+    for key, buf in zip(keys, buffers):
+        if key in exported:
+            read_by(exported[key][0], exported[key][1], buf)
+    return SessionBlob(manifest, buffers)
 
 
 def _host_bytes(data: Any) -> np.ndarray:

@@ -12,12 +12,13 @@ import numpy as np
 from .. import table as ms
 from ..core.session import SessionState
 from ..errors import CheckpointError, InvalidArgumentError, InvalidTypeError, StaleEpochError, TransferError
+from ..memory.outside_readers import borrow, immutable
 from ..persist.checkpoint import check_free, install_session
 from ..persist.confined import check_depth
 from ..persist.decode import Reader, check_templates, decode_sharding, release_sessions
 from ..persist.encode import AttrHooks
 from ..persist.fencing import manifest_epoch
-from ..persist.manifest import CHECKSUM, check_manifest, copy_checksum, in_parallel
+from ..persist.manifest import CHECKSUM, check_manifest, checksum, copy_checksum, in_parallel
 from ..persist.read import host_storage
 from ..persist.validate import StoredLeaf, check_stored
 from ..table.manager_state import ManagerState
@@ -37,13 +38,24 @@ def import_session(
     attr_hooks: AttrHooks | None = None,
     object_hooks: AttrHooks | None = None,
     templates: Mapping[str, Any] | None = None,
+    copy: bool = False,
 ) -> ManagerState:
     """``state`` holding the session ``blob`` carries (under ``as_id`` if given) as its most recent session.
 
-    Everything is checked before anything is allocated or built: the manifest's seal and every node (the
-    checks a checkpoint load makes, `persist.validate`), the buffers' count and sizes, the epoch and the
-    model; then each buffer is copied into memory of the new session's own, its checksum computed in the same
-    pass (the blob's buffers may be read-only object-store memory).
+    Everything is checked before anything is installed: the manifest's seal and every node (the checks a
+    checkpoint load makes, `persist.validate`), the buffers' count and sizes, the epoch, the model, and every
+    buffer's checksum.
+
+    Copy-on-write: a torch storage of the session's objects is built over the blob's buffer itself, with no
+    copy, where that buffer's memory can never change (`memory.outside_readers.immutable`: what ``ray.get`` returns,
+    the object store's sealed memory, read in place) and is 64-byte aligned. Such a storage is *borrowed*:
+    `writable` copies it into the session's own memory before any in-place write (as it copies a storage a
+    fork shares), and a write made outside `writable` is refused (`SharedStorageWrittenError`) as for a fork.
+    The storages keep the buffer alive while any tensor uses them; the ledger counts their bytes as the
+    session's. Everything else is copied, checksummed in the same pass: a writable buffer (a caller could
+    change it after the import), a storage an attr holds (attrs are not written through `writable`), JAX
+    leaves and storages a JAX alias views (a step donates JAX buffers, and XLA may write into a donated one). ``copy=True`` copies every
+    storage into private memory at once.
 
     Args:
       epoch: the epoch the caller expects the session at (a router's record); None skips the check.
@@ -51,6 +63,7 @@ def import_session(
       placement: where JAX leaves go: None (the sharding they were exported with, when its devices are here),
         a ``jax.Device`` or a ``jax.sharding.Sharding``. Torch tensors go to the device they were on.
       attr_hooks, object_hooks, templates: as for `load_session` (engine KV comes back through ``object_hooks``).
+      copy: copy every buffer into memory of the session's own now instead of borrowing the read-only ones.
 
     Returns:
       The new table; ``state`` is unchanged.
@@ -81,6 +94,7 @@ def import_session(
         object_hooks=object_hooks,
         templates=templates,
         free_in=state if target is None else None,
+        copy=copy,
     )
     try:
         return install_session(state, target if target is not None else sid, session)
@@ -99,6 +113,7 @@ def read_blob(
     object_hooks: AttrHooks | None = None,
     templates: Mapping[str, Any] | None = None,
     free_in: ManagerState | None = None,
+    copy: bool = False,
 ) -> tuple[str, SessionState]:
     """``(session id, the SessionState)`` a blob carries, checked whole and built (what `import_session`
     installs; a shell installs it with ``SessionStateManager.install_session``). See `import_session` for the
@@ -132,7 +147,7 @@ def read_blob(
         )
     if free_in is not None:
         check_free(free_in, sid, False)
-    arrays = _owned_arrays(blob, where, placement)
+    arrays = _owned_arrays(blob, where, placement, copy)
     try:
         return sid, Reader(arrays, attr_hooks, None, object_hooks, templates).session(entry)
     except CheckpointError as e:
@@ -216,30 +231,36 @@ def _nbytes(leaf: dict[str, Any]) -> int:
     return int(leaf["nbytes"])
 
 
-def _owned_arrays(blob: SessionBlob, where: str, placement: Any) -> dict[str, Any]:
-    """Each leaf's data in memory the new session owns, checksummed as it is copied; leaves of no bytes
-    rebuilt from the manifest."""
+def _owned_arrays(blob: SessionBlob, where: str, placement: Any, copy: bool) -> dict[str, Any]:
+    """Each leaf's data, checksummed: a torch storage borrowed over the blob's buffer where that is safe
+    (`_borrowable`), else copied into memory the new session owns (checksummed in the same pass); leaves of
+    no bytes rebuilt from the manifest."""
     leaves, keys = blob.manifest["leaves"], blob.manifest[TRANSFER]["buffers"]
+    private = set() if copy else _private_storages(blob.manifest["sessions"][0])
 
-    def copy(job: tuple[str, Any]) -> tuple[str, Any, Any]:
+    def read(job: tuple[str, Any]) -> tuple[str, Any]:
         key, buf = job
         src = _as_bytes(buf)
         if leaves[key]["kind"] == "torch_storage":
+            if not copy and key not in private and _borrowable(buf, src):
+                return checksum(src), src  # (borrowed below, once its checksum held)
             out, owner = host_storage(src.nbytes)  # (aligned, resizable: as a checkpoint load gives)
-        else:
-            out = owner = np.empty(src.nbytes, np.uint8)
-        return copy_checksum(src, out), out, owner
+            return copy_checksum(src, out), owner
+        # A JAX leaf is always copied: a step donates JAX buffers, and XLA may write its output into a donated
+        # buffer, which for one adopted from the blob would be the object store's shared memory.
+        out = np.empty(src.nbytes, np.uint8)
+        return copy_checksum(src, out), out
 
     jobs = list(zip(keys, blob.buffers))
-    done = in_parallel(copy, jobs, sum(int(_as_bytes(b).nbytes) for b in blob.buffers))
+    done = in_parallel(read, jobs, sum(int(_as_bytes(b).nbytes) for b in blob.buffers))
     arrays: dict[str, Any] = {}
-    for (key, _), (digest, out, owner) in zip(jobs, done):
+    for (key, _), (digest, data) in zip(jobs, done):
         if digest != leaves[key].get(CHECKSUM):
             raise TransferError(
                 f"{where}: buffer {key!r} fails its checksum ({CHECKSUM}); the blob was damaged or tampered with in "
                 f"transit. Export it again."
             )
-        arrays[key] = owner if leaves[key]["kind"] == "torch_storage" else out
+        arrays[key] = borrow(data) if isinstance(data, np.ndarray) and leaves[key]["kind"] == "torch_storage" else data
     for key, leaf in leaves.items():
         if leaf["kind"] == "jax":
             host = arrays.get(key, np.empty(0, np.uint8)).view(np.dtype(leaf["dtype"])).reshape(leaf["shape"])
@@ -247,6 +268,34 @@ def _owned_arrays(blob: SessionBlob, where: str, placement: Any) -> dict[str, An
         elif key not in arrays:
             arrays[key] = np.empty(0, np.uint8)
     return arrays
+
+
+def _borrowable(buf: Any, src: np.ndarray) -> bool:
+    """Whether a torch storage may be built over ``buf`` itself: memory nobody can write (`immutable`: the
+    object store's sealed buffer, not a writable array a caller may change after the import), aligned as
+    JAX needs to alias a tensor through the bridge."""
+    return src.nbytes > 0 and src.ctypes.data % _ALIGN == 0 and immutable(buf)
+
+
+_ALIGN = 64  # (what `read.host_storage` gives, and JAX's DLPack import needs to alias rather than copy)
+
+
+def _private_storages(entry: dict[str, Any]) -> set[str]:
+    """The storage keys that are copied, never borrowed: those the session's attrs name (`writable` guards
+    objects only, and a model may write an attr tensor in place), and those a JAX alias of the torch bridge
+    views (a step may donate the alias, and XLA may write its output into a donated buffer)."""
+    found: set[str] = set()
+    stack: list[tuple[Any, bool]] = [(entry.get("attrs"), True), (entry.get("objects"), False)]
+    while stack:
+        x, private = stack.pop()
+        if isinstance(x, dict):
+            private = private or x.get("t") == "jax_alias"
+            if private and x.get("t") == "torch" and isinstance(x.get("storage"), str):
+                found.add(x["storage"])
+            stack.extend((v, private) for v in x.values())
+        elif isinstance(x, list):
+            stack.extend((v, private) for v in x)
+    return found
 
 
 def _sharding(placement: Any, leaf: dict[str, Any]) -> Any:
