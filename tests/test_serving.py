@@ -167,6 +167,31 @@ def test_drain_and_rebalance_lose_nothing_when_headroom_allows(local_ray, tmp_pa
     assert sum(len(f.sessions) for f in figures.values()) == len(sessions)  # nothing lost
 
 
+def test_a_replica_over_budget_spills_to_a_peer_and_no_session_is_lost(local_ray, tmp_path):
+    # Issue 36: a replica's budget dropped sessions while a peer had room; with spill=True it hands them over.
+    actor = ray.remote(SessionReplica).options(num_cpus=0, max_restarts=0, max_concurrency=2)
+    reps = {
+        n: actor.remote(
+            n, model="wm@1", step=model.step, init=model.init, byte_budget=b, release_levers=("drop",), spill=True
+        )
+        for n, b in (("p0", "1600 KiB"), ("p1", "8 MiB"))
+    }
+    cluster = SessionCluster(reps, tmp_path)
+    cluster.connect()
+    sessions = ["s1", "s2", "s3"]
+    for sid in sessions:  # 768 KiB each after two steps: the third does not fit p0's budget beside the others
+        cluster.open(sid, "p0")
+        for t in range(2):
+            cluster.step(sid, t)
+    went = ray.get(reps["p0"].where.remote("s1"))
+    assert went is not None and went.to == "p1"
+    held = {n: set(ray.get(r.session_ids.remote())) for n, r in reps.items()}
+    assert held == {"p0": {"s2", "s3"}, "p1": {"s1"}}  # 0 sessions lost
+    reference = _reference(3)
+    assert [cluster.step(sid, 2) for sid in sessions] == [reference[2]] * 3  # s1 followed to p1, bit-identical
+    assert cluster.owners["s1"] == ("p1", went.epoch)
+
+
 def test_a_bad_blob_through_the_object_store_is_refused_and_the_replica_unchanged(local_ray, tmp_path):
     reps = _replicas(["c0", "c1"])
     epoch = ray.get(reps["c0"].open.remote("s"))
