@@ -23,6 +23,7 @@ with ``max_concurrency >= 2`` so that two replicas spilling to each other at onc
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -36,7 +37,7 @@ from .moves import roomiest
 if TYPE_CHECKING:
     from .replica import SessionReplica
 
-__all__ = ["OBJECT_STORE", "ActorPeers", "Peers", "ReplicaSpill", "Spilled", "Store", "object_store"]
+__all__ = ["OBJECT_STORE", "ActorPeers", "Peers", "ReplicaSpill", "ServePeers", "Spilled", "Store", "object_store"]
 
 _log = logging.getLogger("functional_state")
 
@@ -51,6 +52,7 @@ class Spilled(NamedTuple):
     to: str
     epoch: int
     parts: tuple[Any, Any] | None = None
+    at: float = 0.0  # when (wall clock): a replica publishes a tombstone for the session from then
 
 
 class Peers(Protocol):
@@ -83,6 +85,38 @@ class ActorPeers:
 
         ref = self.handles[peer].accept.remote(manifest, buffers, epoch, expect=sid)
         return int(ray.get(ref, timeout=self.timeout_s))
+
+
+class ServePeers:
+    """`Peers` that are the other replicas of the Serve deployment running this `SessionServer` (named
+    ``name``), reached through the deployment's own handle (``replica=<id>`` requests; the blob goes through
+    Ray's object store as a request argument). Asked from a replica's request thread (Serve runs sync methods
+    in a thread pool), with a timeout."""
+
+    def __init__(self, name: str, timeout_s: float = 30.0):
+        self.name, self.timeout_s = name, timeout_s
+        self._fleet: Any = None
+
+    def _handle(self) -> Any:
+        if self._fleet is None:
+            from ray import serve
+
+            from .fleet import SessionFleet
+
+            ctx = serve.get_replica_context()
+            self._fleet = SessionFleet(serve.get_deployment_handle(ctx.deployment, ctx.app_name))
+        return self._fleet.handle
+
+    def figures(self) -> dict[str, Placement]:
+        handle = self._handle()
+        names = [n for n in self._fleet.replicas() if n != self.name]
+        calls = [handle.figures.remote(replica=n) for n in names]
+        return {n: call.result(timeout_s=self.timeout_s) for n, call in zip(names, calls)}
+
+    def accept(self, peer: str, sid: str, manifest: bytes, buffers: list[Any], epoch: int) -> int:
+        exported = (manifest, buffers, epoch, self.name)
+        call = self._handle().accept.remote(sid, exported, replica=peer)
+        return int(call.result(timeout_s=self.timeout_s)[0])
 
 
 def object_store(manifest: bytes, buffers: list[Any]) -> tuple[Any, Any] | None:
@@ -123,13 +157,13 @@ class ReplicaSpill:
             except Exception:
                 _log.warning("%s: spilling session %r to %r failed", replica.name, sid, peer, exc_info=True)
             else:
-                replica.note_spilled(sid, Spilled(peer, claimed))
+                replica.note_spilled(sid, Spilled(peer, claimed, None, time.time()))
                 _log.info("%s: spilled session %r to %r (epoch %d)", replica.name, sid, peer, claimed)
                 return True
         parts = self.store(manifest, buffers) if self.store is not None else None
         if parts is None:
             return False
-        replica.note_spilled(sid, Spilled(OBJECT_STORE, epoch, parts))
+        replica.note_spilled(sid, Spilled(OBJECT_STORE, epoch, parts, time.time()))
         _log.info("%s: spilled session %r to the object store (epoch %d)", replica.name, sid, epoch)
         return True
 
