@@ -38,7 +38,7 @@ __all__ = ["REPLICA_KWARG", "SessionAffinityRouter", "session_of", "session_rout
 REPLICA_KWARG = "replica"  # a request's keyword naming the one replica it is for
 
 # Methods that leave a session where it is: routing them records nothing about where the session lives.
-_NOT_PLACING = frozenset({"release", "abort_move", "figures", "session_ids"})
+_NOT_PLACING = frozenset({"release", "abort_move", "figures", "replays", "session_ids"})
 
 
 def session_of(request: PendingRequest) -> str | None:

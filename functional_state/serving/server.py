@@ -107,6 +107,7 @@ class SessionServer:
         self.leaving: set[str] = set()  # sessions exported for a move: no step here until the move ends
         self.claimed: dict[str, float] = {}  # session id -> when this replica took it up (published)
         self.released: dict[str, tuple[int, float]] = {}  # session id -> (epoch, when) it was moved away
+        self.replayed: dict[str, int] = {}  # session id -> steps replayed when it was last taken up here
         self._arrivals = threading.Lock()  # (Serve runs a replica's requests on threads)
 
     def checkpoint(self, session_id: str) -> Any:
@@ -198,6 +199,7 @@ class SessionServer:
                 )
             for args in replayed:
                 self.replica.step(sid, self._epoch(sid), *args)
+            self.replayed[sid] = len(replayed)
 
     def save(self, session_id: str) -> int:
         """Checkpoint ``session_id`` (fenced: refused if another owner saved a newer epoch); the step saved."""
@@ -241,6 +243,11 @@ class SessionServer:
         """This replica's placement figures (`transfer.placement`)."""
         self._check_directed(replica)
         return self.replica.placement()
+
+    def replays(self, *, replica: str | None = None) -> dict[str, int]:
+        """``{session id: steps replayed}`` for each session taken up here from a checkpoint behind its request."""
+        self._check_directed(replica)
+        return dict(self.replayed)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What Serve publishes to the routers: the sessions held here (with when they were claimed), the
