@@ -300,6 +300,56 @@ def test_on_serve_requests_stay_with_their_holder_a_killed_replica_fails_over_an
     serve.delete("sessions")
 
 
+def test_on_serve_a_replica_over_budget_spills_to_a_peer_and_the_routers_follow_it(local_serve, tmp_path):
+    # Issue 36: a Serve replica's budget dropped a session while another replica had room. No replay hook and
+    # no saves: a session lost and taken up anew could not serve its next step (it would need a replay).
+    deployment = serve.deployment(
+        SessionServer,
+        name="spilling",
+        num_replicas=2,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=session_router_config(0.1),
+    )
+    app = deployment.bind(
+        model="wm@1",
+        step=model.step,
+        init=model.init,
+        checkpoints=str(tmp_path),
+        byte_budget="1600 KiB",
+        release_levers=("drop",),
+        spill=True,
+    )
+    handle = serve.run(app, name="spilling", route_prefix=None)
+    fleet = SessionFleet(handle)
+    a, b = fleet.replicas()
+    sessions = ["s0", "s1", "s2"]
+    for sid in sessions:
+        handle.step.remote(sid, 0, at=0).result(timeout_s=30)
+    for sid in sessions:  # all three on a: 512 KiB each after one step
+        if fleet.holder(sid) != a:
+            fleet.move(sid, a)
+    assert sorted(fleet.figures()[a].sessions) == sessions
+
+    def step(sid: str, t: int):
+        for _ in range(100):  # a session that just left a replica is refused there until the routers follow it
+            try:
+                return handle.step.remote(sid, t, at=t).result(timeout_s=30)
+            except StaleEpochError:
+                time.sleep(0.1)
+        raise AssertionError(f"step {t} of {sid} was refused throughout")
+
+    replies = {sid: step(sid, 1) for sid in sessions}  # 768 KiB each: a cannot hold all three
+    figures = fleet.figures()
+    held = {n: sorted(f.sessions) for n, f in figures.items()}
+    assert sorted(held[a] + held[b]) == sessions and held[b], held  # spilled to b, none lost
+    expected = _served_reference(3)
+    assert all(r.output == expected[1] for r in replies.values())
+    replies = {sid: step(sid, 2) for sid in sessions}
+    assert all(r.output == expected[2] and r.step == 3 for r in replies.values())  # bit-identical, followed
+    assert {r.replica for sid, r in replies.items() if sid in held[b]} == {b}
+    serve.delete("spilling")
+
+
 def test_the_readme_serve_example_runs_and_prints_what_it_says(local_serve):
     readme = (TESTS.parent / "README.md").read_text()
     block = next(b for b in re.findall(r"```python notest\n(.*?)```", readme, flags=re.S) if "SessionFleet(" in b)

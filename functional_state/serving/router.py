@@ -81,7 +81,12 @@ class SessionAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         sid = session_of(pending_request)
         if sid is not None and pending_request.metadata.call_method not in _NOT_PLACING:
-            self.placed[sid] = (replica_id.unique_id, time.time())
+            uid = replica_id.unique_id
+            # Only a change of replica is news: sending the session again where it was keeps the record's
+            # time, so a tombstone that replica published since still overrides it (a retry refreshing the
+            # time would keep the session's requests on its old holder for good).
+            if self.placed.get(sid, ("",))[0] != uid:
+                self.placed[sid] = (uid, time.time())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
