@@ -58,7 +58,7 @@ class DemoResult(NamedTuple):
     bytes_over_time: dict[str, list[int]]  # replica -> bytes held after each step (0 before it ran, once killed)
     events: list[tuple[int, str]]  # (step index, what happened)
     replayed: dict[str, int]  # session -> steps replayed after the failover
-    identical: bool  # every rollout equals its uninterrupted run
+    identical: bool  # every rollout equals its uninterrupted run, and every session is held once at the end
     seconds: float  # the tour's wall time, Ray and Serve start-up included
 
 
@@ -68,9 +68,6 @@ def run(sessions: int = 12, steps: int = 8, save_every: int = 3, kill_at: int = 
     from ray import serve
 
     began = time.perf_counter()
-    # Serve's router logs each retry of a request that reached the replica the tour kills, at WARNING:
-    # expected here, and the tour reports what happened itself.
-    logging.getLogger("ray.serve").setLevel(logging.ERROR)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(proxy_location="Disabled")
@@ -85,15 +82,31 @@ def run(sessions: int = 12, steps: int = 8, save_every: int = 3, kill_at: int = 
 
 
 def tour(
-    root: str, *, sessions: int = 12, steps: int = 8, save_every: int = 3, kill_at: int = 4, drain_at: int = 6
+    root: str,
+    *,
+    sessions: int = 12,
+    steps: int = 8,
+    save_every: int = 3,
+    kill_at: int = 4,
+    drain_at: int = 6,
+    replacement: bool = False,
 ) -> DemoResult:
-    """The tour on a running Ray and Serve, checkpoints under ``root``; its app is deleted at the end."""
+    """The tour on a running Ray and Serve, checkpoints under ``root``; its app is deleted at the end.
+
+    Args:
+      replacement: before the drain, wait (at most 30 s) for the replica Serve starts in place of the killed
+        one, and drain onto it; without it (faster: Serve takes tens of seconds to replace a replica on a
+        loaded machine) the drain has the survivors only, and a session none has headroom for stays put.
+    """
     import ray
     from ray import serve
 
     from .router import session_router_config
 
     began = time.perf_counter()
+    # Serve's router logs each retry of a request that reached the replica the tour kills, at WARNING:
+    # expected here, and the tour reports what happened itself. (Set once Serve runs: starting resets it.)
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)
     deployment: Any = serve.deployment(
         SessionServer,
         name="sessions",
@@ -108,6 +121,7 @@ def tour(
         replay=replay_steps,
         checkpoints=root,
         save_every=save_every,
+        byte_budget="8 MiB",  # (a drain moves a session only where it fits)
     )
     handle = serve.run(app, name="serve-demo", route_prefix=None)
     fleet = SessionFleet(handle)
@@ -125,6 +139,9 @@ def tour(
                 ray.kill(fleet.actor(killed), no_restart=True)
                 events.append((t, f"{killed} killed holding {counts[killed]} sessions (mid-rollout)"))
             if t == drain_at:
+                fresh = _await_replicas(fleet, 3, set(series) | {killed}) if replacement else ""
+                if fresh:
+                    events.append((t, f"{fresh} started by Serve in place of {killed}"))
                 live = {n: sum(1 for sid in ids if served[sid][-1] == n) for n in fleet.replicas()}
                 source = max(live, key=lambda n: (live[n], n))
                 stuck = fleet.drain(source)
@@ -137,6 +154,10 @@ def tour(
         events.append((steps, f"rebalance moved {moved} sessions"))
         _record(fleet, series, steps)
         figures = fleet.figures()
+        copies = [sid for f in figures.values() for sid in f.sessions]
+        events.append(
+            (steps, f"{len(set(copies))} of {sessions} sessions held, {len(copies) - len(set(copies))} twice")
+        )
         replayed = {sid: n for f in fleet.replays().values() for sid, n in f.items()}
     finally:
         serve.delete("serve-demo")
@@ -148,6 +169,7 @@ def tour(
         mib = figures[owner].sessions[sid].nbytes / (1 << 20)
         after = served[sid][kill_at] if kill_at < steps else served[sid][-1]
         rows.append([sid, served[sid][0], after, owner, round(mib, 2), "yes" if same else "NO"])
+    identical &= sorted(copies) == sorted(ids)  # (every session held once: none lost, none duplicated)
     return DemoResult(rows, series, events, replayed, identical, time.perf_counter() - began)
 
 
@@ -167,6 +189,22 @@ def _step_all(ray: Any, handle: Any, ids: list[str], t: int) -> list[Any]:
                 time.sleep(0.2)
                 sent[sid] = handle.step.remote(sid, t, at=t)
     return replies
+
+
+def _await_replicas(fleet: SessionFleet, n: int, known: set[str], timeout_s: float = 30.0) -> str:
+    """Wait (bounded) until ``n`` replicas answer, as Serve replaces a killed one; the new one's id, or ""."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        names = fleet.replicas()
+        if len(names) >= n:
+            try:
+                fleet.figures()  # (a replica still starting is not routable yet)
+            except Exception:
+                pass
+            else:
+                return next((name for name in names if name not in known), "")
+        time.sleep(0.25)
+    return ""
 
 
 def _record(fleet: SessionFleet, series: dict[str, list[int]], t: int) -> None:
