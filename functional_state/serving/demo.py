@@ -1,7 +1,7 @@
 """The Ray Serve tour (`functional-state serve-demo`, notebook 06): a local Ray, a Serve deployment of 3
 `SessionServer` replicas behind `SessionAffinityRouter`, 12 sessions of mixed sizes stepped together; a replica
 killed mid-rollout (its sessions resume on the others from their last checkpoints, the steps since replayed by
-the replay hook, and Serve starts a replacement), a drain of one replica and a rebalance (`SessionFleet`); the
+the replay hook), a drain of the busiest survivor as far as headroom allows and a rebalance (`SessionFleet`); the
 rollouts checked against uninterrupted ones, and bytes per replica over time.
 
 The model is a stand-in with a world model's shape of state (a ring of latents per session, a first frame),
@@ -89,14 +89,11 @@ def tour(
     save_every: int = 3,
     kill_at: int = 4,
     drain_at: int = 6,
-    replacement: bool = False,
 ) -> DemoResult:
     """The tour on a running Ray and Serve, checkpoints under ``root``; its app is deleted at the end.
 
-    Args:
-      replacement: before the drain, wait (at most 30 s) for the replica Serve starts in place of the killed
-        one, and drain onto it; without it (faster: Serve takes tens of seconds to replace a replica on a
-        loaded machine) the drain has the survivors only, and a session none has headroom for stays put.
+    The drain has the surviving replicas only (Serve starts a replacement for the killed one, but on a loaded
+    machine only tens of seconds later): a session none of them has headroom for stays where it is.
     """
     import ray
     from ray import serve
@@ -139,9 +136,6 @@ def tour(
                 ray.kill(fleet.actor(killed), no_restart=True)
                 events.append((t, f"{killed} killed holding {counts[killed]} sessions (mid-rollout)"))
             if t == drain_at:
-                fresh = _await_replicas(fleet, 3, set(series) | {killed}) if replacement else ""
-                if fresh:
-                    events.append((t, f"{fresh} started by Serve in place of {killed}"))
                 live = {n: sum(1 for sid in ids if served[sid][-1] == n) for n in fleet.replicas()}
                 source = max(live, key=lambda n: (live[n], n))
                 stuck = fleet.drain(source)
@@ -189,22 +183,6 @@ def _step_all(ray: Any, handle: Any, ids: list[str], t: int) -> list[Any]:
                 time.sleep(0.2)
                 sent[sid] = handle.step.remote(sid, t, at=t)
     return replies
-
-
-def _await_replicas(fleet: SessionFleet, n: int, known: set[str], timeout_s: float = 30.0) -> str:
-    """Wait (bounded) until ``n`` replicas answer, as Serve replaces a killed one; the new one's id, or ""."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        names = fleet.replicas()
-        if len(names) >= n:
-            try:
-                fleet.figures()  # (a replica still starting is not routable yet)
-            except Exception:
-                pass
-            else:
-                return next((name for name in names if name not in known), "")
-        time.sleep(0.25)
-    return ""
 
 
 def _record(fleet: SessionFleet, series: dict[str, list[int]], t: int) -> None:
