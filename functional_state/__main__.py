@@ -166,11 +166,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     inspect.add_argument("--verify", action="store_true", help="read every array and check its checksum")
     serve = sub.add_parser(
         "serve-demo",
-        help="sessions across 3 Ray replicas: one killed mid-rollout, a rebalance (the [ray] extra)",
+        help="sessions across 3 Ray Serve replicas: one killed mid-rollout, a drain, a rebalance (the [ray] extra)",
         formatter_class=_Formatter,
-        description="Start a local Ray, serve sessions on 3 replica actors, kill one mid-rollout and resume its "
-        "sessions from their checkpoints with a replay, rebalance onto a replacement, and print where each session "
-        "went and whether every rollout matches an uninterrupted one. Exits 1 if any differs.",
+        description="Start a local Ray and Serve, serve sessions on a deployment of 3 SessionServer replicas behind "
+        "SessionAffinityRouter, kill the busiest mid-rollout (its sessions resume elsewhere from their checkpoints "
+        "with a replay), drain one replica and rebalance, and print where each session went and whether every "
+        "rollout matches an uninterrupted one. Exits 1 if any differs.",
     )
     serve.add_argument("--sessions", type=_positive_int, default=12, help="sessions")
     serve.add_argument("--steps", type=_positive_int, default=8, help="steps per session")

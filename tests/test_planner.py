@@ -456,7 +456,7 @@ def test_enforce_budget_refuses_a_plan_that_does_not_hold(monkeypatch):
     state = _table(n=3, budget={"cpu": 10 * KIB})
     snap = snapshot(state)
     monkeypatch.setattr(
-        fs.policy.enforce, "apply_plan", lambda s, plan, **_: s
+        fs.policy.enforce, "_carry_out", lambda s, plan, spill, refused: (s, [])
     )  # a plan that frees nothing it promised
     with pytest.raises(BudgetExceededError, match="even after the release plan for it") as e:
         fs.enforce_budget(state)

@@ -57,3 +57,67 @@ def test_the_serving_package_imports_without_ray_and_names_it_on_the_router():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "refused: ModuleNotFoundError"
+
+
+class _InProcessPeers:
+    """`Peers` over replicas in this process (what `ActorPeers` does over Ray actors)."""
+
+    def __init__(self, *replicas: SessionReplica):
+        self.replicas = {r.name: r for r in replicas}
+
+    def figures(self):
+        return {n: r.placement() for n, r in self.replicas.items()}
+
+    def accept(self, peer, sid, manifest, buffers, epoch):
+        return self.replicas[peer].accept(manifest, buffers, epoch, expect=sid)
+
+
+def _pressed(a: SessionReplica) -> int:
+    """s1 (768 KiB) and s2 (768 KiB) on ``a``, then s3 opened: over a 1.6 MiB budget, s1 must go."""
+    e1 = a.open("s1")
+    for t in range(2):
+        a.step("s1", e1, t)
+    e2 = a.open("s2")
+    for t in range(2):
+        a.step("s2", e2, t)
+    a.open("s3")
+    return e1
+
+
+def test_a_replica_over_budget_spills_a_session_to_a_peer_with_headroom_instead_of_dropping_it():
+    a = _replica("a", byte_budget="1600 KiB", release_levers=("drop",), spill=True, spill_store=None)
+    b, full = _replica("b"), _replica("full", byte_budget="256 KiB")
+    full.open("x")  # (its 256 KiB budget is full)
+    a.connect(_InProcessPeers(a, b, full))  # (itself skipped; "full" has no room for s1)
+    e1 = _pressed(a)
+    went = a.where("s1")
+    assert went is not None and (went.to, went.epoch) == ("b", e1 + 1)
+    assert set(a.manager.state.session_ids) == {"s2", "s3"} and a.manager.stats()["evictions"] == 0
+    with pytest.raises(StaleEpochError, match="spilled under budget pressure to 'b'"):
+        a.step("s1", e1, 2)
+    ref = _replica("ref")
+    e = ref.open("s1")
+    assert b.step("s1", went.epoch, 2) == [ref.step("s1", e, t) for t in range(3)][-1]  # the same rollout
+    assert b.steps("s1") == 3
+
+
+def test_a_session_no_peer_fits_goes_to_the_store_and_without_one_stays_unless_nothing_else_can_go():
+    stored = []
+    a = _replica(
+        "a",
+        byte_budget="1600 KiB",
+        release_levers=("drop",),
+        spill=True,
+        spill_store=lambda m, b: stored.append(m) or ("m", "b"),
+    )
+    full = _replica("full", byte_budget="256 KiB")
+    full.open("x")
+    a.connect(_InProcessPeers(full))
+    e1 = _pressed(a)
+    went = a.where("s1")
+    assert went is not None and (went.to, went.epoch, went.parts) == ("object store", e1, ("m", "b")) and stored
+    assert a.manager.stats()["evictions"] == 0
+    # No peer, no store: the spill declines, and the budget drops the session only as a last resort.
+    lone = _replica("lone", byte_budget="1600 KiB", release_levers=("drop",), spill=True, spill_store=None)
+    _pressed(lone)
+    assert lone.where("s1") is None and lone.manager.stats()["evictions"] == 1

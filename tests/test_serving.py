@@ -167,6 +167,31 @@ def test_drain_and_rebalance_lose_nothing_when_headroom_allows(local_ray, tmp_pa
     assert sum(len(f.sessions) for f in figures.values()) == len(sessions)  # nothing lost
 
 
+def test_a_replica_over_budget_spills_to_a_peer_and_no_session_is_lost(local_ray, tmp_path):
+    # Issue 36: a replica's budget dropped sessions while a peer had room; with spill=True it hands them over.
+    actor = ray.remote(SessionReplica).options(num_cpus=0, max_restarts=0, max_concurrency=2)
+    reps = {
+        n: actor.remote(
+            n, model="wm@1", step=model.step, init=model.init, byte_budget=b, release_levers=("drop",), spill=True
+        )
+        for n, b in (("p0", "1600 KiB"), ("p1", "8 MiB"))
+    }
+    cluster = SessionCluster(reps, tmp_path)
+    cluster.connect()
+    sessions = ["s1", "s2", "s3"]
+    for sid in sessions:  # 768 KiB each after two steps: the third does not fit p0's budget beside the others
+        cluster.open(sid, "p0")
+        for t in range(2):
+            cluster.step(sid, t)
+    went = ray.get(reps["p0"].where.remote("s1"))
+    assert went is not None and went.to == "p1"
+    held = {n: set(ray.get(r.session_ids.remote())) for n, r in reps.items()}
+    assert held == {"p0": {"s2", "s3"}, "p1": {"s1"}}  # 0 sessions lost
+    reference = _reference(3)
+    assert [cluster.step(sid, 2) for sid in sessions] == [reference[2]] * 3  # s1 followed to p1, bit-identical
+    assert cluster.owners["s1"] == ("p1", went.epoch)
+
+
 def test_a_bad_blob_through_the_object_store_is_refused_and_the_replica_unchanged(local_ray, tmp_path):
     reps = _replicas(["c0", "c1"])
     epoch = ray.get(reps["c0"].open.remote("s"))
@@ -273,6 +298,56 @@ def test_on_serve_requests_stay_with_their_holder_a_killed_replica_fails_over_an
     assert sorted(held) == sessions  # every session held once: none lost, none duplicated
     assert {fleet.holder(sid) for sid in sessions} <= set(figures) and killed not in figures
     serve.delete("sessions")
+
+
+def test_on_serve_a_replica_over_budget_spills_to_a_peer_and_the_routers_follow_it(local_serve, tmp_path):
+    # Issue 36: a Serve replica's budget dropped a session while another replica had room. No replay hook and
+    # no saves: a session lost and taken up anew could not serve its next step (it would need a replay).
+    deployment = serve.deployment(
+        SessionServer,
+        name="spilling",
+        num_replicas=2,
+        ray_actor_options={"num_cpus": 0},
+        request_router_config=session_router_config(0.1),
+    )
+    app = deployment.bind(
+        model="wm@1",
+        step=model.step,
+        init=model.init,
+        checkpoints=str(tmp_path),
+        byte_budget="1600 KiB",
+        release_levers=("drop",),
+        spill=True,
+    )
+    handle = serve.run(app, name="spilling", route_prefix=None)
+    fleet = SessionFleet(handle)
+    a, b = fleet.replicas()
+    sessions = ["s0", "s1", "s2"]
+    for sid in sessions:
+        handle.step.remote(sid, 0, at=0).result(timeout_s=30)
+    for sid in sessions:  # all three on a: 512 KiB each after one step
+        if fleet.holder(sid) != a:
+            fleet.move(sid, a)
+    assert sorted(fleet.figures()[a].sessions) == sessions
+
+    def step(sid: str, t: int):
+        for _ in range(100):  # a session that just left a replica is refused there until the routers follow it
+            try:
+                return handle.step.remote(sid, t, at=t).result(timeout_s=30)
+            except StaleEpochError:
+                time.sleep(0.1)
+        raise AssertionError(f"step {t} of {sid} was refused throughout")
+
+    replies = {sid: step(sid, 1) for sid in sessions}  # 768 KiB each: a cannot hold all three
+    figures = fleet.figures()
+    held = {n: sorted(f.sessions) for n, f in figures.items()}
+    assert sorted(held[a] + held[b]) == sessions and held[b], held  # spilled to b, none lost
+    expected = _served_reference(3)
+    assert all(r.output == expected[1] for r in replies.values())
+    replies = {sid: step(sid, 2) for sid in sessions}
+    assert all(r.output == expected[2] and r.step == 3 for r in replies.values())  # bit-identical, followed
+    assert {r.replica for sid, r in replies.items() if sid in held[b]} == {b}
+    serve.delete("spilling")
 
 
 def test_the_readme_serve_example_runs_and_prints_what_it_says(local_serve):

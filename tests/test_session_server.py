@@ -25,7 +25,7 @@ def test_a_session_goes_to_its_holder_only_even_when_another_replica_has_more_ro
         "c": ReplicaStats(frozenset(), None, 50),  # no budget: unbounded room
     }
     assert choose("s", live, {}) == "a"
-    assert choose("s", live, {"s": "b"}) == "b"  # the router's own newer record wins while "b" lives
+    assert choose("s", live, {"s": ("b", 1.0)}) == "b"  # the router's own newer record wins while "b" lives
     assert choose("s", live, {"s": "gone"}) == "a"  # a record of a dead replica falls back to the figures
     assert choose("new", live, {}) == "c"  # placement: the most headroom
     assert choose("new", {k: live[k] for k in "ab"}, {}) == "b"
@@ -43,9 +43,18 @@ def test_published_figures_read_back_the_same():
     server = _server("r0", "unused", byte_budget="4 MiB")
     server.step("s", 0)
     stats = server.record_routing_stats()
-    assert stats == published(server.figures())
-    assert stats == {"sessions": ["s"], "headroom": 4 * (1 << 20) - 2 * 4 * model.SIZE, "held": 2 * 4 * model.SIZE}
-    assert ReplicaStats.read(stats) == ReplicaStats(frozenset({"s"}), stats["headroom"], stats["held"])
+    assert stats == published(server.figures(), claimed=server.claimed, at=stats["at"])
+    epoch, claimed = server.replica.epoch("s"), server.claimed["s"]
+    assert stats == {
+        "sessions": {"s": [epoch, claimed]},
+        "released": {},
+        "headroom": 4 * (1 << 20) - 2 * 4 * model.SIZE,
+        "held": 2 * 4 * model.SIZE,
+        "at": stats["at"],
+    }
+    assert ReplicaStats.read(stats) == ReplicaStats(
+        frozenset({"s"}), stats["headroom"], stats["held"], {"s": (epoch, claimed)}, {}
+    )
     assert ReplicaStats.read({}) == ReplicaStats(frozenset(), None, 0)
 
 
@@ -99,3 +108,21 @@ def test_a_checkpoint_of_another_session_where_one_is_taken_up_is_refused(tmp_pa
     with pytest.raises(StaleEpochError, match="holds no session 's'"):
         b.step("s", 0)
     assert b.replica.manager.state.session_ids == ()  # not opened anew over a checkpoint it cannot read
+
+
+def test_the_old_holder_publishes_a_tombstone_and_refuses_the_session_rather_than_take_it_up_again(tmp_path):
+    # Regression (issue 36): after a move, a router that had not seen it yet sent the session to its old
+    # holder, which took it up as new (or from an older checkpoint) beside the new holder.
+    a, b = _server("a", tmp_path), _server("b", tmp_path)
+    a.step("s", 0)
+    _, _, old = b.accept("s", a.export("s"), replica="b")
+    a.release("s", old, replica="a")
+    stats = a.record_routing_stats()
+    assert "s" not in stats["sessions"] and stats["released"]["s"][0] == old
+    with pytest.raises(StaleEpochError, match="left this replica"):
+        a.step("s", 1)
+    assert "s" not in a.replica.manager
+    live = {n: ReplicaStats.read(x.record_routing_stats()) for n, x in (("a", a), ("b", b))}
+    assert choose("s", live, {"s": ("a", stats["released"]["s"][1] - 1)}) == "b"
+    a.tombstone_s = 0.0  # the tombstone lapsed: a request placed here (its holder died, say) takes it up
+    assert a.step("s", 0).step == 1

@@ -35,11 +35,20 @@ def apply_plan(state: ManagerState, plan: ReleasePlan, *, spill: Spill | None = 
       spill: called as ``spill(state, session_id)`` before each drop, with the table still holding the
         session: it may hand the session elsewhere (a peer replica, the object store: `export_session`) and
         returns True once it has. A spilled session leaves the table without counting as an eviction; one
-        whose spill returned anything else or raised (logged) is dropped as before.
+        whose spill returned anything else or raised (logged) stays in the table, so the plan may then free
+        less than it promised: `enforce_budget` plans again around it and drops it only as a last resort.
 
     Raises:
       InvalidArgumentError: the plan was made for another state (plan again on the state you apply).
     """
+    return _carry_out(state, plan, spill, frozenset())[0]
+
+
+def _carry_out(
+    state: ManagerState, plan: ReleasePlan, spill: Spill | None, refused: frozenset[str]
+) -> tuple[ManagerState, list[str]]:
+    """`apply_plan`, also returning the sessions whose spill failed (kept). A drop of one in ``refused``
+    (a spill failed before, and the budget cannot be met without it) is not offered again: it is an eviction."""
     if type(state) is not ManagerState:
         check_state(state, "apply_plan")
     if not isinstance(plan, ReleasePlan):
@@ -49,6 +58,7 @@ def apply_plan(state: ManagerState, plan: ReleasePlan, *, spill: Spill | None = 
             "`apply_plan`: this plan was made for another state; its prices hold only there. Plan again on the "
             "state you apply it to."
         )
+    kept: list[str] = []
     for action in plan.actions:
         sid = action.session_ids[0]
         # One line per action, what and why (a drop loses a session; a park or eviction under pressure costs
@@ -58,21 +68,23 @@ def apply_plan(state: ManagerState, plan: ReleasePlan, *, spill: Spill | None = 
             state, _ = park(state, sid, action.name, with_sharers=len(action.holders) > 1)  # type: ignore[arg-type]
         elif action.kind == "evict":
             state, _ = evict(state, sid, action.name)  # type: ignore[arg-type]
-        elif spill is not None and _spilled(spill, state, sid):
+        elif spill is None or sid in refused:
+            state = _drop_as_eviction(state, sid)
+        elif _spilled(spill, state, sid):
             state, _ = drop_session(state, sid)  # it lives on elsewhere: not lost, so not an eviction
         else:
-            state = _drop_as_eviction(state, sid)
-    return state
+            kept.append(sid)
+    return state, kept
 
 
 def _spilled(spill: Spill, state: ManagerState, sid: str) -> bool:
     try:
         done = spill(state, sid) is True
     except Exception:
-        _log.warning("spilling session %r failed; it is dropped", sid, exc_info=True)
+        _log.warning("spilling session %r raised; it stays in the table", sid, exc_info=True)
         return False
     if not done:
-        _log.info("spilling session %r was declined; it is dropped", sid)
+        _log.info("spilling session %r was declined; it stays in the table", sid)
     return done
 
 
@@ -160,9 +172,12 @@ def enforce_budget(
       state: the table (unchanged).
       protect: a session id, or ids, never touched.
       levers: which levers may be used (see `plan_release`).
-      spill: offered each session a plan drops, before it is dropped (see `apply_plan`). A spill is a side
-        effect: if a later pool cannot be brought within budget, the error leaves this table as it was while
-        the spilled sessions live on where they went too (claim them there: the copy here is then stale).
+      spill: offered each session a plan drops, before it is dropped (see `apply_plan`). A session whose spill
+        raised or declined stays: the pool is planned again with it protected, so anything else that can be
+        parked, evicted, dropped or spilled goes first; only if the budget cannot be met that way is it dropped,
+        as an eviction (logged as a warning), without being offered again. A spill is a side effect: if a
+        pool cannot be brought within budget, the error leaves this table as it was while the spilled
+        sessions live on where they went too (claim them there: the copy here is then stale).
 
     Returns:
       The state within budget; ``state`` itself when every pool already is.
@@ -174,6 +189,7 @@ def enforce_budget(
     protected = sorted(protect_ids(protect, "enforce_budget"))
     levers = tuple(levers)
     planned: dict[Pool, ReleasePlan] = {}
+    refused: set[str] = set()  # sessions whose spill failed: kept while the budget can be met without them
     current = state
     while True:
         over = _over(current)
@@ -192,7 +208,16 @@ def enforce_budget(
                 held=held,
                 releasable=plan.freed,
             )
-        found = plan_release(current, str(pool), held - limit, protected, levers=levers)
+        found = plan_release(current, str(pool), held - limit, [*protected, *sorted(refused)], levers=levers)
+        if found is None and refused:
+            found = plan_release(current, str(pool), held - limit, protected, levers=levers)
+            if found is not None:
+                _log.warning(
+                    "the byte budget cannot be met without dropping session(s) %s, whose spill failed: dropped",
+                    sorted(
+                        sid for sid in refused if any(a.kind == "drop" and sid in a.session_ids for a in found.actions)
+                    ),
+                )
         if found is None:
             releasable = _releasable(current, pool, protected, levers)
             raise BudgetExceededError(
@@ -211,8 +236,11 @@ def enforce_budget(
             len(found.actions),
             format_bytes(found.freed),
         )
-        current = apply_plan(current, found, spill=spill)
-        planned[pool] = found
+        current, kept = _carry_out(current, found, spill, frozenset(refused))
+        if kept:  # their spill failed: the pool is planned again with them protected (new ids each time: ends)
+            refused.update(kept)
+        else:
+            planned[pool] = found
 
 
 def _releasable(state: ManagerState, pool: Pool, protect: list[str], levers: tuple[str, ...]) -> int:

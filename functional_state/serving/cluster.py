@@ -14,10 +14,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, StaleEpochError
 from ..persist.paths import child
 from ..transfer.placement import Placement
 from .moves import drain_target, held, rebalance_move
+from .spill import OBJECT_STORE, Spilled
 
 __all__ = ["SessionCluster"]
 
@@ -70,10 +71,55 @@ class SessionCluster:
         self.owners[sid] = (replica, self._get(self.replicas[replica].open.remote(sid)))
         return replica
 
+    def connect(self) -> None:
+        """Tell each replica the others, so that one created with ``spill=True`` hands a session its budget
+        would drop to a peer with headroom (`serving.spill`)."""
+        self._get([r.connect.remote(self.replicas) for r in self.replicas.values()])
+
     def step(self, sid: str, *args: Any) -> Any:
-        """One step of ``sid`` on its owner."""
+        """One step of ``sid`` on its owner (followed first if the owner's budget spilled it elsewhere)."""
+        name, epoch = self.owners[sid]
+        try:
+            return self._get(self.replicas[name].step.remote(sid, epoch, *args))
+        except StaleEpochError:
+            if self.follow(sid) == (name, epoch):
+                raise
         name, epoch = self.owners[sid]
         return self._get(self.replicas[name].step.remote(sid, epoch, *args))
+
+    def follow(self, sid: str) -> tuple[str, int]:
+        """Where ``sid`` lives now, after its owner's budget spilled it: the peer that took it, or, for a
+        session put in the object store, the replica with the most headroom, which takes it up from there.
+        Updates and returns ``owners[sid]`` (unchanged if its owner did not spill it)."""
+        name, _ = self.owners[sid]
+        went: Spilled | None = self._get(self.replicas[name].where.remote(sid))
+        if went is None:
+            return self.owners[sid]
+        if went.to != OBJECT_STORE:
+            self.owners[sid] = (went.to, went.epoch)
+            return self.owners[sid]
+        manifest, buffers = went.parts  # type: ignore[misc]
+        figures = self.figures()
+        # The blob stays in the store (its buffers never come through here): the replicas are asked in order
+        # of headroom, and one without room for it refuses the import and is left unchanged.
+        for to in sorted(figures, key=lambda n: (-_room(figures[n]), n)):
+            try:
+                claimed = int(self._get(self.replicas[to].accept.remote(manifest, buffers, went.epoch, sid)))
+            except Exception:
+                continue
+            self.owners[sid] = (to, claimed)
+            return self.owners[sid]
+        raise InvalidArgumentError(
+            f"`SessionCluster.follow`: session {sid!r} waits in the object store and no replica could take it up "
+            f"(none has headroom for it); free room (drain, a larger budget) and call `follow({sid!r})` again."
+        )
+
+    def follow_all(self) -> dict[str, tuple[str, int]]:
+        """`follow` every session; returns those whose owner changed, with their new owner and epoch."""
+        before = dict(self.owners)
+        for sid in sorted(self.owners):
+            self.follow(sid)
+        return {sid: o for sid, o in self.owners.items() if before.get(sid) != o}
 
     def save(self, sid: str) -> int:
         """Checkpoint ``sid`` from its owner; the step saved."""
@@ -131,3 +177,8 @@ class SessionCluster:
             self.move(step[0], step[2])
             moved += 1
         return moved
+
+
+def _room(figures: Placement) -> float:
+    rooms = [r for r in (figures.headroom(p) for p in figures.pools) if r is not None]
+    return min(rooms) if rooms else float("inf")

@@ -67,6 +67,12 @@ class SessionFleet:
         calls = [self.handle.figures.remote(replica=n) for n in names]
         return {n: call.result() for n, call in zip(names, calls)}
 
+    def replays(self) -> dict[str, dict[str, int]]:
+        """Each live replica's ``{session id: steps replayed}`` (sessions it took up behind their requests)."""
+        names = self.replicas()
+        calls = [self.handle.replays.remote(replica=n) for n in names]
+        return {n: call.result() for n, call in zip(names, calls)}
+
     def holder(self, sid: str) -> str | None:
         """The replica holding ``sid`` now (None: none)."""
         return next((n for n, f in self.figures().items() if sid in f.sessions), None)

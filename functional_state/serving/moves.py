@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from ..transfer.placement import Placement, SessionFigures
 
-__all__ = ["drain_target", "fits", "held", "rebalance_move"]
+__all__ = ["drain_target", "fits", "held", "rebalance_move", "roomiest"]
 
 
 def held(figures: Placement) -> int:
@@ -34,9 +34,19 @@ def drain_target(figures: Mapping[str, Placement], sid: str, source: str) -> str
       >>> drain_target(f, "s", "a")
       'c'
     """
-    session = figures[source].sessions[sid]
-    ok = [n for n, f in figures.items() if n != source and fits(f, session)]
-    return max(ok, key=lambda n: (min((figures[n].headroom(p) or 0) for p in session.bytes_by_pool), n), default=None)
+    return roomiest({n: f for n, f in figures.items() if n != source}, figures[source].sessions[sid])
+
+
+def roomiest(figures: Mapping[str, Placement], session: SessionFigures) -> str | None:
+    """The replica in ``figures`` with the most headroom (in the session's tightest pool; no budget is the
+    most) that fits ``session``, or None when none does."""
+    ok = [n for n, f in figures.items() if fits(f, session)]
+    return max(ok, key=lambda n: (min(_room(figures[n], p) for p in session.bytes_by_pool), n), default=None)
+
+
+def _room(figures: Placement, pool: str) -> float:
+    room = figures.headroom(pool)
+    return float("inf") if room is None else room
 
 
 def rebalance_move(figures: Mapping[str, Placement]) -> tuple[str, str, str] | None:

@@ -7,13 +7,17 @@ transfer blobs (`export`: the manifest as JSON text and the buffers as numpy arr
 store carries without pickling the bytes and reads in place on the receiving node) and arrive through
 `accept`, which checks the blob whole before it builds anything and claims the session at the next epoch.
 
+With ``spill=True`` its manager's byte budget hands a session it would drop to a peer with headroom, else
+to Ray's object store (`serving.spill`), and records where it went (`spilled`, `where`); tell it its peers
+with `connect`.
+
 Run it as an actor: ``ray.remote(SessionReplica).remote("r0", model="wm@1", step=my_step)``; the class
 itself imports no Ray, so the same object is tested in-process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import StaleEpochError, TransferError
@@ -24,6 +28,7 @@ from ..transfer.blob import SessionBlob
 from ..transfer.exporting import export_session
 from ..transfer.importing import read_blob
 from ..transfer.placement import Placement, placement
+from .spill import ActorPeers, Peers, ReplicaSpill, Spilled, Store, object_store
 
 __all__ = ["STEP_ATTR", "SessionReplica"]
 
@@ -42,6 +47,8 @@ class SessionReplica:
         counts steps in the session's ``"step"`` attr around it.
       init: ``init(handle)``, what a new session holds before its first step.
       hooks: ``attr_hooks`` / ``object_hooks`` for saves and transfers (engine KV, say).
+      spill: under budget pressure, hand a session the budget would drop to a peer (`connect`) with headroom,
+        else to ``spill_store`` (Ray's object store; None: none), before it is dropped (`serving.spill`).
       **manager: `SessionStateManager` arguments (``byte_budget``, ``max_sessions``).
 
     Example (in-process; ``ray.remote(SessionReplica)`` makes the same class an actor):
@@ -65,20 +72,48 @@ class SessionReplica:
         step: Step,
         init: Callable[[Any], Any] | None = None,
         hooks: dict[str, Any] | None = None,
+        spill: bool = False,
+        spill_store: Store | None = object_store,
         **manager: Any,
     ):
         self.name, self.model, self._step, self._init = name, model, step, init
         self.hooks = dict(hooks or {})
-        self.manager = SessionStateManager(**manager)
+        self.peers: Peers | None = None
+        self.spilled: dict[str, Spilled] = {}  # session id -> where the budget's spill lever sent it
+        self.manager = SessionStateManager(**manager, spill=ReplicaSpill(self, spill_store) if spill else None)
         self.saved: dict[str, int] = {}  # session id -> the step of its last save from here
 
+    def connect(self, peers: Mapping[str, Any] | Peers, timeout_s: float = 30.0) -> None:
+        """The replicas a spill may hand sessions to: ``{name: actor handle}`` (`ActorPeers`) or any `Peers`
+        (this replica's own name among them is skipped)."""
+        self.peers = ActorPeers(peers, timeout_s) if isinstance(peers, Mapping) else peers
+
+    def note_spilled(self, sid: str, where: Spilled) -> None:
+        """Record that the spill lever sent ``sid`` ``where`` (its copy here leaves with the write)."""
+        self.spilled[sid] = where
+        self.saved.pop(sid, None)
+
+    def where(self, sid: str) -> Spilled | None:
+        """Where the spill lever sent ``sid`` (None: it did not, or the session came back since)."""
+        return None if sid in self.manager else self.spilled.get(sid)
+
+    def _arrived(self, sid: str) -> None:
+        self.spilled.pop(sid, None)
+
     def _owned(self, sid: str, epoch: int | None, what: str) -> Any:
+        gone = self.where(sid)
+        if gone is not None:
+            raise StaleEpochError(
+                f"{self.name}: `{what}`: session {sid!r} was spilled under budget pressure to {gone.to!r} at epoch "
+                f"{gone.epoch}; ask `where` (or the router) and send it there."
+            )
         check_epoch(self.manager.state, sid, epoch, f"{self.name}: {what}")
         return self.manager.get_session(sid)
 
     def open(self, sid: str, above: int = 0) -> int:
         """Create session ``sid`` here and claim it; returns its epoch."""
         handle = self.manager.get_or_create_session(sid)
+        self._arrived(sid)
         if self._init is not None:
             self._init(handle)
         handle.transact(lambda s: claimed(s, model=self.model, above=above, sid=sid).set_attr(STEP_ATTR, 0))
@@ -130,6 +165,7 @@ class SessionReplica:
             **self.hooks,
         )
         handle = self.manager.install_session(sid, session)
+        self._arrived(sid)
         handle.transact(lambda s: claimed(s, model=self.model, above=epoch, sid=sid))
         return int(session_epoch(handle.state.attrs))
 
@@ -148,6 +184,7 @@ class SessionReplica:
         if info is None:
             raise StaleEpochError(f"{self.name}: {path} holds no session {sid!r} to resume.")
         handle = self.manager.load_session(sid, path, **self.hooks)
+        self._arrived(sid)
         top = max(above, info.epoch)
         handle.transact(lambda s: claimed(s, model=self.model, above=top, sid=sid))
         step = int(handle.get_attr(STEP_ATTR, 0))

@@ -11,19 +11,20 @@ A request's session is Serve's own ``session_id`` (``handle.options(session_id=.
 header) or else the method's first argument; a request naming ``replica=<id>`` (the moves of
 `SessionFleet`) goes to that replica only, and fails at once if it is gone.
 
-What a router knows is as fresh as its own record (the requests it routed: exact for the one handle, or the
-one proxy, the traffic and the moves go through) and the figures Serve last broadcast (every
-``request_routing_stats_period_s``). Two routers placing the same new session within one period read the
-same figures and pick the same replica (placement is deterministic). A move made through one router is seen
-by the others only once both replicas have published again: until then another router may send a request
-to the old holder, which takes the session up from its checkpoint as if it were placed there. Run moves
-through the handle the traffic uses, or hold other routers' traffic for that session for one period. A
-replica that takes a session up claims it past its checkpoint's epoch, and the checkpoint never goes back to
-a lower epoch (`persist.fencing`); two copies of one epoch are not told apart.
+What a router knows is as fresh as its own record (the requests it routed, each with when) and the figures
+Serve last broadcast (every ``request_routing_stats_period_s``). Two routers placing the same new session
+within one period read the same figures and pick the same replica (placement is deterministic). A move made
+through one router is seen by the others as soon as either replica publishes again: the old holder publishes
+a tombstone for the session it let go of, the new holder its claim at a higher epoch, and `routing.choose`
+prefers whichever is newer than its own record. Until then another router may still send a request to the
+old holder, which refuses it (its tombstone: `StaleEpochError`, retry) rather than taking the session up from
+its checkpoint. A replica that takes a session up claims it past its checkpoint's epoch, and the checkpoint
+never goes back to a lower epoch (`persist.fencing`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -37,7 +38,7 @@ __all__ = ["REPLICA_KWARG", "SessionAffinityRouter", "session_of", "session_rout
 REPLICA_KWARG = "replica"  # a request's keyword naming the one replica it is for
 
 # Methods that leave a session where it is: routing them records nothing about where the session lives.
-_NOT_PLACING = frozenset({"release", "abort_move", "figures", "session_ids"})
+_NOT_PLACING = frozenset({"release", "abort_move", "figures", "replays", "session_ids"})
 
 
 def session_of(request: PendingRequest) -> str | None:
@@ -52,7 +53,7 @@ class SessionAffinityRouter(RequestRouter):
     """Routes each request to the replica holding its session (see the module docstring)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.placed: dict[str, str] = {}  # session id -> replica id this router last sent it to
+        self.placed: dict[str, tuple[str, float]] = {}  # session id -> (replica id it last sent it to, when)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -80,12 +81,17 @@ class SessionAffinityRouter(RequestRouter):
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         sid = session_of(pending_request)
         if sid is not None and pending_request.metadata.call_method not in _NOT_PLACING:
-            self.placed[sid] = replica_id.unique_id
+            uid = replica_id.unique_id
+            # Only a change of replica is news: sending the session again where it was keeps the record's
+            # time, so a tombstone that replica published since still overrides it (a retry refreshing the
+            # time would keep the session's requests on its old holder for good).
+            if self.placed.get(sid, ("",))[0] != uid:
+                self.placed[sid] = (uid, time.time())
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         gone = replica_id.unique_id
-        self.placed = {sid: uid for sid, uid in self.placed.items() if uid != gone}
+        self.placed = {sid: rec for sid, rec in self.placed.items() if rec[0] != gone}
 
 
 def session_router_config(period_s: float = 1.0, **options: Any) -> RequestRouterConfig:

@@ -11,6 +11,11 @@ Moves (drain, rebalance: `SessionFleet`) go through the same deployment handle: 
 (which then refuses steps of that session until the move ends), ``accept`` on the target (the blob's buffers
 come through Ray's object store, never through the driver), ``release`` on the source.
 
+A session leaving a replica (moved, or spilled under budget pressure with ``spill=True``: to a peer with
+headroom, through ``accept``) leaves a tombstone: for ``tombstone_s`` the replica publishes it (so every router
+follows the move at its next figures, `routing.choose`) and refuses a request for that session with
+`StaleEpochError` (retry) rather than taking it up from an older checkpoint beside its new holder.
+
 The class imports no Ray: the same object serves in-process in tests (``name=`` stands for the replica id
 Serve gives it).
 """
@@ -18,6 +23,7 @@ Serve gives it).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +32,7 @@ from ..persist.directory import has_checkpoint
 from ..persist.paths import child
 from .replica import SessionReplica, Step
 from .routing import published
+from .spill import ServePeers
 
 __all__ = ["Reply", "SessionServer"]
 
@@ -55,6 +62,11 @@ class SessionServer:
         refused.
       save_every: checkpoint a session every this many steps (0: only on `save`).
       name: the replica's id when not run by Serve.
+      spill: under budget pressure, hand a session the budget would drop to another replica of the deployment
+        with headroom (`serving.spill.ServePeers`) before it is dropped; one no replica takes stays while
+        anything else can go (`enforce_budget`). A session spilled, or dropped as the last resort, resumes
+        from its checkpoint where a request for it is placed next.
+      tombstone_s: for how long a session that left is published as gone and refused here.
       hooks, **manager: as `SessionReplica` (``byte_budget``, ``attr_hooks``, ``object_hooks``).
 
     Example (in-process; ``serve.deployment(SessionServer, request_router_config=session_router_config())``
@@ -77,15 +89,25 @@ class SessionServer:
         replay: Replay | None = None,
         save_every: int = 0,
         name: str | None = None,
+        spill: bool = False,
+        tombstone_s: float = 10.0,
         hooks: dict[str, Any] | None = None,
         **manager: Any,
     ):
         if not isinstance(save_every, int) or save_every < 0:
             raise InvalidArgumentError(f"`SessionServer`: save_every must be an int >= 0, got {save_every!r}.")
         self.name = name or _serve_replica_id()
-        self.replica = SessionReplica(self.name, model=model, step=step, init=init, hooks=hooks, **manager)
+        self.replica = SessionReplica(
+            self.name, model=model, step=step, init=init, hooks=hooks, spill=spill, spill_store=None, **manager
+        )
+        if spill:
+            self.replica.connect(ServePeers(self.name))
         self.checkpoints, self.replay, self.save_every = checkpoints, replay, save_every
+        self.tombstone_s = tombstone_s
         self.leaving: set[str] = set()  # sessions exported for a move: no step here until the move ends
+        self.claimed: dict[str, float] = {}  # session id -> when this replica took it up (published)
+        self.released: dict[str, tuple[int, float]] = {}  # session id -> (epoch, when) it was moved away
+        self.replayed: dict[str, int] = {}  # session id -> steps replayed when it was last taken up here
         self._arrivals = threading.Lock()  # (Serve runs a replica's requests on threads)
 
     def checkpoint(self, session_id: str) -> Any:
@@ -107,6 +129,34 @@ class SessionServer:
                 self.replica.resume(sid, self.checkpoint(sid))
             else:
                 self.replica.open(sid)
+            self._claimed(sid)
+
+    def _claimed(self, sid: str) -> None:
+        self.claimed[sid] = time.time()
+        self.released.pop(sid, None)
+
+    def tombstones(self) -> dict[str, tuple[int, float]]:
+        """``{session id: (epoch, when)}`` of the sessions that left this replica within ``tombstone_s``
+        (moved away, or spilled), and not back since."""
+        cutoff = time.time() - self.tombstone_s
+        for sid, (_, at) in list(self.released.items()):
+            if at < cutoff:
+                del self.released[sid]
+        out = dict(self.released)
+        for sid, went in list(self.replica.spilled.items()):
+            if went.at >= cutoff and sid not in self.replica.manager:
+                out[sid] = (went.epoch, went.at)
+        return out
+
+    def _check_not_gone(self, sid: str) -> None:
+        gone = self.tombstones().get(sid)
+        if gone is not None:
+            went = self.replica.where(sid)
+            where = f" to {went.to!r}" if went is not None else ""
+            raise StaleEpochError(
+                f"{self.name}: session {sid!r} left this replica{where} {time.time() - gone[1]:.1f} s ago (epoch "
+                f"{gone[0]}); retry the request: the routers follow it once its figures are published."
+            )
 
     def step(self, session_id: str, *args: Any, at: int | None = None) -> Reply:
         """One step of ``session_id`` (taken up here first if this replica does not hold it).
@@ -119,6 +169,7 @@ class SessionServer:
         if sid in self.leaving:
             raise StaleEpochError(f"{self.name}: session {sid!r} is being moved off this replica; retry the request.")
         if sid not in self.replica.manager:
+            self._check_not_gone(sid)
             self._arrive(sid)
         if at is not None:
             self._catch_up(sid, at)
@@ -148,6 +199,7 @@ class SessionServer:
                 )
             for args in replayed:
                 self.replica.step(sid, self._epoch(sid), *args)
+            self.replayed[sid] = len(replayed)
 
     def save(self, session_id: str) -> int:
         """Checkpoint ``session_id`` (fenced: refused if another owner saved a newer epoch); the step saved."""
@@ -169,13 +221,18 @@ class SessionServer:
         self._check_directed(replica)
         manifest, buffers, epoch, source = exported
         new_epoch = self.replica.accept(manifest, buffers, epoch, expect=session_id)
+        self._claimed(session_id)
         return new_epoch, source, epoch
 
     def release(self, session_id: str, epoch: int, *, replica: str | None = None) -> bool:
         """Drop this replica's copy of a session moved away at ``epoch``."""
         self._check_directed(replica)
         self.leaving.discard(session_id)
-        return self.replica.release(session_id, epoch)
+        gone = self.replica.release(session_id, epoch)
+        if gone:
+            self.claimed.pop(session_id, None)
+            self.released[session_id] = (epoch, time.time())
+        return gone
 
     def abort_move(self, session_id: str, *, replica: str | None = None) -> None:
         """End a move that failed: the session is served here again."""
@@ -187,9 +244,15 @@ class SessionServer:
         self._check_directed(replica)
         return self.replica.placement()
 
+    def replays(self, *, replica: str | None = None) -> dict[str, int]:
+        """``{session id: steps replayed}`` for each session taken up here from a checkpoint behind its request."""
+        self._check_directed(replica)
+        return dict(self.replayed)
+
     def record_routing_stats(self) -> dict[str, Any]:
-        """What Serve publishes to the routers: the sessions held here, headroom and bytes held."""
-        return published(self.replica.placement())
+        """What Serve publishes to the routers: the sessions held here (with when they were claimed), the
+        tombstones of those that left lately, headroom and bytes held."""
+        return published(self.replica.placement(), claimed=self.claimed, released=self.tombstones())
 
     def _check_directed(self, replica: str | None) -> None:
         if replica is not None and replica != self.name:

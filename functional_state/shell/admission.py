@@ -312,7 +312,7 @@ def admit(
       spilled: with a spill lever (None: none), what was handed to it for this write: ``{id: the session
         value handed over}``, or None for a session whose spill failed. A session the budget drops leaves
         as spilled (not an eviction; its handles refuse writes) if this very value (``after``'s) was
-        handed over; dropped as an eviction if its spill failed; otherwise it is named in `Decision.spill`.
+        handed over; kept if its spill failed (dropped as an eviction only as `enforce_budget`'s last resort); otherwise it is named in `Decision.spill`.
 
     Raises:
       BudgetExceededError: the write cannot fit even so.
@@ -358,7 +358,7 @@ class _SpillLever:
     """The spill lever `admit` hands `enforce_budget`: pure, it only says what was handed over already.
 
     A session whose value in ``after`` is the very one handed over leaves as spilled; one whose spill failed
-    is dropped as an eviction; any other is noted in ``wanted`` (and counted as spilled here: a decision that
+    is refused (`enforce_budget` keeps it, dropping it as an eviction only as a last resort); any other is noted in ``wanted`` (and counted as spilled here: a decision that
     names one is never installed)."""
 
     __slots__ = ("after", "spilled", "wanted")
@@ -370,7 +370,7 @@ class _SpillLever:
         if sid in self.spilled:
             handed = self.spilled[sid]
             if handed is None:
-                return False  # its spill failed: dropped only because the budget cannot be met otherwise
+                return False  # its spill failed: `enforce_budget` keeps it unless the budget needs it dropped
             if handed is ms.lookup(self.after, sid, None):
                 return True
         self.wanted.append(sid)

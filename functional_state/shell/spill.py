@@ -14,10 +14,11 @@ Protocol, per write (`Writes.run`), all of it outside the shell's lock:
 
 A spilled session leaves the table as spilled, not evicted (no eviction counted); its handles refuse writes
 (`SessionStateLostError`), which would reach a copy nobody reads. A callback that raises, or returns anything
-but True, leaves its session in place: the budget is planned again with that session protected. Only if the
-budget cannot be met otherwise (a `BudgetExceededError` with it protected) is it dropped as an eviction, with
-a warning; its handles then keep its last state, as after any eviction. The error is logged (``WARNING``,
-with its traceback) and never raised to the writer, whose write is not at fault.
+but True, leaves its session in place: what happens to it then is `enforce_budget`'s policy (one home for the
+answer), which the shell's lever only reports to: the budget is planned again with that session protected,
+and only if it cannot be met otherwise is it dropped as an eviction, with a warning; its handles then keep
+its last state, as after any eviction. The error is logged (``WARNING``, with its traceback) and never
+raised to the writer, whose write is not at fault.
 
 A session spilled whose write is then decided again without dropping it (another write freed room
 meanwhile) stays in the table: the copy where it went is then stale, and the table's is the live one.
@@ -31,7 +32,7 @@ from typing import Any
 
 from .. import table as ms
 from ..core.session import SessionState
-from ..errors import BudgetExceededError, InvalidTypeError
+from ..errors import InvalidTypeError
 from ..table.manager_state import ManagerState
 from .admission import Decision
 
@@ -67,23 +68,11 @@ class Spills:
         pins and what was handed over), with every session it drops handed to the callback first.
 
         Raises:
-          BudgetExceededError: the budget cannot be met even by dropping the sessions whose spill failed.
+          BudgetExceededError: the budget cannot be met even by dropping the sessions whose spill failed
+            (`enforce_budget` drops those only as a last resort).
         """
-        last_resort = False
         while True:
-            refused = frozenset(sid for sid, value in self.handed.items() if value is None)
-            protect = pinned if last_resort or not refused else pinned | refused
-            try:
-                decision = admit(protect, self.handed)
-            except BudgetExceededError:
-                if last_resort or not refused:
-                    raise
-                _log.warning(
-                    "the byte budget cannot be met without dropping session(s) %s, whose spill failed: dropped",
-                    sorted(refused),
-                )
-                last_resort = True
-                continue
+            decision = admit(pinned, self.handed)
             if not decision.spill:
                 return decision
             for sid in decision.spill:
