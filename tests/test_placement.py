@@ -28,6 +28,26 @@ def test_figures_per_pool_and_per_session_agree_with_stats():
     assert p.headroom("cpu") == (1 << 20) - fs.stats(s)["nbytes:cpu"] and p.headroom("cuda:0") is None
 
 
+@pytest.mark.parametrize(
+    ("budget", "pools"),
+    [
+        ("64 MiB", {"cpu": (0, 64 << 20)}),
+        ({"cpu": "1 MiB", "cpu/pinned_host": "2 MiB"}, {"cpu": (0, 1 << 20), "cpu/pinned_host": (0, 2 << 20)}),
+        (None, {}),
+    ],
+)
+def test_an_empty_budgeted_replica_reports_its_room(budget, pools):
+    # A replica that holds nothing yet must still show its budget: read as "no budget", it would fit any
+    # session and win every placement and drain, however small its budget.
+    from functional_state.serving.moves import roomiest
+
+    p = placement(ManagerState.create(byte_budget=budget))
+    assert p.pools == pools and p.sessions == {}
+    big = fs.transfer.SessionFigures({"cpu": 128 << 20}, 0, 1, None)
+    other = fs.transfer.Placement({"cpu": (0, 256 << 20)}, {})
+    assert roomiest({"empty": p, "other": other}, big) == ("other" if budget else "empty")
+
+
 def test_figures_at_10k_sessions_cost_milliseconds():
     s = ManagerState.create(max_sessions=10_000, byte_budget="1 GiB")
     for i in range(10_000):

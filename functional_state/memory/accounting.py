@@ -29,7 +29,7 @@ from .extents import Extent, Loose
 from .shardings import is_single_device
 from .values import NO_BUFFER_TYPES, exported
 
-__all__ = ["WalkReport", "alias_owner", "nbytes_by_device", "register_alias", "total_nbytes"]
+__all__ = ["WalkReport", "alias_owner", "jax_device_pool", "nbytes_by_device", "register_alias", "total_nbytes"]
 
 
 def torch_module() -> Any:
@@ -62,10 +62,11 @@ def _jax_pool_key(device: Any, memory_kind: str | None) -> str:
     host memory of a GPU is host RAM, so it is filed with the host, apart from the CPU's default pool)."""
     if memory_kind in ("pinned_host", "unpinned_host"):
         return f"cpu/{memory_kind}"
-    return _jax_device_key(device)
+    return jax_device_pool(device)
 
 
-def _jax_device_key(device: Any) -> str:
+def jax_device_pool(device: Any) -> str:
+    """The pool the accounting files a JAX device's own memory under (``"cpu"`` for every host device)."""
     platform = device.platform
     if platform == "cpu":
         return "cpu"  # One host pool, whatever the number of (fake) CPU devices.

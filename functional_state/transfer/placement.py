@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import jax
+
 from .. import table as ms
-from ..memory.budget import limit_for
+from ..memory.accounting import jax_device_pool
+from ..memory.budget import ANY_DEVICE, limit_for
+from ..memory.pools import Pool
 from ..table.manager_state import ManagerState
 from ..table.ownership import session_epoch
 from ..table.usage import pool_bytes
@@ -64,6 +68,8 @@ def placement(state: ManagerState, *, saved: Mapping[str, Any] | None = None) ->
     saved = saved or {}
     budget = state.byte_budget
     pools = {str(pool): (held, limit_for(budget, pool) if budget else None) for pool, held in pool_bytes(state).items()}
+    for name in _budgeted_pools(budget):
+        pools.setdefault(name, (0, limit_for(budget, Pool.of(name))))
     sessions = {}
     for rank, (sid, _, session) in enumerate(ms.entries_lru(state)):
         held: set[Any] = set()
@@ -74,3 +80,14 @@ def placement(state: ManagerState, *, saved: Mapping[str, Any] | None = None) ->
             by_pool[pool] = by_pool.get(pool, 0) + end - start
         sessions[sid] = SessionFigures(by_pool, rank, session_epoch(session.attrs), saved.get(sid))
     return Placement(pools, sessions)
+
+
+def _budgeted_pools(budget: Mapping[str, int] | None) -> list[str]:
+    """The pools ``budget`` limits, named as `stats()` names them: each pool it names, and for ``"*"`` each
+    local JAX device's pool (``"cpu"`` for the host), so a replica holding nothing still reports its room."""
+    if not budget:
+        return []
+    names = [name for name in budget if name != ANY_DEVICE]
+    if ANY_DEVICE in budget:
+        names += sorted({jax_device_pool(device) for device in jax.local_devices()})
+    return names
