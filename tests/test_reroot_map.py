@@ -237,6 +237,30 @@ def test_threads_reading_old_versions_and_writing_new_ones_see_each_version_whol
         assert dict(m.items()) == expected
 
 
+def test_a_near_version_is_rerooted_and_a_far_one_copied_once():
+    # A snapshot read while its family keeps being written must not reroot the whole distance on every
+    # switch: past half the map's size it gets a dict of its own, and the newest version stays the root.
+    start = RerootMap({i: 0 for i in range(100)})
+    near = start
+    for i in range(10):
+        near = near.set(i, 1)
+    family = start._family
+    seq = family.seq
+    assert start.get(5) == 0 and family.seq == seq + 2  # 10 diffs away: rerooted there
+    assert near.get(5) == 1 and family.seq == seq + 4  # and back
+    far = near
+    for i in range(200):
+        far = far.set(i % 100, i)
+    seq = family.seq
+    for _ in range(100):  # 210 diffs away: copied once; switching between the two reroots nothing
+        assert start.get(5) == 0 and far.get(5) == 105
+    assert family.seq == seq
+    assert dict(start.items()) == dict.fromkeys(range(100), 0) and len(start) == 100
+    assert dict(near.items()) == {i: int(i < 10) for i in range(100)}  # (read through the newest's root)
+    newest = far.set("new", 1)
+    assert start.get("new") is None and newest.get("new") == 1
+
+
 class _RerootingKey:
     """Equal to ``"k"``; hashing it the first time runs ``action``: a reroot in the middle of a read."""
 

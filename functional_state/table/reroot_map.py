@@ -10,6 +10,12 @@ applied to the dict and inverted, so that the path points the other way and ever
 same. Reads and writes of the newest version therefore cost a dict operation, and the garbage collector sees
 one dict and one small object per live version, not the nodes of a tree.
 
+A version farther from the root than half the map's size is not rerooted but copied: it gets a dict of its
+own, built from a copy of the root's with its diffs applied, and becomes a root itself (the family is then a
+tree with two roots, each owning a dict). The copy costs at most a few times the reroot it replaces, and it
+ends the back-and-forth: a snapshot read while its family keeps being written (a checkpoint saving an old
+table while the shell serves) would otherwise reroot the whole distance on every switch between the two.
+
 Rerooting mutates structure that all the family's versions share, so every write and every reroot holds the
 family's lock. A read of the root takes no lock: it reads the family's sequence number (odd while the dict
 changes), reads the dict, and keeps the value only if the sequence number is unchanged and its version still
@@ -33,6 +39,8 @@ __all__ = ["RerootMap"]
 
 # The diff value of a key a version does not hold.
 _ABSENT: Final = object()
+# A version more than this many diffs plus half the map's size from its root is copied, not rerooted.
+COPY_AFTER: Final = 16
 
 
 class _Family:
@@ -189,7 +197,8 @@ class RerootMap:
         return new
 
     def _rooted(self) -> dict[Any, Any]:
-        """The shared dict, holding this version's contents: the family rerooted here if it was not."""
+        """The dict holding this version's contents: the family rerooted here if it was not, or, if this
+        version is far from the root, a copy of its own (see the module's docstring)."""
         data = self._data
         if data is not None:
             return data
@@ -201,6 +210,8 @@ class RerootMap:
         assert node is not None  # (every chain of diffs ends at the family's root)
         data = node._data
         assert data is not None
+        if len(path) > len(data) // 2 + COPY_AFTER:
+            return self._detached(path, data)
         family = self._family
         family.seq += 1
         root = node
@@ -224,6 +235,23 @@ class RerootMap:
             step._value = None
             root = step
         family.seq += 1
+        return data
+
+    def _detached(self, path: list[RerootMap], root_data: dict[Any, Any]) -> dict[Any, Any]:
+        """This version made a root of its own: a copy of ``root_data`` with the diffs of ``path`` (this
+        version to the root) applied. Nothing shared changes: the versions on the path still lead to the
+        old root, those that led here still do."""
+        data = dict(root_data)
+        for k in range(len(path) - 1, -1, -1):
+            step = path[k]
+            if step._value is _ABSENT:
+                del data[step._key]
+            else:
+                data[step._key] = step._value
+        self._data = data
+        self._next = None  # (the newer versions it read through are freed if nothing else holds them)
+        self._key = None
+        self._value = None
         return data
 
 
