@@ -138,9 +138,9 @@ def test_a_value_only_an_unreachable_version_held_is_freed():
         new = old.set("k", new_value)
         w_old, w_new = weakref.ref(old_value), weakref.ref(new_value)
         del old_value, new_value
-        assert new["k"] is w_new() and old["k"] is w_old()  # (old is now the root; new a diff toward it)
-        del old  # still the root, held by `new`'s link: freed by the next read of `new`, which reroots there
-        assert new["k"] is w_new() and w_old() is None
+        assert new["k"] is w_new() and old["k"] is w_old()
+        del old  # (read along its path: the family's root stayed at `new`)
+        assert w_old() is None and new["k"] is w_new()
         newer = new.set("k", 0)
         del new
         assert w_new() is None and newer["k"] == 0
@@ -237,6 +237,17 @@ def test_threads_reading_old_versions_and_writing_new_ones_see_each_version_whol
         assert dict(m.items()) == expected
 
 
+def test_a_key_of_a_version_next_to_the_root_is_read_without_moving_the_root():
+    # Regression (the shell's budget check reads the table a write came from): rerooting there made the old
+    # table the root, holding its values (a replaced tensor) alive until the next write rerooted back.
+    old = RerootMap({"k": "old", "j": 1})
+    new = old.set("k", "new").set("x", 2)
+    seq = old._family.seq
+    assert old.get("k") == "old" and "x" not in old and old["j"] == 1 and old.get("x", 3) == 3
+    assert old._family.seq == seq and new._data is not None  # nothing moved: `new` is still the root
+    assert dict(old.items()) == {"k": "old", "j": 1} and dict(new.items()) == {"k": "new", "j": 1, "x": 2}
+
+
 def test_a_near_version_is_rerooted_and_a_far_one_copied_once():
     # A snapshot read while its family keeps being written must not reroot the whole distance on every
     # switch: past half the map's size it gets a dict of its own, and the newest version stays the root.
@@ -246,8 +257,8 @@ def test_a_near_version_is_rerooted_and_a_far_one_copied_once():
         near = near.set(i, 1)
     family = start._family
     seq = family.seq
-    assert start.get(5) == 0 and family.seq == seq + 2  # 10 diffs away: rerooted there
-    assert near.get(5) == 1 and family.seq == seq + 4  # and back
+    assert start.get(50) == 0 and family.seq == seq + 2  # 10 diffs away (past WALK): rerooted there
+    assert near.get(50) == 0 and family.seq == seq + 4  # and back
     far = near
     for i in range(200):
         far = far.set(i % 100, i)
@@ -282,6 +293,8 @@ def test_a_read_of_the_newest_version_that_a_reroot_interrupts_reads_again():
     # (here from inside the lookup itself, where another thread's could land) must not leak its value.
     old = RerootMap({"k": "old"})
     new = old.set("k", "new")
+    for i in range(12):  # (far enough that a read of `old` reroots, not close enough to copy)
+        new = new.set(i, i)
     assert new.get(_RerootingKey(lambda: old.get("k"))) == "new"
     assert _RerootingKey(lambda: old.get("k")) in new and new[_RerootingKey(lambda: old.get("k"))] == "new"
     assert old.get("k") == "old" and new.get("k") == "new"

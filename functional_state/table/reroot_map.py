@@ -7,7 +7,8 @@ had there, or that it was absent) and a link one step toward the root. A write t
 in place and makes the new version the root: the old one keeps the key's previous value as its diff. Reading
 any other version first *reroots* the family at it (Baker's trick): the diffs on its path to the root are
 applied to the dict and inverted, so that the path points the other way and every version still reads the
-same. Reads and writes of the newest version therefore cost a dict operation, and the garbage collector sees
+same. One key of a version a few diffs from the root (`WALK`) is read along its path instead, without moving
+the root. Reads and writes of the newest version therefore cost a dict operation, and the garbage collector sees
 one dict and one small object per live version, not the nodes of a tree.
 
 A version farther from the root than half the map's size is not rerooted but copied: it gets a dict of its
@@ -41,6 +42,8 @@ __all__ = ["RerootMap"]
 _ABSENT: Final = object()
 # A version more than this many diffs plus half the map's size from its root is copied, not rerooted.
 COPY_AFTER: Final = 16
+# A key of a version at most this many diffs from its root is read along the path, without a reroot.
+WALK: Final = 8
 
 
 class _Family:
@@ -95,6 +98,21 @@ class RerootMap:
         lock = family.lock
         lock.acquire()
         try:
+            # A version a few diffs from its root is read along its path, leaving the root where it is: a
+            # caller that compares a new table with the one it came from must not make the old one the
+            # root (it would then hold the old values alive, and the next write would reroot back).
+            node = self
+            for _ in range(WALK):
+                data = node._data
+                if data is not None:
+                    return data.get(key, default)
+                diff_key = node._key
+                if diff_key is key or diff_key == key:
+                    value = node._value
+                    return default if value is _ABSENT else value
+                nxt = node._next
+                assert nxt is not None  # (a version without a dict has a link toward its root)
+                node = nxt
             return self._rooted().get(key, default)
         finally:
             lock.release()
