@@ -358,3 +358,19 @@ class TableVersionsMachine(RuleBasedStateMachine):
 
 TableVersionsMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None)
 TestTableVersionsMachine = TableVersionsMachine.TestCase
+
+
+def test_a_pickled_or_copied_table_takes_its_own_sessions_not_the_history():
+    state = fs.ManagerState.create(max_sessions=8)
+    for i in range(8):
+        state, _ = fs.get_or_create(state, f"s{i}")
+        state = fs.put(state, f"s{i}", "buf", fs.LatentBuffer.create(maxlen=1))
+    old = state
+    size = len(pickle.dumps(old))
+    for k in range(500):  # each commit replaces a 1-item ring's 8 kB item: 4 MB of history after `old`
+        state, _ = fs.get_or_create(state, f"s{k % 8}")
+        state = fs.commit(state, f"s{k % 8}", "buf", np.full(1_000, k, np.float64))
+    assert len(pickle.dumps(old)) < size + 2_000  # (the shared recency log's lists: a few entries)
+    for twin in (pickle.loads(pickle.dumps(state)), copy.deepcopy(state)):
+        assert twin.session_ids == state.session_ids and len(pickle.dumps(twin)) < 8 * 8_000 + 20_000
+        assert fs.view(twin, "s3", "buf")[0][0] == fs.view(state, "s3", "buf")[0][0]
