@@ -37,6 +37,7 @@ FROZEN = (
     "imports frozen, then shell",
     "imports frozen, then OrderedDict + 1 lock built among garbage",
     "imports frozen, then bench_manager's floor table (a layout prototype)",
+    "imports frozen, then the floor table on RerootMap (the table's map)",
 )
 RING = 4  # items committed into each session's 4-item ring: the steady state after its first four ops
 
@@ -75,12 +76,12 @@ def _pure(n: int) -> fs.ManagerState:
     return state
 
 
-def _floor(n: int) -> tuple:
+def _floor(n: int, reroot: bool = False) -> tuple:
     """bench_manager's floor table (a prototype of the layout, not a product): one persistent map of
     ``sid -> (session dict, tick)``, a session a dict of rings, a ring a tuple of the items. Once its
     leaves hold only untracked values (numpy arrays, ints), the collector untracks the ring tuples, then
     the session dicts, then the node tuples: what stays tracked is the map's own nodes."""
-    state = _floor_table(n)
+    state = _floor_table(n, reroot)
     for i in range(n):
         for _ in range(RING):
             state = floor_commit(state, f"s{i}", "buf", ITEM)
@@ -149,6 +150,7 @@ def run() -> dict:
         FROZEN[2]: _measure(_shell, n, freeze_imports=True),
         FROZEN[3]: _measure(_ordered_dict_scattered, n, freeze_imports=True),
         FROZEN[4]: _measure(_floor, n, freeze_imports=True),
+        FROZEN[5]: _measure(lambda n: _floor(n, reroot=True), n, freeze_imports=True),
     }
     raw = {k: r["cell"].median for k, r in results.items()}
     rows = []
@@ -189,6 +191,10 @@ def run() -> dict:
                 raw["pure table"] / raw["OrderedDict + 1 lock"],
             ),
             (
+                f"floor table on RerootMap / OrderedDict manager, full collection at {n:,} sessions, imports frozen",
+                raw[FROZEN[5]] / raw[FROZEN[0]],
+            ),
+            (
                 f"OrderedDict manager built among garbage / built alone, imports frozen, at {n:,} sessions",
                 raw[FROZEN[3]] / raw[FROZEN[0]],
             ),
@@ -213,7 +219,9 @@ def run() -> dict:
             f"spread over the heap, to show what locality costs a collection. The floor row is a prototype of a "
             f"persistent layout the collector can mostly skip: bench_manager's floor table (a map of "
             f"`sid -> (session dict, tick)`, a ring a tuple of untracked items), whose ring tuples, session dicts "
-            f"and node tuples the collector untracks once it finds they hold only untracked values. Freezing the sessions too helps "
+            f"and node tuples the collector untracks once it finds they hold only untracked values; the row after it is "
+            f"the same on the table's own map (`RerootMap`, which the pure and shell rows use too): one dict "
+            f"instead of the HAMT's nodes. Freezing the sessions too helps "
             f"only until they are replaced, and a commit replaces its session's node, session and object. The "
             f"machine is shared (2 cores, other jobs running): collection times vary with its cache pressure. "
             f"Reproduce: `GC_SESSIONS={n} python benchmarks/run.py gc`."

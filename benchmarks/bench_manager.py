@@ -12,7 +12,10 @@ implementation runs the same id sequences, as one closure called once per op by 
 * ``floor + lock``: the least a fully persistent pure-Python table can do for the same op, under the same
   lock (`floor_get_or_create`, `floor_put`, `floor_commit`: every old state valid and unchanged, exact LRU,
   no checks, counters or accounting); what separates ours from it is the cost of those, and what separates
-  it from the OrderedDict is the cost of persistence itself.
+  it from the OrderedDict is the cost of persistence itself;
+* ``floor on RerootMap + lock``: the same floor with the table's own session map (`RerootMap`: the newest
+  version a dict, older ones diffs toward it, compiled with the table) instead of an ``immutables.Map``: what
+  the map alone changes (the ``pure`` rows use it too: it is the table's map).
 
 Ratios are CPU time of untimed loops, rotated and interleaved, GC on; cells are every op timed on its own
 (median, p99, p99.9). The ids are drawn against a mirror of the LRU table, so a "hit" is always live and a
@@ -60,6 +63,7 @@ from _timing import (
     timer_overhead,
 )
 from functional_state.table.recency_log import Log, append, entries
+from functional_state.table.reroot_map import RerootMap
 
 SIZES = tuple(int(x) for x in os.environ.get("MANAGER_SIZES", "64,1000,100000").split(","))
 OPS = dict.fromkeys(SIZES, int(os.environ.get("MANAGER_OPS", "20000")))  # ops per sample
@@ -128,9 +132,9 @@ def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, t
     return Log(sids, ticks)
 
 
-def floor_create(max_sessions: int) -> tuple:
-    """An empty floor table."""
-    return (immutables.Map(), 0, Log([], []), 0, 0, None, 0, max_sessions)
+def floor_create(max_sessions: int, reroot: bool = False) -> tuple:
+    """An empty floor table; ``reroot``: its map a `RerootMap` (the table's), else an ``immutables.Map``."""
+    return (RerootMap() if reroot else immutables.Map(), 0, Log([], []), 0, 0, None, 0, max_sessions)
 
 
 def floor_get_or_create(state: tuple, sid: str) -> tuple[tuple, Any]:
@@ -244,7 +248,7 @@ class _IdStream:
         return out
 
 
-VARIANTS = ("pure", "locked", "shell", "tracked", "one_lock", "floor")
+VARIANTS = ("pure", "locked", "shell", "tracked", "one_lock", "floor", "floor_reroot")
 LABELS = {
     "pure": "pure",
     "locked": "pure + lock",
@@ -252,6 +256,7 @@ LABELS = {
     "tracked": "shell after one stats()",
     "one_lock": "OrderedDict + 1 lock",
     "floor": "floor + lock",
+    "floor_reroot": "floor on RerootMap + lock",
 }
 
 
@@ -279,7 +284,7 @@ def _ops(n: int) -> tuple[dict[str, Callable[[str], None]], Callable[[], dict[st
         one_lock.op(f"s{i}", ITEM)
     tracked.stats()  # (what a server's monitoring does once: the table keeps its byte totals from then on)
     pure_state, locked_state = tables
-    floor_state = _floor_table(n)
+    floor_state, reroot_state = _floor_table(n), _floor_table(n, reroot=True)
     base = {"pure": pure_state.misses, "shell": shell.state.misses, "one_lock": one_lock.misses}
     get_or_create, commit, put = fs.get_or_create, fs.commit, fs.put
     lock = threading.Lock()
@@ -330,6 +335,14 @@ def _ops(n: int) -> tuple[dict[str, Callable[[str], None]], Callable[[], dict[st
                 s = f_put(s, sid, "buf", ())
             floor_state = f_commit(s, sid, "buf", ITEM)
 
+    def floor_reroot(sid: str) -> None:
+        nonlocal reroot_state
+        with lock:
+            s, session = f_get_or_create(reroot_state, sid)
+            if not session:
+                s = f_put(s, sid, "buf", ())
+            reroot_state = f_commit(s, sid, "buf", ITEM)
+
     def misses() -> dict[str, int]:
         return {
             "pure": pure_state.misses - base["pure"],
@@ -346,6 +359,7 @@ def _ops(n: int) -> tuple[dict[str, Callable[[str], None]], Callable[[], dict[st
         "tracked": tracked_op,
         "one_lock": ordered_dict,
         "floor": floor,
+        "floor_reroot": floor_reroot,
     }
     return ops, misses
 
@@ -454,6 +468,7 @@ def run() -> dict:
                 f"{ratio(n, 'shell', 'one_lock'):.2f}x",
                 f"{ratio(n, 'tracked', 'shell'):.2f}x",
                 f"{ratio(n, 'floor', 'one_lock'):.2f}x",
+                f"{ratio(n, 'floor_reroot', 'one_lock'):.2f}x",
                 " / ".join(f"{c[k].p999 / c[k].median:.1f}x" for k in ("locked", "shell", "one_lock")),
                 " / ".join(
                     f"{m[n]['over_1ms'][k]}, {m[n]['full_collections'][k][0]} ({fmt_time(m[n]['full_collections'][k][1])})"
@@ -477,6 +492,7 @@ def run() -> dict:
             "CPU: shell / 1 lock",
             "CPU: shell after one stats() / shell",
             "CPU: floor + lock / 1 lock",
+            "CPU: floor on RerootMap + lock / 1 lock",
             f"p99.9 / median (pure + lock / shell / 1 lock; goal <= 10 at {big:,})",
             f"timed ops over 1 ms, full collections in them (longest): pure + lock / shell / 1 lock, of "
             f"{TAIL_ROUNDS * OPS[SIZES[0]]:,}",
@@ -512,6 +528,13 @@ def run() -> dict:
                 (f"floor + lock / OrderedDict + 1 lock at {n:,} sessions, CPU", ratio(n, "floor", "one_lock"))
                 for n in SIZES
             ),
+            *(
+                (
+                    f"floor on RerootMap + lock / OrderedDict + 1 lock at {n:,} sessions, CPU",
+                    ratio(n, "floor_reroot", "one_lock"),
+                )
+                for n in SIZES
+            ),
             (
                 f"miss after 400k hits / miss on a fresh table (goal <= 2; {fmt_time(miss['worn'])} vs "
                 f"{fmt_time(miss['fresh'])})",
@@ -543,7 +566,9 @@ def run() -> dict:
             f"The floor row is the least a fully persistent pure-Python table does for the same op (`floor_*` in "
             f"bench_manager.py, checked against ours and the OrderedDict in tests/test_table_floor.py): the same "
             f"map, tick and log, a session as a dict copied on write (a Map beyond {FLOOR_SMALL} objects), a ring "
-            f"as a tuple, no checks, counters or accounting. Tails on this shared machine include preemption by other jobs: at 64 "
+            f"as a tuple, no checks, counters or accounting; the floor-on-RerootMap row is the same with the table's own "
+            f"session map (`table/reroot_map.py`, compiled: the newest version a dict, older versions diffs toward "
+            f"it) in place of the `immutables.Map`, which the pure and shell rows use too. Tails on this shared machine include preemption by other jobs: at 64 "
             f"sessions, where no full collection runs, about one timed op in 1,500 still takes over 1 ms whatever "
             f"the implementation, so a p99.9 in the milliseconds is the machine's unless the over-1-ms column "
             f"shows full collections during the timed ops (counted by a `gc.callbacks` hook while each variant "
@@ -593,9 +618,9 @@ def _pure_locked(module, n: int):
     return ops
 
 
-def _floor_table(n: int) -> tuple:
-    """A floor table of ``n`` sessions, each with an empty ring ``buf``."""
-    state = floor_create(n)
+def _floor_table(n: int, reroot: bool = False) -> tuple:
+    """A floor table of ``n`` sessions, each with an empty ring ``buf`` (``reroot``: on a `RerootMap`)."""
+    state = floor_create(n, reroot)
     for i in range(n):
         state, _ = floor_get_or_create(state, f"s{i}")
         state = floor_put(state, f"s{i}", "buf", ())

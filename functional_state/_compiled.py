@@ -14,7 +14,8 @@ from pathlib import Path
 __all__ = ["COMPILED", "MODULES", "PURE_ENV", "compiled_modules"]
 
 # The table's recency order and the records it reads and builds (compiled together, so that `lru` reads
-# their fields natively), on the path of every get_or_create and commit. Dotted names; setup.py turns them
+# their fields natively), and the session map they read and write (`reroot_map`), on the path of every
+# get_or_create and commit. Dotted names; setup.py turns them
 # into paths. The public verbs (`session_verbs`, `object_verbs`) stay Python: mypyc checks a compiled
 # function's annotated argument types on entry, so a wrong session id would raise its bare TypeError before
 # the verb's own InvalidTypeError, which says what was expected and how to fix it.
@@ -22,6 +23,7 @@ MODULES: tuple[str, ...] = (
     "functional_state.table.lru",
     "functional_state.table.recency_log",
     "functional_state.table.records",
+    "functional_state.table.reroot_map",
 )
 # Set (to anything but "" or "0") while building: install pure Python even where a compiler is present.
 PURE_ENV = "FUNCTIONAL_STATE_PURE"

@@ -17,11 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_manager as bm
 
 
-def _run(n: int, seqs: list[list[str]]):
+def _run(n: int, seqs: list[list[str]], reroot: bool = False):
     """Ours, the floor and the OrderedDict after the same ids; item k of the run is the int k."""
     buf = fs.LatentBuffer.create(maxlen=4)
     ours = fs.ManagerState.create(max_sessions=n)
-    floor = bm.floor_create(n)
+    floor = bm.floor_create(n, reroot)
     od = bm.OrderedDictManager(n)
     for i in range(n):
         sid = f"s{i}"
@@ -52,12 +52,13 @@ def _floor_contents(floor) -> dict[str, tuple]:
     return {sid: tuple(floor[0][sid][0]["buf"]) for sid in bm.floor_lru(floor)}
 
 
+@pytest.mark.parametrize("reroot", [False, True], ids=["hamt", "reroot_map"])
 @pytest.mark.parametrize("n", [3, 64, 1_000])
-def test_floor_matches_ours_and_the_ordered_dict(n):
+def test_floor_matches_ours_and_the_ordered_dict(n, reroot):
     stream = bm._IdStream(n, random.Random(n))
     stream.ops = 2_000 if n < 1_000 else 6_000  # (past a compaction of the 1k log: 4x the table)
     seqs = [stream.sequence() for _ in range(3)]
-    ours, floor, od, snapshots = _run(n, seqs)
+    ours, floor, od, snapshots = _run(n, seqs, reroot)
     order = list(od.sessions)
     assert bm.floor_lru(floor) == order == list(ours.session_ids) == list(stream.lru)
     rings = {sid: tuple(d["buf"]) for sid, d in od.sessions.items()}
@@ -69,10 +70,11 @@ def test_floor_matches_ours_and_the_ordered_dict(n):
         assert _floor_contents(old) == contents and list(contents) == old_order
 
 
-def test_floor_old_states_branch():
+@pytest.mark.parametrize("reroot", [False, True], ids=["hamt", "reroot_map"])
+def test_floor_old_states_branch(reroot):
     """A table derived from an old state (its window ends before the log does) branches the log: both the
     old line and the new one keep their own order."""
-    s = bm.floor_create(3)
+    s = bm.floor_create(3, reroot)
     for sid in "abc":
         s, _ = bm.floor_get_or_create(s, sid)
         s = bm.floor_put(s, sid, "buf", ())

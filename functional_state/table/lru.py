@@ -17,8 +17,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import immutables
-
 from ..core.session import SessionState
 from ..errors import SessionAdmissionError
 from ..memory.accounting import total_nbytes
@@ -26,6 +24,7 @@ from ..memory.budget import format_bytes
 from .manager_state import COMPACT_AT, ManagerState, make_state, with_nodes
 from .recency_log import MAX_DEPTH, Log, append, entries
 from .records import Node, Recency, Totals
+from .reroot_map import RerootMap
 from .torch_versions import RECORDS, release
 
 __all__ = [
@@ -99,9 +98,8 @@ def insert(
             f"evict_when_full=False, so session {sid!r} is refused. Drop a finished session "
             f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
         )
-    # Plain `set`/`delete`, not a map mutation: for two writes, building and finishing a `MapMutation`
-    # costs more than the writes. A pending node stays pending (its tick is older than the new one's).
-    nodes = state._nodes
+    # A pending node stays pending (its tick is older than the new one's).
+    nodes: RerootMap = state._nodes
     if size >= config.max_sessions:
         # The oldest current entry; those before it were superseded (about ten entries per miss here).
         for victim_id, tick in entries(log, start, end):
@@ -196,12 +194,12 @@ def recorded_anew(state: ManagerState, value: Any) -> ManagerState:
     return state if acct is None else with_nodes(state, state._nodes, acct.change_objects((), (), (value,), (value,)))
 
 
-def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> immutables.Map:
+def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> RerootMap:
     """The nodes of ``state`` with the session of each id in ``new`` replaced; recency kept."""
-    mm = state._nodes.mutate()
+    nodes: RerootMap = state._nodes
     for sid, session in new.items():
-        n: Node = mm[sid]
+        n: Node = nodes[sid]
         if RECORDS:
             release(state, n.session, session)
-        mm[sid] = Node(session, n.used, n.uid)
-    return mm.finish()
+        nodes = nodes.set(sid, Node(session, n.used, n.uid))
+    return nodes

@@ -1,6 +1,7 @@
 """`ManagerState`: the table type, made of the records of `records`, and the node/counter API the package reads.
 
-The table is one persistent hash map (``immutables.Map``, a C-backed HAMT) ``session_id -> Node``, its
+The table is one persistent map (`reroot_map.RerootMap`: the newest version a dict, older ones diffs toward
+it) ``session_id -> Node``, its
 `Recency` (clock and window of the recency log), its hit count, its `Totals` (what a miss or a rare verb
 changes), its `Config` and its ledger: a write to a session builds one `Node` and keeps the other fields by
 reference. Other modules read a table through the functions below (`node_session`, `held_session`,
@@ -17,7 +18,6 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, Final, NamedTuple
 
-import immutables
 import jax
 
 from .._repr import repr_html, treescope_repr
@@ -29,6 +29,7 @@ from .ledger import Acct
 from .recency_log import Log, entries_reversed
 from .recency_log import entries as log_entries
 from .records import Node, Recency, Totals
+from .reroot_map import RerootMap
 
 __all__ = [
     "DEFAULT_MAX_SESSIONS",
@@ -63,7 +64,6 @@ DEFAULT_SESSION_ID = "default"
 DEFAULT_MAX_SESSIONS = 64  # mirrors the bespoke MAX_DREAMZERO_SESSIONS
 # A recency window is compacted to its current entries when it grows to COMPACT_AT times the table.
 COMPACT_AT: Final = 4
-EMPTY_NODES: immutables.Map = immutables.Map()
 _new = object.__new__
 
 
@@ -92,7 +92,7 @@ class ManagerState:
     """
 
     __slots__ = ("__weakref__", "_acct", "_config", "_hits", "_nodes", "_recency", "_totals")
-    _nodes: immutables.Map  # session_id -> Node
+    _nodes: RerootMap  # session_id -> Node
     _recency: Recency
     _hits: int
     _totals: Totals
@@ -133,7 +133,7 @@ class ManagerState:
         config = Config(max_sessions, budget, bool(evict_when_full))
         recency = Recency(0, Log([], []), 0, 0, None, 0, 0)
         acct = None if budget is None else Acct.build([])
-        return make_state(EMPTY_NODES, recency, 0, Totals(0, 0, 0, 0, 0), config, acct)
+        return make_state(RerootMap(), recency, 0, Totals(0, 0, 0, 0, 0), config, acct)
 
     # --- reads -------------------------------------------------------------------------------------
     @property
@@ -251,7 +251,7 @@ class ConsumedManagerState(ManagerState):
 
 
 def make_state(
-    nodes: immutables.Map, recency: Recency, hits: int, totals: Totals, config: Config, acct: Acct | None
+    nodes: RerootMap, recency: Recency, hits: int, totals: Totals, config: Config, acct: Acct | None
 ) -> ManagerState:
     """A `ManagerState` of these fields (no checks: the table's modules build them)."""
     new = _new(ManagerState)
@@ -264,7 +264,7 @@ def make_state(
     return new
 
 
-def with_nodes(state: ManagerState, nodes: immutables.Map, acct: Acct | None) -> ManagerState:
+def with_nodes(state: ManagerState, nodes: RerootMap, acct: Acct | None) -> ManagerState:
     """``state`` with its nodes and ledger replaced; recency, counters and configuration kept."""
     return make_state(nodes, state._recency, state._hits, state._totals, state._config, acct)
 

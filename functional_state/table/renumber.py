@@ -15,13 +15,10 @@ compacted (one entry per session, in LRU order): the order is what a table means
 
 from __future__ import annotations
 
-from typing import Any
-
-import immutables
-
 from ..errors import InvalidArgumentError
 from .manager_state import COMPACT_AT, Config, ManagerState, Node, Recency, Totals, entries_lru, ledger_of, make_state
 from .recency_log import Log
+from .reroot_map import RerootMap
 
 __all__ = ["continued"]
 
@@ -49,9 +46,9 @@ def continued(table: ManagerState, first: int) -> ManagerState:
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise InvalidArgumentError(f"`continued`: first must be a non-negative int, got {first!r}.")
     sids: list[str] = []
-    mm: immutables.MapMutation[str, Any] = immutables.Map().mutate()
+    nodes: dict[str, Node] = {}
     for tick, (sid, _, session) in enumerate(entries_lru(table)):
-        mm[sid] = Node(session, tick, first + tick)
+        nodes[sid] = Node(session, tick, first + tick)
         sids.append(sid)
     n = len(sids)
     c = table.counters
@@ -61,4 +58,4 @@ def continued(table: ManagerState, first: int) -> ManagerState:
     # it, builds nothing); an unbudgeted one starts untracked, as a table nobody asked about pays nothing.
     acct = ledger_of(table) if table.byte_budget is not None else None
     config = Config(table.max_sessions, table.byte_budget, table.evict_when_full)
-    return make_state(mm.finish(), recency, c.hits, totals, config, acct)
+    return make_state(RerootMap(nodes), recency, c.hits, totals, config, acct)
