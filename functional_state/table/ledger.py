@@ -40,6 +40,7 @@ from ..memory.holders import (
 )
 from ..memory.overlaps import pool_changed, pool_index
 from ..memory.parked_copies import NO_COPIES, ParkedCopies
+from .buffer_record import seed_extents
 
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -390,6 +391,7 @@ class Acct:
 
     def _difference(self, old: Any, new: Any) -> Acct:
         """`swap` by the difference of the two objects' figures."""
+        seed_extents(new)  # (a commit's or a restore's new object: its figures read from its leaves, not walked)
         a, b = old.ledger_extents(), new.ledger_extents()
         la, lb = old.ledger_leaf_extents(), new.ledger_leaf_extents()
         ka, kb = old.ledger_blocks(), new.ledger_blocks()
