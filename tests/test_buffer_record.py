@@ -147,7 +147,7 @@ def _exact_walk(obj):
     """The figures a walk of ``obj`` gives (a replica with no memo, walked as every object was before)."""
     from functional_state.core.state_object import _walked
 
-    return _walked(obj._replace(value=obj.value))
+    return _walked(obj._replace(staged=obj.staged))
 
 
 def _assert_figures_exact(state):
@@ -242,3 +242,16 @@ def test_parking_a_torch_dense_value_another_object_shares_is_still_refused():
     with pytest.raises(fs.SharedStorageError, match="shares its storage"):
         fs.park(state, "a", "kv")
     assert fs.stats(state) == before == fs.stats(state, exact=True)
+
+
+def test_a_parked_torch_dense_value_is_counted_from_its_host_copy_alone(monkeypatch):
+    """Seen failing before: the ledger walked the parked object whole (its fields and its pytree leaves)."""
+    state = _dense_table([torch.zeros(2, 8), torch.zeros(300, 8)])
+    obj = fs.lookup(state, "a").get("kv")
+    parked_obj = obj.park()
+    assert buffer_record.seed_extents(parked_obj)
+    assert parked_obj.ledger_extents() == _exact_walk(parked_obj)
+    assert parked_obj.ledger_leaf_extents() == _exact_walk(parked_obj).extra
+    parked, _ = fs.park(state, "a", "kv")
+    assert fs.stats(parked) == fs.stats(parked, exact=True)
+    assert fs.stats(parked)["parked_nbytes"] == 4 * (2 * 8 + 300 * 8)

@@ -120,9 +120,9 @@ def _torch_walked(obj: StateObject, leaves: list[Any]) -> frozenset[Extent] | No
 
 
 def seed_extents(obj: StateObject) -> bool:
-    """Give ``obj`` (just returned by a step, a commit or a restore) its ledger figures from the record of its
-    structure and buffers, if one was made, or from its torch leaves' storages, so the ledger does not walk
-    it; whether it did.
+    """Give ``obj`` (just returned by a step, a commit, a park or a restore) its ledger figures from the record
+    of its structure and buffers, if one was made, from its torch leaves' storages, or (parked) from its host
+    copy alone, so the ledger does not walk it; whether it did.
 
     Example:
       >>> import torch
@@ -134,6 +134,10 @@ def seed_extents(obj: StateObject) -> bool:
     if getattr(obj, "_acct_cache", None) is not None or not type(obj).extents_from_leaves:
         return False
     leaves, treedef = jax.tree_util.tree_flatten(obj)
+    if not leaves and obj.host_copy is not None and obj.staged is None and obj._committed_roots() is None:
+        # Parked, with torch storages only (JAX host arrays would be leaves): its storage is its host copy.
+        ACCT_SLOT.__set__(obj, leaves_walked(value_extents(obj.host_copy)))
+        return True
     if leaves and not isinstance(leaves[0], jax.Array):
         walked = _torch_walked(obj, leaves)
         if walked is None:
