@@ -21,7 +21,7 @@ from torch_bridge.harness.text_models import tiny_llama
 
 SESSIONS, PROMPT, MAX_LEN = 8, 160, 512
 CALLS = 32  # tokens per timed run (4 per session)
-REPEATS = 11
+REPEATS = 21
 
 
 def _model() -> transformers.LlamaForCausalLM:
@@ -30,6 +30,12 @@ def _model() -> transformers.LlamaForCausalLM:
 
 def _p99(xs: list[float]) -> float:
     return sorted(xs)[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]
+
+
+def _quartiles(rounds: dict[str, list[float]], a: str, b: str) -> tuple[float, float]:
+    """The first and third quartiles of the per-round ratios ``a / b`` (the spread around `round_ratio`)."""
+    q = statistics.quantiles([x / y for x, y in zip(rounds[a], rounds[b], strict=True)], n=4)
+    return round(q[0], 3), round(q[2], 3)
 
 
 def _prompts() -> torch.Tensor:
@@ -118,13 +124,19 @@ def run() -> dict:
     torch.set_num_threads(1)  # a shared machine: one thread, as `make demo` runs
     model = _model()
     fns, samples, cache_bytes = _per_token(model)
-    rounds = interleaved_rounds(fns, repeats=REPEATS)
+    # CPU time (this process's): on a shared machine, time another job takes the core from us is not ours.
+    rounds = interleaved_rounds(fns, repeats=REPEATS, clock="cpu")
     step_ratio, park_ratio = round_ratio(rounds, "library", "bare"), round_ratio(rounds, "park", "bare")
     park_floor = round_ratio(rounds, "park", "copies")
     bfns, bsamples = _batched(model)
-    brounds = interleaved_rounds(bfns, repeats=4 * REPEATS)
+    brounds = interleaved_rounds(bfns, repeats=4 * REPEATS, clock="cpu")
     batch_ratio = round_ratio(brounds, "library", "bare")
-    rows, figures = [], {"cache_bytes": cache_bytes}
+    spread = {
+        "step": _quartiles(rounds, "library", "bare"),
+        "park": _quartiles(rounds, "park", "bare"),
+        "batch": _quartiles(brounds, "library", "bare"),
+    }
+    rows, figures = [], {"cache_bytes": cache_bytes, "ratio_quartiles": spread}
     labels = {
         "bare": "8 sessions: bare model, a DynamicCache each",
         "library": "8 sessions: `SessionCaches.step`",
@@ -156,8 +168,11 @@ def run() -> dict:
             "A random-init transformers Llama (4 layers, hidden 256, 4 heads of 64, vocabulary 256), one torch "
             f"thread, prompts of {PROMPT} tokens, then one token per call, {CALLS} calls per run round robin over "
             f"{SESSIONS} sessions; the StaticCache holds {MAX_LEN} positions. Ratios are medians over "
-            f"{REPEATS} interleaved rounds of each round's ratio (the batched one over {4 * REPEATS}); the "
-            "median and p99 columns are over every call. The garbage collector is on. `step_many` runs the "
+            f"{REPEATS} rotated interleaved rounds of each round's ratio of CPU time (the batched one over "
+            f"{4 * REPEATS}); the rounds' quartiles: step {spread['step'][0]:.2f}-{spread['step'][1]:.2f}, "
+            f"park {spread['park'][0]:.2f}-{spread['park'][1]:.2f}, batched {spread['batch'][0]:.2f}-"
+            f"{spread['batch'][1]:.2f}. The median and p99 columns are wall time over every call. The garbage "
+            "collector is on. `step_many` runs the "
             "8 sessions as rows of a batch buffer it keeps (copied in only when a session changed) and writes back only the new "
             "positions. Parking a CPU tensor copies it to host memory and restoring copies it back: the "
             "`copies` row is that floor without the library. Both sides run under `torch.no_grad`, as "

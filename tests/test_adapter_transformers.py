@@ -92,6 +92,33 @@ def test_eight_interleaved_sessions_with_idle_ones_parked_equal_each_decoded_alo
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_the_kept_figures_equal_a_walk_after_every_step_park_restore_and_fork(kind):
+    """The ledger reads a cache's figures from its tensors' storages (issue 38): after every call they equal
+    `stats(exact=True)`, forks sharing storages and parked copies included."""
+    caches = sessions(kind)
+    m = caches.manager
+
+    def exact():
+        assert m.stats() == m.stats(exact=True)
+
+    logits = {sid: caches.begin(sid, torch.tensor([PROMPTS[i]])) for i, sid in enumerate(("a", "b"))}
+    exact()
+    caches.fork("a", "c")
+    logits["c"] = logits["a"]
+    exact()
+    for _ in range(3):
+        for sid in ("a", "b", "c"):
+            logits[sid] = caches.step(sid, greedy(logits[sid]))
+            exact()
+            caches.park(sid)  # (a step gave the fork its own tensors: nothing else holds them)
+            exact()
+    caches.restore("b")
+    exact()
+    caches.end("c")
+    exact()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_beams_forked_from_one_prompt_equal_each_beam_decoded_alone_and_the_parent_stays_a_snapshot(kind):
     caches = sessions(kind)
     prompt = PROMPTS[0]

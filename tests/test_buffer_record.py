@@ -199,3 +199,129 @@ def test_a_remembered_object_is_walked_again_once_a_leaf_is_aliased_or_a_pool_is
     assert walked.every == tuple(e for leaf in known.leaves for e in fs.core.state_object.value_extents(leaf))
     monkeypatch.setattr(accounting, "POOL_STORAGES", {"pool": object()})
     assert buffer_record.object_record(obj).record is not known.record
+
+
+# --- torch leaves: a DenseValue of a model's K/V tensors (issue 38) ------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+
+def _dense_table(value):
+    state, _ = fs.get_or_create(ManagerState.create(), "a")
+    state = fs.put(state, "a", "kv", fs.DenseValue.create(value))
+    fs.stats(state)  # (the ledger is built on first use: every later write keeps it)
+    return state
+
+
+def _exact_walk(obj):
+    """The figures a walk of ``obj`` gives (a replica with no memo, walked as every object was before)."""
+    from functional_state.core.state_object import _walked
+
+    return _walked(obj._replace(staged=obj.staged))
+
+
+def _assert_figures_exact(state):
+    obj = fs.lookup(state, "a").get("kv")
+    assert obj.ledger_extents() == _exact_walk(obj) and obj.ledger_leaf_extents() == _exact_walk(obj).extra
+    assert fs.stats(state) == fs.stats(state, exact=True)
+
+
+def test_a_torch_dense_commit_reads_its_storages_without_a_walk(monkeypatch):
+    """Seen failing before the torch branch of `seed_extents`: every commit walked the new object."""
+    state = _dense_table([torch.zeros(2, 8), torch.zeros(2, 8)])
+    calls = {"n": 0}
+    real = accounting.collect_extents
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(accounting, "collect_extents", counted)
+    for n in range(3, 6):
+        state = fs.commit(state, "a", "kv", [torch.ones(n, 8), torch.ones(n, 8)])
+    assert calls["n"] == 0
+    monkeypatch.setattr(accounting, "collect_extents", real)
+    _assert_figures_exact(state)
+
+
+def _resized(value):
+    value[0].resize_(64, 8)  # in place: the same tensor object, a larger storage
+    return list(value)
+
+
+def _replaced(value):
+    return [torch.zeros(5, 8), value[1]]
+
+
+def _aliased(value):
+    base = torch.zeros(4, 8)
+    return [base[:2], base[2:]]  # two leaves, one storage: counted once
+
+
+def _from_numpy(value):
+    return [torch.from_numpy(np.zeros((2, 8), np.float32)), value[1]]  # a storage torch did not allocate
+
+
+def _parameter(value):
+    return [torch.nn.Parameter(torch.zeros(2, 8), requires_grad=False), value[1]]  # a subclass: walked
+
+
+@pytest.mark.parametrize("change", [_resized, _replaced, _aliased, _from_numpy, _parameter])
+def test_a_torch_dense_commit_counts_what_its_tensors_hold_now(change):
+    value = [torch.zeros(2, 8), torch.zeros(2, 8)]
+    state = _dense_table(value)
+    state = fs.commit(state, "a", "kv", change(list(fs.view(state, "a", "kv"))))
+    _assert_figures_exact(state)
+    state = fs.commit(state, "a", "kv", [torch.zeros(3, 8), torch.zeros(3, 8)])
+    _assert_figures_exact(state)
+
+
+def test_a_torch_dense_commit_after_a_fork_keeps_the_shared_storages_counted_once():
+    state = _dense_table([torch.zeros(2, 8), torch.zeros(2, 8)])
+    state = fs.fork_session(state, "a", "b")
+    shared = fs.view(state, "b", "kv")
+    state = fs.commit(state, "a", "kv", [shared[0], torch.zeros(7, 8)])  # one storage still shared with b
+    _assert_figures_exact(state)
+    assert fs.stats(state)["nbytes:cpu"] == 4 * (2 * 8 + 2 * 8 + 7 * 8)
+
+
+def test_parking_a_torch_dense_value_walks_it_no_second_time(monkeypatch):
+    """Seen failing before: `park` walked the object's committed storage again beside its kept figures."""
+    from functional_state.memory import holders
+
+    state = _dense_table([torch.zeros(2, 8), torch.zeros(2, 8)])
+    calls = {"n": 0}
+    real = holders.holder_extents
+
+    def counted(tree):
+        calls["n"] += 1
+        return real(tree)
+
+    monkeypatch.setattr(holders, "holder_extents", counted)
+    parked, _ = fs.park(state, "a", "kv")
+    assert calls["n"] == 0
+    assert fs.stats(parked) == fs.stats(parked, exact=True)
+    restored, _ = fs.restore(parked, "a", "kv")
+    _assert_figures_exact(restored)
+
+
+def test_parking_a_torch_dense_value_another_object_shares_is_still_refused():
+    state = _dense_table([torch.zeros(2, 8), torch.zeros(2, 8)])
+    state = fs.put(state, "a", "other", fs.DenseValue.create([fs.view(state, "a", "kv")[0]]))
+    before = fs.stats(state)
+    with pytest.raises(fs.SharedStorageError, match="shares its storage"):
+        fs.park(state, "a", "kv")
+    assert fs.stats(state) == before == fs.stats(state, exact=True)
+
+
+def test_a_parked_torch_dense_value_is_counted_from_its_host_copy_alone(monkeypatch):
+    """Seen failing before: the ledger walked the parked object whole (its fields and its pytree leaves)."""
+    state = _dense_table([torch.zeros(2, 8), torch.zeros(300, 8)])
+    obj = fs.lookup(state, "a").get("kv")
+    parked_obj = obj.park()
+    assert buffer_record.seed_extents(parked_obj)
+    assert parked_obj.ledger_extents() == _exact_walk(parked_obj)
+    assert parked_obj.ledger_leaf_extents() == _exact_walk(parked_obj).extra
+    parked, _ = fs.park(state, "a", "kv")
+    assert fs.stats(parked) == fs.stats(parked, exact=True)
+    assert fs.stats(parked)["parked_nbytes"] == 4 * (2 * 8 + 300 * 8)

@@ -55,3 +55,28 @@ def test_a_miss_evicting_a_session_detaches_its_handle_once():
         m.get_session("a")
     a.commit("buf", np.zeros(2))  # a detached handle writes its own copy, never the table
     assert "a" not in m and len(a.view("buf")) == 2
+
+
+def test_get_session_of_a_present_session_is_a_touch_without_the_write_loop(monkeypatch):
+    """Seen failing before (issue 38): every `get_session` ran the full write loop to touch recency."""
+    m = SessionStateManager(max_sessions=2)
+    h = m.get_or_create_session("a").put("buf", LatentBuffer.create(maxlen=2))
+    m.get_or_create_session("b")
+    runs = {"n": 0}
+    real = m._run  # (the manager's one retry loop, bound at construction)
+
+    def counted(*args, **kwargs):
+        runs["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(m, "_run", counted)
+    hits = m.stats()["hits"]
+    assert m.get_session("a") is h  # the session's one handle
+    assert runs["n"] == 0 and m.stats()["hits"] == hits + 1
+    m.get_or_create_session("c")  # "a" was touched last: "b" is evicted
+    assert "a" in m and "b" not in m
+    with pytest.raises(fs.SessionStateLostError, match="evicted"):
+        m.get_session("b")
+    m.drop_session("a")
+    with pytest.raises(fs.SessionStateLostError, match="dropped"):
+        m.get_session("a")

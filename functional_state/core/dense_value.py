@@ -79,6 +79,8 @@ class DenseValue(StateObject):
     recompute_source: str | None  # always None: nothing can rebuild this value
     recompute_cost: float  # unused: never recomputable
 
+    extents_from_leaves = True  # (its storage is its value's arrays; a ClassVar of `StateObject`, not a field)
+
     @classmethod
     def create(cls, value: Any = None, *, allocate: bool = True) -> DenseValue:
         """A dense value holding ``value`` (an array, a list/tuple of arrays, or None).

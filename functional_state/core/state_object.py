@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import abc
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, TypeVar
 
 import jax
@@ -432,6 +432,15 @@ class _Walked(frozenset):
 
 
 _NO_EXTRA: frozenset[Extent] = frozenset()
+
+
+def leaves_walked(extents: Iterable[Extent]) -> frozenset[Extent]:
+    """What `ledger_extents` gives for an object whose storage is its leaves (`StateObject.extents_from_leaves`,
+    nothing staged or parked) when ``extents`` are those leaves' extents: the walk reaches every leaf, so
+    nothing is extra. For a reader that took the extents leaf by leaf (`functional_state.table.buffer_record`)."""
+    walked = _Walked(extents)
+    walked.extra = _NO_EXTRA
+    return walked
 
 
 def _walked(obj: StateObject) -> _Walked:

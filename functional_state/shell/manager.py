@@ -189,8 +189,19 @@ class SessionStateManager:
             session this manager saw leave); nothing is created.
         """
         sid = ms.resolve_session_id(session_id)
+        slot = self._slot
+        slot.acquire()  # (not `with`: see `Slot`)
+        try:
+            state = slot.table
+            if sid in state:  # a hit, the common case: a touch, which adds no bytes (`get_or_create_session`'s)
+                after, uid, _ = get_or_insert(state, sid)
+                slot.table = after
+                handle = self._live.get(uid)
+                return self._new_handle(sid, after, None) if handle is None else handle
+        finally:
+            slot.release()
 
-        def plan(state: ManagerState) -> tuple[ManagerState, None]:
+        def plan(state: ManagerState) -> tuple[ManagerState, None]:  # absent (or gone since): says why
             self._cells.require(state, sid, "get_session")
             return ms.get_session(state, sid)[0], None
 

@@ -12,6 +12,11 @@ Only facts about buffers are recorded (their extents, and whether the leaves' by
 never an answer about holders: whether another object, a fork, an attr or a retained value holds a buffer is
 asked of the ledger on every step. The object a step returns is remembered with its flattening and record
 (weakly: forgotten with it), so the next step over that very object neither flattens it nor reads its key.
+
+Torch leaves (a `DenseValue` of a model's K/V tensors) take no record: the facts a key would be made of
+(each storage's device, address and size) are their extents themselves, read from the storages in one pass
+(`accounting.torch_extents`, what the walk reads per tensor) without the walk's generic traversal. Nothing is
+kept between calls, so a tensor resized, replaced or aliased since is read as it is now.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from ..core.state_object import ACCT_SLOT, StateObject, value_extents
+from ..core.state_object import ACCT_SLOT, StateObject, leaves_walked, value_extents
 from ..memory import accounting
 from ..memory.aliases import any_aliased
 from ..memory.extents import Extent
@@ -159,12 +164,45 @@ def _remember(obj: StateObject, known: ObjectRecord) -> None:
     _BY_OBJECT[key] = (weakref.ref(obj, forget), known)
 
 
+def _torch_walked(obj: StateObject, leaves: list[Any]) -> frozenset[Extent] | None:
+    """``obj``'s ledger figures read from its torch leaves' storages, when its leaves are plain tensors and its
+    storage is its leaves (else None: walked)."""
+    torch = accounting.torch_module()
+    if torch is None or obj.staged is not None or obj.host_copy is not None:
+        return None
+    tensor, out = torch.Tensor, list[Extent]()
+    for leaf in leaves:
+        if type(leaf) is not tensor:  # (a subclass, or a mix with other arrays: the walk decides)
+            return None
+        accounting.torch_extents(leaf, out)  # (the walk's own read of a tensor: engine pools and `Loose` included)
+    return leaves_walked(out)
+
+
 def seed_extents(obj: StateObject) -> bool:
-    """Give ``obj`` (just returned by a step) its ledger figures from the record of its structure and
-    buffers, if one was made, so the ledger does not walk it; whether it did."""
-    if getattr(obj, "_acct_cache", None) is not None:
+    """Give ``obj`` (just returned by a step, a commit, a park or a restore) its ledger figures from the record
+    of its structure and buffers, if one was made, from its torch leaves' storages, or (parked) from its host
+    copy alone, so the ledger does not walk it; whether it did.
+
+    Example:
+      >>> import torch
+      >>> from functional_state import DenseValue
+      >>> cache = DenseValue.create([torch.zeros(4), torch.zeros(8)])
+      >>> seed_extents(cache), sorted(e.end - e.start for e in cache.ledger_extents())
+      (True, [16, 32])
+    """
+    if getattr(obj, "_acct_cache", None) is not None or not type(obj).extents_from_leaves:
         return False
     leaves, treedef = jax.tree_util.tree_flatten(obj)
+    if not leaves and obj.host_copy is not None and obj.staged is None and obj._committed_roots() is None:
+        # Parked, with torch storages only (JAX host arrays would be leaves): its storage is its host copy.
+        ACCT_SLOT.__set__(obj, leaves_walked(value_extents(obj.host_copy)))
+        return True
+    if leaves and not isinstance(leaves[0], jax.Array):
+        walked = _torch_walked(obj, leaves)
+        if walked is None:
+            return False
+        ACCT_SLOT.__set__(obj, walked)  # a memo, not state: what the walk of these storages gives
+        return True
     key = buffer_key(obj, leaves, treedef)
     record = _recorded(key, leaves) if key is not None else None
     if record is None:

@@ -40,6 +40,7 @@ from ..memory.holders import (
 )
 from ..memory.overlaps import pool_changed, pool_index
 from ..memory.parked_copies import NO_COPIES, ParkedCopies
+from .buffer_record import seed_extents
 
 _EMPTY: immutables.Map = immutables.Map()
 _new = object.__new__
@@ -337,6 +338,14 @@ class Acct:
             return self.change(add=[add], remove=[remove], kv_add=[blocks.added], kv_remove=[blocks.removed])
         if not add and not remove:
             return self
+        return self._shifted(add, remove) or self.change(add=[add], remove=[remove])
+
+    def _shifted(
+        self, add: Iterable[Extent], remove: Iterable[Extent], parked: ParkedCopies | None = None
+    ) -> Acct | None:
+        """The counts after an object holding ``remove`` was replaced by one holding ``add`` (each extent once),
+        applied to the persistent maps directly, and the host copies held then ``parked`` (None: unchanged); None
+        where a pool starts holding a `Loose` extent (`change` indexes it)."""
         rest = self.rest
         ov = rest.overlaps  # pools whose totals are unions (see the module): their moves priced apart
         refs = self.refs
@@ -361,7 +370,7 @@ class Acct:
         for e in add:
             indexed = ov and e.pool in ov
             if type(e) is Loose and not indexed:  # a pool starts being indexed (the maps are persistent)
-                return self.change(add=[add], remove=[remove])
+                return None
             n = refs.get(e, 0)
             refs = refs.set(e, n + 1)
             if n:
@@ -386,15 +395,25 @@ class Acct:
             rest = _Rest(r.kv, r.held, r.log, r.root, r.leaves, r.attrs, r.parked, indexes, r.attr_only)
         if flips:
             rest = _with_attr_only(rest, attr_only_flipped(rest.attr_only, flips))
+        if parked is not None:
+            r = rest
+            rest = _Rest(r.kv, r.held, r.log, r.root, r.leaves, r.attrs, parked, r.overlaps, r.attr_only)
         return _stepped(refs, totals, rest)
 
     def _difference(self, old: Any, new: Any) -> Acct:
         """`swap` by the difference of the two objects' figures."""
+        seed_extents(new)  # (a commit's or a restore's new object: its figures read from its leaves, not walked)
         a, b = old.ledger_extents(), new.ledger_extents()
         la, lb = old.ledger_leaf_extents(), new.ledger_leaf_extents()
         ka, kb = old.ledger_blocks(), new.ledger_blocks()
         if a == b and la == lb and ka == kb and old.host_copy is new.host_copy:
             return self
+        if not ka and not kb and la == lb:  # (a park, a restore, a commit of new tensors: the extents move)
+            host_old, host_new = old.host_copy, new.host_copy
+            parked = None if host_old is host_new else self.parked.change([_host(new)], [_host(old)])
+            shifted = self._shifted(b - a, a - b, parked)
+            if shifted is not None:
+                return shifted
         sa, sb = (set(ka), set(kb)) if ka or kb else (set(), set())
         return self.change(
             add=[b - a],

@@ -69,8 +69,11 @@ def park(
     obj = find_object(node, name, "park")
     obj._require_resident("park")
     check_object(state, sid, name, obj, "park")
-    mine = _holders.holder_extents(obj._committed_roots())
     acct, own = ledger_of(state), held_by(obj)
+    # An object whose storage is its leaves, with nothing staged, holds exactly its committed storage: its
+    # ledger figures (the default walk, kept on it) are that storage's extents, not walked a second time.
+    plain = type(obj).extents_from_leaves and obj.staged is None and obj.host_copy is None
+    mine = own if plain else _holders.holder_extents(obj._committed_roots())
     # The common case, O(size of the object): nothing else holds the storage, and (for with_sharers) the
     # counts show this very object held once, so there are no sharers to find.
     alone = not with_sharers or (own and not held_elsewhere(acct, own, own))
