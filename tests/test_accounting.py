@@ -22,7 +22,7 @@ from functional_state import (
     register_alias,
 )
 from functional_state.memory import accounting, aliases
-from functional_state.memory.accounting import _jax_device_key, _torch_device_key, walk
+from functional_state.memory.accounting import _torch_device_key, jax_device_pool, walk
 from torch_bridge import to_jax, wrap
 
 
@@ -228,10 +228,10 @@ def test_evict_returns_exactly_what_leaves_the_accounting():
 
 def test_stats_splits_devices_with_sorted_keys():
     fake = types.SimpleNamespace
-    assert _jax_device_key(fake(platform="cpu", id=5)) == "cpu"
-    assert _jax_device_key(fake(platform="gpu", id=7, local_hardware_id=1)) == "cuda:1"
-    assert _jax_device_key(fake(platform="gpu", id=0, local_hardware_id=0)) == "cuda:0"
-    assert _jax_device_key(fake(platform="tpu", id=3)) == "tpu:3"
+    assert jax_device_pool(fake(platform="cpu", id=5)) == "cpu"
+    assert jax_device_pool(fake(platform="gpu", id=7, local_hardware_id=1)) == "cuda:1"
+    assert jax_device_pool(fake(platform="gpu", id=0, local_hardware_id=0)) == "cuda:0"
+    assert jax_device_pool(fake(platform="tpu", id=3)) == "tpu:3"
     assert _torch_device_key(torch.device("cuda", 2)) == "cuda:2"
     assert _torch_device_key(torch.device("cpu")) == "cpu"
     assert _torch_device_key(torch.device("meta")) is None
