@@ -73,6 +73,24 @@ def _map_output_texts(output: dict, fn: Callable[[str], str]) -> None:
         output["traceback"] = [fn(line) for line in output["traceback"]]
 
 
+# A line Ray's own processes print into the notebook's streams (raylet, a worker): whether it arrives before a
+# cell ends depends on timing (at `ray.shutdown`, the controller's retries), so it is no output of the cell.
+RAY_PROCESS_LINE = re.compile(
+    r"^(?:\x1b\[\d+m)?\((?:raylet|pid=[^)]*|[A-Za-z_][\w.]* pid=[^)]*)\)(?:\x1b\[0m)?.*\n?", re.M
+)
+
+
+def _without_ray_process_lines(outputs: list) -> list:
+    kept = []
+    for output in outputs:
+        if output.get("output_type") == "stream":
+            output["text"] = RAY_PROCESS_LINE.sub("", "".join(output["text"]))
+            if not output["text"]:
+                continue
+        kept.append(output)
+    return kept
+
+
 def normalise(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     """Normalise an executed notebook in place (and return it): counts, paths, addresses, timings, metadata."""
     paths = _path_rules()
@@ -83,6 +101,7 @@ def normalise(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             continue
         count += 1
         cell.execution_count = count
+        cell.outputs = _without_ray_process_lines(cell.outputs)
         for output in cell.outputs:
             if "execution_count" in output:
                 output["execution_count"] = count

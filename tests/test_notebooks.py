@@ -112,3 +112,18 @@ def test_normalise_removes_what_the_checks_look_for():
     assert _volatile(clean) == [], clean
     assert "<cell>:6: BridgeCopyWarning" in clean and "RSS delta: <rss> MiB" in clean
     assert execute_notebooks.normalise_text(clean) == clean
+
+
+def test_normalise_drops_the_lines_rays_own_processes_print():
+    # Whether the raylet's retry notes at `ray.shutdown` reach a cell depends on timing: they are no output of
+    # the cell, and kept they would make the committed file differ run to run (and carry terminal colours).
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("ray.shutdown()")
+    raylet = "\x1b[33m(raylet)\x1b[0m Task ServeController.listen_for_change failed.\n"
+    cell.outputs = [
+        nbformat.v4.new_output("stream", name="stdout", text=raylet + "kept\n"),
+        nbformat.v4.new_output("stream", name="stderr", text=raylet + "(pid=123) worker note\n"),
+    ]
+    nb.cells = [cell]
+    out = execute_notebooks.normalise(nb)
+    assert [o["text"] for o in out.cells[0].outputs] == ["kept\n"]
