@@ -705,3 +705,15 @@ def test_with_issued_is_pure_keeps_everything_but_the_counter_and_refuses_a_reis
         with pytest.raises(fs.InvalidArgumentError, match="with_issued"):
             with_issued(state, bad)  # type: ignore[arg-type]
     assert_unchanged(state, snap)
+
+
+def test_add_to_counter_adds_to_that_counter_alone_and_refuses_a_name_that_is_no_counter():
+    # (A misspelt counter changed nothing, silently; it now raises.)
+    from functional_state.table.manager_state import add_to_counter
+
+    s = ManagerState.create()
+    after = add_to_counter(add_to_counter(s, "parks", 3), "restores", 2)
+    assert after.counters == s.counters._replace(parks=s.counters.parks + 3, restores=s.counters.restores + 2)
+    assert s.counters.parks == 0  # pure
+    with pytest.raises(AttributeError):
+        add_to_counter(s, "park", 1)

@@ -700,3 +700,38 @@ def test_a_uniform_list_under_the_shared_threshold_or_with_a_large_storage_keeps
     assert len(parked.buffers) == 2
     back = restore_values(parked)
     assert all(torch.equal(a, b) for a, b in zip(back, values))
+
+
+def test_a_dense_value_commit_checks_its_payload_once(monkeypatch):
+    # Regression (issue 38): `commit` checked the payload, then `_commit_payload` checked it again, per step.
+    from functional_state.core import dense_value
+
+    calls = []
+    check = dense_value._check_value
+    monkeypatch.setattr(dense_value, "_check_value", lambda v, what: calls.append(what) or check(v, what))
+    d = DenseValue.create((torch.zeros(2), torch.zeros(3)))
+    calls.clear()
+    after = d.commit((torch.ones(2), None))
+    assert len(calls) == 1 and after.view()[0][0] == 1.0 and after.view()[1] is None
+    with pytest.raises(fs.InvalidTypeError, match="list of arrays"):
+        d.commit((torch.ones(2), "text"))
+    assert d.view()[0][0] == 0.0  # nothing changed
+
+
+def test_a_list_staged_in_a_dense_value_is_checked_again_at_commit():
+    items = [np.zeros(2)]
+    staged = DenseValue.create(np.zeros(1)).stage(items)
+    items.append("text")  # the staged list changed after its check
+    with pytest.raises(fs.InvalidTypeError, match="list of arrays"):
+        staged.commit()
+
+
+def test_a_dense_value_tells_an_array_by_its_class_not_by_one_instance():
+    class Loose:  # `shape` and `dtype` set per instance, not defined by the class
+        def __init__(self, full: bool):
+            if full:
+                self.shape, self.dtype = (2,), np.float32
+
+    assert len(DenseValue.create([Loose(True)])) == 1
+    with pytest.raises(fs.InvalidTypeError, match="list of arrays"):
+        DenseValue.create([Loose(False)])

@@ -13,8 +13,20 @@ from .state_object import RESIDENT, UNALLOCATED, StateObject, Status
 __all__ = ["DenseValue"]
 
 
+# Types whose class defines ``shape`` and ``dtype`` and whose instance passed once: a torch tensor's ``shape`` is a
+# getter that builds a new object per call, and a commit checks every tensor of a K/V cache at every step.
+_ARRAY_TYPES: set[type] = set()
+
+
 def _is_array(x: Any) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
+    cls = type(x)
+    if cls in _ARRAY_TYPES:
+        return True
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return False
+    if hasattr(cls, "shape") and hasattr(cls, "dtype"):  # (attributes of the class, not of this instance alone)
+        _ARRAY_TYPES.add(cls)
+    return True
 
 
 def _check_value(value: Any, what: str) -> Any:
@@ -130,6 +142,10 @@ class DenseValue(StateObject):
         _check_value(payload, "DenseValue.commit")
 
     def _commit_payload(self, payload: Any) -> DenseValue:
+        # `commit` and `stage` checked it (`_check_payload`); only a list, which may have changed since it was
+        # staged, is checked again as it becomes a tuple.
+        if payload is None or type(payload) is tuple or _is_array(payload):
+            return self._replace(value=payload)
         return self._replace(value=_check_value(payload, "DenseValue.commit"))
 
     def _committed_view(self) -> Any:

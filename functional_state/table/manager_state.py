@@ -293,7 +293,8 @@ def count_evictions(state: ManagerState, n: int = 1) -> ManagerState:
 
 def add_to_counter(state: ManagerState, counter: str, n: int) -> ManagerState:
     """``state`` with ``n`` added to the counter named ``counter`` (a `Counters` field)."""
-    return with_counters(state, [c + n if name == counter else c for name, c in state.counters._asdict().items()])
+    counters = state.counters  # (a name that is no counter raises here, rather than changing nothing)
+    return with_counters(state, counters._replace(**{counter: getattr(counters, counter) + n}))
 
 
 def with_max_sessions(state: ManagerState, n: int) -> ManagerState:
