@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,18 @@ SURVIVORS: list[tuple[ManagerState, str]] = []  # borrowed sessions and their di
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, object_store_memory=STORE)
+    tests = Path(__file__).resolve().parent  # (an importing actor imports this checkout and this module)
+    ray.init(
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=STORE,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
+            }
+        },
+    )
     try:
         yield ray
     finally:
@@ -197,3 +209,38 @@ def test_a_borrowed_session_holds_while_the_store_spills_and_restores(local_ray)
     assert _digest(import_session(ManagerState.create(), SessionBlob(manifest, again))) == want
     del ref, again
     _check_borrowed(t, want)
+
+
+def _importer_actor() -> Any:
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Importer:
+        def accept(self, manifest: bytes, buffers: list[np.ndarray]) -> str:
+            """Import from the task's arguments (what `SessionReplica.accept` does): read in place, borrowed."""
+            assert all(immutable(b) for b in buffers)
+            self.t = import_session(ManagerState.create(), SessionBlob.from_parts(manifest, buffers))
+            return _digest(self.t)
+
+        def check(self) -> tuple[bool, str, bool, bool]:
+            borrowed = all(read_outside(x) for x in fs.view(self.t, "a", "kv").values())
+            _, expected = _big_step(_big_source())
+            t, out = _big_step(self.t)
+            exact = fs.stats(self.t) == fs.stats(self.t, exact=True) and fs.stats(t) == fs.stats(t, exact=True)
+            return borrowed, _digest(self.t), exact, bool(torch.equal(out, expected))
+
+    return Importer.remote()
+
+
+def test_a_session_imported_from_a_calls_arguments_outlives_the_caller_that_owned_them(local_ray):
+    """A replica's move: ``accept``'s arguments are objects another process put (and owns), the receiving
+    actor imports them borrowed from the task's arguments, the call returns, and their owner dies."""
+    blob = export_session(_big_source(), "a")
+    want = _digest(_big_source())
+    owner, importer = _owner_actor(), _importer_actor()
+    manifest, buffers = ray.get(owner.put.remote(blob.manifest_bytes(), list(blob.buffers)))
+    assert ray.get(importer.accept.remote(manifest, buffers)) == want  # (Ray resolves them: the store's memory)
+    del blob, manifest, buffers
+    _kill(owner)
+    gc.collect()
+    _fill_store()
+    assert ray.get(importer.check.remote()) == (True, want, True, True)
+    ray.kill(importer, no_restart=True)
