@@ -51,8 +51,10 @@ def import_session(
     the object store's sealed memory, read in place) and is 64-byte aligned. Such a storage is *borrowed*:
     `writable` copies it into the session's own memory before any in-place write (as it copies a storage a
     fork shares), and a write made outside `writable` is refused (`SharedStorageWrittenError`) as for a fork.
-    The storages keep the buffer alive while any tensor uses them; the ledger counts their bytes as the
-    session's. Everything else is copied, checksummed in the same pass: a writable buffer (a caller could
+    The storages keep the buffer alive while any tensor uses them, and with it the store's pin on the object:
+    Ray neither frees, evicts nor reuses that memory while the session lives, even once the object's owner
+    dies, every ``ObjectRef`` is dropped, the store spills under pressure, or Ray is shut down (each tested
+    on a local Ray, `tests/test_transfer_ray.py`). The ledger counts their bytes as the session's. Everything else is copied, checksummed in the same pass: a writable buffer (a caller could
     change it after the import), a storage an attr holds (attrs are not written through `writable`), JAX
     leaves and storages a JAX alias views (a step donates JAX buffers, and XLA may write into a donated one). ``copy=True`` copies every
     storage into private memory at once.
