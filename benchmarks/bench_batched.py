@@ -149,18 +149,20 @@ def run() -> dict:
         "extra_ratios": extra,
         "notes": (
             f"The 2-layer NNX decoder of the NNX section, one token per active session per call, {CALLS} calls "
-            f"per run, {REPEATS} rounds in a rotated order (GC on); each ratio is the median of the rounds' own "
-            "ratios. The bare baseline steps every slot (a vmap has no notion of an inactive slot). `vmap`: the "
-            "batch's masked vmap over every slot (the last bits may differ from a session alone); `exact` (the "
-            "default): a loop over the active slots, each session bit-identical to it stepped alone, its cost "
-            "proportional to the active sessions: far below the bare step with few active, about equal to it with "
-            "all 256 on this CPU (its per-slot cache writes are in place, where the vmapped ones become scatters). "
+            f"per run, {REPEATS} rounds in a rotated order, process CPU time (all threads), GC on; each ratio is "
+            "the median of the rounds' own ratios, the lowest and highest round beside it; the cache rewinds run "
+            "off the clock. The bare baseline steps every slot (a vmap has no notion of an inactive slot). "
+            "`vmap`: the batch's masked vmap over every slot (the last bits may differ from a session alone); "
+            "`exact` (the default): a loop over the active slots, each session bit-identical to it stepped alone, "
+            "its cost proportional to the active sessions: far below the bare step with few active, below it "
+            "with all 256 on this CPU (each slot's cache is updated in place in the donated buffers and only "
+            "the position its step wrote is written back, where the vmapped cache writes become scatters). "
             "The masked vmap misses its goal: keeping the inactive slots' rows needs the old and the new stacked "
             "state at once, so XLA cannot write the donated buffers in place (a select over all of it, and "
             "copies). It is kept for accelerators, where one batched call may beat a loop of small ones (not "
-            "measured here: no GPU). Verbs: a pair (the verb and its "
-            "inverse) per call, in a batch whose slots are all taken but two. Measured on a 2-core machine "
-            "shared with other jobs: figures are noisy."
+            "measured here: no GPU). Verbs: a pair (the verb and its inverse) per call, in a batch whose slots "
+            "are all taken but two, wall time. Measured on a 2-core machine shared with other jobs: figures "
+            "are noisy."
         ),
     }
 
