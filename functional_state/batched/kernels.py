@@ -82,7 +82,11 @@ def _trace_row_step(one: Callable[..., tuple[list[Any], Any]], row: list[Any], p
             starts.extend(e.invars[2:])
         else:
             regions.append(None)
-    fn = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(jaxpr.replace(outvars=[*jaxpr.outvars, *starts]), closed.consts))
+    info: Any = jaxpr.debug_info
+    if info is not None and isinstance(info.result_paths, tuple):  # keep it naming every output, as JAX checks
+        info = info._replace(result_paths=(*info.result_paths, *(f"region start {i}" for i in range(len(starts)))))
+    widened = jaxpr.replace(outvars=[*jaxpr.outvars, *starts], debug_info=info)
+    fn = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(widened, closed.consts))
     return _RowStep(fn, tuple(regions), jax.tree_util.tree_structure(out_shape), out_shape)
 
 
