@@ -287,6 +287,7 @@ def admit(
     dropped: Mapping[str, str] | None = None,
     last: LastPass | None = None,
     spilled: Mapping[str, SessionState | None] | None = None,
+    evicted: Iterable[tuple[str, int, SessionState]] | None = None,
 ) -> Decision:
     """Decide how the write ``before`` -> ``after`` is installed.
 
@@ -313,6 +314,8 @@ def admit(
         value handed over}``, or None for a session whose spill failed. A session the budget drops leaves
         as spilled (not an eviction; its handles refuse writes) if this very value (``after``'s) was
         handed over; kept if its spill failed (dropped as an eviction only as `enforce_budget`'s last resort); otherwise it is named in `Decision.spill`.
+      evicted: for an insertion, the sessions the table reported evicting (`lru.get_or_insert`; see
+        `departures`).
 
     Raises:
       BudgetExceededError: the write cannot fit even so.
@@ -342,7 +345,7 @@ def admit(
                 return Decision(final, bound, [], {}, tuple(lever.wanted))
     if final is before:
         return Decision(final, bound, [], {})
-    left = departures(before, after, final, dropped or {})
+    left = departures(before, after, final, dropped or {}, evicted)
     if spilled:
         left = [d._replace(reason=SPILLED, closed=True) if spilled.get(d.sid) is d.session else d for d in left]
     # (A state a donating step consumed held no fewer blocks than its successor: a step changes one object's
