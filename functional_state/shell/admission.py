@@ -32,6 +32,7 @@ from ..table.session_edits import update_session
 from .cells import Departure, departures
 
 __all__ = [
+    "LIVE_POOLS",
     "Decision",
     "LastPass",
     "Recheck",
@@ -42,6 +43,10 @@ __all__ = [
     "within_budget_fast",
     "within_budget_in_place",
 ]
+
+# Every live engine pool (weakly): while one lives, a write may release blocks, which only the retry loop frees.
+# Its truthiness is read on every write: the weak dictionary's own dict, not its ``__len__`` (a Python call).
+LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]
 
 Surplus = dict[str, int]  # attr bytes per pool, aliases of objects included: a bound whatever the objects do next
 
@@ -271,7 +276,7 @@ def within_budget_in_place(
 def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
     """Whether admission has nothing to do for ``before`` -> ``after``: no session leaves, no budget to
     check, no engine pool whose blocks could be released (the common write: one session changed)."""
-    return not POOLS and in_place(before, after, budget)
+    return not LIVE_POOLS and in_place(before, after, budget)
 
 
 def admit(
@@ -350,7 +355,7 @@ def admit(
         left = [d._replace(reason=SPILLED, closed=True) if spilled.get(d.sid) is d.session else d for d in left]
     # (A state a donating step consumed held no fewer blocks than its successor: a step changes one object's
     # arrays, never which handles the table holds.)
-    released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
+    released = released_blocks(before, final) if LIVE_POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
 
 

@@ -101,11 +101,11 @@ def departures(
     ``evicted``: for an insertion (``after`` is `lru.get_or_insert`'s table), the ``(id, incarnation,
     session)`` it reported evicting: the sessions the op removed, as the table itself reported them, so the
     least recent end of ``before`` is not walked to find them again."""
-    out: list[Departure] = []
     if evicted is not None and not dropped:
         reason = evicted_reason(before.max_sessions)
-        out.extend(Departure(sid, uid, session, reason, False) for sid, uid, session in evicted)
-        return _budget_departures(out, after, final)
+        out = [Departure(sid, uid, session, reason, False) for sid, uid, session in evicted]
+        return out if final is after else _budget_departures(out, after, final)
+    out = []
     # A table derived from `before` gained exactly one incarnation number per insertion, so the sessions
     # that left number `missing`; they are found from the least recent end (where an LRU eviction takes
     # them), stopping once all are found: a miss at a full table costs O(1), not a walk of the table.
