@@ -175,7 +175,8 @@ class SessionStateManager:
             # decided and installed here, in one acquisition; the blocks it releases go back after.
             decision = self._writes.admit(state, after, sid, self._pins.pinned, None, INSERT, evicted=evicted)
             undo, epoch = self._writes.install(decision), slot.epoch
-            handle = self._new_handle(sid, decision.final, undo)
+            # (journaled only when blocks were released: only a failed ``free`` of them takes a write back)
+            handle = self._new_handle(sid, decision.final, undo if decision.released else None)
         finally:
             slot.release()
         self._writes.settle(state, decision, undo, epoch)
