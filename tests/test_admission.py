@@ -314,3 +314,26 @@ def test_an_attr_grown_in_place_stays_counted_after_its_sessions_write(how: str)
     with pytest.raises(fs.BudgetExceededError):  # 6 KiB + 3 KiB: over even with a's buffer parked
         b.commit("buf", np.zeros(3 * KIB, np.uint8))
     assert _cpu(m.stats(exact=True)) <= 8 * KIB
+
+
+@pytest.mark.parametrize("budget", [None, "1MiB"])
+def test_an_insertions_reported_evictions_decide_as_the_walk_of_the_least_recent_end_does(budget: Any) -> None:
+    """`admit` told an insertion's evictions by the table (`get_or_insert`, as the shell's miss does) leaves
+    the same sessions, for the same reason, as when it finds them by comparing the tables."""
+    from functional_state.shell.admission import admit
+    from functional_state.table.lru import get_or_insert
+
+    state = fs.ManagerState.create(max_sessions=3, byte_budget=budget)
+    for sid in ("a", "b", "c"):
+        state, _ = fs.get_or_create(state, sid)
+        state = fs.put(state, sid, "x", LatentBuffer.create(maxlen=2))
+    state, _ = fs.get_or_create(state, "a")  # "b" is now the least recent: the log's first entry is stale
+    after, _, evicted = get_or_insert(state, "d")
+    assert evicted is not None and [e[0] for e in evicted] == ["b"]
+    told = admit(state, after, "d", levers=("evict",), surplus=None, budget=False, evicted=evicted)
+    found = admit(state, after, "d", levers=("evict",), surplus=None, budget=False)
+    assert told.final is found.final is after
+    assert [(d.sid, d.uid, d.session, d.reason, d.closed) for d in told.left] == [
+        (d.sid, d.uid, d.session, d.reason, d.closed) for d in found.left
+    ]
+    assert [d.sid for d in told.left] == ["b"] and "evicted (LRU" in told.left[0].reason

@@ -32,6 +32,7 @@ from ..table.session_edits import update_session
 from .cells import Departure, departures
 
 __all__ = [
+    "LIVE_POOLS",
     "Decision",
     "LastPass",
     "Recheck",
@@ -42,6 +43,10 @@ __all__ = [
     "within_budget_fast",
     "within_budget_in_place",
 ]
+
+# Every live engine pool (weakly): while one lives, a write may release blocks, which only the retry loop frees.
+# Its truthiness is read on every write: the weak dictionary's own dict, not its ``__len__`` (a Python call).
+LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]
 
 Surplus = dict[str, int]  # attr bytes per pool, aliases of objects included: a bound whatever the objects do next
 
@@ -271,7 +276,7 @@ def within_budget_in_place(
 def trivial(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
     """Whether admission has nothing to do for ``before`` -> ``after``: no session leaves, no budget to
     check, no engine pool whose blocks could be released (the common write: one session changed)."""
-    return not POOLS and in_place(before, after, budget)
+    return not LIVE_POOLS and in_place(before, after, budget)
 
 
 def admit(
@@ -287,6 +292,7 @@ def admit(
     dropped: Mapping[str, str] | None = None,
     last: LastPass | None = None,
     spilled: Mapping[str, SessionState | None] | None = None,
+    evicted: Iterable[tuple[str, int, SessionState]] | None = None,
 ) -> Decision:
     """Decide how the write ``before`` -> ``after`` is installed.
 
@@ -313,6 +319,8 @@ def admit(
         value handed over}``, or None for a session whose spill failed. A session the budget drops leaves
         as spilled (not an eviction; its handles refuse writes) if this very value (``after``'s) was
         handed over; kept if its spill failed (dropped as an eviction only as `enforce_budget`'s last resort); otherwise it is named in `Decision.spill`.
+      evicted: for an insertion, the sessions the table reported evicting (`lru.get_or_insert`; see
+        `departures`).
 
     Raises:
       BudgetExceededError: the write cannot fit even so.
@@ -342,12 +350,12 @@ def admit(
                 return Decision(final, bound, [], {}, tuple(lever.wanted))
     if final is before:
         return Decision(final, bound, [], {})
-    left = departures(before, after, final, dropped or {})
+    left = departures(before, after, final, dropped or {}, evicted)
     if spilled:
         left = [d._replace(reason=SPILLED, closed=True) if spilled.get(d.sid) is d.session else d for d in left]
     # (A state a donating step consumed held no fewer blocks than its successor: a step changes one object's
     # arrays, never which handles the table holds.)
-    released = released_blocks(before, final) if POOLS and type(before) is ManagerState else {}
+    released = released_blocks(before, final) if LIVE_POOLS and type(before) is ManagerState else {}
     return Decision(final, bound, left, released)
 
 

@@ -17,7 +17,7 @@ import functools
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .. import table as ms
@@ -85,7 +85,11 @@ def _holds(state: ManagerState, sid: str, uid: int) -> bool:
 
 
 def departures(
-    before: ManagerState, after: ManagerState, final: ManagerState, dropped: Mapping[str, str]
+    before: ManagerState,
+    after: ManagerState,
+    final: ManagerState,
+    dropped: Mapping[str, str],
+    evicted: Iterable[tuple[str, int, SessionState]] | None = None,
 ) -> list[Departure]:
     """The incarnations in ``before`` that ``final`` no longer holds: those the op removed (``before`` to
     ``after``), then those the budget released (``after`` to ``final``). Pure: found by comparing tables by
@@ -93,8 +97,15 @@ def departures(
 
     ``dropped``: ids the op removes at a caller's request, with why: these leave (their handles refuse
     writes) whatever ``after`` holds under the id (a table replaced by `load` holds new incarnations of them:
-    the shell numbers a loaded table on from the installed one's counter, `table.renumber`)."""
-    out: list[Departure] = []
+    the shell numbers a loaded table on from the installed one's counter, `table.renumber`).
+    ``evicted``: for an insertion (``after`` is `lru.get_or_insert`'s table), the ``(id, incarnation,
+    session)`` it reported evicting: the sessions the op removed, as the table itself reported them, so the
+    least recent end of ``before`` is not walked to find them again."""
+    if evicted is not None and not dropped:
+        reason = evicted_reason(before.max_sessions)
+        out = [Departure(sid, uid, session, reason, False) for sid, uid, session in evicted]
+        return out if final is after else _budget_departures(out, after, final)
+    out = []
     # A table derived from `before` gained exactly one incarnation number per insertion, so the sessions
     # that left number `missing`; they are found from the least recent end (where an LRU eviction takes
     # them), stopping once all are found: a miss at a full table costs O(1), not a walk of the table.
@@ -106,13 +117,18 @@ def departures(
             missing -= not _holds(after, sid, uid)
     if missing:
         exhaustive = missing < 0  # `after` was not derived from `before`: look at every session
-        evicted = evicted_reason(before.max_sessions)
+        lru = evicted_reason(before.max_sessions)
         for sid, uid, session in ms.entries_lru(before):
             if sid not in dropped and not _holds(after, sid, uid):
-                out.append(Departure(sid, uid, session, evicted, False))
+                out.append(Departure(sid, uid, session, lru, False))
                 missing -= 1
                 if not missing and not exhaustive:
                     break
+    return _budget_departures(out, after, final)
+
+
+def _budget_departures(out: list[Departure], after: ManagerState, final: ManagerState) -> list[Departure]:
+    """``out`` (the op's departures) and then the incarnations the budget released (``after`` to ``final``)."""
     gone_by_budget = len(after) - len(final) if final is not after else 0
     if gone_by_budget > 0:
         gone = {d.uid for d in out}

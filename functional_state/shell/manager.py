@@ -161,7 +161,7 @@ class SessionStateManager:
         Raises:
           SessionAdmissionError: the table is full and ``evict_when_full=False``.
         """
-        sid = ms.resolve_session_id(session_id)
+        sid = session_id if type(session_id) is str and session_id else ms.resolve_session_id(session_id)
         slot = self._slot
         slot.acquire()  # (not `with`: see `Slot`)
         try:
@@ -173,9 +173,10 @@ class SessionStateManager:
                 return self._new_handle(sid, after, None) if handle is None else handle
             # A miss inserts an empty session, which adds no bytes: its admission runs no user code, so it is
             # decided and installed here, in one acquisition; the blocks it releases go back after.
-            decision = self._writes.admit(state, after, sid, self._pins.pinned, None, INSERT)
+            decision = self._writes.admit(state, after, sid, self._pins.pinned, None, INSERT, evicted=evicted)
             undo, epoch = self._writes.install(decision), slot.epoch
-            handle = self._new_handle(sid, decision.final, undo)
+            # (journaled only when blocks were released: only a failed ``free`` of them takes a write back)
+            handle = self._new_handle(sid, decision.final, undo if decision.released else None)
         finally:
             slot.release()
         self._writes.settle(state, decision, undo, epoch)

@@ -25,17 +25,14 @@ from typing import Any
 
 from .. import table as ms
 from ..core.session import SessionState
-from ..engine.paged_kv import POOLS
 from ..errors import ObjectParkedError
 from ..table.manager_state import ManagerState, held_object, held_session
-from .admission import LastPass, Recheck, Surplus, within_budget_fast, within_budget_in_place
+from .admission import LIVE_POOLS, LastPass, Recheck, Surplus, within_budget_fast, within_budget_in_place
 from .cells import Cell
 
 __all__ = ["LIVE_POOLS", "NOT_INLINE", "Slot"]
 
 NOT_INLINE = object()  # a `Slot` write did not apply: take the manager's retry loop
-# Every live engine pool (weakly): while one lives, a write may release blocks, which only the retry loop frees.
-LIVE_POOLS: dict[int, Any] = POOLS.data  # type: ignore[attr-defined]  # (truthiness without its __len__)
 
 
 class Slot:

@@ -224,9 +224,11 @@ class Writes:
         gone: Any,
         write: Write,
         spills: Spills | None = None,
+        evicted: Any = None,
     ) -> Decision:
         """`admit` the write ``before`` -> ``after``; with a spill lever, the sessions it drops are offered
-        first (`Spills.decide`: never under the lock)."""
+        first (`Spills.decide`: never under the lock). ``evicted``: an insertion's evictions, as the table
+        reported them (see `departures`)."""
         slot = self.slot
 
         def decide(protect: Any, spilled: Any = None) -> Decision:
@@ -242,6 +244,7 @@ class Writes:
                 dropped=gone,
                 last=slot.last,
                 spilled=spilled,
+                evicted=evicted,
             )
 
         return decide(pinned) if spills is None else spills.decide(after, pinned, decide)
