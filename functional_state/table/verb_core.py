@@ -14,7 +14,7 @@ from typing import Any
 from ..core.session import SessionState
 from .checks import check_state, find_object, locate, resolve_id
 from .lru import insert, touch
-from .manager_state import ManagerState, with_nodes
+from .manager_state import ManagerState, make_state
 from .records import Node, Recency
 from .reroot_map import RerootMap
 from .torch_writes import RECORDS, check_object, record_commit
@@ -61,4 +61,5 @@ def commit_payload(state: Any, session_id: Any, name: Any, payload: Any) -> Any:
     nodes: RerootMap = state._nodes
     # A hit just before left this node pending (see `lru.touch`): it takes its tick in this one write.
     new = Node(node.session._with_object(name, new_obj), recency.tick_of(sid, node), node.uid)
-    return with_nodes(state, nodes.set(sid, new), None if acct is None else acct.swap(obj, new_obj))
+    acct = None if acct is None else acct.swap(obj, new_obj)
+    return make_state(nodes.set(sid, new), recency, state._hits, state._totals, state._config, acct)
