@@ -61,7 +61,6 @@ from .policy.enforce import apply_plan, enforce_budget
 from .policy.planner import LEVERS, ReleaseAction, ReleasePlan, plan_release
 from .shell.config import resolve_session_state_config
 from .shell.manager import ReentrantWriteError, SessionHandle, SessionStateManager
-from .table.checks import resolve_session_id
 from .table.engine_blocks import free_released, released_blocks
 from .table.manager_state import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_ID, ManagerState
 from .table.object_verbs import commit, discard, put, stage, view
@@ -75,6 +74,7 @@ from .table.session_verbs import (
     incarnation,
     lookup,
     raise_max_sessions,
+    resolve_session_id,
     sessions,
     with_sessions,
 )

@@ -20,10 +20,12 @@ __all__ = ["COMPILED", "MODULES", "PURE_ENV", "compiled_modules"]
 # function's annotated argument types on entry, so a wrong session id would raise its bare TypeError before
 # the verb's own InvalidTypeError, which says what was expected and how to fix it.
 MODULES: tuple[str, ...] = (
+    "functional_state.table.checks",
     "functional_state.table.lru",
     "functional_state.table.recency_log",
     "functional_state.table.records",
     "functional_state.table.reroot_map",
+    "functional_state.table.verb_core",
 )
 # Set (to anything but "" or "0") while building: install pure Python even where a compiler is present.
 PURE_ENV = "FUNCTIONAL_STATE_PURE"

@@ -77,3 +77,35 @@ def test_the_pure_build_is_in_use_when_asked_for():
     assert functional_state.COMPILED is False
     for name in _compiled.MODULES:
         assert importlib.import_module(name).__file__.endswith(".py")
+
+
+# A compiled function checks its annotated argument types on entry and raises a bare TypeError; the verbs
+# compiled for speed (`table.verb_core`, `table.checks`) take Any and check inside, so a wrong argument still
+# gets the verb's own error on both builds. (Compiled with `find_object(name: str)`, an int name raised
+# "TypeError: str object expected"; with `resolve_session_id` in the compiled `checks`, an int id did.)
+def _table():
+    state, _ = functional_state.get_or_create(functional_state.ManagerState.create(), "a")
+    return functional_state.put(state, "a", "buf", functional_state.LatentBuffer.create(maxlen=2))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "says"),
+    [
+        (lambda s: functional_state.get_or_create(s, 3), functional_state.InvalidTypeError, "`get_or_create`"),
+        (lambda s: functional_state.get_or_create(s, b"a"), functional_state.InvalidTypeError, "non-empty str"),
+        (lambda s: functional_state.get_or_create({}, "a"), functional_state.InvalidTypeError, "ManagerState"),
+        (lambda s: functional_state.commit(s, 3, "buf", 1), functional_state.InvalidTypeError, "`commit`"),
+        (lambda s: functional_state.commit(s, "", "buf", 1), functional_state.InvalidTypeError, "non-empty str"),
+        (lambda s: functional_state.commit(s, "a", 7, 1), functional_state.ObjectNotFoundError, "buf"),
+        (lambda s: functional_state.commit(s, "b", "buf", 1), functional_state.SessionStateLostError, "'b'"),
+        (lambda s: functional_state.commit(None, "a", "buf", 1), functional_state.InvalidTypeError, "NoneType"),
+        (lambda s: functional_state.get_session(s, 1.5), functional_state.InvalidTypeError, "`get_session`"),
+        (lambda s: functional_state.resolve_session_id(3), functional_state.InvalidTypeError, "resolve_session_id"),
+    ],
+)
+def test_the_compiled_verbs_raise_their_own_errors_for_wrong_arguments(call, error, says):
+    state = _table()
+    with pytest.raises(error, match=says.replace("(", r"\(")) as info:
+        call(state)
+    assert type(info.value) is not TypeError
+    assert functional_state.view(state, "a", "buf") == ()  # (the table is unchanged)

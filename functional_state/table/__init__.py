@@ -7,7 +7,7 @@ the reads of its records here. `__all__` lists what users see of this layer (re-
 """
 
 # Names in `__all__` are user API; the other names imported here (`noqa: F401`) are for the layers above.
-from .checks import check_state, find_object, locate, lost_error, resolve_id, resolve_session_id  # noqa: F401
+from .checks import check_state, find_object, locate, lost_error, resolve_id  # noqa: F401
 from .engine_blocks import free_released, released_blocks
 from .lru import replace_session  # noqa: F401
 from .manager_state import (  # noqa: F401
@@ -49,6 +49,7 @@ from .session_verbs import (
     incarnation,
     lookup,
     raise_max_sessions,
+    resolve_session_id,
     sessions,
     with_sessions,
 )

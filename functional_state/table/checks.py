@@ -6,14 +6,16 @@ Each raises the library error that says what was wrong and what to pass instead;
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, Final
 
 from ..core.session import no_object_message
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError, ObjectNotFoundError, SessionStateLostError, StateConsumedError
-from .manager_state import DEFAULT_SESSION_ID, ConsumedManagerState, ManagerState, Node
+from .manager_state import DEFAULT_SESSION_ID, ConsumedManagerState, ManagerState
+from .records import Node
+from .reroot_map import RerootMap
 
-__all__ = ["check_state", "find_object", "locate", "lost_error", "resolve_id", "resolve_session_id"]
+__all__ = ["check_state", "find_object", "locate", "lost_error", "resolve_id"]
 
 
 def check_state(state: Any, what: str) -> None:
@@ -44,17 +46,7 @@ def resolve_id(session_id: Any, what: str) -> str:
     return session_id
 
 
-def resolve_session_id(session_id: str | None) -> str:
-    """The table key every function uses for ``session_id``: None means ``"default"``.
-
-    Raises:
-      InvalidTypeError: ``session_id`` is neither a non-empty str nor None.
-
-    Example:
-      >>> resolve_session_id(None), resolve_session_id("robot-0")
-      ('default', 'robot-0')
-    """
-    return resolve_id(session_id, "resolve_session_id")
+_NEAR_IDS_SCAN: Final = 10_000
 
 
 def lost_error(state: ManagerState, sid: str, what: str) -> SessionStateLostError:
@@ -69,22 +61,21 @@ def lost_error(state: ManagerState, sid: str, what: str) -> SessionStateLostErro
     )
 
 
-_NEAR_IDS_SCAN = 10_000
-
-
-def locate(state: ManagerState, session_id: Any, what: str) -> tuple[str, Node]:
+def locate(state: Any, session_id: Any, what: str) -> tuple[str, Node]:
     """``(sid, node)`` of an existing session, with every argument check the public functions need."""
     if type(state) is not ManagerState:
         check_state(state, what)
-    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, what)
-    node = state._nodes.get(sid)
+    sid: str = session_id if type(session_id) is str and session_id else resolve_id(session_id, what)
+    nodes: RerootMap = state._nodes
+    node: Node | None = nodes.get(sid)
     if node is None:
         raise lost_error(state, sid, what)
     return sid, node
 
 
-def find_object(node: Node, name: str, what: str) -> StateObject:
-    """Object ``name`` of the node's session, or an `ObjectNotFoundError` listing the names it has."""
+def find_object(node: Node, name: Any, what: str) -> StateObject:
+    """Object ``name`` of the node's session, or an `ObjectNotFoundError` listing the names it has (``name``
+    is `Any`: compiled, a `str` annotation would raise a bare `TypeError` for a name of another type)."""
     obj = node.session._objects.get(name)
     if obj is None:
         raise ObjectNotFoundError(no_object_message(node.session, name, what))

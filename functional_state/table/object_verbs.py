@@ -14,8 +14,9 @@ from ..core.state_object import StateObject
 from ..memory.holders import totals_with_attrs
 from .checks import find_object, locate
 from .lru import replace_session, replace_sessions
-from .manager_state import ManagerState, Node, add_to_counter, ledger_of, with_nodes
-from .torch_writes import RECORDS, check_object, record, record_commit, recorded
+from .manager_state import ManagerState, add_to_counter, ledger_of, with_nodes
+from .torch_writes import check_object, record, record_commit, recorded
+from .verb_core import commit_payload
 
 __all__ = ["commit", "discard", "put", "replace_object", "stage", "view"]
 
@@ -61,16 +62,7 @@ def commit(state: ManagerState, session_id: str | None, name: str, payload: Any 
       >>> view(s, "a", "frames")
       (2, 3)
     """
-    sid, node = locate(state, session_id, "commit")
-    obj = find_object(node, name, "commit")
-    if RECORDS:  # (a table that never held a torch tensor: no record to compare)
-        check_object(state, sid, name, obj, "commit")
-    new_obj = obj.commit(payload)
-    record_commit(obj, new_obj, payload)
-    acct = state._acct
-    # A hit just before left this node pending (see `lru.touch`): it takes its tick in this one write.
-    node = Node(node.session._with_object(name, new_obj), state._recency.tick_of(sid, node), node.uid)
-    return with_nodes(state, state._nodes.set(sid, node), None if acct is None else acct.swap(obj, new_obj))
+    return commit_payload(state, session_id, name, payload)
 
 
 def discard(state: ManagerState, session_id: str | None, name: str) -> ManagerState:

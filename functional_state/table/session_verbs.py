@@ -24,6 +24,7 @@ from .checks import check_state, locate, resolve_id
 from .lru import insert, remove, replace_sessions, touch
 from .manager_state import ManagerState, check_positive, entries_lru, incarnation_of, with_max_sessions, with_nodes
 from .torch_writes import record_fork
+from .verb_core import hit_or_insert
 
 __all__ = [
     "drop_session",
@@ -33,12 +34,28 @@ __all__ = [
     "incarnation",
     "lookup",
     "raise_max_sessions",
+    "resolve_session_id",
     "sessions",
     "with_sessions",
 ]
 
 _log = logging.getLogger("functional_state")
 _new = object.__new__
+
+
+def resolve_session_id(session_id: str | None) -> str:
+    """The table key every function uses for ``session_id``: None means ``"default"``.
+
+    Raises:
+      InvalidTypeError: ``session_id`` is neither a non-empty str nor None.
+
+    Example:
+      >>> resolve_session_id(None), resolve_session_id("robot-0")
+      ('default', 'robot-0')
+    """
+    # (here, not in the compiled `checks`: compiled, its `str | None` annotation would refuse an int with a
+    # bare TypeError before the check below says what was wrong)
+    return resolve_id(session_id, "resolve_session_id")
 
 
 def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerState, SessionState]:
@@ -59,15 +76,7 @@ def get_or_create(state: ManagerState, session_id: str | None) -> tuple[ManagerS
       >>> s2.session_ids, s2.evictions, s1.session_ids
       (('b',), 1, ('a',))
     """
-    if type(state) is not ManagerState:
-        check_state(state, "get_or_create")
-    sid = session_id if type(session_id) is str and session_id else resolve_id(session_id, "get_or_create")
-    nodes = state._nodes
-    node = nodes.get(sid)
-    if node is None:
-        session = SessionState.empty()
-        return insert(state, sid, session, "get_or_create", 1), session
-    return touch(state, sid, node, 1), node.session
+    return hit_or_insert(state, session_id)
 
 
 def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerState, SessionState]:
