@@ -27,6 +27,13 @@ $(NATIVE): $(STAMP) $(COMPILED_SOURCES)
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-deps -e . --config-settings editable_mode=compat
 	touch $(NATIVE)
 
+# The optional C++ helpers over torch tensors (_compiled.py's NATIVE_TORCH): pip's isolated build has no torch,
+# so they are built in place with the venv's torch (setup.py builds the mypyc modules again with them).
+TORCH_NATIVE := $(VENV)/.native-torch
+$(TORCH_NATIVE): $(NATIVE) functional_state/memory/tensor_run_checks.cpp
+	$(PY) setup.py -q build_ext --inplace
+	touch $(TORCH_NATIVE)
+
 # The demo installs only what it runs (torch, the CLI's rich/matplotlib/psutil, diffusers' Wan encoder,
 # transformers' Qwen2 and Llama), with
 # pip's progress shown; where `make test`'s full [dev] install is already there (a superset) it uses that.
@@ -45,7 +52,7 @@ demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 # The whole suite on the compiled build (tests/test_compiled.py checks that it is the one imported). The
 # compiled modules' sources are not collected for doctests: pytest refuses a module whose __file__ (the .so)
 # is not the file it collects; they hold none (tests/test_compiled.py keeps it so).
-test: lint typecheck check-core-install docs $(NATIVE)
+test: lint typecheck check-core-install docs $(NATIVE) $(TORCH_NATIVE)
 	FUNCTIONAL_STATE_EXPECT_COMPILED=1 $(PY) -m pytest -q -p no:cacheprovider --doctest-modules --nbmake \
 		$(addprefix --ignore=,$(COMPILED_SOURCES)) functional_state torch_bridge tests notebooks
 
@@ -160,7 +167,7 @@ test-newest: $(STAMP)
 	rm -rf build dist $(NEWEST)
 
 # Rewrites BENCHMARKS.md (`functional-state bench` without --write only prints).
-bench: $(STAMP)
+bench: $(STAMP) $(TORCH_NATIVE)
 	$(PY) benchmarks/run.py --write $(BENCH)
 
 ab: $(STAMP)

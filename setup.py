@@ -2,8 +2,9 @@
 
 `pip install .` (and `make`) compiles the modules in `COMPILED` from their own source with mypyc. A build
 with ``FUNCTIONAL_STATE_PURE=1`` in its environment, or where mypyc or a C compiler is missing, installs the
-same modules as plain Python; `functional_state.COMPILED` says which build is running. Everything else is
-declared in pyproject.toml.
+same modules as plain Python; `functional_state.COMPILED` says which build is running. The C++ helpers of
+`NATIVE_TORCH` are built only where torch is importable at build time. Everything else is declared in
+pyproject.toml.
 """
 
 from __future__ import annotations
@@ -44,6 +45,29 @@ def _extensions() -> list:
     return extensions
 
 
+def _torch_extensions() -> list:
+    """The optional C++ helpers that read torch tensors (`NATIVE_TORCH`), where torch is importable at build
+    time (not in pip's isolated build environment: ``python setup.py build_ext --inplace`` in the venv builds
+    them); each is optional, and the package reads the same facts in Python without it."""
+    pure_env = _COMPILED["PURE_ENV"]
+    if os.environ.get(pure_env, "") not in ("", "0"):
+        return []
+    try:
+        import torch
+        from torch.utils.cpp_extension import CppExtension
+    except ImportError:
+        return []
+    extensions = []
+    for name in _COMPILED["NATIVE_TORCH"]:
+        short = name.rsplit(".", 1)[1]
+        flags = ["-O2", "-std=c++20", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={short}"]
+        flags.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
+        ext = CppExtension(name, [name.replace(".", "/") + ".cpp"], extra_compile_args=flags)
+        ext.optional = True
+        extensions.append(ext)
+    return extensions
+
+
 class _AllOrNone(build_ext):
     """``build_ext`` that installs the compiled modules together or not at all: each is a small extension
     importing one shared library, so if one failed (each is optional), those built would import a library
@@ -51,7 +75,7 @@ class _AllOrNone(build_ext):
 
     def run(self) -> None:
         super().run()
-        built = [self._paths(ext.name) for ext in self.extensions]
+        built = [self._paths(ext.name) for ext in self.extensions if ext.name not in _COMPILED["NATIVE_TORCH"]]
         if all(any(path.is_file() for path in paths) for paths in built):
             return
         print("functional-state: a compiled module failed to build: installing pure Python", file=sys.stderr)
@@ -64,4 +88,4 @@ class _AllOrNone(build_ext):
         return [Path(self.build_lib) / filename, *([HERE / filename] if self.inplace else [])]
 
 
-setup(ext_modules=_extensions(), cmdclass={"build_ext": _AllOrNone})
+setup(ext_modules=_extensions() + _torch_extensions(), cmdclass={"build_ext": _AllOrNone})

@@ -62,12 +62,12 @@ def _round_trip_fns(tensors: list[torch.Tensor], label: str) -> dict:
     def memcpy() -> None:
         np.copyto(dst, src)
 
-    # A park's two parts apart, for the small tensors: the Python checks (`small_tensors.one_run` reads each
+    # A park's two parts apart, for the small tensors: the checks (`small_tensors.one_run` reads each
     # tensor's type, dtype, storage and negative bit before anything is copied) and the copy (one torch.cat into
     # a buffer that already exists, which checks the rest). Their sum is the least such a park costs.
     packed = torch.empty(nbytes // 4) if label == "small" else None
 
-    def checks() -> None:  # the Python checks of the one-run path (`torch.cat` checks the rest in C++)
+    def checks() -> None:  # the checks of the one-run path (`torch.cat` checks the rest)
         small_tensors.one_run(tensors, parking._CHUNK)
 
     def copy() -> None:
@@ -189,7 +189,7 @@ def run() -> dict:
             (f"{label}: per-tensor copy loop, back", fmt_time(t[f"loop_back@{label}"]), gbps(t[f"loop_back@{label}"])),
             *(
                 [
-                    (f"{label}: the Python checks alone (small_tensors.one_run)", fmt_time(t[k]), "-"),
+                    (f"{label}: the checks alone (small_tensors.one_run)", fmt_time(t[k]), "-"),
                     (f"{label}: the copy alone (one torch.cat, existing buffer)", fmt_time(t[c]), gbps(t[c])),
                 ]
                 if (k := f"checks@{label}") in t and (c := f"copy@{label}") in t
@@ -258,12 +258,13 @@ def run() -> dict:
             "RSS sampled every 0.5 ms in a fresh process while the shell parks and restores. The 'last host copy "
             "dropped first' row parks after the previous parked copy died, as in a park/restore cycle: its host "
             "memory must come back without fresh pages (the small runs share one recycled buffer). The small "
-            "tensors park on the one-run path (issue 39): Python reads what `torch.cat` does not check (type, "
-            "dtype, the storage each spans, the negative bit, a storage twice), in blocks of 256 tensors, and "
+            "tensors park on the one-run path (issue 39): what `torch.cat` does not check (type, dtype, the "
+            "storage each spans, the negative bit, a storage twice) is read in one C++ pass where the optional "
+            "`tensor_run_checks` extension is built (`setup.py build_ext --inplace`; else in Python), and "
             "the one `torch.cat` into the host buffer, run with autograd on, refuses a tensor on another device, "
             "of a sparse, nested or mkldnn layout, of other dimensions or that requires grad in C++; the park "
             "then takes the general path, which refuses or keeps it (tests/test_small_tensors.py). The checks "
-            "and copy rows time a small park's two parts alone: the Python checks "
+            "and copy rows time a small park's two parts alone: the checks "
             f"took {t['checks@small'] / t['copy@small']:.1f}x the copy, and the per-tensor clone "
             f"loop took {reach:.2f}x the two together"
             + (

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.machinery
 from pathlib import Path
 
-__all__ = ["COMPILED", "MODULES", "PURE_ENV", "compiled_modules"]
+__all__ = ["COMPILED", "MODULES", "NATIVE_TORCH", "PURE_ENV", "compiled_modules"]
 
 # The table's recency order and the records it reads and builds (compiled together, so that `lru` reads
 # their fields natively), and the session map they read and write (`reroot_map`), on the path of every
@@ -27,6 +27,10 @@ MODULES: tuple[str, ...] = (
     "functional_state.table.reroot_map",
     "functional_state.table.verb_core",
 )
+# Optional C++ helpers over torch tensors (torch's extension API, built from ``<module path>.cpp`` only where
+# torch is importable at build time: never in pip's isolated build environment). Each is imported with a
+# fallback to the same checks in Python, so it is not part of `COMPILED`.
+NATIVE_TORCH: tuple[str, ...] = ("functional_state.memory.tensor_run_checks",)
 # Set (to anything but "" or "0") while building: install pure Python even where a compiler is present.
 PURE_ENV = "FUNCTIONAL_STATE_PURE"
 

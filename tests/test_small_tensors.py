@@ -12,6 +12,16 @@ from functional_state.memory import small_tensors
 from functional_state.memory.parking import park_values, restore_values
 
 
+@pytest.fixture(autouse=True, params=["native", "python"])
+def checks(request, monkeypatch):
+    """Every test here runs with the C++ checks (where built) and with the Python ones."""
+    if request.param == "python":
+        monkeypatch.setattr(small_tensors, "NATIVE", None)
+    elif small_tensors.NATIVE is None:
+        pytest.skip("tensor_run_checks is not built (python setup.py build_ext --inplace builds it)")
+    return request.param
+
+
 def _tensors(n: int, numel: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(n + numel)
     return [torch.randn(numel, generator=g) for _ in range(n)]
@@ -80,3 +90,33 @@ def test_an_uncopyable_tensor_deep_in_a_long_list_of_one_run_is_refused_naming_i
     values = _long(lambda xs: make())
     with pytest.raises(fs.InvalidTypeError, match=rf"the tensor at \[600\] is a {word}.*nothing was"):
         park_values(values)
+
+
+@pytest.mark.parametrize(
+    "odd",
+    [
+        lambda: torch.randn(1024).requires_grad_(),
+        lambda: torch.empty(1024, device="meta"),
+        lambda: torch.randn(32, 32),
+        lambda: torch.randn(1024).to_sparse(),
+        lambda: torch.nn.Parameter(torch.randn(1024), requires_grad=False),
+        lambda: torch.randn(1).expand(1024),
+        lambda: torch.randn(1 << 17),
+    ],
+    ids=["grad", "meta", "2-D", "sparse", "parameter", "stride 0", "over most"],
+)
+def test_what_either_the_checks_or_the_cat_refuse_is_not_copied(odd):
+    """Both builds end where the Python checks and ``torch.cat`` together did: no one-run copy."""
+    values = _long(lambda xs: odd())
+    assert small_tensors.copied(values, 1 << 18, 0) is None
+
+
+def test_the_compiled_checks_read_no_tensor_from_python(checks, monkeypatch):
+    """With `tensor_run_checks` built, the run's per-tensor facts are read in C++: no Python call per tensor
+    (4,096 small tensors cost about one copy in Python calls; bench_park.py)."""
+    calls = []
+    original = torch.Tensor.is_neg
+    monkeypatch.setattr(torch.Tensor, "is_neg", lambda t: calls.append(1) or original(t))
+    values = _tensors(700, 1024)
+    assert small_tensors.one_run(values, 1 << 18) is not None
+    assert (len(calls) == 0) == (checks == "native")

@@ -163,11 +163,13 @@ def torch_extents(t: Any, out: Extents, raw: bool = False) -> None:
             if _pool_blocks(key, start, offset + lo, offset + hi, out):
                 return
         # A storage torch did not allocate (from_numpy, from_dlpack: not resizable) may overlap another one.
-        e = Extent(key, start, start + size)  # (unless it is one of our own host buffers: `aliases.OWNED`)
+        e = _new_extent(Extent, (key, start, start + size))  # (unless one of our host buffers: `aliases.OWNED`)
         out.append(e if storage.resizable() or e in OWNED else Loose(key, start, start + size))
 
 
 _STRIDED, _NO_BYTES, _POINTER = None, ctypes.c_char * 0, ctypes.c_void_p.from_address
+# An extent built without the NamedTuple's generated ``__new__`` (a Python-level call) on the per-commit read.
+_new_extent = tuple.__new__
 
 
 def _address_exported(owner: np.ndarray) -> int:

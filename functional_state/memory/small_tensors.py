@@ -8,7 +8,9 @@ no storage twice) and the negative bit. The copy then checks the rest (`copied`)
 autograd on, ``torch.cat`` raises for a tensor on another device, of a sparse, nested or mkldnn layout, of
 other dimensions than the first, or that requires grad (an ``out=`` copy cannot record one). Whatever either
 turns down takes `parking.park_values`'s general path, which refuses it naming the leaf or parks it as it
-always did; the unused buffer goes back to `host_buffers`. Measured in benchmarks/bench_park.py.
+always did; the unused buffer goes back to `host_buffers`. Where the optional extension
+``tensor_run_checks.cpp`` is built (setup.py, with torch importable at build time), the same facts are read
+in one C++ pass (`NATIVE`); elsewhere in Python, block by block. Measured in benchmarks/bench_park.py.
 """
 
 from __future__ import annotations
@@ -19,10 +21,25 @@ from typing import Any
 from . import host_buffers
 from .torch_host import ONE_D, Gathered, plain_dtypes, torch_module
 
-__all__ = ["copied", "one_run"]
+__all__ = ["NATIVE", "copied", "one_run"]
 
 _DTYPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("nbytes")
 _BLOCK = 256  # leaves per block of checks: their tensors' metadata stays in the cache across the passes
+
+
+def _native() -> Any:
+    """The compiled checks (`tensor_run_checks.cpp`), or None: not built (no torch at build time, a pure
+    build), or built against a torch this process does not run (its import fails)."""
+    try:
+        from . import tensor_run_checks  # type: ignore[attr-defined]
+    except (ImportError, OSError):
+        return None
+    return tensor_run_checks
+
+
+# The same checks in one C++ pass over the leaves (a Python call per tensor and fact cost about as much as
+# the copy itself: BENCHMARKS.md, park section), or None where they run in Python.
+NATIVE: Any = _native()
 
 
 def one_run(leaves: list[Any], most: int) -> Gathered | None:
@@ -36,6 +53,17 @@ def one_run(leaves: list[Any], most: int) -> Gathered | None:
     dtype = leaves[0].dtype
     if dtype not in plain_dtypes(torch) or dtype.is_complex or leaves[0].ndim != 1:
         return None
+    if NATIVE is not None and type(leaves) is list:
+        try:
+            native = NATIVE.run_sizes(leaves, most, torch.Tensor)
+        except (RuntimeError, NotImplementedError):  # (a tensor whose metadata cannot be read: the general path)
+            return None
+        return None if native is None else _gathered(torch, leaves, native, dtype)
+    return _checked_in_python(torch, leaves, most, dtype)
+
+
+def _checked_in_python(torch: Any, leaves: list[Any], most: int, dtype: Any) -> Gathered | None:
+    """`one_run`'s checks read tensor by tensor from Python (no `NATIVE` helper)."""
     tensor, n = torch.Tensor, len(leaves)
     storage_nbytes, storage_ptr = torch.UntypedStorage.nbytes, torch.UntypedStorage.data_ptr
     one_type, one_dtype = {tensor}, {dtype}
@@ -63,6 +91,12 @@ def one_run(leaves: list[Any], most: int) -> Gathered | None:
         return None
     if len(ptrs) != n:  # views of one storage, or one tensor twice
         return None
+    return _gathered(torch, leaves, sizes, dtype)
+
+
+def _gathered(torch: Any, leaves: list[Any], sizes: list[int], dtype: Any) -> Gathered:
+    """The `Gathered` of a checked run: one storage per leaf, in order, each 1-D on the host."""
+    n = len(leaves)
     g = Gathered()
     g.sources, g.devices, g.sizes = leaves, [torch.device("cpu")] * n, sizes
     g.dtypes, g.shapes = [dtype] * n, [ONE_D] * n
