@@ -28,10 +28,10 @@ $(NATIVE): $(STAMP) $(COMPILED_SOURCES)
 	touch $(NATIVE)
 
 # The optional C++ helpers over torch tensors (_compiled.py's NATIVE_TORCH): pip's isolated build has no torch,
-# so they are built in place with the venv's torch (setup.py builds the mypyc modules again with them).
+# so they are built in place with the venv's torch, alone (the editable install compiled the mypyc modules).
 TORCH_NATIVE := $(VENV)/.native-torch
 $(TORCH_NATIVE): $(NATIVE) functional_state/memory/tensor_run_checks.cpp
-	$(PY) setup.py -q build_ext --inplace
+	FUNCTIONAL_STATE_TORCH_HELPERS_ONLY=1 $(PY) setup.py -q build_ext --inplace
 	touch $(TORCH_NATIVE)
 
 # The demo installs only what it runs (torch, the CLI's rich/matplotlib/psutil, diffusers' Wan encoder,

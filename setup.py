@@ -88,4 +88,10 @@ class _AllOrNone(build_ext):
         return [Path(self.build_lib) / filename, *([HERE / filename] if self.inplace else [])]
 
 
-setup(ext_modules=_extensions() + _torch_extensions(), cmdclass={"build_ext": _AllOrNone})
+# ``make`` builds the torch helpers in place after the editable install compiled the modules above; this asks
+# for them alone, so the modules are not compiled a second time.
+_TORCH_ONLY = os.environ.get("FUNCTIONAL_STATE_TORCH_HELPERS_ONLY", "") not in ("", "0")
+setup(
+    ext_modules=_torch_extensions() if _TORCH_ONLY else _extensions() + _torch_extensions(),
+    cmdclass={"build_ext": _AllOrNone},
+)
