@@ -3,6 +3,10 @@
 not (type, dtype, the storage spanned, the negative bit, a storage twice). Whatever either turns down takes the
 general path, which refuses it naming the leaf or parks it exactly."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_park_small_path import ODD, UNCOPYABLE
@@ -11,13 +15,15 @@ import functional_state as fs
 from functional_state.memory import small_tensors
 from functional_state.memory.parking import park_values, restore_values
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(autouse=True, params=["native", "python"])
 def checks(request, monkeypatch):
     """Every test here runs with the C++ checks (where built) and with the Python ones."""
     if request.param == "python":
         monkeypatch.setattr(small_tensors, "NATIVE", None)
-    elif small_tensors.NATIVE is None:
+    elif small_tensors.native() is None:
         pytest.skip("tensor_run_checks is not built (python setup.py build_ext --inplace builds it)")
     return request.param
 
@@ -120,3 +126,16 @@ def test_the_compiled_checks_read_no_tensor_from_python(checks, monkeypatch):
     values = _tensors(700, 1024)
     assert small_tensors.one_run(values, 1 << 18) is not None
     assert (len(calls) == 0) == (checks == "native")
+
+
+def test_the_compiled_checks_are_found_when_the_package_was_imported_before_torch():
+    # The extension links against libtorch, which only `import torch` loads: looked up at the package's import
+    # (before torch, as the full suite's doctest collection imports it), it failed and the Python checks ran.
+    if small_tensors.native() is None:
+        pytest.skip("tensor_run_checks is not built (python setup.py build_ext --inplace builds it)")
+    code = (
+        "import sys; import functional_state.memory.small_tensors as s; assert 'torch' not in sys.modules; "
+        "import torch; print(s.native() is not None)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO_ROOT)
+    assert out.stdout.strip() == "True", out.stderr

@@ -21,7 +21,7 @@ from typing import Any
 from . import host_buffers
 from .torch_host import ONE_D, Gathered, plain_dtypes, torch_module
 
-__all__ = ["NATIVE", "copied", "one_run"]
+__all__ = ["NATIVE", "copied", "native", "one_run"]
 
 _DTYPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("nbytes")
 _BLOCK = 256  # leaves per block of checks: their tensors' metadata stays in the cache across the passes
@@ -37,9 +37,22 @@ def _native() -> Any:
     return tensor_run_checks
 
 
+_UNRESOLVED: Any = object()
 # The same checks in one C++ pass over the leaves (a Python call per tensor and fact cost about as much as
-# the copy itself: BENCHMARKS.md, park section), or None where they run in Python.
-NATIVE: Any = _native()
+# the copy itself: BENCHMARKS.md, park section), or None where they run in Python. Resolved once torch is
+# imported (the extension links against libtorch, which only `import torch` loads; importing it before that
+# fails, and this package never imports torch itself just to find out).
+NATIVE: Any = _UNRESOLVED
+
+
+def native() -> Any:
+    """The compiled checks (`NATIVE`), resolved on first use once torch is imported, or None."""
+    global NATIVE
+    if NATIVE is _UNRESOLVED:
+        if torch_module() is None:
+            return None
+        NATIVE = _native()
+    return NATIVE
 
 
 def one_run(leaves: list[Any], most: int) -> Gathered | None:
@@ -53,12 +66,13 @@ def one_run(leaves: list[Any], most: int) -> Gathered | None:
     dtype = leaves[0].dtype
     if dtype not in plain_dtypes(torch) or dtype.is_complex or leaves[0].ndim != 1:
         return None
-    if NATIVE is not None and type(leaves) is list:
+    checks = native()
+    if checks is not None and type(leaves) is list:
         try:
-            native = NATIVE.run_sizes(leaves, most, torch.Tensor)
+            native_sizes = checks.run_sizes(leaves, most, torch.Tensor)
         except (RuntimeError, NotImplementedError):  # (a tensor whose metadata cannot be read: the general path)
             return None
-        return None if native is None else _gathered(torch, leaves, native, dtype)
+        return None if native_sizes is None else _gathered(torch, leaves, native_sizes, dtype)
     return _checked_in_python(torch, leaves, most, dtype)
 
 
