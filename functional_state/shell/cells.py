@@ -2,8 +2,9 @@
 
 A cell holds nothing while its session is in the table (handles read the table); when a write takes the
 session out, the cell keeps the session's last state as the handles' own copy. Cells and the shell's handles
-are kept weakly: a session no handle holds (an idle one) has neither, so it costs a full collection nothing
-over the table's own objects; its next handle gets a new cell, which no older handle can share. Every change the shell makes
+are kept weakly (but for the last `_RECENT` handles built): a session no handle holds (an idle one) has
+neither, so it costs a full collection nothing over the table's own objects; its next handle gets a new
+cell, which no older handle can share. Every change the shell makes
 to cells while installing a write is journaled, so a write that must be taken back (an engine ``free`` that
 raised, with nothing installed on top of it) leaves the cells exactly as they were.
 
@@ -32,6 +33,7 @@ __all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason", "in_tab
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
 _SWEEP_FROM = 64  # detached cells (or live entries) kept before the first sweep of dead ones
+_RECENT = 1024  # the handles last built, kept alive: a session in use keeps its handle between calls
 _NOT_LEFT = SessionState.empty()  # a live cell's session: never read while the cell is in the table
 
 
@@ -150,6 +152,10 @@ class Cells:
         # one. Kept here, not on the cell, so a detached cell is freed with its last handle.
         self.handles: dict[int, weakref.ref[Any]] = {}
         self._live_sweep_at = _SWEEP_FROM
+        # The last `_RECENT` handles built, strongly: a caller that drops its handle after each call (one
+        # `get_or_create_session` per request) gets the same one back instead of a new cell and handle per hit,
+        # while a full collection pays for at most `_RECENT` of them whatever the table holds.
+        self._recent: deque[Any] = deque(maxlen=_RECENT)
         # Detached cells, weakly: a plain weak reference per cell in a list (no callback, no WeakSet or dict
         # bookkeeping on the miss path: one append); the dead ones are swept when the list has doubled since
         # the last sweep. A cell is in it at most once: it is appended when it leaves the live dict, and
@@ -182,6 +188,7 @@ class Cells:
         if handle is None:
             handle = make(cell)
             self.handles[cell.uid] = weakref.ref(handle)
+            self._recent.append(handle)
         return handle
 
     def _live_cell(self, uid: int) -> Cell | None:
