@@ -96,3 +96,49 @@ def test_a_handle_never_steps_a_later_incarnation_of_its_session(donate: bool) -
     assert new.get("ring").view().tolist() == [[3.0, 3.0]]
     m.step("a", "ring", _add, jnp.full(2, 4.0))  # by id: whichever incarnation is there
     assert new.get("ring").view().shape == (2, 2)
+
+
+def test_an_idle_session_keeps_no_cell_or_handle(monkeypatch: pytest.MonkeyPatch):
+    # Regression (issue 39): the shell kept a `Cell` and a `SessionHandle` for every session ever handed out,
+    # and the cell the session it was made with: 8 containers per session for every full collection to
+    # traverse, 4 of them the shell's, 7.18x the OrderedDict manager's collection at 100k sessions. Now an
+    # idle session costs what the table's costs (tests/test_session.py): 4.
+    import gc
+
+    import numpy as np
+
+    from functional_state.shell import cells
+
+    monkeypatch.setattr(cells, "_RECENT", 8)  # (the handles last built stay alive: 8 of 2,000 sessions here)
+    item = np.zeros(16, np.float32)
+
+    def build(n: int) -> SessionStateManager:
+        manager, buf = SessionStateManager(max_sessions=n), LatentBuffer.create(maxlen=4)
+        for i in range(n):
+            h = manager.get_or_create_session(f"s{i}")
+            h.get_or_create("buf", lambda: buf)
+            for _ in range(4):
+                h.commit("buf", item)
+        return manager
+
+    n = 2000
+    gc.collect()
+    before = len(gc.get_objects())
+    manager = build(n)
+    gc.collect()
+    # (plus what does not grow with the table: 8 recent handles and their cells, dead weak references
+    # awaiting their sweep, at most 64 in each of the two maps)
+    assert (len(gc.get_objects()) - before) / n <= 4.15
+    # While a handle lives, every handle of the incarnation shares its cell (and a hit returns it).
+    h = manager.get_or_create_session("s1")
+    assert manager.get_or_create_session("s1") is h and manager.get_session("s1") is h
+    only = h.table_only()
+    del h
+    again = manager.get_or_create_session("s1")
+    again.commit("buf", item)
+    assert len(only.get("buf")) == 4 and only.get("buf") is again.get("buf")
+    # An idle session's next handle reads and writes the table as before.
+    assert len(manager.get_or_create_session("s7").get("buf")) == 4
+    # A handle built recently outlives its caller's reference: a per-request caller gets it back.
+    first = id(manager.get_or_create_session("s9"))
+    assert id(manager.get_or_create_session("s9")) == first

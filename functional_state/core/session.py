@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar, overload
 
 import immutables
@@ -23,6 +24,39 @@ ForkPolicy = Literal["share", "copy_container", "clone"]
 FORK_POLICIES: tuple[str, ...] = ("share", "copy_container", "clone")
 
 _EMPTY: immutables.Map = immutables.Map()
+
+# A session's objects: a dict while it holds at most `SMALL_OBJECTS` (copied on write, never mutated once a
+# state holds it), an `immutables.Map` past that. Most sessions hold a handful of objects, where a dict is
+# one container for the collector to traverse (the HAMT is two or more) and its copy is no slower than the
+# HAMT's write; past the crossover the HAMT's O(log n) write wins (BENCHMARKS.md, "Notes on the hot path").
+SMALL_OBJECTS = 32
+Objects = dict[str, StateObject] | immutables.Map
+
+
+def objects_of(items: Iterable[tuple[str, StateObject]] | Mapping[str, StateObject]) -> Objects:
+    """A session's objects map holding ``items``, in the representation its size calls for."""
+    objects = dict(items)
+    return objects if len(objects) <= SMALL_OBJECTS else immutables.Map(objects)
+
+
+def _set_object(objects: Objects, name: str, obj: StateObject) -> Objects:
+    """``objects`` with ``obj`` under ``name`` (a new map: ``objects`` is never changed)."""
+    if isinstance(objects, dict):
+        if len(objects) < SMALL_OBJECTS or name in objects:
+            new = objects.copy()
+            new[name] = obj
+            return new
+        return immutables.Map(objects).set(name, obj)
+    return objects.set(name, obj)
+
+
+def _delete_object(objects: Objects, name: str) -> Objects:
+    """``objects`` without ``name`` (present; a new map: ``objects`` is never changed)."""
+    if isinstance(objects, dict):
+        new = objects.copy()
+        del new[name]
+        return new
+    return objects.delete(name)
 
 
 def _check_name(name: Any, what: str) -> str:
@@ -45,8 +79,9 @@ class SessionState:
     reference: ``get_attr`` returns the very object ``set_attr`` stored. What a fork does with each attr is
     its *fork policy* (``"share"``, ``"copy_container"`` or ``"clone"``, see `forked`).
 
-    Both maps are persistent (a write costs O(log n) in the number of entries, whatever the session
-    holds) and flatten in sorted key order, so equal states have equal tree structures.
+    A write never changes a map a state holds: objects are a small dict copied on write (a persistent
+    map past `SMALL_OBJECTS`, where a write costs O(log n)), attrs a persistent map. Both flatten in sorted
+    key order, so equal states have equal tree structures.
 
     As a pytree (what `jax.jit` over `functional_state.sessions` sees), the children are the objects and the
     attrs that are arrays (or pytrees of arrays); every other attr (an int, a str, a list of ints) is static
@@ -61,7 +96,7 @@ class SessionState:
     """
 
     __slots__ = ("_attrs", "_dynamic", "_objects", "_policies")
-    _objects: immutables.Map
+    _objects: Objects
     _attrs: immutables.Map
     _policies: immutables.Map
     # The attr keys a pytree flatten yields as children, when an unflatten fixed them (its children may be
@@ -88,7 +123,7 @@ class SessionState:
         for key in attr_map:
             _check_name(key, "__init__")
         policies = {k: check_policy(p, "SessionState") for k, p in dict(attr_policies or {}).items() if p != "share"}
-        object_map = immutables.Map(objs)
+        object_map = objects_of(objs)
         for name in objs:
             _check_source_graph(object_map, name, "SessionState")
         # Immutable by construction: the public fields are read-only properties over private slots.
@@ -100,13 +135,14 @@ class SessionState:
     @classmethod
     def empty(cls) -> SessionState:
         """A session with no objects and no attrs."""
-        return make_session(_EMPTY, _EMPTY, _EMPTY)
+        return make_session({}, _EMPTY, _EMPTY)
 
     # --- read-only views ---------------------------------------------------------------------------
     @property
     def objects(self) -> Mapping[str, StateObject]:
         """The objects by name: an immutable mapping."""
-        return self._objects
+        objects = self._objects
+        return MappingProxyType(objects) if type(objects) is dict else objects
 
     @property
     def attrs(self) -> Mapping[str, Any]:
@@ -188,14 +224,14 @@ class SessionState:
         if type(obj) not in _OBJECT_TYPES:
             _check_object(name, obj, "put")
             _OBJECT_TYPES.add(type(obj))
-        objects = self._objects.set(name, obj)
+        objects = _set_object(self._objects, name, obj)
         if obj.recompute_source is not None:
             _check_source_graph(objects, name, "put")
         return make_session(objects, self._attrs, self._policies)
 
     def _with_object(self, name: str, obj: StateObject) -> SessionState:
         """`put` without checks, for an object derived from the one under ``name`` (same static config)."""
-        return make_session(self._objects.set(name, obj), self._attrs, self._policies)
+        return make_session(_set_object(self._objects, name, obj), self._attrs, self._policies)
 
     def remove(self, name: str) -> SessionState:
         """Return a state without the object ``name`` (a no-op if absent).
@@ -211,7 +247,7 @@ class SessionState:
                 f"`SessionState.remove({name!r})`: {dependents} name it as their recompute source; remove them "
                 f"first, or put a replacement under {name!r}."
             )
-        return make_session(self._objects.delete(name), self._attrs, self._policies)
+        return make_session(_delete_object(self._objects, name), self._attrs, self._policies)
 
     # With `cls` the object is of that type (reused only if it is one, built and checked otherwise); without
     # it an object already there is returned whatever its type, so it is typed `Any`, not the factory's type.
@@ -331,7 +367,7 @@ class SessionState:
     # --- whole session -----------------------------------------------------------------------------
     def reset(self) -> SessionState:
         """Return a state whose every object is reset (unallocated) and whose attrs are cleared."""
-        objects = immutables.Map({n: o.reset() for n, o in self._objects.items()})
+        objects = objects_of((n, o.reset()) for n, o in self._objects.items())
         return make_session(objects, _EMPTY, _EMPTY)
 
     def forked(self) -> SessionState:
@@ -367,7 +403,7 @@ class SessionState:
         return f"SessionState(objects={{{objs}}}, attrs={{{attrs}}})"
 
 
-def make_session(objects: immutables.Map, attrs: immutables.Map, policies: immutables.Map) -> SessionState:
+def make_session(objects: Objects, attrs: immutables.Map, policies: immutables.Map) -> SessionState:
     """Build a state from maps this module made (no copy, no validation: the hot path)."""
     new = _new(SessionState)
     new._objects = objects
@@ -391,7 +427,7 @@ def _check_object(name: str, obj: Any, what: str) -> None:
         )
 
 
-def _check_source_graph(objects: immutables.Map, name: str, what: str) -> None:
+def _check_source_graph(objects: Objects, name: str, what: str) -> None:
     """Raise unless following recompute sources from ``name`` ends at an object without one."""
     seen = [name]
     current = objects[name].recompute_source

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from .._repr import short
-from .session import SessionState, make_session
+from .session import SessionState, make_session, objects_of
 
 __all__: list[str] = []
 
@@ -89,7 +89,7 @@ def _unflatten(aux: Any, children: Any) -> SessionState:
     children = list(children)
     attrs = dict(zip(dynamic, children[len(names) :]))
     attrs.update((k, v.value) for k, v in static)
-    new = make_session(immutables.Map(zip(names, children)), immutables.Map(attrs), immutables.Map(policies))
+    new = make_session(objects_of(zip(names, children)), immutables.Map(attrs), immutables.Map(policies))
     new._dynamic = dynamic
     return new
 

@@ -1,7 +1,10 @@
 """The shell's record of handles: one `Cell` per session incarnation, and who left the table, and why.
 
 A cell holds nothing while its session is in the table (handles read the table); when a write takes the
-session out, the cell keeps the session's last state as the handles' own copy. Every change the shell makes
+session out, the cell keeps the session's last state as the handles' own copy. Cells and the shell's handles
+are kept weakly (but for the last `_RECENT` handles built): a session no handle holds (an idle one) has
+neither, so it costs a full collection nothing over the table's own objects; its next handle gets a new
+cell, which no older handle can share. Every change the shell makes
 to cells while installing a write is journaled, so a write that must be taken back (an engine ``free`` that
 raised, with nothing installed on top of it) leaves the cells exactly as they were.
 
@@ -29,7 +32,9 @@ __all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason", "in_tab
 
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
-_SWEEP_FROM = 64  # detached cells kept before the first sweep of dead ones
+_SWEEP_FROM = 64  # detached cells (or live entries) kept before the first sweep of dead ones
+_RECENT = 1024  # the handles last built, kept alive: a session in use keeps its handle between calls
+_NOT_LEFT = SessionState.empty()  # a live cell's session: never read while the cell is in the table
 
 
 class Cell:
@@ -41,10 +46,12 @@ class Cell:
 
     __slots__ = ("__weakref__", "closed", "left", "session", "session_id", "uid")
 
-    def __init__(self, uid: int, session_id: str, session: SessionState):
+    def __init__(self, uid: int, session_id: str):
         self.uid = uid
         self.session_id = session_id
-        self.session = session
+        # Read only once ``left`` is set (`Slot.held` reads the table first): holding the session it was made
+        # with would keep that old version, and every object in it, alive as long as the cell.
+        self.session: SessionState = _NOT_LEFT
         self.left: str | None = None
         self.closed = False
 
@@ -152,12 +159,19 @@ class Cells:
     mutating methods did (see `take_back`)."""
 
     def __init__(self) -> None:
-        # Kept while the session is in the table, so handles made per call share one cell. A cell leaves this
-        # dict when its session leaves the table; handles still holding it then work on its own copy.
-        self.live: dict[int, Cell] = {}
-        # The shell's handle on each live cell, made once: a hit returns it instead of building one. Kept
-        # here, not on the cell, so a detached cell is freed with its last handle (no cycle for the GC).
-        self.handles: dict[int, Any] = {}
+        # The cell of each incarnation in the table that some handle holds, weakly, so handles made per call
+        # share one cell while any lives. An entry leaves when its session leaves the table (handles still
+        # holding the cell then work on its own copy), or in a sweep once dead (`_keep_live`): no callback,
+        # so every change to these dicts is made under the shell's lock.
+        self.live: dict[int, weakref.ref[Cell]] = {}
+        # The shell's handle on each live cell, weakly: a hit returns it while it lives instead of building
+        # one. Kept here, not on the cell, so a detached cell is freed with its last handle.
+        self.handles: dict[int, weakref.ref[Any]] = {}
+        self._live_sweep_at = _SWEEP_FROM
+        # The last `_RECENT` handles built, strongly: a caller that drops its handle after each call (one
+        # `get_or_create_session` per request) gets the same one back instead of a new cell and handle per hit,
+        # while a full collection pays for at most `_RECENT` of them whatever the table holds.
+        self._recent: deque[Any] = deque(maxlen=_RECENT)
         # Detached cells, weakly: a plain weak reference per cell in a list (no callback, no WeakSet or dict
         # bookkeeping on the miss path: one append); the dead ones are swept when the list has doubled since
         # the last sweep. A cell is in it at most once: it is appended when it leaves the live dict, and
@@ -171,23 +185,49 @@ class Cells:
         """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use."""
         uid = ms.incarnation_of(state, sid)  # (``sid`` resolved by the caller, and in ``state``)
         assert uid is not None
-        cell = self.live.get(uid)
+        cell = self._live_cell(uid)
         if cell is None:
-            cell = self.live[uid] = Cell(uid, sid, ms.held_session(state, sid, uid))  # type: ignore[arg-type]
+            cell = Cell(uid, sid)
+            self._keep_live(cell)
             if undo is not None:  # a cell of an insertion taken back would name an incarnation reused next
-                undo.append(lambda: self._forget(uid))
+                session = ms.held_session(state, sid, uid)
+                assert session is not None
+                undo.append(lambda: self._forget(uid, session))
         return cell
 
     def handle(self, state: ManagerState, sid: str, undo: Undo | None, make: Callable[[Cell], Any]) -> Any:
-        """The shell's handle on the cell of ``sid`` in ``state`` (installed): the one a hit returns from now
-        on, built by ``make(cell)`` on first use."""
+        """The shell's handle on the cell of ``sid`` in ``state`` (installed): the one a hit returns while it
+        lives, built by ``make(cell)`` when none does."""
         cell = self.cell(state, sid, undo)
-        return self.handles.setdefault(cell.uid, make(cell))
+        ref = self.handles.get(cell.uid)
+        handle = None if ref is None else ref()
+        if handle is None:
+            handle = make(cell)
+            self.handles[cell.uid] = weakref.ref(handle)
+            self._recent.append(handle)
+        return handle
 
-    def _forget(self, uid: int) -> None:
-        cell = self.live.pop(uid, None)
+    def _live_cell(self, uid: int) -> Cell | None:
+        ref = self.live.get(uid)
+        return None if ref is None else ref()
+
+    def _keep_live(self, cell: Cell) -> None:
+        live = self.live
+        live[cell.uid] = weakref.ref(cell)
+        if len(live) >= self._live_sweep_at:  # amortized O(1), as `_keep_detached`
+            for uid in [uid for uid, ref in live.items() if ref() is None]:
+                del live[uid]
+            handles = self.handles
+            for uid in [uid for uid, ref in handles.items() if ref() is None]:
+                del handles[uid]
+            self._live_sweep_at = max(_SWEEP_FROM, 2 * len(live))
+
+    def _forget(self, uid: int, session: SessionState) -> None:
+        ref = self.live.pop(uid, None)
         self.handles.pop(uid, None)
+        cell = None if ref is None else ref()
         if cell is not None:  # (its incarnation was never kept: no cell that has not left may name it)
+            cell.session = session  # first: a lock-free reader that sees `left` must find the copy
             cell.left = "not kept (the write that made it was taken back)"
 
     def detached(self) -> list[Cell]:
@@ -220,7 +260,8 @@ class Cells:
         writes never pay for it)."""
         for d in left:
             self._departed.append((d.sid, d.reason))
-            cell = self.live.pop(d.uid, None)
+            ref = self.live.pop(d.uid, None)
+            cell = None if ref is None else ref()
             # Once per incarnation: the eviction itself is logged where it happens (the LRU, the budget plan).
             if cell is not None and not d.closed:
                 _log_detached(d.sid, d.reason)
@@ -258,7 +299,7 @@ class Cells:
         """Undo `detach` of ``cell`` (see `take_back`)."""
         # (O(detached cells), on the rare path of a write taken back)
         self._detached[:] = [ref for ref in self._detached if ref() is not cell]
-        self.live[cell.uid] = cell
+        self._keep_live(cell)
 
     @staticmethod
     def take_back(undo: Undo) -> None:

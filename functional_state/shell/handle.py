@@ -44,7 +44,7 @@ class SessionHandle:
     ``table_only`` (see `table_only`): every read and write refuses once the incarnation left the table.
     """
 
-    __slots__ = ("_cell", "_only", "_ops", "_slot")
+    __slots__ = ("__weakref__", "_cell", "_only", "_ops", "_slot")
 
     def __init__(self, ops: SessionOps, cell: Cell, *, table_only: bool = False):
         self._ops = ops

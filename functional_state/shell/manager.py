@@ -169,7 +169,8 @@ class SessionStateManager:
             after, uid, evicted = get_or_insert(state, sid)
             if evicted is None:  # a hit, the common case: it adds no bytes and releases nothing
                 slot.table = after
-                handle = self._live.get(uid)
+                ref = self._live.get(uid)  # (weak: an idle session keeps no handle)
+                handle = None if ref is None else ref()
                 return self._new_handle(sid, after, None) if handle is None else handle
             # A miss inserts an empty session, which adds no bytes: its admission runs no user code, so it is
             # decided and installed here, in one acquisition; the blocks it releases go back after.
@@ -197,7 +198,8 @@ class SessionStateManager:
             if sid in state:  # a hit, the common case: a touch, which adds no bytes (`get_or_create_session`'s)
                 after, uid, _ = get_or_insert(state, sid)
                 slot.table = after
-                handle = self._live.get(uid)
+                ref = self._live.get(uid)  # (weak: an idle session keeps no handle)
+                handle = None if ref is None else ref()
                 return self._new_handle(sid, after, None) if handle is None else handle
         finally:
             slot.release()
