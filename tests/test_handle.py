@@ -142,3 +142,26 @@ def test_an_idle_session_keeps_no_cell_or_handle(monkeypatch: pytest.MonkeyPatch
     # A handle built recently outlives its caller's reference: a per-request caller gets it back.
     first = id(manager.get_or_create_session("s9"))
     assert id(manager.get_or_create_session("s9")) == first
+
+
+@pytest.mark.parametrize("leave", ["evict", "drop"])
+def test_a_handle_the_shell_keeps_for_reuse_does_not_keep_a_departed_session_alive(leave: str):
+    # The shell keeps the handles it built last so a caller dropping its handle per call gets the same one
+    # back; a session that leaves the table must leave that too, or its last state (what a detached handle
+    # reads) stays in memory after stats() counted its bytes freed.
+    import gc
+    import weakref
+
+    import numpy as np
+
+    m = SessionStateManager(max_sessions=1)
+    value = np.ones(1024, np.float32)
+    m.get_or_create_session("a").put("x", fs.DenseValue.create([value]))
+    ref = weakref.ref(m.get_session("a").get("x"))
+    del value
+    if leave == "evict":
+        m.get_or_create_session("b")  # the cap of one evicts "a"
+    else:
+        m.drop_session("a")
+    gc.collect()
+    assert "a" not in m.state and ref() is None, "the departed session is still alive"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -168,10 +168,12 @@ class Cells:
         # one. Kept here, not on the cell, so a detached cell is freed with its last handle.
         self.handles: dict[int, weakref.ref[Any]] = {}
         self._live_sweep_at = _SWEEP_FROM
-        # The last `_RECENT` handles built, strongly: a caller that drops its handle after each call (one
-        # `get_or_create_session` per request) gets the same one back instead of a new cell and handle per hit,
-        # while a full collection pays for at most `_RECENT` of them whatever the table holds.
-        self._recent: deque[Any] = deque(maxlen=_RECENT)
+        # The last `_RECENT` handles built on sessions still in the table, strongly, by incarnation: a caller
+        # that drops its handle after each call (one `get_or_create_session` per request) gets the same one back
+        # instead of a new cell and handle per hit, while a full collection pays for at most `_RECENT` of them
+        # whatever the table holds. A session leaving the table leaves this too: a detached handle keeps its
+        # session's last state, which only a caller's own handle may keep alive.
+        self._recent: OrderedDict[int, Any] = OrderedDict()
         # Detached cells, weakly: a plain weak reference per cell in a list (no callback, no WeakSet or dict
         # bookkeeping on the miss path: one append); the dead ones are swept when the list has doubled since
         # the last sweep. A cell is in it at most once: it is appended when it leaves the live dict, and
@@ -204,7 +206,10 @@ class Cells:
         if handle is None:
             handle = make(cell)
             self.handles[cell.uid] = weakref.ref(handle)
-            self._recent.append(handle)
+            recent = self._recent
+            recent[cell.uid] = handle
+            if len(recent) > _RECENT:
+                recent.popitem(last=False)
         return handle
 
     def _live_cell(self, uid: int) -> Cell | None:
@@ -225,6 +230,7 @@ class Cells:
     def _forget(self, uid: int, session: SessionState) -> None:
         ref = self.live.pop(uid, None)
         self.handles.pop(uid, None)
+        self._recent.pop(uid, None)
         cell = None if ref is None else ref()
         if cell is not None:  # (its incarnation was never kept: no cell that has not left may name it)
             cell.session = session  # first: a lock-free reader that sees `left` must find the copy
@@ -270,6 +276,7 @@ class Cells:
             else:
                 _log.debug("session %r %s", d.sid, d.reason)
             self.handles.pop(d.uid, None)
+            self._recent.pop(d.uid, None)
             if cell is not None:
                 if undo is not None:  # (None: nothing can take this write back)
                     undo.append(_restorer(self, cell, True))
