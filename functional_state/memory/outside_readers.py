@@ -73,20 +73,20 @@ def read_by(address: int, nbytes: int, reader: np.ndarray) -> None:
     table over its memory) for as long as ``reader`` lives."""
     if nbytes:
         key = (address, nbytes)
-        ref = weakref.ref(reader, functools.partial(_forget, _READERS, key))
+        ref = weakref.ref(reader, functools.partial(_forget, key))
         with _LOCK:  # (lists replaced, never changed in place: a reader's callback may run inside this block)
             _READERS[key] = [*_READERS.get(key, ()), ref]
 
 
-def _forget(registry: dict[tuple[int, int], list[Any]], key: tuple[int, int], ref: Any) -> None:
+def _forget(key: tuple[int, int], ref: Any) -> None:
     with _LOCK:
-        refs = registry.get(key)
+        refs = _READERS.get(key)
         if refs is not None:
             alive = [r for r in refs if r is not ref and r() is not None]
             if alive:
-                registry[key] = alive
+                _READERS[key] = alive
             else:
-                del registry[key]
+                del _READERS[key]
 
 
 def borrow(buf: np.ndarray) -> Any:

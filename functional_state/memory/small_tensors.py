@@ -27,16 +27,6 @@ _DTYPE, _NBYTES = operator.attrgetter("dtype"), operator.attrgetter("nbytes")
 _BLOCK = 256  # leaves per block of checks: their tensors' metadata stays in the cache across the passes
 
 
-def _native() -> Any:
-    """The compiled checks (`tensor_run_checks.cpp`), or None: not built (no torch at build time, a pure
-    build), or built against a torch this process does not run (its import fails)."""
-    try:
-        from . import tensor_run_checks  # type: ignore[attr-defined]
-    except (ImportError, OSError):
-        return None
-    return tensor_run_checks
-
-
 _UNRESOLVED: Any = object()
 # The same checks in one C++ pass over the leaves (a Python call per tensor and fact cost about as much as
 # the copy itself: BENCHMARKS.md, park section), or None where they run in Python. Resolved once torch is
@@ -46,12 +36,17 @@ NATIVE: Any = _UNRESOLVED
 
 
 def native() -> Any:
-    """The compiled checks (`NATIVE`), resolved on first use once torch is imported, or None."""
+    """The compiled checks (`NATIVE`), resolved on first use once torch is imported, or None: not built (no
+    torch at build time, a pure build), or built against a torch this process does not run (its import fails)."""
     global NATIVE
     if NATIVE is _UNRESOLVED:
         if torch_module() is None:
             return None
-        NATIVE = _native()
+        try:
+            from . import tensor_run_checks  # type: ignore[attr-defined]
+        except (ImportError, OSError):
+            tensor_run_checks = None
+        NATIVE = tensor_run_checks
     return NATIVE
 
 
