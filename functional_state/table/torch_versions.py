@@ -40,10 +40,6 @@ def torch_leaves(tree: Any) -> list[Any]:
     if torch is None:  # (torch never imported: no value can hold a tensor)
         return []
     tensor = torch.Tensor
-    if type(tree) is tensor:
-        # The per-step payload (one frame, one token's K/V): a plain tensor is its own only leaf, and asking JAX
-        # costs its registry lookup for an unregistered type. (A subclass goes to JAX: one may be registered.)
-        return [tree]
     return [leaf for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, tensor)]
 
 
