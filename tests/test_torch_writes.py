@@ -171,3 +171,37 @@ def test_forks_loaded_from_a_checkpoint_still_refuse_a_write_in_place_to_the_sto
             assert got == [0.0] * 4, f"the loaded fork serves the parent's write silently: {got}"
         else:
             fs.commit(t, "p", "kv", {"k": fs.view(t, "p", "kv")["k"]})
+
+
+# --- the per-step commit of one tensor: its record, found without flattening it -------------------------------
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(1, 2, 1, 3),
+        lambda: torch.nn.Parameter(torch.zeros(1, 2, 1, 3), requires_grad=False),
+        lambda: torch.zeros(1, 2, 1, 3).as_subclass(_Tagged),
+        lambda: torch.zeros(2, 2, 3)[1:].unsqueeze(2),  # a view, of a storage larger than itself
+    ],
+    ids=["tensor", "parameter", "subclass", "view"],
+)
+def test_one_tensor_committed_into_two_sessions_then_written_in_place_is_refused(make):
+    # A bare tensor payload (a frame into a ring, one token's K/V) is its own only torch leaf: the record a
+    # commit takes of it is what catches a later in-place write to the storage both sessions now hold.
+    from functional_state.table.torch_versions import torch_leaves
+
+    t = make()
+    assert len(leaves := torch_leaves(t)) == 1 and leaves[0] is t
+    m = fs.SessionStateManager()
+    handles = [m.get_or_create_session(sid).put("ring", fs.LatentBuffer.create(maxlen=2)) for sid in ("a", "b")]
+    for h in handles:  # (each ring made empty: no record before the commit, so only the payload's counts)
+        h.commit("ring", t)
+    t.add_(1.0)  # in place, outside `writable`
+    for h in handles:
+        with pytest.raises(SharedStorageWrittenError, match="'ring' of session"):
+            h.get("ring")

@@ -87,7 +87,13 @@ def recorded(obj: StateObject) -> Versions:
 def record(obj: StateObject) -> None:
     """Record the version of every torch tensor ``obj`` holds now (replacing an earlier record of it)."""
     key = id(obj)
-    versions = tuple((t, _version(t)) for t in torch_leaves(obj)) if obj.resident else ()
+    versions: Versions = ()
+    if obj.resident:
+        leaves = torch_leaves(obj)
+        try:  # (the counters read directly: this runs on every commit of a torch object, each model step)
+            versions = tuple([(t, t._version) for t in leaves])
+        except RuntimeError:  # an inference-mode tensor keeps none: `version` answers -1 for it
+            versions = tuple([(t, _version(t)) for t in leaves])
     if versions:
         RECORDS[key] = (weakref.ref(obj, partial(_forget, key=key)), versions)
     elif (entry := RECORDS.get(key)) is not None and entry[0]() is obj:
