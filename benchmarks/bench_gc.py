@@ -52,7 +52,7 @@ def _ordered_dict(n: int) -> OrderedDictManager:
 
 def _ordered_dict_scattered(n: int) -> OrderedDictManager:
     """The same manager, each session's dict and deque allocated between short-lived containers (as a
-    table's objects are: each write allocates its new node, session and object among the garbage of the
+    table's objects are: each write allocates its new session, objects dict and object among the garbage of the
     last): the same objects, spread over the heap."""
     junk = []
     manager = OrderedDictManager(n)
@@ -215,14 +215,14 @@ def run() -> dict:
             f"by-type column counts the tracked objects the variant added (`gc.get_objects()` before and after), "
             f"per session: every one is traversed by every full collection. The last row builds the OrderedDict "
             f"manager with short-lived containers allocated between its sessions (as each write of the table "
-            f"allocates its new node, session and object among the last write's garbage): the same objects "
+            f"allocates its new session, objects dict and object among the last write's garbage): the same objects "
             f"spread over the heap, to show what locality costs a collection. The floor row is a prototype of a "
             f"persistent layout the collector can mostly skip: bench_manager's floor table (a map of "
             f"`sid -> (session dict, tick)`, a ring a tuple of untracked items), whose ring tuples, session dicts "
             f"and node tuples the collector untracks once it finds they hold only untracked values; the row after it is "
             f"the same on the table's own map (`RerootMap`, which the pure and shell rows use too): one dict "
             f"instead of the HAMT's nodes. Freezing the sessions too helps "
-            f"only until they are replaced, and a commit replaces its session's node, session and object. The "
+            f"only until they are replaced, and a commit replaces its session, objects dict and object. The "
             f"machine is shared (2 cores, other jobs running): collection times vary with its cache pressure. "
             f"Reproduce: `GC_SESSIONS={n} python benchmarks/run.py gc`."
         ),

@@ -15,7 +15,10 @@ implementation runs the same id sequences, as one closure called once per op by 
   it from the OrderedDict is the cost of persistence itself;
 * ``floor on RerootMap + lock``: the same floor with the table's own session map (`RerootMap`: the newest
   version a dict, older ones diffs toward it, compiled with the table) instead of an ``immutables.Map``: what
-  the map alone changes (the ``pure`` rows use it too: it is the table's map).
+  the map alone changes (the ``pure`` rows use it too: it is the table's map);
+* ``floor compiled + lock``: the same floor on RerootMap written for mypyc and compiled by it
+  (`manager_floor`, built in place here on first use when mypyc is installed): what a compiled persistent
+  table can reach for this op, the real floor under ours.
 
 Ratios are CPU time of untimed loops, rotated and interleaved, GC on; cells are every op timed on its own
 (median, p99, p99.9). The ids are drawn against a mirror of the LRU table, so a "hit" is always live and a
@@ -35,10 +38,12 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import importlib.machinery
 import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -64,6 +69,8 @@ from _timing import (
 )
 from functional_state.table.recency_log import Log, append, entries
 from functional_state.table.reroot_map import RerootMap
+
+HERE = Path(__file__).resolve().parent
 
 SIZES = tuple(int(x) for x in os.environ.get("MANAGER_SIZES", "64,1000,100000").split(","))
 OPS = dict.fromkeys(SIZES, int(os.environ.get("MANAGER_OPS", "20000")))  # ops per sample
@@ -248,7 +255,36 @@ class _IdStream:
         return out
 
 
-VARIANTS = ("pure", "locked", "shell", "tracked", "one_lock", "floor", "floor_reroot")
+def compiled_floor() -> Any:
+    """`manager_floor`, compiled by mypyc in place beside its source first if it is not yet (and mypyc is
+    installed: else its Python source, which `floor_is_compiled` then reports)."""
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    source = HERE / "manager_floor.py"
+    built = [p for s in suffixes if (p := HERE / f"manager_floor{s}").is_file()]
+    if (not built or built[0].stat().st_mtime < source.stat().st_mtime) and shutil.which(
+        "mypyc", path=str(Path(sys.executable).parent)
+    ):
+        subprocess.run(
+            [
+                str(Path(sys.executable).parent / "mypyc"),
+                "--follow-imports=skip",
+                "--ignore-missing-imports",
+                "manager_floor.py",
+            ],
+            cwd=HERE,
+            check=True,
+            capture_output=True,
+        )
+        sys.modules.pop("manager_floor", None)
+    return importlib.import_module("manager_floor")
+
+
+def floor_is_compiled() -> bool:
+    """Whether the imported `manager_floor` is the extension mypyc built (not its Python source)."""
+    return not compiled_floor().__file__.endswith(".py")
+
+
+VARIANTS = ("pure", "locked", "shell", "tracked", "one_lock", "floor", "floor_reroot", "floor_compiled")
 LABELS = {
     "pure": "pure",
     "locked": "pure + lock",
@@ -257,6 +293,7 @@ LABELS = {
     "one_lock": "OrderedDict + 1 lock",
     "floor": "floor + lock",
     "floor_reroot": "floor on RerootMap + lock",
+    "floor_compiled": "floor compiled + lock",
 }
 
 
@@ -285,6 +322,8 @@ def _ops(n: int) -> tuple[dict[str, Callable[[str], None]], Callable[[], dict[st
     tracked.stats()  # (what a server's monitoring does once: the table keeps its byte totals from then on)
     pure_state, locked_state = tables
     floor_state, reroot_state = _floor_table(n), _floor_table(n, reroot=True)
+    mf = compiled_floor()
+    compiled_state = _compiled_floor_table(mf, n)
     base = {"pure": pure_state.misses, "shell": shell.state.misses, "one_lock": one_lock.misses}
     get_or_create, commit, put = fs.get_or_create, fs.commit, fs.put
     lock = threading.Lock()
@@ -343,6 +382,16 @@ def _ops(n: int) -> tuple[dict[str, Callable[[str], None]], Callable[[], dict[st
                 s = f_put(s, sid, "buf", ())
             reroot_state = f_commit(s, sid, "buf", ITEM)
 
+    c_get_or_create, c_put, c_commit = mf.get_or_create, mf.put, mf.commit
+
+    def floor_compiled(sid: str) -> None:
+        nonlocal compiled_state
+        with lock:
+            s, session = c_get_or_create(compiled_state, sid)
+            if not session:
+                s = c_put(s, sid, "buf", ())
+            compiled_state = c_commit(s, sid, "buf", ITEM)
+
     def misses() -> dict[str, int]:
         return {
             "pure": pure_state.misses - base["pure"],
@@ -360,6 +409,7 @@ def _ops(n: int) -> tuple[dict[str, Callable[[str], None]], Callable[[], dict[st
         "one_lock": ordered_dict,
         "floor": floor,
         "floor_reroot": floor_reroot,
+        "floor_compiled": floor_compiled,
     }
     return ops, misses
 
@@ -469,6 +519,8 @@ def run() -> dict:
                 f"{ratio(n, 'tracked', 'shell'):.2f}x",
                 f"{ratio(n, 'floor', 'one_lock'):.2f}x",
                 f"{ratio(n, 'floor_reroot', 'one_lock'):.2f}x",
+                f"{ratio(n, 'floor_compiled', 'one_lock'):.2f}x",
+                f"{ratio(n, 'locked', 'floor_compiled'):.2f}x",
                 " / ".join(f"{c[k].p999 / c[k].median:.1f}x" for k in ("locked", "shell", "one_lock")),
                 " / ".join(
                     f"{m[n]['over_1ms'][k]}, {m[n]['full_collections'][k][0]} ({fmt_time(m[n]['full_collections'][k][1])})"
@@ -493,6 +545,8 @@ def run() -> dict:
             "CPU: shell after one stats() / shell",
             "CPU: floor + lock / 1 lock",
             "CPU: floor on RerootMap + lock / 1 lock",
+            "CPU: floor compiled + lock / 1 lock",
+            "CPU: pure + lock / floor compiled + lock",
             f"p99.9 / median (pure + lock / shell / 1 lock; goal <= 10 at {big:,})",
             f"timed ops over 1 ms, full collections in them (longest): pure + lock / shell / 1 lock, of "
             f"{TAIL_ROUNDS * OPS[SIZES[0]]:,}",
@@ -535,6 +589,14 @@ def run() -> dict:
                 )
                 for n in SIZES
             ),
+            *(
+                (
+                    f"floor compiled + lock / OrderedDict + 1 lock at {n:,} sessions, CPU"
+                    + ("" if floor_is_compiled() else " (NOT compiled: mypyc missing, Python source timed)"),
+                    ratio(n, "floor_compiled", "one_lock"),
+                )
+                for n in SIZES
+            ),
             (
                 f"miss after 400k hits / miss on a fresh table (goal <= 2; {fmt_time(miss['worn'])} vs "
                 f"{fmt_time(miss['fresh'])})",
@@ -568,7 +630,11 @@ def run() -> dict:
             f"map, tick and log, a session as a dict copied on write (a Map beyond {FLOOR_SMALL} objects), a ring "
             f"as a tuple, no checks, counters or accounting; the floor-on-RerootMap row is the same with the table's own "
             f"session map (`table/reroot_map.py`, compiled: the newest version a dict, older versions diffs toward "
-            f"it) in place of the `immutables.Map`, which the pure and shell rows use too. Tails on this shared machine include preemption by other jobs: at 64 "
+            f"it) in place of the `immutables.Map`, which the pure and shell rows use too. The floor-compiled row is "
+            f"that floor on RerootMap written for mypyc and compiled by it (`benchmarks/manager_floor.py`, built "
+            f"in place by this bench: native classes for the table and for a session that carries its own tick, "
+            f"no node; {'compiled' if floor_is_compiled() else 'NOT compiled in this run (no mypyc)'}), checked "
+            f"in the same test: what a compiled persistent table reaches for this op. Tails on this shared machine include preemption by other jobs: at 64 "
             f"sessions, where no full collection runs, about one timed op in 1,500 still takes over 1 ms whatever "
             f"the implementation, so a p99.9 in the milliseconds is the machine's unless the over-1-ms column "
             f"shows full collections during the timed ops (counted by a `gc.callbacks` hook while each variant "
@@ -624,6 +690,15 @@ def _floor_table(n: int, reroot: bool = False) -> tuple:
     for i in range(n):
         state, _ = floor_get_or_create(state, f"s{i}")
         state = floor_put(state, f"s{i}", "buf", ())
+    return state
+
+
+def _compiled_floor_table(mf: Any, n: int) -> Any:
+    """A `manager_floor` table of ``n`` sessions, each with an empty ring ``buf``."""
+    state = mf.create(n)
+    for i in range(n):
+        state, _ = mf.get_or_create(state, f"s{i}")
+        state = mf.put(state, f"s{i}", "buf", ())
     return state
 
 

@@ -126,7 +126,7 @@ def test_no_private_name_crosses_a_module():
     assert not crossing, crossing
 
 
-# The modules of the table's own encoding: `records` defines its records (`Node`, `Recency`, `Totals`), the
+# The modules of the table's own encoding: `records` defines its records (`Recency`, `Totals`), the
 # others build them on the table's write paths.
 TABLE_ENCODING = {
     "table.manager_state",
@@ -282,7 +282,7 @@ def test_the_circle_check_sees_a_circle():
 #    subscripted by an int (``e[0]``, ``e[2] - e[1]``).
 TUPLE_RECORDS = {"Extent", "Loose", "StorageStamp", "Counters", "AttrEntry"}
 CLASS_RECORDS = {
-    "table.records": ("Node", "Recency", "Totals"),
+    "table.records": ("Recency", "Totals"),
     "core.state_object": ("LedgerDelta", "BlocksMoved"),
     "table.ledger": ("ReleaseLog",),
 }

@@ -370,7 +370,9 @@ def test_fork_shares_objects_and_copies_nothing():
     state = _populated()
     forked = fs.fork_session(state, "a", "a2")
     src, dst = fs.lookup(forked, "a"), fs.lookup(forked, "a2")
-    assert src is dst  # no attr declares a fork policy: the session value itself is shared
+    # No attr declares a fork policy: the session's maps (and so every object and attr) are shared; only the
+    # small session record differs, each carrying its own tick and incarnation in the table.
+    assert src._objects is dst._objects and src._attrs is dst._attrs
     ring_ptr = src.get("ring").storage.unsafe_buffer_pointer()
     snap_a = snapshot(fs.lookup(forked, "a"))
     after = fs.commit(fs.commit(forked, "a2", "ring", jnp.full(4, 9.0)), "a2", "frames", torch.ones(4))

@@ -12,7 +12,7 @@ import pytest
 
 import functional_state as fs
 from functional_state.table.recency_log import Log, entries
-from functional_state.table.records import Node, Recency, Totals
+from functional_state.table.records import Recency, Totals
 
 
 def _table() -> fs.ManagerState:
@@ -25,9 +25,9 @@ def _table() -> fs.ManagerState:
 @pytest.mark.parametrize("clone", [copy.copy, copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))])
 def test_a_record_clones_to_an_equal_record(clone):
     state = _table()
-    node, recency, totals = state._nodes["a"], state._recency, state._totals
+    stored, recency, totals = state._nodes["a"], state._recency, state._totals
     for record, fields in [
-        (node, ("used", "uid")),
+        (stored, ("_tick", "_uid")),  # a session as the table stores it: carrying its tick and incarnation
         (recency, ("clock", "start", "end", "pending", "pending_tick", "limit")),
         (totals, ("issued", "misses", "evictions", "parks", "restores")),
     ]:
@@ -56,5 +56,6 @@ def test_the_records_print_their_fields():
     assert repr(Totals(3, 2, 1, 0, 0)) == "Totals(issued=3, misses=2, evictions=1, parks=0, restores=0)"
     recency = Recency(5, Log(["a"], [4]), 0, 1, "a", 4, 4)
     assert repr(recency) == "Recency(clock=5, window=[0, 1), limit=4, pending='a'@4)"
-    assert recency.tick_of("a", Node(fs.SessionState.empty(), 1, 0)) == 4  # the pending tick, not the node's
-    assert recency.tick_of("b", Node(fs.SessionState.empty(), 1, 0)) == 1
+    stored = fs.SessionState.empty()._stamped(1, 0)
+    assert recency.tick_of("a", stored) == 4  # the pending tick, not the stored session's
+    assert recency.tick_of("b", stored) == 1

@@ -56,7 +56,11 @@ def test_continued_numbers_on_from_first_and_keeps_everything_else(budget: Any) 
     assert moved.session_ids == t.session_ids
     assert _ids(moved) == list(range(100, 100 + len(t)))  # least recently used first
     assert moved.issued == 100 + len(t)
-    assert all(ms.lookup(moved, sid) is ms.lookup(t, sid) for sid in t.session_ids)
+    # The same sessions: each map shared (a stored session carries its table's tick and incarnation, so the
+    # renumbered table stores a copy of the small session record, never of what it holds).
+    for sid in t.session_ids:
+        new, old = ms.lookup(moved, sid), ms.lookup(t, sid)
+        assert new._objects is old._objects and new._attrs is old._attrs and new._policies is old._policies
     assert moved.counters == t.counters
     config = (moved.max_sessions, moved.byte_budget, moved.evict_when_full)
     assert config == (t.max_sessions, t.byte_budget, t.evict_when_full)

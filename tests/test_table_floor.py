@@ -100,3 +100,78 @@ def test_floor_hits_without_commits():
         s, _ = bm.floor_get_or_create(s, sid)
     s, _ = bm.floor_get_or_create(s, "d")  # evicts c, the least recent
     assert bm.floor_lru(s) == ["b", "a", "d"]
+
+
+# --- the compiled floor (benchmarks/manager_floor.py): bench_manager's ``floor compiled`` row -------------
+@pytest.fixture(scope="module")
+def mf():
+    """`manager_floor` as the bench runs it: compiled by mypyc when mypyc is installed, else its source
+    (the same checks hold for both)."""
+    return bm.compiled_floor()
+
+
+def _compiled_contents(mf, t) -> dict[str, tuple]:
+    return {sid: mf.ring_of(t, sid, "buf") for sid in mf.lru(t)}
+
+
+@pytest.mark.parametrize("n", [3, 64, 1_000])
+def test_compiled_floor_matches_ours_and_the_ordered_dict(mf, n):
+    stream = bm._IdStream(n, random.Random(n))
+    stream.ops = 2_000 if n < 1_000 else 6_000  # (past a compaction of the 1k log: 4x the table)
+    ours = fs.ManagerState.create(max_sessions=n)
+    buf = fs.LatentBuffer.create(maxlen=4)
+    t = bm._compiled_floor_table(mf, n)
+    od = bm.OrderedDictManager(n)
+    for i in range(n):
+        ours, _ = fs.get_or_create(ours, f"s{i}")
+        ours = fs.put(ours, f"s{i}", "buf", buf)
+        od.op(f"s{i}", -1)
+    snapshots = []
+    k = 0
+    for _ in range(3):
+        for sid in stream.sequence():
+            ours, session = fs.get_or_create(ours, sid)
+            if not session.objects:
+                ours = fs.put(ours, sid, "buf", buf)
+            ours = fs.commit(ours, sid, "buf", k)
+            t, objects = mf.get_or_create(t, sid)
+            if not objects:
+                t = mf.put(t, sid, "buf", ())
+            t = mf.commit(t, sid, "buf", k)
+            od.op(sid, k)
+            k += 1
+        snapshots.append((t, _compiled_contents(mf, t), list(od.sessions)))
+    order = list(od.sessions)
+    assert mf.lru(t) == order == list(ours.session_ids) == list(stream.lru)
+    rings = {sid: tuple(d["buf"]) for sid, d in od.sessions.items()}
+    assert _compiled_contents(mf, t) == rings
+    assert {sid: fs.view(ours, sid, "buf") for sid in order} == rings
+    assert len(t.nodes) == n
+    for old, contents, old_order in snapshots:  # every old state unchanged by all that came after it
+        assert _compiled_contents(mf, old) == contents and list(contents) == old_order
+
+
+def test_compiled_floor_old_states_branch(mf):
+    """As `test_floor_old_states_branch`, on the compiled floor: both lines keep their own order and rings."""
+    s = mf.create(3)
+    for sid in "abc":
+        s, _ = mf.get_or_create(s, sid)
+        s = mf.put(s, sid, "buf", ())
+    old = s
+    s, _ = mf.get_or_create(s, "a")
+    s = mf.commit(s, "a", "buf", 1)
+    s, _ = mf.get_or_create(s, "d")  # evicts b
+    t, _ = mf.get_or_create(old, "b")  # from the old state: a branch
+    t = mf.commit(t, "b", "buf", 2)
+    t, _ = mf.get_or_create(t, "e")  # evicts a
+    assert mf.lru(old) == ["a", "b", "c"]
+    assert mf.lru(s) == ["c", "a", "d"]
+    assert mf.lru(t) == ["c", "b", "e"]
+    assert mf.ring_of(t, "b", "buf") == (2,) and mf.ring_of(s, "a", "buf") == (1,)
+    assert mf.ring_of(old, "a", "buf") == ()
+
+
+def test_compiled_floor_is_compiled_where_mypyc_is(mf):
+    """The bench's row is labelled compiled only when it is: with mypyc installed the module is the extension."""
+    pytest.importorskip("mypyc")
+    assert bm.floor_is_compiled() and not mf.__file__.endswith(".py")

@@ -95,10 +95,16 @@ class SessionState:
       (0, 1, 3)
     """
 
-    __slots__ = ("_attrs", "_dynamic", "_objects", "_policies")
+    __slots__ = ("_attrs", "_dynamic", "_objects", "_policies", "_tick", "_uid")
     _objects: Objects
     _attrs: immutables.Map
     _policies: immutables.Map
+    # Where a `ManagerState` holds this very object: the tick of the session's last use there and its
+    # incarnation (the table's bookkeeping, not part of the value: a session a table stores carries them, so
+    # that the table keeps one object per session, not a node around it; -1 until a table stores it). A table
+    # storing a session that carries other figures stores a copy carrying its own (`_stamped`).
+    _tick: int
+    _uid: int
     # The attr keys a pytree flatten yields as children, when an unflatten fixed them (its children may be
     # anything, e.g. orbax's SaveArgs); None: decided from the values (arrays are children, the rest aux).
     _dynamic: tuple[str, ...] | None
@@ -131,6 +137,7 @@ class SessionState:
         self._attrs = immutables.Map(attr_map)
         self._policies = immutables.Map(policies)
         self._dynamic = None
+        self._tick = self._uid = -1
 
     @classmethod
     def empty(cls) -> SessionState:
@@ -229,9 +236,20 @@ class SessionState:
             _check_source_graph(objects, name, "put")
         return make_session(objects, self._attrs, self._policies)
 
-    def _with_object(self, name: str, obj: StateObject) -> SessionState:
-        """`put` without checks, for an object derived from the one under ``name`` (same static config)."""
-        return make_session(_set_object(self._objects, name, obj), self._attrs, self._policies)
+    def _with_object(self, name: str, obj: StateObject, tick: int = -1, uid: int = -1) -> SessionState:
+        """`put` without checks, for an object derived from the one under ``name`` (same static config);
+        ``tick`` and ``uid``: the table's figures the new session carries (see `_tick`), for a table that
+        stores it."""
+        return make_session(_set_object(self._objects, name, obj), self._attrs, self._policies, tick, uid)
+
+    def _stamped(self, tick: int, uid: int) -> SessionState:
+        """This session carrying a table's figures ``tick`` and ``uid`` (see `_tick`): itself if it carries
+        them, else a copy (the maps shared, never changed)."""
+        if self._tick == tick and self._uid == uid:
+            return self
+        new = make_session(self._objects, self._attrs, self._policies, tick, uid)
+        new._dynamic = self._dynamic
+        return new
 
     def remove(self, name: str) -> SessionState:
         """Return a state without the object ``name`` (a no-op if absent).
@@ -403,13 +421,18 @@ class SessionState:
         return f"SessionState(objects={{{objs}}}, attrs={{{attrs}}})"
 
 
-def make_session(objects: Objects, attrs: immutables.Map, policies: immutables.Map) -> SessionState:
-    """Build a state from maps this module made (no copy, no validation: the hot path)."""
+def make_session(
+    objects: Objects, attrs: immutables.Map, policies: immutables.Map, tick: int = -1, uid: int = -1
+) -> SessionState:
+    """Build a state from maps this module made (no copy, no validation: the hot path); ``tick``, ``uid``:
+    the table's figures it carries (see `SessionState._tick`)."""
     new = _new(SessionState)
     new._objects = objects
     new._attrs = attrs
     new._policies = policies
     new._dynamic = None
+    new._tick = tick
+    new._uid = uid
     return new
 
 

@@ -16,7 +16,6 @@ from .manager_state import (  # noqa: F401
     ConsumedManagerState,
     Counters,
     ManagerState,
-    Node,
     count_evictions,
     entries,
     entries_lru,

@@ -8,11 +8,10 @@ from __future__ import annotations
 import difflib
 from typing import Any, Final
 
-from ..core.session import no_object_message
+from ..core.session import SessionState, no_object_message
 from ..core.state_object import StateObject
 from ..errors import InvalidTypeError, ObjectNotFoundError, SessionStateLostError, StateConsumedError
 from .manager_state import DEFAULT_SESSION_ID, ConsumedManagerState, ManagerState
-from .records import Node
 from .reroot_map import RerootMap
 
 __all__ = ["check_state", "find_object", "locate", "lost_error", "resolve_id"]
@@ -61,22 +60,23 @@ def lost_error(state: ManagerState, sid: str, what: str) -> SessionStateLostErro
     )
 
 
-def locate(state: Any, session_id: Any, what: str) -> tuple[str, Node]:
-    """``(sid, node)`` of an existing session, with every argument check the public functions need."""
+def locate(state: Any, session_id: Any, what: str) -> tuple[str, SessionState]:
+    """``(sid, session)`` of an existing session (the very object the table stores, carrying its tick and
+    incarnation), with every argument check the public functions need."""
     if type(state) is not ManagerState:
         check_state(state, what)
     sid: str = session_id if type(session_id) is str and session_id else resolve_id(session_id, what)
     nodes: RerootMap = state._nodes
-    node: Node | None = nodes.get(sid)
-    if node is None:
+    stored: SessionState | None = nodes.get(sid)
+    if stored is None:
         raise lost_error(state, sid, what)
-    return sid, node
+    return sid, stored
 
 
-def find_object(node: Node, name: Any, what: str) -> StateObject:
-    """Object ``name`` of the node's session, or an `ObjectNotFoundError` listing the names it has (``name``
-    is `Any`: compiled, a `str` annotation would raise a bare `TypeError` for a name of another type)."""
-    obj = node.session._objects.get(name)
+def find_object(session: SessionState, name: Any, what: str) -> StateObject:
+    """Object ``name`` of ``session``, or an `ObjectNotFoundError` listing the names it has (``name`` is
+    `Any`: compiled, a `str` annotation would raise a bare `TypeError` for a name of another type)."""
+    obj = session._objects.get(name)
     if obj is None:
-        raise ObjectNotFoundError(no_object_message(node.session, name, what))
+        raise ObjectNotFoundError(no_object_message(session, name, what))
     return obj

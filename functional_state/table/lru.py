@@ -1,12 +1,13 @@
 """The table's recency order: make a session most recent, insert one (evicting the least recent when the
 table is full), remove one, and replace sessions without touching their recency.
 
-Recency is a tick per node and the append-only `recency_log` of ``(session id, tick)`` uses (see
-`records.Recency`): a use takes the next tick and appends one entry; eviction takes the oldest entry
-that is still current. A hit writes no node at all: the session it made most recent is *pending* (its node keeps its old tick; the
-table holds its new one), and the next write of that node (the commit that follows a hit) stores the tick
-with the new session, so a hit and its commit write one node. The next hit on another session settles the
-pending node first; an insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the
+Recency is a tick per stored session (`SessionState._tick`) and the append-only `recency_log` of
+``(session id, tick)`` uses (see `records.Recency`): a use takes the next tick and appends one entry;
+eviction takes the oldest entry that is still current. A hit writes no session at all: the session it made
+most recent is *pending* (as stored it keeps its old tick; the table holds its new one), and the next write
+of that session (the commit that follows a hit) stores the tick with the new session, so a hit and its
+commit write one entry of the map. The next hit on another session settles the pending one first; an
+insertion or a fork leaves it pending. When a window reaches `COMPACT_AT` times the
 table's size (or spans `MAX_DEPTH` segments) it is rebuilt from its current entries, so it never holds more
 than a few entries per session and a lookup, a hit and a miss cost the same after any history.
 """
@@ -23,7 +24,7 @@ from ..memory.accounting import total_nbytes
 from ..memory.budget import format_bytes
 from .manager_state import COMPACT_AT, ManagerState, make_state, with_nodes
 from .recency_log import MAX_DEPTH, Log, append, entries
-from .records import Node, Recency, Totals
+from .records import Recency, Totals
 from .reroot_map import RerootMap
 from .torch_versions import RECORDS, release
 
@@ -45,27 +46,27 @@ def compacted(nodes: Any, log: Log, start: int, end: int, pending: str | None, t
     """The current entries of a window (``pending``'s tick is ``tick``), in order, in one new segment."""
     sids, ticks = [], []
     for sid, t in entries(log, start, end):
-        node: Node | None = nodes.get(sid)
-        if node is not None and (tick if sid == pending else node.used) == t:
+        session: SessionState | None = nodes.get(sid)
+        if session is not None and (tick if sid == pending else session._tick) == t:
             sids.append(sid)
             ticks.append(t)
     return Log(sids, ticks)
 
 
-def touch(state: ManagerState, sid: str, node: Node, hits: int) -> ManagerState:
-    """Make ``sid`` (its node ``node``) the most recently used session, adding ``hits`` to the hit counter."""
+def touch(state: ManagerState, sid: str, session: SessionState, hits: int) -> ManagerState:
+    """Make ``sid`` (stored as ``session``) the most recently used session, adding ``hits`` to the hit counter."""
     r: Recency = state._recency
     clock = r.clock
-    if r.tick_of(sid, node) == clock - 1:  # already the most recent
+    if r.tick_of(sid, session) == clock - 1:  # already the most recent
         if not hits:
             return state
         return make_state(state._nodes, r, state._hits + hits, state._totals, state._config, state._acct)
     nodes = state._nodes
     pending = r.pending
-    if pending is not None:  # settle the previous hit's node unless its commit already did
-        p: Node = nodes[pending]
-        if p.used != r.pending_tick:
-            nodes = nodes.set(pending, Node(p.session, r.pending_tick, p.uid))
+    if pending is not None:  # settle the previous hit's session unless its commit already did
+        p: SessionState = nodes[pending]
+        if p._tick != r.pending_tick:
+            nodes = nodes.set(pending, p._stamped(r.pending_tick, p._uid))
     log = append(r.log, r.end, sid, clock)
     start, end, limit = r.start, r.end + 1, r.limit
     if end >= limit or log.depth > MAX_DEPTH:
@@ -98,13 +99,13 @@ def insert(
             f"evict_when_full=False, so session {sid!r} is refused. Drop a finished session "
             f"(`drop_session`) or raise the cap (`raise_max_sessions`)."
         )
-    # A pending node stays pending (its tick is older than the new one's).
+    # A pending session stays pending (its tick is older than the new one's).
     nodes: RerootMap = state._nodes
     if size >= config.max_sessions:
         # The oldest current entry; those before it were superseded (about ten entries per miss here).
         for victim_id, tick in entries(log, start, end):
             start += 1
-            victim: Node | None = nodes.get(victim_id)
+            victim: SessionState | None = nodes.get(victim_id)
             if victim is not None and r.tick_of(victim_id, victim) == tick:
                 break
         assert victim is not None  # (a full table's window holds a current entry for each of its sessions)
@@ -112,22 +113,22 @@ def insert(
             _log.info(
                 "LRU eviction: session %r (%d objects, %s) left the table, full at max_sessions=%d, for %r",
                 victim_id,
-                len(victim.session.objects),
-                format_bytes(total_nbytes(victim.session)),
+                len(victim.objects),
+                format_bytes(total_nbytes(victim)),
                 config.max_sessions,
                 sid,
             )
         if RECORDS:
-            release(state, victim.session, None)
+            release(state, victim, None)
         nodes = nodes.delete(victim_id)
         if evicted is not None:
-            evicted.append((victim_id, victim.uid, victim.session))
+            evicted.append((victim_id, victim._uid, victim))
         if victim_id == pending:
             pending = None
         if acct is not None:
-            acct = acct.remove_session(victim.session)
+            acct = acct.remove_session(victim)
         evictions += 1
-    nodes = nodes.set(sid, Node(session, clock, totals.issued))
+    nodes = nodes.set(sid, session._stamped(clock, totals.issued))
     log = append(log, end, sid, clock)
     end += 1
     limit = start + COMPACT_AT * len(nodes)
@@ -149,18 +150,18 @@ def get_or_insert(state: ManagerState, sid: str) -> tuple[ManagerState, int, lis
     Raises:
       SessionAdmissionError: the table is full and ``evict_when_full`` is off.
     """
-    node: Node | None = state._nodes.get(sid)
-    if node is not None:
-        return touch(state, sid, node, 1), node.uid, None
+    stored: SessionState | None = state._nodes.get(sid)
+    if stored is not None:
+        return touch(state, sid, stored, 1), stored._uid, None
     evicted: list[Any] = []
     after = insert(state, sid, SessionState.empty(), "get_or_create", 1, evicted)
     return after, state._totals.issued, evicted
 
 
-def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
-    """``state`` without session ``sid`` (its node ``node``); counters unchanged."""
+def remove(state: ManagerState, sid: str, session: SessionState) -> ManagerState:
+    """``state`` without session ``sid`` (stored as ``session``); counters unchanged."""
     if RECORDS:
-        release(state, node.session, None)
+        release(state, session, None)
     r: Recency = state._recency
     log, start, end, pending = r.log, r.start, r.end, r.pending
     nodes = state._nodes.delete(sid)
@@ -169,22 +170,23 @@ def remove(state: ManagerState, sid: str, node: Node) -> ManagerState:
     if end - start >= COMPACT_AT * len(nodes) + COMPACT_AT:  # after many drops: keep the window short
         log = compacted(nodes, log, start, end, pending, r.pending_tick)
         start, end = 0, len(log.sids)
-    acct = None if state._acct is None else state._acct.remove_session(node.session)
+    acct = None if state._acct is None else state._acct.remove_session(session)
     recency = Recency(r.clock, log, start, end, pending, r.pending_tick, start + COMPACT_AT * len(nodes))
     return make_state(nodes, recency, state._hits, state._totals, state._config, acct)
 
 
-def replace_session(state: ManagerState, sid: str, node: Node, session: SessionState) -> ManagerState:
-    """``state`` with the session of ``sid`` (its node ``node``) replaced; recency and counters unchanged.
+def replace_session(state: ManagerState, sid: str, old: SessionState, session: SessionState) -> ManagerState:
+    """``state`` with the session of ``sid`` (stored as ``old``) replaced by ``session``; recency and
+    counters unchanged.
 
-    A pending node (the session a hit just made most recent) takes its tick in this same write."""
+    A pending session (the one a hit just made most recent) takes its tick in this same write."""
     if RECORDS:
-        release(state, node.session, session)
+        release(state, old, session)
     acct = state._acct
     if acct is not None:
-        acct = acct.swap_session(node.session, session)
+        acct = acct.swap_session(old, session)
     r: Recency = state._recency
-    new = Node(session, r.tick_of(sid, node), node.uid)
+    new = session._stamped(r.tick_of(sid, old), old._uid)
     return with_nodes(state, state._nodes.set(sid, new), acct)
 
 
@@ -195,11 +197,11 @@ def recorded_anew(state: ManagerState, value: Any) -> ManagerState:
 
 
 def replace_sessions(state: ManagerState, new: Mapping[str, SessionState]) -> RerootMap:
-    """The nodes of ``state`` with the session of each id in ``new`` replaced; recency kept."""
+    """The session map of ``state`` with the session of each id in ``new`` replaced; recency kept."""
     nodes: RerootMap = state._nodes
     for sid, session in new.items():
-        n: Node = nodes[sid]
+        old: SessionState = nodes[sid]
         if RECORDS:
-            release(state, n.session, session)
-        nodes = nodes.set(sid, Node(session, n.used, n.uid))
+            release(state, old, session)
+        nodes = nodes.set(sid, session._stamped(old._tick, old._uid))
     return nodes

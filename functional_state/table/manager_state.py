@@ -1,10 +1,10 @@
-"""`ManagerState`: the table type, made of the records of `records`, and the node/counter API the package reads.
+"""`ManagerState`: the table type, made of the records of `records`, and the session/counter API the package reads.
 
 The table is one persistent map (`reroot_map.RerootMap`: the newest version a dict, older ones diffs toward
-it) ``session_id -> Node``, its
-`Recency` (clock and window of the recency log), its hit count, its `Totals` (what a miss or a rare verb
-changes), its `Config` and its ledger: a write to a session builds one `Node` and keeps the other fields by
-reference. Other modules read a table through the functions below (`node_session`, `held_session`,
+it) ``session_id -> SessionState``, each session stored carrying the tick of its last use and its
+incarnation (`SessionState._tick`, `SessionState._uid`: no node record around it), its `Recency` (clock and
+window of the recency log), its hit count, its `Totals` (what a miss or a rare verb changes), its `Config`
+and its ledger: a write to a session stores one new session and keeps the other fields by reference. Other modules read a table through the functions below (`node_session`, `held_session`,
 `entries`, `entries_lru`, `lru_sessions`, `session_map`, `ledger_of`) and change counters through
 `Counters`, `with_counters` and `count_evictions`.
 
@@ -28,7 +28,7 @@ from ..memory.budget import normalize_budget
 from .ledger import Acct
 from .recency_log import Log, entries_reversed
 from .recency_log import entries as log_entries
-from .records import Node, Recency, Totals
+from .records import Recency, Totals
 from .reroot_map import RerootMap
 
 __all__ = [
@@ -37,7 +37,6 @@ __all__ = [
     "ConsumedManagerState",
     "Counters",
     "ManagerState",
-    "Node",
     "Recency",
     "Totals",
     "add_to_counter",
@@ -92,7 +91,7 @@ class ManagerState:
     """
 
     __slots__ = ("__weakref__", "_acct", "_config", "_hits", "_nodes", "_recency", "_totals")
-    _nodes: RerootMap  # session_id -> Node
+    _nodes: RerootMap  # session_id -> SessionState, as stored (carrying its tick and incarnation)
     _recency: Recency
     _hits: int
     _totals: Totals
@@ -195,8 +194,8 @@ class ManagerState:
         """The most recently used id (None when empty)."""
         nodes, recency = self._nodes, self._recency
         for sid, tick in entries_reversed(recency.log, recency.start, recency.end):
-            node = nodes.get(sid)
-            if node is not None and recency.tick_of(sid, node) == tick:
+            session = nodes.get(sid)
+            if session is not None and recency.tick_of(sid, session) == tick:
                 return sid
         return None
 
@@ -220,7 +219,7 @@ class ManagerState:
         return isinstance(session_id, str) and session_id in self._nodes
 
     def _accounting_children(self) -> list[SessionState]:
-        return [node.session for node in self._nodes.values()]
+        return self._nodes.values()
 
     def __treescope_repr__(self, path: str | None, subtree_renderer: Any) -> Any:
         """Render as the table a user thinks of (sessions in LRU order, counters), not the internal map."""
@@ -314,9 +313,9 @@ def with_issued(state: ManagerState, n: int) -> ManagerState:
     return make_state(state._nodes, state._recency, state._hits, totals, state._config, state._acct)
 
 
-def node_session(node: Node) -> SessionState:
-    """The session a node (from `locate`) holds."""
-    return node.session
+def node_session(node: SessionState) -> SessionState:
+    """The session `locate` found (the very object the table stores: `locate` returns it as its node)."""
+    return node
 
 
 def in_place(before: ManagerState, after: ManagerState, budget: bool = True) -> bool:
@@ -331,27 +330,27 @@ def in_place(before: ManagerState, after: ManagerState, budget: bool = True) -> 
 
 def held_session(state: ManagerState, sid: str, uid: int) -> SessionState | None:
     """The session if ``state`` holds incarnation ``uid`` of ``sid`` (one atomic read), else None."""
-    node = state._nodes.get(sid)
-    return node.session if node is not None and node.uid == uid else None
+    session = state._nodes.get(sid)
+    return session if session is not None and session._uid == uid else None
 
 
 def held_object(state: ManagerState, sid: str, uid: int, name: str) -> Any:
     """Object ``name`` of the session if ``state`` holds incarnation ``uid`` of ``sid`` (None: it has no such
     object), else `MISSING`: `held_session` and the object lookup in one atomic read (a handle's per-step read)."""
-    node = state._nodes.get(sid)
-    return node.session._objects.get(name) if node is not None and node.uid == uid else MISSING
+    session = state._nodes.get(sid)
+    return session._objects.get(name) if session is not None and session._uid == uid else MISSING
 
 
 def incarnation_of(state: ManagerState, sid: str) -> int | None:
     """`incarnation` without its argument checks, for a caller that resolved ``sid`` itself."""
-    node = state._nodes.get(sid)
-    return None if node is None else node.uid
+    session = state._nodes.get(sid)
+    return None if session is None else session._uid
 
 
 def entries(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
     """``(session id, incarnation, session)`` for every session, in map order (not recency)."""
-    for sid, node in state._nodes.items():
-        yield sid, node.uid, node.session
+    for sid, session in state._nodes.items():
+        yield sid, session._uid, session
 
 
 def entries_lru(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
@@ -359,14 +358,14 @@ def entries_lru(state: ManagerState) -> Iterator[tuple[str, int, SessionState]]:
     LRU eviction removed stops after the first few."""
     nodes, recency = state._nodes, state._recency
     for sid, tick in log_entries(recency.log, recency.start, recency.end):
-        node = nodes.get(sid)
-        if node is not None and recency.tick_of(sid, node) == tick:
-            yield sid, node.uid, node.session
+        session = nodes.get(sid)
+        if session is not None and recency.tick_of(sid, session) == tick:
+            yield sid, session._uid, session
 
 
 def session_map(state: ManagerState) -> dict[str, SessionState]:
     """``{session id: session}``, in map order (not recency): the cheapest full read."""
-    return {sid: node.session for sid, node in state._nodes.items()}
+    return dict(state._nodes.items())
 
 
 def lru_sessions(state: ManagerState) -> tuple[list[str], list[SessionState]]:
@@ -389,7 +388,7 @@ def ledger_of(state: ManagerState) -> Acct:
     """
     acct = state._acct
     if acct is None:
-        acct = Acct.build(node.session for node in state._nodes.values())
+        acct = Acct.build(state._nodes.values())
         state._acct = acct
     return acct
 

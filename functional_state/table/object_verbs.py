@@ -25,10 +25,10 @@ _new = object.__new__
 
 def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject) -> ManagerState:
     """Store state object ``obj`` under ``name`` in a session (see `SessionState.put`)."""
-    sid, node = locate(state, session_id, "put")
+    sid, session = locate(state, session_id, "put")
     if recorded(obj):  # the very object held elsewhere: a write in place it already shares is refused here
         check_object(state, sid, name, obj, "put")
-    out = replace_session(state, sid, node, node.session.put(name, obj))
+    out = replace_session(state, sid, session, session.put(name, obj))
     if not recorded(obj):
         record(obj)
     return out
@@ -37,18 +37,18 @@ def put(state: ManagerState, session_id: str | None, name: str, obj: StateObject
 def _object_op(
     state: ManagerState, session_id: Any, name: str, what: str, op: Callable[[StateObject], StateObject]
 ) -> ManagerState:
-    sid, node = locate(state, session_id, what)
-    return replace_session(state, sid, node, node.session._with_object(name, op(find_object(node, name, what))))
+    sid, session = locate(state, session_id, what)
+    return replace_session(state, sid, session, session._with_object(name, op(find_object(session, name, what))))
 
 
 def stage(state: ManagerState, session_id: str | None, name: str, payload: Any) -> ManagerState:
     """Stage ``payload`` in object ``name`` of a session (see `StateObject.stage`)."""
-    sid, node = locate(state, session_id, "stage")
-    obj = find_object(node, name, "stage")
+    sid, session = locate(state, session_id, "stage")
+    obj = find_object(session, name, "stage")
     check_object(state, sid, name, obj, "stage")
     new = obj.stage(payload)
     record_commit(obj, new, payload)
-    return replace_session(state, sid, node, node.session._with_object(name, new))
+    return replace_session(state, sid, session, session._with_object(name, new))
 
 
 def commit(state: ManagerState, session_id: str | None, name: str, payload: Any = MISSING) -> ManagerState:
@@ -72,8 +72,8 @@ def discard(state: ManagerState, session_id: str | None, name: str) -> ManagerSt
 
 def view(state: ManagerState, session_id: str | None, name: str, include_staged: bool = True) -> Any:
     """Read object ``name`` of a session (see `StateObject.view`). Recency is unchanged."""
-    sid, node = locate(state, session_id, "view")
-    obj = find_object(node, name, "view")
+    sid, session = locate(state, session_id, "view")
+    obj = find_object(session, name, "view")
     check_object(state, sid, name, obj, "view")
     return obj.view(include_staged=include_staged)
 
@@ -96,7 +96,7 @@ def replace_object(
     after = before
     changed = {}
     for target, names in targets.items():
-        session = state._nodes[target].session
+        session = state._nodes[target]
         for name in names:
             session = session._with_object(name, new)
             after = after.swap(old, new)

@@ -1,5 +1,6 @@
-"""The table's records: `Node` (one session and its recency tick), `Recency` (the clock and the window of
-the recency log) and `Totals` (the counters a miss or a rare verb changes).
+"""The table's records: `Recency` (the clock and the window of the recency log) and `Totals` (the counters a
+miss or a rare verb changes). A session is stored as itself, carrying its recency tick and incarnation
+(`SessionState._tick`, `SessionState._uid`; `SessionState._stamped` makes one): no node record around it.
 
 `ManagerState` (in `manager_state`) is made of them; `lru` builds them on every lookup and write. They live
 apart from `ManagerState` so that a compiled build compiles them with `lru` (see `_compiled.MODULES`): then
@@ -14,43 +15,18 @@ from typing import Final
 from ..core.session import SessionState
 from .recency_log import Log
 
-__all__ = ["Node", "Recency", "Totals"]
+__all__ = ["Recency", "Totals"]
 
 # Each record says how to pickle (and copy) itself, by its constructor: a class compiled by mypyc has no
 # ``__slots__`` for the default protocol to read, so without ``__reduce__`` a table would copy and pickle
 # in the pure build and not in the compiled one.
 
 
-class Node:
-    """One session of the table: the session, the tick of its last use, and its incarnation.
-
-    Recency is the order of the ticks: every use takes the next tick of the table's clock and appends
-    ``(session id, tick)`` to the `Recency` log, so a hit rewrites no other node. An entry of the log is
-    current while its session's node still holds its tick (see `Recency.tick_of`).
-    """
-
-    __slots__ = ("session", "uid", "used")
-    session: Final[SessionState]
-    used: Final[int]  # the tick of its last use (a pending node's is older: see `Recency.pending`)
-    uid: Final[int]  # its incarnation: which life of its session id this is
-
-    def __init__(self, session: SessionState, used: int, uid: int) -> None:
-        self.session = session
-        self.used = used
-        self.uid = uid
-
-    def __reduce__(self) -> tuple[type[Node], tuple[SessionState, int, int]]:
-        return Node, (self.session, self.used, self.uid)
-
-    def __repr__(self) -> str:
-        return f"Node(used={self.used}, uid={self.uid}, session={self.session!r})"
-
-
 class Recency:
     """The table's recency order: its clock, and its window ``[start, end)`` of the shared `recency_log`.
 
-    A hit writes no node: the session it made most recent is *pending* (its node keeps its old tick, the
-    table holds the new one here) until the next write of that node stores it (see `lru.touch`).
+    A hit writes no session: the session it made most recent is *pending* (as stored, it keeps its old tick;
+    the table holds the new one here) until the next write of that session stores it (see `lru.touch`).
     """
 
     __slots__ = ("clock", "end", "limit", "log", "pending", "pending_tick", "start")
@@ -58,7 +34,7 @@ class Recency:
     log: Final[Log]
     start: Final[int]  # the window's first position in ``log``
     end: Final[int]  # one past its last
-    pending: Final[str | None]  # the session whose node does not hold its tick yet, if any
+    pending: Final[str | None]  # the session whose stored copy does not carry its tick yet, if any
     pending_tick: Final[int]  # and that tick
     limit: Final[int]  # the ``end`` at which the window is compacted (start + COMPACT_AT x the table's size)
 
@@ -73,9 +49,10 @@ class Recency:
         self.pending_tick = pending_tick
         self.limit = limit
 
-    def tick_of(self, sid: str, node: Node) -> int:
-        """The tick of ``sid``'s last use (its node ``node``): the pending tick for the pending session."""
-        return self.pending_tick if sid == self.pending else node.used
+    def tick_of(self, sid: str, session: SessionState) -> int:
+        """The tick of ``sid``'s last use (``session``, as the table stores it): the pending tick for the
+        pending session."""
+        return self.pending_tick if sid == self.pending else session._tick
 
     def __reduce__(self) -> tuple[type[Recency], tuple[int, Log, int, int, str | None, int, int]]:
         return Recency, (self.clock, self.log, self.start, self.end, self.pending, self.pending_tick, self.limit)

@@ -8,15 +8,16 @@ incarnation under an id and number a handle already has. The shell installs `con
 installed.issued)` instead: the same sessions, recency, counters and configuration, numbered from the
 installed table's counter on, so no number is ever issued twice by one shell.
 
-Built over `state`'s records (`Node`, `Recency`, `Totals`), `make_state`, and the reads `entries_lru`,
+Built over `state`'s records (`Recency`, `Totals`; each session stored carrying its tick and incarnation), `make_state`, and the reads `entries_lru`,
 `counters` and `ledger_of`. The recency log is rebuilt
 compacted (one entry per session, in LRU order): the order is what a table means, not its ticks.
 """
 
 from __future__ import annotations
 
+from ..core.session import SessionState
 from ..errors import InvalidArgumentError
-from .manager_state import COMPACT_AT, Config, ManagerState, Node, Recency, Totals, entries_lru, ledger_of, make_state
+from .manager_state import COMPACT_AT, Config, ManagerState, Recency, Totals, entries_lru, ledger_of, make_state
 from .recency_log import Log
 from .reroot_map import RerootMap
 
@@ -46,9 +47,9 @@ def continued(table: ManagerState, first: int) -> ManagerState:
     if isinstance(first, bool) or not isinstance(first, int) or first < 0:
         raise InvalidArgumentError(f"`continued`: first must be a non-negative int, got {first!r}.")
     sids: list[str] = []
-    nodes: dict[str, Node] = {}
+    nodes: dict[str, SessionState] = {}
     for tick, (sid, _, session) in enumerate(entries_lru(table)):
-        nodes[sid] = Node(session, tick, first + tick)
+        nodes[sid] = session._stamped(tick, first + tick)
         sids.append(sid)
     n = len(sids)
     c = table.counters

@@ -74,15 +74,27 @@ class RerootMap:
     """
 
     __slots__ = ("_data", "_family", "_key", "_len", "_next", "_value")
+    _family: _Family
+    _data: dict[Any, Any] | None  # the family's dict while this version is a root, else None
+    _next: RerootMap | None  # one step toward the root (None for a root)
+    _key: Any  # this version's diff: the key, and its value here (`_ABSENT`: not held)
+    _value: Any
+    _len: int
 
-    def __init__(self, items: Any = None) -> None:
-        data: dict[Any, Any] = {} if items is None else dict(items)
-        self._family: _Family = _Family()
-        self._data: dict[Any, Any] | None = data
-        self._next: RerootMap | None = None
-        self._key: Any = None
-        self._value: Any = None
-        self._len: int = len(data)
+    def __init__(self, items: Any = None, *, _family: _Family | None = None) -> None:
+        # ``_family`` (the module's own writes, `_new_version`): a new root of that family owning ``items``,
+        # a dict, as is. A plain call builds the first version of a new family from a copy of ``items``.
+        if _family is None:
+            data: dict[Any, Any] = {} if items is None else dict(items)
+            _family = _Family()
+        else:
+            data = items
+        self._family = _family
+        self._data = data
+        self._next = None
+        self._key = None
+        self._value = None
+        self._len = len(data)
 
     # --- reads -------------------------------------------------------------------------------------------
     def get(self, key: Any, default: Any = None) -> Any:
@@ -275,11 +287,4 @@ class RerootMap:
 
 def _new_version(family: _Family, data: dict[Any, Any]) -> RerootMap:
     """A root version of ``family`` owning ``data`` (no new family, no copy)."""
-    new = RerootMap.__new__(RerootMap)
-    new._family = family
-    new._data = data
-    new._next = None
-    new._key = None
-    new._value = None
-    new._len = len(data)
-    return new
+    return RerootMap(data, _family=family)

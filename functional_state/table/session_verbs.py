@@ -85,8 +85,8 @@ def get_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSta
     Raises:
       SessionStateLostError: unknown, evicted or dropped; nothing is created.
     """
-    sid, node = locate(state, session_id, "get_session")
-    return touch(state, sid, node, 1), node.session
+    sid, session = locate(state, session_id, "get_session")
+    return touch(state, sid, session, 1), session
 
 
 def lookup(state: ManagerState, session_id: str | None, default: Any = MISSING) -> Any:
@@ -96,8 +96,8 @@ def lookup(state: ManagerState, session_id: str | None, default: Any = MISSING) 
       SessionStateLostError: the session is not in the table and no ``default`` was given.
     """
     try:
-        _, node = locate(state, session_id, "lookup")
-        return node.session
+        _, session = locate(state, session_id, "lookup")
+        return session
     except SessionStateLostError:
         if default is MISSING:
             raise
@@ -162,7 +162,7 @@ def with_sessions(state: ManagerState, tree: Mapping[str, SessionState]) -> Mana
     acct = state._acct
     if acct is not None:
         for sid, session in tree.items():
-            acct = acct.swap_session(nodes[sid].session, session)
+            acct = acct.swap_session(nodes[sid], session)
     return with_nodes(state, replace_sessions(state, tree), acct)
 
 
@@ -171,11 +171,11 @@ def drop_session(state: ManagerState, session_id: str | None) -> tuple[ManagerSt
     if type(state) is not ManagerState:
         check_state(state, "drop_session")
     sid = resolve_id(session_id, "drop_session")
-    node = state._nodes.get(sid)
-    if node is None:
+    stored = state._nodes.get(sid)
+    if stored is None:
         return state, False
-    _log.info("drop_session: session %r left the table (%d objects)", sid, len(node.session._objects))
-    return remove(state, sid, node), True
+    _log.info("drop_session: session %r left the table (%d objects)", sid, len(stored._objects))
+    return remove(state, sid, stored), True
 
 
 def fork_session(state: ManagerState, source_id: str | None, new_id: str | None) -> ManagerState:
@@ -198,7 +198,7 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
       SessionAdmissionError: the table is full and cannot evict, or holds only the source (cap 1).
       SharedStorageWrittenError: a torch storage the source shares was written in place outside `writable`.
     """
-    sid, node = locate(state, source_id, "fork_session")
+    sid, source = locate(state, source_id, "fork_session")
     nid = resolve_id(new_id, "fork_session")
     if nid in state._nodes:
         raise SessionExistsError(
@@ -209,11 +209,11 @@ def fork_session(state: ManagerState, source_id: str | None, new_id: str | None)
             f"`fork_session`: the table holds at most 1 session, so a fork of {sid!r} could only replace it. "
             f"Raise the cap (`raise_max_sessions`) to keep both."
         )
-    copies = record_fork(state, sid, node.session)  # (torch tensors: a fork makes them shared; see `torch_writes`)
-    fork = node.session.forked()
+    copies = record_fork(state, sid, source)  # (torch tensors: a fork makes them shared; see `torch_writes`)
+    fork = source.forked()
     for name, copy in (copies or {}).items():  # (inference-mode tensors: the fork holds copies)
         fork = fork._with_object(name, copy)
-    touched = touch(state, sid, node, 0)
+    touched = touch(state, sid, source, 0)
     return insert(touched, nid, fork, "fork_session", 0)
 
 

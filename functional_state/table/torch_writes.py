@@ -286,7 +286,7 @@ def writable(state: ManagerState, session_id: str | None, name: str) -> tuple[Ma
     record(new)
     if new is obj:
         return state, obj.view()
-    return replace_session(state, sid, node, node.session._with_object(name, new)), new.view()
+    return replace_session(state, sid, node, node._with_object(name, new)), new.view()
 
 
 def check_sessions(state: ManagerState, items: Iterable[tuple[str, SessionState]], what: str) -> None:

@@ -15,7 +15,7 @@ from ..core.session import SessionState
 from .checks import check_state, find_object, locate, resolve_id
 from .lru import insert, touch
 from .manager_state import ManagerState, make_state
-from .records import Node, Recency
+from .records import Recency
 from .reroot_map import RerootMap
 from .torch_writes import RECORDS, check_object, record_commit
 
@@ -33,11 +33,12 @@ def hit_or_insert(state: Any, session_id: Any) -> tuple[Any, Any]:
         check_state(state, "get_or_create")
     sid: str = session_id if type(session_id) is str and session_id else resolve_id(session_id, "get_or_create")
     nodes: RerootMap = state._nodes
-    node: Node | None = nodes.get(sid)
-    if node is None:
+    stored: SessionState | None = nodes.get(sid)
+    if stored is None:
         session = SessionState.empty()
-        return insert(state, sid, session, "get_or_create", 1), session
-    return touch(state, sid, node, 1), node.session
+        after = insert(state, sid, session, "get_or_create", 1)
+        return after, after._nodes.get(sid)  # (the session as stored: it carries its tick and incarnation)
+    return touch(state, sid, stored, 1), stored
 
 
 def commit_payload(state: Any, session_id: Any, name: Any, payload: Any) -> Any:
@@ -50,8 +51,8 @@ def commit_payload(state: Any, session_id: Any, name: Any, payload: Any) -> Any:
       ObjectNotFoundError: the session holds no object ``name``.
       SharedStorageWrittenError: a torch storage of the object that something else holds was written in place.
     """
-    sid, node = locate(state, session_id, "commit")
-    obj = find_object(node, name, "commit")
+    sid, stored = locate(state, session_id, "commit")
+    obj = find_object(stored, name, "commit")
     if RECORDS:  # (a table that never held a torch tensor: no record to compare)
         check_object(state, sid, name, obj, "commit")
     new_obj = obj.commit(payload)
@@ -59,7 +60,7 @@ def commit_payload(state: Any, session_id: Any, name: Any, payload: Any) -> Any:
     acct = state._acct
     recency: Recency = state._recency
     nodes: RerootMap = state._nodes
-    # A hit just before left this node pending (see `lru.touch`): it takes its tick in this one write.
-    new = Node(node.session._with_object(name, new_obj), recency.tick_of(sid, node), node.uid)
+    # A hit just before left this session pending (see `lru.touch`): it takes its tick in this one write.
+    new = stored._with_object(name, new_obj, recency.tick_of(sid, stored), stored._uid)
     acct = None if acct is None else acct.swap(obj, new_obj)
     return make_state(nodes.set(sid, new), recency, state._hits, state._totals, state._config, acct)
