@@ -612,3 +612,50 @@ def test_importing_under_a_live_id_is_refused_unchanged():
     with pytest.raises(fs.SessionExistsError):
         caches.import_session(exported("dynamic"))
     assert_same(caches, "a", before)
+
+
+def _resized(kind, flat):
+    """``flat`` after a resize in place of its first tensor to one head (a layout the model cannot take)."""
+    kv = flat[0]
+    shape = list(kv.shape)
+    shape[-3] = 1  # heads: (1, heads, T, d) per layer, or (2 * layers, 1, heads, max, d) stacked
+    kv.resize_(shape)
+    return flat
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cache_resized_in_place_between_tokens_is_refused_with_its_layout_error_unchanged(kind):
+    """A step skips the layout check for the very tensors it checked (or made) last; a resize in place keeps the
+    tensor but raises its version, so the check runs again (before: the model met the resized cache)."""
+    caches = sessions(kind)
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    caches.step("a", torch.tensor([[1]]))  # the adapter knows these tensors now
+    h = caches.manager.get_session("a")
+    obj = h.state.get("kv")
+    counters = obj.view()[-1].clone()  # a StaticCache's lengths; a DynamicCache's last values
+    _resized(kind, h.view("kv"))
+    with pytest.raises(CacheLayoutError, match="this model's are"):
+        caches.step("a", torch.tensor([[2]]))
+    if kind == "static":
+        with pytest.raises(CacheLayoutError, match="this model's are"):
+            caches.step_many(["a"], torch.tensor([[2]]))
+    assert h.state.get("kv") is obj and torch.equal(obj.view()[-1], counters)  # nothing committed or advanced
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_write_in_place_to_a_cache_a_fork_shares_is_refused_at_the_next_step_unchanged(kind):
+    """A step reads its session's tensors without the read's in-place-write check: the commit (a DynamicCache)
+    or `writable` (a StaticCache) that follows makes it, before anything lands."""
+    caches = sessions(kind)
+    caches.begin("a", torch.tensor([PROMPTS[0]]))
+    caches.step("a", torch.tensor([[1]]))
+    caches.fork("a", "b")
+    obj = caches.manager.get_session("a").state.get("kv")
+    obj.view()[0].add_(1.0)  # in place, outside `writable`: b's cache too
+    calls = [lambda: caches.step("a", torch.tensor([[2]]))]
+    if kind == "static":
+        calls.append(lambda: caches.step_many(["a", "b"], torch.tensor([[2], [2]])))
+    for call in calls:
+        with pytest.raises(fs.SharedStorageWrittenError, match="'kv' of session 'a'"):
+            call()
+        assert caches.manager.get_session("a").state.get("kv") is obj

@@ -99,6 +99,27 @@ def test_a_write_in_place_under_inference_mode_never_reaches_the_fork():
     assert fs.total_nbytes(s) >= 2 * base.nbytes
 
 
+@pytest.mark.parametrize("check", ["view", "commit"])
+def test_an_object_holding_an_inference_mode_tensor_still_refuses_a_write_to_its_other_shared_tensor(check):
+    # The recorded versions are compared in one pass over the counters; an inference-mode tensor keeps none
+    # (reading it raises), so that pass falls back to reading them one by one. A fallback that gave up on the
+    # whole object would let this write reach the fork unseen.
+    with torch.inference_mode():
+        frozen = torch.zeros(4)
+    live = torch.zeros(4)
+    s, _ = fs.get_or_create(ManagerState.create(), "p")
+    s = fs.put(s, "p", "kv", fs.PytreeValue.create({"a": frozen, "k": live}))
+    s = fs.fork_session(s, "p", "c")  # shares `live` (the inference-mode storage is copied for the fork)
+    live[0] = 1.0  # in place, outside `writable`
+    with pytest.raises(SharedStorageWrittenError, match="'kv' of session 'p'"):
+        if check == "view":
+            fs.view(s, "p", "kv")
+        else:
+            fs.commit(s, "p", "kv", {"a": frozen, "k": torch.ones(4)})
+    with pytest.raises(SharedStorageWrittenError, match="'kv' of session 'c'"):
+        fs.view(s, "c", "kv")
+
+
 def _through_data(k: torch.Tensor) -> None:
     k.data[0] = 1.0  # `.data` is a tensor with a version counter of its own
 

@@ -87,17 +87,19 @@ def recorded(obj: StateObject) -> Versions:
 def record(obj: StateObject) -> None:
     """Record the version of every torch tensor ``obj`` holds now (replacing an earlier record of it)."""
     key = id(obj)
-    versions: Versions = ()
-    if obj.resident:
-        leaves = torch_leaves(obj)
-        try:  # (the counters read directly: this runs on every commit of a torch object, each model step)
-            versions = tuple([(t, t._version) for t in leaves])
-        except RuntimeError:  # an inference-mode tensor keeps none: `version` answers -1 for it
-            versions = tuple([(t, _version(t)) for t in leaves])
+    versions = _versions(torch_leaves(obj)) if obj.resident else ()
     if versions:
         RECORDS[key] = (weakref.ref(obj, partial(_forget, key=key)), versions)
     elif (entry := RECORDS.get(key)) is not None and entry[0]() is obj:
         RECORDS.pop(key, None)  # (another thread may have let it go meanwhile)
+
+
+def _versions(tensors: list[Any]) -> Versions:
+    """Each tensor with its version now (one pass reading the counters; `version` for an inference-mode one)."""
+    try:
+        return tuple([(t, t._version) for t in tensors])
+    except RuntimeError:  # (an inference-mode tensor keeps no counter)
+        return tuple([(t, _version(t)) for t in tensors])
 
 
 def record_commit(old: StateObject, new: StateObject, payload: Any) -> None:
@@ -126,7 +128,10 @@ def check_object(state: ManagerState, sid: str, name: str, obj: StateObject, wha
     entry = RECORDS.get(id(obj))
     if entry is None or entry[0]() is not obj:
         return
-    written = [(t, v) for t, v in entry[1] if _version(t) != v]
+    try:
+        written = [(t, v) for t, v in entry[1] if t._version != v]
+    except RuntimeError:  # (an inference-mode tensor keeps no counter: `version` reads it as -1)
+        written = [(t, v) for t, v in entry[1] if _version(t) != v]
     if not written:
         return
     acct, own = ledger_of(state), held_by(obj)

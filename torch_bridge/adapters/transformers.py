@@ -138,7 +138,7 @@ class SessionCaches:
           dtype, or more than a StaticCache has room for. Nothing is changed on any of these.
         """
         what = f"`SessionCaches.step({session_id!r})`"
-        h, flat = self._resident(session_id, what)
+        h, flat = self._resident(session_id, what, write_checked=True)
         self._check_tokens(input_ids, 1, [self.layout.length(flat)], what)
         if self.layout.kind == "static":
             flat = h.writable(self.name)  # a fork's shared storages copied first: it stays a snapshot
@@ -174,7 +174,7 @@ class SessionCaches:
             )
         if not ids or len(set(ids)) != len(ids):
             raise InvalidArgumentError(f"{what}: session_ids must be distinct and non-empty.")
-        resident = [self._resident(sid, what) for sid in ids]
+        resident = [self._resident(sid, what, write_checked=True) for sid in ids]
         lengths = [self.layout.length(flat) for _, flat in resident]
         self._check_tokens(input_ids, len(ids), lengths, what)
         flats = [h.writable(self.name) for h, _ in resident]
@@ -186,8 +186,9 @@ class SessionCaches:
             with torch.no_grad():
                 out = self.model(input_ids=input_ids, use_cache=True, **{self.cache_kwarg: cache})
                 self._batch.scatter(ids, flats, start, n)
-        for (h, _), flat in zip(resident, flats):
+        for sid, (h, _), flat in zip(ids, resident, flats):
             h.commit(self.name, flat)
+            self._checked.record(sid, flat)  # (written by this layout's model, at its new versions)
         return out.logits
 
     def fork(self, source_id: str, new_id: str) -> None:
@@ -281,11 +282,21 @@ class SessionCaches:
         return self.layout.length(self._resident(session_id, f"`SessionCaches.length({session_id!r})`")[1])
 
     # --- checks -----------------------------------------------------------------------------------------
-    def _resident(self, session_id: str, what: str) -> tuple[Any, tuple[torch.Tensor, ...]]:
-        """The session's handle and tensors, checked to be this model's, restored if parked."""
+    def _resident(
+        self, session_id: str, what: str, *, write_checked: bool = False
+    ) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        """The session's handle and tensors, checked to be this model's, restored if parked.
+
+        ``write_checked``: the caller writes the object next (`commit`, `writable`), and that write checks the
+        tensors for in-place writes to storages something else shares (`SharedStorageWrittenError`, before
+        anything lands); the read takes them from the session's snapshot without checking them a first time.
+        """
         h = self.manager.get_session(session_id)
-        self._check_stamp(h.get_attr(STAMP, None), what)
-        flat = h.view(self.name)  # a parked cache is restored by the read
+        session = h.state  # (one snapshot: the stamp and the cache read from the same session)
+        self._check_stamp(session.get_attr(STAMP, None), what)
+        obj = session.get(self.name, None) if write_checked else None
+        # A parked cache is restored (and an absent one refused) by the handle's read.
+        flat = obj.view() if isinstance(obj, DenseValue) and obj.resident else h.view(self.name)
         if not self._checked.known(session_id, flat):  # (checked once, not at every step)
             self.layout.check(flat, what)
             self._checked.record(session_id, flat)

@@ -227,9 +227,19 @@ class CacheLayout(NamedTuple):
         return tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+def _versions(flat: tuple[torch.Tensor, ...]) -> list[int] | None:
+    """The tensors' torch versions (counts of writes in place); None if one is an inference-mode tensor, which
+    keeps none (such tensors are checked at every step)."""
+    try:
+        return [t._version for t in flat]
+    except RuntimeError:
+        return None
+
+
 class CheckedTensors:
-    """The tensors a layout check passed (or a step of the layout's model made), by identity and weakly: a
-    session stepped again holds the very tensors its last step left, and need not be checked again.
+    """The tensors a layout check passed (or a step of the layout's model made), by identity and weakly, with
+    their torch versions: a session stepped again holds the very tensors its last step left, unchanged since
+    (a resize or any other write in place raises a version), and need not be checked again.
 
     A session's entry holds weak references only (it never keeps a session's memory alive, and a live
     referent is never another tensor at a reused address); entries of sessions gone are swept once the
@@ -237,19 +247,27 @@ class CheckedTensors:
     """
 
     def __init__(self) -> None:
-        self._refs: dict[str, tuple[Any, ...]] = {}
+        self._refs: dict[str, tuple[tuple[Any, ...], list[int] | None]] = {}
         self._sweep_at = 64
 
     def known(self, session_id: str, flat: tuple[torch.Tensor, ...]) -> bool:
-        """True if ``flat`` are the very tensors last recorded for ``session_id``."""
-        refs = self._refs.get(session_id)
-        return refs is not None and len(refs) == len(flat) and all(r() is t for r, t in zip(refs, flat))
+        """True if ``flat`` are the very tensors last recorded for ``session_id``, at the versions recorded."""
+        entry = self._refs.get(session_id)
+        if entry is None:
+            return False
+        refs, versions = entry
+        return (
+            versions is not None
+            and len(refs) == len(flat)
+            and all(r() is t for r, t in zip(refs, flat))
+            and versions == _versions(flat)
+        )
 
     def record(self, session_id: str, flat: tuple[torch.Tensor, ...]) -> None:
         """Record ``flat`` as checked for ``session_id``."""
-        self._refs[session_id] = tuple(weakref.ref(t) for t in flat)
+        self._refs[session_id] = (tuple(weakref.ref(t) for t in flat), _versions(flat))
         if len(self._refs) >= self._sweep_at:
-            self._refs = {sid: refs for sid, refs in self._refs.items() if all(r() is not None for r in refs)}
+            self._refs = {sid: e for sid, e in self._refs.items() if all(r() is not None for r in e[0])}
             self._sweep_at = max(64, 2 * len(self._refs))
 
     def forget(self, session_id: str) -> None:
