@@ -282,15 +282,18 @@ class _Stepper:
         return out
 
 
-STEP_ROUNDS = 5
+STEP_ROUNDS = int(os.environ.get("FS_BENCH_CKPT_STEP_ROUNDS", "5"))
+# FS_BENCH_CKPT_ONLY=async runs the step rounds alone (the async-save rows: the step during a save and the
+# caller's wait against one memcpy), without the save/load rounds; print only, as it leaves the other rows out.
+ONLY = os.environ.get("FS_BENCH_CKPT_ONLY", "")
 
 
 def _mutable_buffers(store: DreamZeroSessions, hooks: dict[str, Any]) -> list[np.ndarray]:
     """The host buffers of the big session a model could change in place during an asynchronous save (its
     CPU torch storages and numpy views): what the save's caller must copy before it returns, as the writer
     finds them."""
+    from functional_state import table as ms
     from functional_state.persist.encode import Writer
-    from functional_state.table import manager_state as ms
 
     writer = Writer(hooks.get("attr_hooks"), True, hooks.get("object_hooks"))
     _, node = ms.locate(store.manager.state, "deploy", "bench")
@@ -382,7 +385,93 @@ def _step_rounds(store: DreamZeroSessions, kv: dz.SelfAttnKV, hooks: dict[str, A
         torch.set_num_threads(threads)
 
 
+def _async_rows(steps: dict) -> list[tuple[str, str, str]]:
+    """The table rows of the step rounds (`_step_rounds`): the step during an async save, the save's wait."""
+    med, quiet, busy = statistics.median, steps["quiet"], steps["busy"]
+    return [
+        (
+            "model step, no save / async save in flight (its wait included), median",
+            fmt_time(med(quiet)),
+            fmt_time(med(busy)) if busy else "-",
+        ),
+        ("  p99", fmt_time(_tail(quiet, 0.99)), fmt_time(_tail(busy, 0.99)) if busy else "-"),
+        ("  p99.9", fmt_time(_tail(quiet, 0.999)), fmt_time(_tail(busy, 0.999)) if busy else "-"),
+        ("steps measured during async saves", str(len(busy)), "-"),
+        (
+            "step beside a raw write + fsync of the same bytes / without (no priority given)",
+            f"{statistics.median(steps['raw_ratio']):.2f}x",
+            "-",
+        ),
+        ("async save duration, median (writes at lowered priority)", fmt_time(med(steps["save_s"])), "-"),
+        (
+            "async save: the model's thread waits (its copy) / one memcpy of the mutable bytes, median",
+            fmt_time(med(steps["return_s"])),
+            fmt_time(med(steps["memcpy_s"])),
+        ),
+        (
+            "  p99 / p99.9 of the wait",
+            fmt_time(_tail(steps["return_s"], 0.99)),
+            fmt_time(_tail(steps["return_s"], 0.999)),
+        ),
+    ]
+
+
+def _async_ratios(steps: dict) -> list[tuple[str, float]]:
+    """The ratios of the step rounds, each median with its p99 (nearest rank over the rounds)."""
+    quiet, busy = steps["quiet"], steps["busy"]
+    waits = [w / c for w, c in zip(steps["return_s"], steps["memcpy_s"])]
+    return [
+        (
+            "step latency during an async save (its wait included) / without, median of per-round ratios (goal <= 1.2)",
+            statistics.median(steps["ratio"]),
+        ),
+        (
+            "step latency during an async save (its wait included) / without, p99 over p99",
+            _tail(busy, 0.99) / _tail(quiet, 0.99) if busy else float("nan"),
+        ),
+        (
+            "async save: the caller's wait / one memcpy of the mutable bytes timed beside it, median of "
+            "per-round ratios (goal <= 1.0)",
+            statistics.median(waits),
+        ),
+        ("  the same, p99 of the per-round ratios (nearest rank: the largest of fewer than 100)", _tail(waits, 0.99)),
+    ]
+
+
+def _async_only() -> dict:
+    """The step rounds alone (``FS_BENCH_CKPT_ONLY=async``): the async-save rows, printed, not written."""
+    store, kv = _deploy_session()
+    hooks = {"object_hooks": {KV: kv.engine.checkpoint_hooks()}}
+    nbytes = store.resume("deploy").total_nbytes()
+    work = Path(tempfile.mkdtemp(prefix="fs-bench-ckpt-"))
+    try:
+        steps = _step_rounds(store, kv, hooks, work, nbytes)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratios = _async_ratios(steps)
+    return {
+        "title": f"Checkpoints, async-save rows only (FS_BENCH_CKPT_ONLY=async): a {nbytes / MIB:.0f} MiB session",
+        "header": ("measure", "value", "value"),
+        "rows": _async_rows(steps),
+        "ratio": ratios[0],
+        "extra_ratios": ratios[1:],
+        "notes": (
+            f"The step rounds of the checkpoint section alone ({STEP_ROUNDS} rounds), for work on an asynchronous "
+            "save's wait; see the full section's notes for what each row times. Print only: `--write` would "
+            "replace the section with these rows."
+        ),
+        "figures": {
+            "async_return_s": steps["return_s"],
+            "async_memcpy_s": steps["memcpy_s"],
+            "step_ratios": steps["ratio"],
+            "async_save_s": steps["save_s"],
+        },
+    }
+
+
 def run() -> dict:
+    if ONLY == "async":
+        return _async_only()
     store, kv = _deploy_session()
     hooks = {"object_hooks": {KV: kv.engine.checkpoint_hooks()}}
     nbytes = store.resume("deploy").total_nbytes()
@@ -453,30 +542,7 @@ def run() -> dict:
             f"{load_bw / MIB:.0f} MiB/s",
         ),
         ("save / load median time", fmt_time(med(saves)), fmt_time(med(loads))),
-        (
-            "model step, no save / async save in flight (its wait included), median",
-            fmt_time(med(quiet)),
-            fmt_time(med(busy)) if busy else "-",
-        ),
-        ("  p99", fmt_time(_tail(quiet, 0.99)), fmt_time(_tail(busy, 0.99)) if busy else "-"),
-        ("  p99.9", fmt_time(_tail(quiet, 0.999)), fmt_time(_tail(busy, 0.999)) if busy else "-"),
-        ("steps measured during async saves", str(len(busy)), "-"),
-        (
-            "step beside a raw write + fsync of the same bytes / without (no priority given)",
-            f"{statistics.median(steps['raw_ratio']):.2f}x",
-            "-",
-        ),
-        ("async save duration, median (writes at lowered priority)", fmt_time(med(steps["save_s"])), "-"),
-        (
-            "async save: the model's thread waits (its copy) / one memcpy of the mutable bytes, median",
-            fmt_time(med(steps["return_s"])),
-            fmt_time(med(steps["memcpy_s"])),
-        ),
-        (
-            "  p99 / p99.9 of the wait",
-            fmt_time(_tail(steps["return_s"], 0.99)),
-            fmt_time(_tail(steps["return_s"], 0.999)),
-        ),
+        *_async_rows(steps),
     ]
     rows.append(
         (
@@ -537,20 +603,7 @@ def run() -> dict:
                 "load throughput / raw read bandwidth, median of per-round ratios (goal >= 0.5)",
                 med([r / t for r, t in zip(raw_r, loads)]),
             ),
-            (
-                "step latency during an async save (its wait included) / without, median of per-round ratios "
-                "(goal <= 1.2)",
-                med(steps["ratio"]),
-            ),
-            (
-                "step latency during an async save (its wait included) / without, p99 over p99",
-                _tail(busy, 0.99) / _tail(quiet, 0.99) if busy else float("nan"),
-            ),
-            (
-                "async save: the caller's wait / one memcpy of the mutable bytes timed beside it, median of "
-                "per-round ratios (goal <= 1.0)",
-                med([w / c for w, c in zip(steps["return_s"], steps["memcpy_s"])]),
-            ),
+            *_async_ratios(steps),
             ("save time / raw write + fsync, median of per-round ratios (goal <= 1.1)", ours_w),
             ("load time / cold raw read, median of per-round ratios (goal <= 1.3)", ours_r),
             ("save time / raw write + fsync, fastest rounds (goal <= 1.1)", min(saves) / min(raw_w)),
@@ -578,8 +631,11 @@ def run() -> dict:
             "its quiet median, and the figure is the median of the rounds' ratios. The save call's own wait (the copy of "
             "the buffers a model may change; no step can run during it) is added to the first step of its save: "
             "that step finishes that much later. The wait is set against one single-threaded memcpy of the same "
-            "buffers into fresh memory, timed just before each save (the issue's bound); the checksums run on "
-            "the save's own thread. p99 and p99.9 are nearest-rank over every step (p99.9 of fewer than 1,000 "
+            "buffers into fresh memory, timed just before each save (the issue's bound); the checksums, orbax's "
+            "manager and its save call run on the save's own thread, and the save's own copy is split across the "
+            "cores (so on an idle machine it can beat the one-thread memcpy). To rerun these rows alone: "
+            "FS_BENCH_CKPT_ONLY=async python benchmarks/run.py checkpoint (print only; "
+            "FS_BENCH_CKPT_STEP_ROUNDS sets the rounds). p99 and p99.9 are nearest-rank over every step (p99.9 of fewer than 1,000 "
             "steps is the slowest one); GC on. The save's writes run at "
             "lowered CPU priority (store.BACKGROUND_NICE), the raw write's at normal priority. The peer: the feat map's "
             "tensors (~99% of the bytes) written with safetensors' save_file (then fsync) and read with "

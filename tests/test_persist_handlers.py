@@ -20,6 +20,7 @@ from functional_state.persist import encode as encode_module
 from functional_state.persist import handlers as handlers_module
 from functional_state.persist import manifest as manifest_module
 from functional_state.persist import read as read_module
+from functional_state.persist import store as store_module
 from helpers import damage as damage_file
 
 
@@ -108,6 +109,60 @@ def test_an_asynchronous_save_returns_before_its_checksums_and_never_hashes_on_t
     assert hashed_on and threading.main_thread() not in hashed_on
     loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
     assert torch.equal(loaded[0], torch.arange(1 << 16, dtype=torch.float32))
+
+
+def test_an_asynchronous_save_makes_and_calls_orbax_on_the_saves_own_thread(tmp_path, monkeypatch):
+    """Issue 39: the caller of an asynchronous save also waited for orbax's CheckpointManager to be made and
+    handed the save (~16 ms of the 221 ms wait for 603 MiB, where one memcpy took 200 ms); both run on the
+    save's own thread now, and the caller waits only for the copy. Seen failing before: both on the caller's."""
+    made_on, saved_on = [], []
+    original = store_module.orbax_manager
+
+    def recorded(*args, **kwargs):
+        made_on.append(threading.current_thread())
+        manager = original(*args, **kwargs)
+        save = manager.save
+
+        def save_recorded(*a, **k):
+            saved_on.append(threading.current_thread())
+            return save(*a, **k)
+
+        manager.save = save_recorded
+        return manager
+
+    monkeypatch.setattr(store_module, "orbax_manager", recorded)
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    handle = fs.save_session(_state(t, np.arange(3)), "a", tmp_path / "ck", asynchronous=True)
+    t.fill_(-1.0)  # after the call returns: the copy it made is what orbax writes, whenever it starts
+    handle.wait()
+    assert made_on and saved_on
+    assert threading.main_thread() not in made_on + saved_on, (made_on, saved_on)
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", tmp_path / "ck"), "a", "v")
+    assert torch.equal(loaded[0], torch.arange(1 << 16, dtype=torch.float32))
+
+
+def test_an_asynchronous_save_orbax_fails_on_reports_it_on_wait_and_keeps_the_previous(tmp_path, monkeypatch):
+    """orbax failing on the save's own thread (its manager, here) reaches the caller on ``wait()`` as a
+    `CheckpointError` naming the cause; the checkpoint there before is the one a load finds, and the next save
+    to the directory works."""
+    path = tmp_path / "ck"
+    fs.save_session(_state(torch.zeros(4), np.zeros(2)), "a", path)
+    original = store_module.orbax_manager
+
+    def broken(*args, **kwargs):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(store_module, "orbax_manager", broken)
+    handle = fs.save_session(_state(torch.ones(4), np.ones(2)), "a", path, asynchronous=True)
+    with pytest.raises(CheckpointError, match="the disk went away.*still the one there"):
+        handle.wait()
+    assert handle.done()
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", path), "a", "v")
+    assert torch.equal(loaded[0], torch.zeros(4)) and np.array_equal(loaded[1], np.zeros(2))
+    monkeypatch.setattr(store_module, "orbax_manager", original)
+    fs.save_session(_state(torch.full((4,), 2.0), np.ones(2)), "a", path, asynchronous=True).wait()
+    loaded = fs.view(fs.load_session(ManagerState.create(), "a", path), "a", "v")
+    assert torch.equal(loaded[0], torch.full((4,), 2.0))
 
 
 @needs_byte_leaves

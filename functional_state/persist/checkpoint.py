@@ -101,7 +101,9 @@ def save_session(
       asynchronous: return once the values are captured; the write completes in the background
         (``handle.wait()``), even if nobody waits: at exit, Python waits for it. The call waits for one copy of
         the host buffers a model could change in place (torch CPU storages, numpy views; a JAX array is
-        immutable and only referenced); their checksums are computed on the save's own threads. A save to a path with a save in flight waits for that one first.
+        immutable and only referenced) and the checks that refuse a save before anything is written; orbax's
+        manager, its save and the checksums run on the save's own threads, and a failure there is raised by
+        ``handle.wait()``. A save to a path with a save in flight waits for that one first.
         On Linux the background writes run at lower CPU priority than the model's threads (tensorstore's
         pool at nice ``persist.priority.BACKGROUND_NICE``, 10, while any asynchronous save is in flight; set it
         to 0 for none), where the process may give the threads their priority back afterwards.
@@ -116,7 +118,8 @@ def save_session(
     Raises:
       CheckpointError: an object or attr that cannot be checkpointed (named, before anything is written),
         ``path`` is something other than a checkpoint directory (a file, a broken link, another tool's
-        directory), or the write failed (out of space, say); the previous checkpoint at ``path`` stays.
+        directory), or the write failed (out of space, say: an asynchronous save's ``handle.wait()`` raises
+        that); the previous checkpoint at ``path`` stays.
       SessionStateLostError: no such session.
       SharedStorageWrittenError: a torch storage a fork shares was written in place outside `writable`.
     """

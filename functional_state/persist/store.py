@@ -4,17 +4,20 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import sys
 import tempfile
 import threading
+import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, StaleEpochError
+from ..errors import CheckpointError
 from .confined import MAX_JSON_BYTES, MAX_JSON_VALUES, json_values_at_most
 from .directory import (
     discard_step,
@@ -44,9 +47,16 @@ class SaveHandle:
     holds) whether or not anyone waits; one still running when the interpreter exits is waited for then.
     """
 
-    def __init__(self, manager: Any, keep: list[Any], path: Path, step: int, asynchronous: bool, lowered: bool = False):
-        self.manager = manager
-        self._lowered = lowered  # whether this save holds tensorstore's workers at `BACKGROUND_NICE`
+    def __init__(
+        self,
+        start: Callable[[], tuple[Any, bool]],
+        keep: list[Any],
+        path: Path,
+        step: int,
+        asynchronous: bool,
+    ):
+        self.manager: Any = None  # orbax's manager, once ``start`` has made it and handed it the save
+        self._lowered = False  # whether this save holds tensorstore's workers at `BACKGROUND_NICE`
         self._keep = keep  # buffers the write reads from stay alive until it is complete
         self._step = step
         self._finished = threading.Event()
@@ -56,11 +66,26 @@ class SaveHandle:
         if asynchronous:
             with _REGISTRY_LOCK:
                 _PENDING.add(self)
-            threading.Thread(target=self._finish, name=f"functional_state save {path.name}", daemon=True).start()
+            thread = threading.Thread(
+                target=self._finish, args=(start,), name=f"functional_state save {path.name}", daemon=True
+            )
+            _THREADS.add(thread)
+            thread.start()
         else:
-            self._finish()
+            self._finish(start)
 
-    def _finish(self) -> None:
+    def _finish(self, start: Callable[[], tuple[Any, bool]]) -> None:
+        try:
+            # An asynchronous save's caller has returned by now: orbax's manager is made and handed the save
+            # here, on the save's own thread (`_start` cleans up after itself and raises a `CheckpointError`).
+            self.manager, self._lowered = start()
+        except BaseException as e:
+            self._error = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
+            self._keep = []
+            with _REGISTRY_LOCK:
+                _PENDING.discard(self)
+            self._finished.set()
+            return
         try:
             self.manager.wait_until_finished()
             make_durable(self.path, self._step)  # before the previous step is deleted
@@ -115,6 +140,11 @@ _IN_FLIGHT: dict[str, SaveHandle] = {}  # resolved directory -> its asynchronous
 
 _PENDING: set[SaveHandle] = set()  # asynchronous saves not finished yet, waited for at exit
 
+# The threads of asynchronous saves, joined at exit too (one that has just set its handle finished included):
+# orbax ran on them, and the native threads it started there must end before the interpreter does (a save
+# still running at exit aborted the process in C++ when its thread was left behind).
+_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
 _AT_EXIT: list[bool] = []  # whether `_finish_pending_saves` is registered
 
 
@@ -141,6 +171,8 @@ def _finish_pending_saves() -> None:
                 f"({type(handle._error).__name__}: {handle._error}); the checkpoint there is the previous one.",
                 file=sys.stderr,
             )
+    for thread in list(_THREADS):
+        thread.join()
 
 
 def _wait_at_exit() -> bool:
@@ -192,70 +224,82 @@ def _check_loadable(manifest: dict[str, Any], root: Path) -> None:
 def write(path: Any, manifest: dict[str, Any], writer: Writer, asynchronous: bool) -> SaveHandle:
     if is_url(path):
         return _write_remote(remote_path(path), manifest, writer)
-    ocp = import_orbax()
+    import_orbax()  # (here: the first save imports orbax, which a thread must not do while the interpreter exits)
     root = local_path(path)
     if asynchronous and not _wait_at_exit():
         asynchronous = False  # a save asked for while the interpreter exits finishes before it returns
     manifest["leaves"] = writer.leaves
     _check_loadable(manifest, root)
     if asynchronous:
-        # All the caller waits for: one copy of the buffers the model may change in place (none of a JAX array).
+        # What the caller waits for: one copy of the buffers the model may change in place (none of a JAX
+        # array), and the refusals below that write nothing (a foreign directory, a stale epoch). orbax's
+        # manager, its save call, the checksums and the manifest's seal run on the save's own thread.
         writer.own_copies()
-    # The checksums run while orbax writes the arrays, and the manifest is written once they are done
-    # (`directory.orbax_manager`); an asynchronous save's at the writes' lowered priority.
-    sealed = _sealed_in_background(manifest, writer, asynchronous)
     key = os.path.realpath(root)
     with _path_lock(key):
         earlier = _IN_FLIGHT.pop(key, None)
         if earlier is not None:
             earlier._finished.wait()  # its outcome is for its own caller's wait()
         step = prepare_directory(root)
-        try:
-            check_not_behind(root, manifest)  # (under the lock: no save of this process can slip between)
-        except StaleEpochError:
-            with contextlib.suppress(Exception):  # no thread of this save reads the caller's buffers once refused
-                sealed.result()
-            raise
-        # Orbax keeps every step: `drop_steps_before` removes the old ones itself, in a way a kill cannot
-        # leave half done.
-        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True)
-        manager = None
-        declined = False
-        lowered = asynchronous and background_begin()
-        try:
-            manager = orbax_manager(ocp, root, options, sealed)
-            items = {"manifest": ocp.args.JsonSave(manifest)}
-            # Leaves of no bytes are the manifest's alone (`in_arrays_item`), and a session holding no other
-            # array (none at all, or only empty ones) has no arrays item: orbax refuses an empty one.
-            arrays = {k: v for k, v in writer.arrays.items() if in_arrays_item(writer.leaves[k])}
-            if arrays:
-                items["arrays"] = ocp.args.PyTreeSave(arrays)
-            args = ocp.args.Composite(**items)
-            if not manager.save(step, args=args):
-                declined = True  # nothing of this save's in that step: it is left alone
-                raise RuntimeError(f"orbax declined to write step {step}")
-        except Exception as e:
-            with contextlib.suppress(Exception):  # no thread of this save still reads the caller's buffers
-                sealed.result()
-            if lowered:
-                background_end()
-            if manager is not None:
-                try:
-                    manager.close()
-                except Exception as close_error:
-                    e.add_note(f"closing the orbax manager also failed: {close_error!r}")
-            if not declined:
-                discard_step(root, step)  # (orbax may have renamed it into place before it failed)
-            raise CheckpointError(
-                f"saving {root} failed ({type(e).__name__}: {str(e)[:300]}); the checkpoint that was there before, "
-                f"if any, is still the one there."
-            ) from e
-        handle = SaveHandle(manager, writer.keep, root, step, asynchronous, lowered)
+        check_not_behind(root, manifest)  # (under the lock: no save of this process can slip between)
+        start = functools.partial(_start, root, step, manifest, writer, asynchronous)
+        handle = SaveHandle(start, writer.keep, root, step, asynchronous)
         if asynchronous:
-            _IN_FLIGHT[key] = handle
+            _IN_FLIGHT[key] = handle  # (before the lock is let go: the next save here waits for this one)
         else:
             handle.wait()
     return handle
+
+
+def _start(root: Path, step: int, manifest: dict[str, Any], writer: Writer, asynchronous: bool) -> tuple[Any, bool]:
+    """Hand orbax the save of ``step`` (an asynchronous one's on its own thread): its manager made, the
+    checksums and the manifest's seal started beside the writes. Returns the manager and whether tensorstore's
+    workers were lowered for it.
+
+    Raises:
+      CheckpointError: orbax failed or declined; nothing of this save is left in ``root``.
+    """
+    ocp = import_orbax()
+    manager = None
+    declined = lowered = False
+    # The checksums run while orbax writes the arrays, and the manifest is written once they are done
+    # (`directory.orbax_manager`); an asynchronous save's at the writes' lowered priority.
+    sealed = _sealed_in_background(manifest, writer, asynchronous)
+    try:
+        # Orbax keeps every step: `drop_steps_before` removes the old ones itself, in a way a kill cannot
+        # leave half done.
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True)
+        manager = orbax_manager(ocp, root, options, sealed)
+        lowered = asynchronous and background_begin()
+        if lowered:
+            lower_this_thread()  # (after `background_begin`, which reads this thread's priority as the normal one)
+        items = {"manifest": ocp.args.JsonSave(manifest)}
+        # Leaves of no bytes are the manifest's alone (`in_arrays_item`), and a session holding no other
+        # array (none at all, or only empty ones) has no arrays item: orbax refuses an empty one.
+        arrays = {k: v for k, v in writer.arrays.items() if in_arrays_item(writer.leaves[k])}
+        if arrays:
+            items["arrays"] = ocp.args.PyTreeSave(arrays)
+        args = ocp.args.Composite(**items)
+        if not manager.save(step, args=args):
+            declined = True  # nothing of this save's in that step: it is left alone
+            raise RuntimeError(f"orbax declined to write step {step}")
+    except Exception as e:
+        with contextlib.suppress(Exception):  # no thread of this save still reads the caller's buffers
+            sealed.result()
+        if lowered:
+            background_end()
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception as close_error:
+                e.add_note(f"closing the orbax manager also failed: {close_error!r}")
+        if not declined:
+            discard_step(root, step)  # (orbax may have renamed it into place before it failed)
+        raise CheckpointError(
+            f"saving {root} failed ({type(e).__name__}: {str(e)[:300]}); the checkpoint that was there before, "
+            f"if any, is still the one there."
+        ) from e
+    return manager, lowered
 
 
 def _write_remote(url: Any, manifest: dict[str, Any], writer: Writer) -> SaveHandle:
