@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import resource
 import statistics
 import time
@@ -30,6 +31,9 @@ from torch_bridge.adapters.dreamzero_store import estimate_session_nbytes
 HERE = Path(__file__).resolve().parent
 MIB = 2**20
 PLOT = HERE / "dreamzero_pressure.png"
+# Set to "commits" to run only the commit rows (the pressure part alone runs ~28 minutes; the planner part
+# builds a 100,000-session table): what is printed then is not a whole section, so do not `--write` it.
+PART_ENV = "FS_BENCH_BUDGET_PART"
 
 
 def _handles(budget, prompt=lambda: torch.zeros(8)):
@@ -426,17 +430,10 @@ def _plot(results: dict, budget: int) -> None:
     plt.close(fig)
 
 
-def run() -> dict:
-    costs = _commit_costs()
-    planner = _planner_costs()
-    steps = 16
-    t0 = time.perf_counter()
-    found = _pressure(steps, rounds=5)
-    pressure_s = time.perf_counter() - t0
-    pressure, budget, m = found["results"], found["budget"], found["medians"]
-    _plot(pressure, budget)
+def _commit_rows(costs: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The section's rows of the commit costs (`_commit_costs`)."""
     tails = costs["tails"]
-    rows = [
+    return [
         ("commit (handle, 4-item ring), no budget", fmt_time(costs["commit_plain"]), "-"),
         *(
             (
@@ -479,6 +476,70 @@ def run() -> dict:
             f"{costs['step_budgeted'] / costs['step_plain']:.2f}x",
         ),
     ]
+
+
+def _commit_ratios(costs: dict[str, Any]) -> list[tuple[str, float]]:
+    """The section's ratios of the commit costs."""
+    tails = costs["tails"]
+    return [
+        (
+            "bare handle commit: budget enforced / none (goal <= 1.5)",
+            costs["commit_budgeted"] / costs["commit_plain"],
+        ),
+        (
+            "bare handle commit: floor (no budget + the least exact accounting) / none",
+            costs["commit_floor"] / costs["commit_plain"],
+        ),
+        ("bare handle commit: budget enforced / floor", costs["commit_budgeted"] / costs["commit_floor"]),
+        *(
+            row
+            for clock in ("wall", "cpu")
+            for row in (
+                (
+                    f"one handle commit timed alone, {clock} clock: budgeted / none, median (goal <= 1.5)",
+                    statistics.median(tails[clock]["budgeted"]) / statistics.median(tails[clock]["plain"]),
+                ),
+                (
+                    f"one handle commit timed alone, {clock} clock: budgeted / none, p99",
+                    _tail(tails[clock]["budgeted"], 0.99) / _tail(tails[clock]["plain"], 0.99),
+                ),
+                (
+                    "  p99.9",
+                    _tail(tails[clock]["budgeted"], 0.999) / _tail(tails[clock]["plain"], 0.999),
+                ),
+            )
+        ),
+    ]
+
+
+def _commit_section(costs: dict[str, Any]) -> dict:
+    """The commit rows alone (``FS_BENCH_BUDGET_PART=commits``): printed, never a whole section to write."""
+    return {
+        "title": "Byte budget: enforcement cost (the commit rows only)",
+        "header": ("measure", "time or bytes", "ratio / counts"),
+        "rows": _commit_rows(costs),
+        "ratio": (
+            "DreamZero pipeline step: budget enforced / none (goal <= 1.5)",
+            costs["step_budgeted"] / costs["step_plain"],
+        ),
+        "extra_ratios": _commit_ratios(costs),
+        "notes": f"Commit rows only ({PART_ENV}=commits): the planner and pressure parts were not run.",
+        "figures": {"costs": costs},
+    }
+
+
+def run() -> dict:
+    costs = _commit_costs()
+    if os.environ.get(PART_ENV) == "commits":
+        return _commit_section(costs)
+    planner = _planner_costs()
+    steps = 16
+    t0 = time.perf_counter()
+    found = _pressure(steps, rounds=5)
+    pressure_s = time.perf_counter() - t0
+    pressure, budget, m = found["results"], found["budget"], found["medians"]
+    _plot(pressure, budget)
+    rows = _commit_rows(costs)
     for n, (plan_s, op_s) in planner.items():
         rows.append(
             (
@@ -537,33 +598,7 @@ def run() -> dict:
             costs["step_budgeted"] / costs["step_plain"],
         ),
         "extra_ratios": [
-            (
-                "bare handle commit: budget enforced / none (goal <= 1.5)",
-                costs["commit_budgeted"] / costs["commit_plain"],
-            ),
-            (
-                "bare handle commit: floor (no budget + the least exact accounting) / none",
-                costs["commit_floor"] / costs["commit_plain"],
-            ),
-            ("bare handle commit: budget enforced / floor", costs["commit_budgeted"] / costs["commit_floor"]),
-            *(
-                row
-                for clock in ("wall", "cpu")
-                for row in (
-                    (
-                        f"one handle commit timed alone, {clock} clock: budgeted / none, median (goal <= 1.5)",
-                        statistics.median(tails[clock]["budgeted"]) / statistics.median(tails[clock]["plain"]),
-                    ),
-                    (
-                        f"one handle commit timed alone, {clock} clock: budgeted / none, p99",
-                        _tail(tails[clock]["budgeted"], 0.99) / _tail(tails[clock]["plain"], 0.99),
-                    ),
-                    (
-                        "  p99.9",
-                        _tail(tails[clock]["budgeted"], 0.999) / _tail(tails[clock]["plain"], 0.999),
-                    ),
-                )
-            ),
+            *_commit_ratios(costs),
             ("plan at 100,000 / plan at 1,000 sessions (linear would be 100)", planner[100_000][0] / planner[1_000][0]),
             ("pressure run / its data-movement floor, fresh host buffers (goal <= 1.5)", m["ratio"]),
             ("pressure run / the stricter floor, memcpy into reused buffers", m["ratio_memcpy"]),
@@ -599,7 +634,8 @@ def run() -> dict:
             f"LRU misses every one of them (the minimum for LRU on a cycle longer than the cache: ~30 feat-map "
             f"parks and 24 restores carry all but ~0.16 GB of the 34.3 GB; the other parks are a session's small "
             f"objects, taken in name order, restored on its next step); the plot is "
-            f"`benchmarks/{PLOT.name}`."
+            f"`benchmarks/{PLOT.name}`. The commit rows alone (a minute, not the half hour of the pressure "
+            f"part): `{PART_ENV}=commits python benchmarks/run.py budget` (prints them; not for `--write`)."
         ),
         "figures": {
             "costs": costs,

@@ -35,20 +35,25 @@ def _with_budget(state: ManagerState, budget: int) -> ManagerState:
     return make_state(state._nodes, state._recency, state._hits, state._totals, config, state._acct)
 
 
-def test_a_same_size_ring_step_keeps_the_totals_map_and_another_size_replaces_it() -> None:
-    # What the memo relies on to answer a steady ring in O(1): the step moves no total, so the map is the same.
+def test_a_ring_step_is_deferred_on_the_kept_totals_map_and_bounded_by_its_bytes() -> None:
+    # What the memo relies on to answer a ring in O(1): a step is deferred on the very totals map it came
+    # with (the memo's key), and the bytes the deferred steps added bound what they moved.
     state = _ring_state(64 * KIB)
     same = fs.commit(state, "a", "ring", np.zeros(KIB // 4, np.float32))
-    assert ledger_of(same).totals is ledger_of(state).totals
+    before, acct = ledger_of(state), ledger_of(same)
+    assert acct.kept_totals is before.kept_totals
+    assert acct.deferred.previous is before.deferred
+    assert acct.deferred.added_bytes == before.deferred.added_bytes + KIB
     bigger = fs.commit(same, "a", "ring", np.zeros(KIB // 2, np.float32))
-    assert ledger_of(bigger).totals is not ledger_of(same).totals
-    assert dict(ledger_of(bigger).totals) == {"cpu": 5 * KIB}
+    big = ledger_of(bigger)
+    assert dict(big.totals) == {"cpu": 5 * KIB}
+    assert big.kept_totals.get("cpu", 0) + big.deferred.added_bytes >= 5 * KIB
 
 
 def test_a_passed_check_is_never_reused_for_another_bound_or_budget() -> None:
     state = _ring_state(8 * KIB)  # 4 KiB held
     after = fs.commit(state, "a", "ring", np.zeros(KIB // 4, np.float32))
-    assert ledger_of(after).totals is ledger_of(state).totals
+    assert ledger_of(after).kept_totals is ledger_of(state).kept_totals
     bound, last = {"cpu": 0}, admission.LastPass()
     assert admission.within_budget_in_place(state, after, "a", bound, True, last) is bound  # (the memo now holds it)
     assert last.key[1] is bound
@@ -56,7 +61,7 @@ def test_a_passed_check_is_never_reused_for_another_bound_or_budget() -> None:
     # The same totals with a bound that crosses the budget (4 + 5 > 8 KiB), or under a smaller budget.
     assert admission.within_budget_in_place(state, after, "a", {"cpu": 5 * KIB}, True, last) is None
     tight_before, tight_after = _with_budget(state, 3 * KIB), _with_budget(after, 3 * KIB)
-    assert ledger_of(tight_after).totals is ledger_of(after).totals
+    assert ledger_of(tight_after).kept_totals is ledger_of(after).kept_totals
     assert admission.within_budget_in_place(tight_before, tight_after, "a", bound, True, last) is None
     # ... and the first answer still stands (the memo is replaced only by a check that passed).
     assert admission.within_budget_in_place(state, after, "a", bound, True, last) is bound

@@ -27,6 +27,7 @@ from functional_state import (
     plan_release,
 )
 from functional_state.policy.enforce import over_budget
+from functional_state.table.manager_state import ledger_of
 from helpers import assert_unchanged, promised_frees, snapshot
 from torch_bridge.harness.paged_engine import ReferenceKVEngine
 
@@ -158,6 +159,37 @@ class PlannerMachine(RuleBasedStateMachine):
         obj = self._object(sid, name)
         if isinstance(obj, LatentBuffer) and obj.resident:
             self._write(sid, lambda state: fs.commit(state, sid, name, torch.ones(units * UNIT // 4)))
+
+    @rule(pick=st.integers(0, 11), steps=st.lists(st.tuples(st.integers(1, 3), st.booleans()), min_size=1, max_size=6))
+    def lazy_commits(self, pick, steps):
+        """Commits in a row with no budget check between them, each a deferred ledger step: whenever read
+        between them, `stats()` reads what `stats(exact=True)` measures, and the kept totals plus the bytes
+        the deferred steps added bound the exact ones (what the shell's budget decides by). The last table is
+        then enforced as any write."""
+        buffers = [
+            (sid, name)
+            for sid in self._live()
+            for name in NAMES
+            if isinstance(obj := self._object(sid, name), LatentBuffer) and obj.resident
+        ]
+        if not buffers:
+            return
+        sid, name = buffers[pick % len(buffers)]
+        state = self.state
+        for units, read in steps:
+            state = fs.commit(state, sid, name, torch.ones(units * UNIT // 4))
+            acct = ledger_of(state)
+            step, kept = acct.deferred, dict(acct.kept_totals)  # (before any read folds the steps)
+            if read:
+                event("lazy_commits: read between deferred steps")
+                assert fs.stats(state) == fs.stats(state, exact=True)
+                for pool, held in ledger_of(state).totals.items():
+                    extra = step.added_bytes if step is not None and pool in step.pools else 0
+                    assert held <= kept.get(pool, 0) + extra, (pool, held, kept, step)
+        enforced = self._enforce(state, writer=sid)
+        if enforced is not None:
+            self.state = enforced
+        self.protected &= set(self.state.session_ids)
 
     @rule(src=st.sampled_from(SIDS), new=st.sampled_from(SIDS))
     def fork(self, src, new):

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import BudgetExceededError, InvalidArgumentError
 from ..memory import accounting
-from ..memory.budget import format_bytes, limit_for
+from ..memory.budget import MAX_BYTES, format_bytes, limit_for
 from ..memory.extents import Extent, Loose
 from ..memory.pools import Pool
 from ..table.checks import check_state
@@ -114,21 +114,53 @@ def _over(state: ManagerState) -> dict[Pool, tuple[int, int]]:
 
 
 def over_budget_objects(state: ManagerState, surplus: dict[str, int]) -> bool:
-    """Whether a pool is over budget by the kept object totals plus a known attr ``surplus``: no walk."""
+    """Whether a pool is over budget by the object totals plus a known attr ``surplus``: no walk.
+
+    Decided first by the kept totals and the bound on what the deferred ledger steps added (an upper bound:
+    within it, within the exact figure); only a write that bound puts over a budget folds the steps (once,
+    kept on the accounting) and is decided by the exact totals."""
     budget = state.byte_budget
     if not budget:
         return False
-    totals = ledger_of(state).totals
+    acct = ledger_of(state)
+    step = acct.deferred
+    if step is not None:
+        if headroom(acct.kept_totals, budget, surplus, step.pools) >= step.added_bytes:
+            return False
+        acct = acct.exact()  # (near a budget: decided exactly)
+    return headroom(acct.totals, budget, surplus, ()) < 0
+
+
+_UNBOUNDED = MAX_BYTES + 1  # (more room than any pool reports: no pool named has a budget)
+
+
+def headroom(totals: Mapping[str, int], budget: Mapping[str, int], surplus: dict[str, int], pools: Any) -> int:
+    """The bytes ``pools`` may each still take before one of them goes over its budget, by ``totals`` plus the
+    attr ``surplus``; -1 where a pool (any, named or not) is over its budget already. O(pools held)."""
+    room = _UNBOUNDED
     for name, held in totals.items():  # (per write: no union of the key sets built)
         limit = limit_for(budget, Pool.of(name))
-        if limit is not None and held + surplus.get(name, 0) > limit:
-            return True
+        if limit is not None:
+            left = limit - held - surplus.get(name, 0)
+            if left < 0:
+                return -1
+            if name in pools and left < room:
+                room = left
     for name, extra in surplus.items():  # a pool only attrs hold is still a pool the budget covers
         if name not in totals:
             limit = limit_for(budget, Pool.of(name))
-            if limit is not None and extra > limit:
-                return True
-    return False
+            if limit is not None:
+                left = limit - extra
+                if left < 0:
+                    return -1
+                if name in pools and left < room:
+                    room = left
+    for name in pools:  # a pool the deferred steps alone added to
+        if name not in totals and name not in surplus:
+            limit = limit_for(budget, Pool.of(name))
+            if limit is not None and limit < room:
+                room = limit
+    return room
 
 
 def attr_surplus(state: ManagerState) -> dict[str, int]:

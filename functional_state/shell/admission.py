@@ -22,10 +22,11 @@ from ..memory import accounting
 from ..memory.accounting import union_by_device
 from ..memory.holders import AttrEntry, StorageStamp, changed_since_recorded, holder_extents, storage_moved
 from ..memory.values import NO_BUFFER_TYPES
-from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, over_budget_objects
+from ..policy.enforce import attr_bytes, attr_surplus, enforce_budget, headroom, over_budget_objects
 from ..policy.planner import LEVERS
 from ..policy.pricing import by_pool
 from ..table.engine_blocks import released_blocks
+from ..table.ledger import NO_POOLS
 from ..table.lru import recorded_anew
 from ..table.manager_state import ManagerState, in_place, ledger_of
 from ..table.session_edits import update_session
@@ -137,38 +138,62 @@ def within_budget_fast(
 
 class Recheck:
     """What a budgeted commit must re-read when it follows `within_budget_fast`'s pass of a commit of the same
-    session on the very table that commit installed: only the writer's attr tensors, each by one storage read.
+    session, one ledger step later: only the writer's attr tensors, each by one storage read.
 
-    Such a commit changes no attr, no attr index, no budget and no attr bound, and a ring in its steady state
-    keeps the object totals map itself: `within_budget_fast` would decide it by the same walk of the writer's
-    attrs and the same `LastPass` memo. Kept by the shell, one per manager, read and written under its lock.
-    Weak references to the table and the tensors (the rest are numbers and the bound): it keeps nothing alive,
-    and a table or tensor that died is a miss. A session holding a container (walked by every check) or a
-    value whose stamp cannot be referenced weakly is not kept; nor while an engine pool's storage is
-    registered (its stamps are not read then). Kept from the second pass of a session in a row: at the first,
-    the shell only notes the writer and drops the table (two stores: a round robin of sessions pays no call).
+    Such a commit changes no attr, no attr index, no budget and no attr bound, and its ledger step is deferred
+    on the counts the last one was (`Acct.deferred`; its bytes bounded by `Deferred.added_bytes`):
+    `within_budget_fast` would decide it by the same walk of the writer's attrs and the same `LastPass` memo.
+    That it follows the last pass is read from the ledger: the commit's deferred step comes right after the
+    one kept (``steps``; across a fold too, `Deferred.follows`), so the table it was made on holds the very
+    accounting the last pass installed, and any write in between that moved a byte, an attr or the session
+    (each makes another accounting) is a miss; the kept totals and pools are those the room was priced on. Kept by the shell, one per manager, read and written under its lock. It keeps the
+    deferred step (extents and counts) and weak references to the tensors, made once per pass, not per
+    commit: nothing it keeps holds a table or a buffer alive, and a tensor that died is a miss. A session
+    holding a container (walked by every check) or a value whose stamp cannot be referenced weakly is not
+    kept; nor while an engine pool's storage is registered (its stamps are not read then). Kept from the
+    second pass of a session in a row: at the first, the shell only notes the writer and clears ``table``
+    (two stores: a round robin of sessions pays no call).
     """
 
-    __slots__ = ("bound", "stamps", "table", "totals", "writer")
+    __slots__ = ("bound", "budget", "pools", "room", "stamps", "steps", "totals", "writer")
 
     def __init__(self) -> None:
-        self.table: Any = None  # the table the last commit installed (weakly), or None
+        self.steps = -1  # the number of the ledger step of the table the last pass installed (`Deferred.serial`)
         self.writer: str | None = None  # the session of the last pass
-        self.totals: Any = None  # the object totals that pass was within budget with
+        self.budget: Any = None  # that table's budget
+        self.totals: Any = None  # its ledger's kept totals (`Acct.kept_totals`)
+        self.pools: Any = None  # and the pools its deferred steps added to
+        self.room = -1  # the bytes the deferred steps may add to them, from those totals, within that budget
         self.bound: Surplus | None = None  # the attr bound it returned
         self.stamps: tuple[tuple[Any, StorageStamp], ...] = ()  # (tensor, weakly; its recorded stamp)
+
+    @property
+    def table(self) -> None:
+        """Always None: what the last pass installed is known by its ledger step (``steps``), not kept."""
+        return None
+
+    @table.setter
+    def table(self, value: None) -> None:
+        """Forget the last pass (the shell's reset, when a pass keeps nothing to re-read)."""
+        self.steps = -1
 
     def within(self, base: ManagerState, after: ManagerState, writer: str, surplus: Surplus | None) -> bool:
         """Whether the commit ``base`` -> ``after`` of session ``writer`` stays within the budget with the attr
         bound ``surplus``, answered from the last pass (True: it does, and the next commit may be answered
         from this one; False: ask `within_budget_fast`, then `passed`)."""
-        table = self.table
+        kept = self.steps
+        acct = ledger_of(after)
+        step = acct.deferred
         if (
-            table is None
-            or table() is not base
+            kept < 0
+            or step is None
+            or step.follows != kept
+            or acct.kept_totals is not self.totals
+            or step.pools is not self.pools
+            or step.added_bytes > self.room
             or self.writer != writer
             or self.bound is not surplus
-            or ledger_of(after).totals is not self.totals
+            or after.byte_budget is not self.budget
             or accounting.POOL_STORAGES
         ):
             return False
@@ -176,14 +201,16 @@ class Recheck:
             tensor = ref()
             if tensor is None or storage_moved(tensor, stamp):  # (resized in place: the full check decides)
                 return False
-        self.table = weakref.ref(after)
+        self.steps = step.serial
         return True
 
     def passed(self, after: ManagerState, writer: str, bound: Surplus, reread: list[AttrEntry]) -> None:
         """Keep what a commit of ``writer`` on ``after`` re-reads, after `within_budget_fast` passed the commit
         that installs ``after`` with the attr bound ``bound``, re-reading the entries ``reread``."""
-        self.table, self.writer = None, writer
-        if accounting.POOL_STORAGES:
+        self.steps, self.writer = -1, writer
+        acct = ledger_of(after)
+        step, budget = acct.deferred, after.byte_budget
+        if accounting.POOL_STORAGES or step is None or not budget:  # (no step to follow: the next pass keeps one)
             return
         stamps = []
         for entry in reread:
@@ -195,8 +222,10 @@ class Recheck:
                 stamps.append((weakref.ref(entry.stamped), entry.stamp))
             except TypeError:  # (a tensor type without weak references)
                 return
-        self.stamps, self.totals, self.bound = tuple(stamps), ledger_of(after).totals, bound
-        self.table = weakref.ref(after)
+        self.stamps, self.bound, self.budget = tuple(stamps), bound, budget
+        self.totals, self.pools = acct.kept_totals, step.pools
+        self.room = headroom(self.totals, budget, bound, self.pools)
+        self.steps = step.serial
 
 
 def _full_bound(state: ManagerState) -> Surplus:
@@ -231,29 +260,36 @@ _NOTHING_SET: dict[str, Any] = {}  # (the attrs a commit sets: never written to)
 
 
 class LastPass:
-    """The last (object totals, attr bound, budget) that `over_budget_objects` found within budget, kept by
-    the shell, one per manager.
+    """The last (kept object totals, attr bound, budget, pools the deferred ledger steps added to) that
+    `over_budget_objects` found within budget, and the room it left on those pools; kept by the shell, one
+    per manager.
 
-    Its answer is a function of the three alone, each immutable, and a ring in its steady state (one item in,
-    one of the same pool and size out) keeps the very totals map, so such a commit is decided by three identity
-    tests. Held strongly, so no id can be reused meanwhile; replaced whole, so a reader in another thread
-    never sees a torn entry (it is read and written with or without the shell's lock).
+    Its answer is a function of the four alone, each immutable, and the bytes the deferred steps added
+    (`Deferred.added_bytes`, an upper bound): a ledger step is deferred on the very totals map it came with, so
+    a run of ring commits is decided by four identity tests and one comparison, until the steps are folded
+    (a fold that moves no total keeps the map too). Held strongly, so no id can be reused meanwhile; replaced
+    whole, so a reader in another thread never sees a torn entry (it is read and written with or without the
+    shell's lock).
     """
 
     __slots__ = ("key",)
 
     def __init__(self) -> None:
-        self.key: tuple[Any, Any, Any] = (None, None, None)
+        self.key: tuple[Any, Any, Any, Any, int] = (None, None, None, None, -1)
 
     def within(self, after: ManagerState, bound: Surplus) -> bool:
         """Whether ``after``'s object totals plus ``bound`` stay within its budget (`over_budget_objects`)."""
-        totals, budget = ledger_of(after).totals, after.byte_budget
+        acct, budget = ledger_of(after), after.byte_budget
+        step = acct.deferred
+        totals, pools, added = (
+            (acct.kept_totals, step.pools, step.added_bytes) if step is not None else (acct.totals, NO_POOLS, 0)
+        )
         key = self.key
-        if key[0] is totals and key[1] is bound and key[2] is budget:
+        if key[0] is totals and key[1] is bound and key[2] is budget and key[3] is pools and added <= key[4]:
             return True
         if over_budget_objects(after, bound):
             return False
-        self.key = (totals, bound, budget)
+        self.key = (totals, bound, budget, pools, headroom(totals, budget, bound, pools) if budget else -1)
         return True
 
 

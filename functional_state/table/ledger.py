@@ -17,13 +17,25 @@ counts the array leaves the byte accounting leaves out (ring positions: a donati
 ``attrs`` indexes the attr values (recorded on write), ``parked`` keeps the host copies held, for `stats`
 without a walk. No JAX array is registered for a deletion check: the table's own donations never delete
 what it still holds, and a check of every array would make `stats` O(arrays held) (``exact=True`` walks).
+
+A step of one object (a ring commit: `Acct.swap` priced by `StateObject.ledger_step`) on additive pools is
+deferred: the new accounting keeps the counts of the one it came from and a `Deferred` record of the extents
+the step added and removed, linked to the steps deferred before it, with an upper bound on the bytes they
+added (`Deferred.added_bytes`: every extent added counted at its size, nothing removed subtracted; holding an
+extent twice, or letting one go, can only lower the exact figure). The budget decides a write by that bound
+(`kept_totals` plus it); the exact counts are the deferred steps folded into the kept ones, in one pass that
+cancels what came and went (a ring's items), computed when first read (`refs`, `totals`, `attr_only`: what
+`stats`, the planner, a park, a fork, a checkpoint read) and kept on the accounting, or when the bound comes
+near a budget (`exact`), or every `FOLD_EVERY` steps. Every accounting reads the same whenever read: the fold
+is a function of what it holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Collection, Iterable
 from operator import attrgetter
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import immutables
 
@@ -47,6 +59,9 @@ _new = object.__new__
 _ABSENT = object()
 LOG_CUT = object()  # where a release log was cut short (kept to _LOG_DEPTH entries)
 _LOG_DEPTH = 4096
+FOLD_EVERY = 64  # deferred steps folded into the exact counts at the latest after this many
+NO_POOLS: frozenset[str] = frozenset()
+_POOLS_OF: dict[str, frozenset[str]] = {}  # pool -> frozenset({pool}), one per pool: compared by identity
 
 
 # Each state object reports its own figures (the `StateObject.ledger_*` protocol): the ledger names no type.
@@ -104,6 +119,26 @@ class ReleaseLog:
         self.previous = previous
 
 
+class Deferred(NamedTuple):
+    """One deferred step of an `Acct` (see the module): the extents it added and removed, the steps deferred
+    before it, and an upper bound on the bytes all of them added, on the pools they added to."""
+
+    added: Collection[Extent]
+    removed: Collection[Extent]
+    previous: Deferred | None  # the step deferred before this one on the same kept counts (None: the first)
+    serial: int  # this step's number, never reused (the steps of all accountings are numbered as made)
+    follows: int  # the ``serial`` of the step this one came after, folded or not (-1: none)
+    depth: int  # steps deferred, this one included
+    added_bytes: int  # the bytes of every extent they added, each time added: >= what they added
+    pools: frozenset[str]  # the pools they added to (the bound applies to each of them)
+
+
+_new_deferred = tuple.__new__  # (a step per commit: built without the NamedTuple's Python-level ``__new__``)
+# Numbers, not references, link a step to the one it came after: a reference would keep every step of a
+# lineage alive. (`next` on a count is atomic under the GIL.)
+_serials = itertools.count()
+
+
 class _Rest:
     """The fields of an `Acct` a step leaves alone, held together so that a step copies one reference."""
 
@@ -143,18 +178,18 @@ def _with_attr_only(r: _Rest, attr_only: Any) -> _Rest:
     return _Rest(r.kv, r.held, r.log, r.root, r.leaves, r.attrs, r.parked, r.overlaps, attr_only)
 
 
-def _stepped(refs: immutables.Map, totals: immutables.Map, rest: _Rest) -> Acct:
-    """A copy with the two counts changed and ``rest`` shared, built by its three slots (a step leaves the
-    other fields alone, and `Acct.__init__` would rebuild them)."""
+def _stepped(refs: immutables.Map, totals: immutables.Map, rest: _Rest, deferred: Deferred | None = None) -> Acct:
+    """An accounting of the counts given (exact once ``deferred`` is folded into them), built by its slots (a
+    step leaves the other fields alone, and `Acct.__init__` would rebuild them)."""
     acct = _new(Acct)
-    acct.refs, acct.totals, acct.rest = refs, totals, rest
+    acct._refs, acct.kept_totals, acct._rest, acct.deferred, acct._folded = refs, totals, rest, deferred, None
     return acct
 
 
 class Acct:
     """Holder counts per extent and bytes per pool; immutable (every change returns a new one)."""
 
-    __slots__ = ("refs", "rest", "totals")
+    __slots__ = ("_folded", "_refs", "_rest", "deferred", "kept_totals")
 
     def __init__(
         self,
@@ -170,21 +205,114 @@ class Acct:
         overlaps: immutables.Map = _EMPTY,
         attr_only: immutables.Map = _EMPTY,
     ):
-        self.refs = refs  # extent -> number of objects holding it, over all sessions
-        self.totals = totals  # pool -> bytes of the union of the extents held at least once
+        self._refs = refs  # extent -> number of objects holding it, over all sessions (once folded)
+        # The totals of the kept counts: pool -> bytes of the union of the extents held at least once. Exact
+        # where `deferred` is None (or a step of ``depth`` 0); else exact once its steps are folded (`totals`),
+        # and below them plus `Deferred.added_bytes` on each of its pools: an upper bound of the exact ones.
+        self.kept_totals: immutables.Map = totals
         root = root if root is not None else object()
-        self.rest = _Rest(kv, held, log, root, leaves, attrs, parked, overlaps, attr_only)
+        self._rest = _Rest(kv, held, log, root, leaves, attrs, parked, overlaps, attr_only)
+        self.deferred: Deferred | None = None  # the newest step not folded into the counts (see the module)
+        self._folded: Acct | None = None  # this accounting with its deferred steps folded, once computed
 
-    # (read through `rest`: a step, the hot path, builds an Acct of three fields, not nine)
-    kv = property(attrgetter("rest.kv"))
-    held = property(attrgetter("rest.held"))
-    log = property(attrgetter("rest.log"))
-    root = property(attrgetter("rest.root"))
-    leaves = property(attrgetter("rest.leaves"))
-    attrs = property(attrgetter("rest.attrs"))
-    parked = property(attrgetter("rest.parked"))
-    overlaps = property(attrgetter("rest.overlaps"))
-    attr_only = property(attrgetter("rest.attr_only"))
+    # (read through `rest`: a step, the hot path, builds an Acct of five slots, not eleven fields; a deferred
+    # step changes none of these)
+    kv = property(attrgetter("_rest.kv"))
+    held = property(attrgetter("_rest.held"))
+    log = property(attrgetter("_rest.log"))
+    root = property(attrgetter("_rest.root"))
+    leaves = property(attrgetter("_rest.leaves"))
+    attrs = property(attrgetter("_rest.attrs"))
+    parked = property(attrgetter("_rest.parked"))
+    overlaps = property(attrgetter("_rest.overlaps"))
+
+    # (exact: the deferred steps folded; untyped like the fields above, which `memory.holders.HolderCounts`
+    # names as plain attributes)
+    refs = property(lambda acct: acct.exact()._refs)  # extent -> number of objects holding it, over all sessions
+    totals = property(lambda acct: acct.exact().kept_totals)  # pool -> bytes of the union of the extents held
+    rest = property(lambda acct: acct.exact()._rest)
+    attr_only = property(lambda acct: acct.exact()._rest.attr_only)
+
+    def exact(self) -> Acct:
+        """This accounting with its deferred steps folded into the counts (itself when none is), computed once.
+
+        Example:
+          >>> acct = Acct.build([])
+          >>> acct.exact() is acct
+          True
+        """
+        step = self.deferred
+        if step is None or not step.depth:
+            return self
+        folded = self._folded
+        if folded is None:
+            folded = self._folded = self._fold()
+        return folded
+
+    def _fold(self) -> Acct:
+        """The deferred steps applied to the kept counts: each extent moved once by its net count (what came
+        and went within them moves nothing), a pool total where an extent starts or stops being held."""
+        net: dict[Extent, int] = {}
+        step = self.deferred
+        while step is not None:
+            for e in step.added:
+                net[e] = net.get(e, 0) + 1
+            for e in step.removed:
+                net[e] = net.get(e, 0) - 1
+            step = step.previous
+        rest = self._rest
+        arefs = rest.attrs.refs
+        refs = self._refs
+        changed = refs.mutate()
+        came: dict[str, int] = {}
+        flips: list[tuple[Extent, int]] = []
+        for e, d in net.items():
+            if not d:
+                continue
+            n = changed.get(e, 0)
+            m = n + d
+            if m:
+                changed[e] = m
+            else:
+                del changed[e]
+            if n and m:
+                continue
+            size = e.end - e.start if m else e.start - e.end  # (bytes that came, or left)
+            came[e.pool] = came.get(e.pool, 0) + size
+            if arefs and e in arefs:
+                flips.append((e, -1 if m else 1))
+        totals = self.kept_totals
+        for pool, d in came.items():
+            if d:  # (an item of the size of the one it replaced moves no total: the map stays the same)
+                totals = totals.set(pool, totals.get(pool, 0) + d)
+        if flips:
+            rest = _with_attr_only(rest, attr_only_flipped(rest.attr_only, flips))
+        return _stepped(changed.finish() if net else refs, totals, rest)
+
+    def _deferred_step(self, add: Collection[Extent], remove: Collection[Extent]) -> Acct | None:
+        """The accounting after a step of one object that added ``add`` and removed ``remove`` (each extent
+        once), deferred; None where it cannot be (a `Loose` extent: its pool's total is a union)."""
+        last = self.deferred
+        base = self if self._folded is None else self._folded  # (folded near a budget: start from it)
+        step = base.deferred
+        count, nbytes, pools = (step.depth, step.added_bytes, step.pools) if step is not None else (0, 0, NO_POOLS)
+        for e in add:
+            if type(e) is Loose:
+                return None
+            pool, start, end = e
+            nbytes += end - start
+            if pool not in pools:
+                pools = pools | {pool} if pools else _POOLS_OF.setdefault(pool, frozenset((pool,)))
+        count += 1
+        follows = -1 if last is None else last.serial
+        fields = (add, remove, step if count > 1 else None, next(_serials), follows, count, nbytes, pools)
+        acct = _stepped(base._refs, base.kept_totals, base._rest, _new_deferred(Deferred, fields))
+        if count < FOLD_EVERY:
+            return acct
+        # Folded; the lineage goes on from the folded counts (a shell's memo follows it across the fold): the
+        # step stands as one with nothing deferred, on the pools it was on.
+        exact, folded = acct.exact(), ((), (), None, next(_serials), follows, 0, 0, pools)
+        return _stepped(exact._refs, exact.kept_totals, exact._rest, _new_deferred(Deferred, folded))
 
     @classmethod
     def build(cls, sessions: Iterable[Any]) -> Acct:
@@ -325,8 +453,8 @@ class Acct:
         """One object replaced by another (a commit, an eviction, a park): only the extents that differ move.
 
         The object's type may price the change itself (`StateObject.ledger_step`: a ring commit, by the items
-        it moves); without engine blocks that delta is applied to the persistent counts directly (no
-        mutation to build and finish for the one or two extents a step moves), the hot path of every step.
+        it moves); without engine blocks that delta is deferred (see the module: the hot path of every step),
+        or, on a pool whose total is a union, applied to the persistent counts directly.
         """
         if old is new:
             return self
@@ -338,7 +466,10 @@ class Acct:
             return self.change(add=[add], remove=[remove], kv_add=[blocks.added], kv_remove=[blocks.removed])
         if not add and not remove:
             return self
-        return self._shifted(add, remove) or self.change(add=[add], remove=[remove])
+        if not self._rest.overlaps and (deferred := self._deferred_step(add, remove)) is not None:
+            return deferred
+        exact = self.exact()
+        return exact._shifted(add, remove) or exact.change(add=[add], remove=[remove])
 
     def _shifted(
         self, add: Iterable[Extent], remove: Iterable[Extent], parked: ParkedCopies | None = None
