@@ -277,10 +277,14 @@ class StateObject(abc.ABC):
             return self, 0
         return replace(self, status=EVICTED, host_copy=None, **self._released_storage()), freed
 
-    def park(self: S) -> S:
+    def park(self: S, *, copy: bool = False, held: int = 0) -> S:
         """Return a parked copy: committed storage moved to host memory (see `functional_state.memory.parking`),
         the staged payload left where it is. The receiver still holds its device storage: memory is released
         when nothing references the resident version any more (the shell drops it at once).
+
+        On the CPU, torch storages that nothing but this object holds are taken as the host copy instead of
+        copied (device memory is host memory there); ``copy=True`` always copies. ``held``: references to each
+        torch tensor that the caller's bookkeeping keeps besides this object (the table's write records).
 
         Raises:
           ObjectParkedError: already parked. NotAllocatedError, NotResidentError: nothing to park.
@@ -295,7 +299,9 @@ class StateObject(abc.ABC):
                 f"parking would free no device memory (and a restore would hold those bytes twice). Commit the "
                 f"staged payload (`commit()`) or drop it (`discard()`) first."
             )
-        record = parking.park_values(self._parkable_fields(), f"{type(self).__name__}.park")
+        record = parking.park_values(
+            self._parkable_fields(), f"{type(self).__name__}.park", held=None if copy else held
+        )
         return replace(self, status=PARKED, host_copy=record, **self._parked_fields())
 
     def restore(self: S) -> S:

@@ -267,8 +267,9 @@ class PagedKVHandle(StateObject):
             return self, 0
         return self._replace(status=EVICTED, block_ids=self._ids(())), len(self.block_ids) * self.pool.block_nbytes
 
-    def park(self) -> PagedKVHandle:
-        """The blocks copied to host by the engine's ``offload`` (the device blocks are then released).
+    def park(self, *, copy: bool = False, held: int = 0) -> PagedKVHandle:
+        """The blocks copied to host by the engine's ``offload`` (the device blocks are then released); the
+        engine copies, whatever ``copy`` and ``held`` say.
 
         Raises:
           NotResidentError, ObjectParkedError: nothing resident to park. InvalidArgumentError: the pool's
