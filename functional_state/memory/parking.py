@@ -121,10 +121,11 @@ class ParkedStorage:
     slots: tuple[Any, ...]  # per leaf: JaxLeaf, the value kept as is, or _TORCH (a torch leaf, in `layout`)
     layout: _Layout | None  # the torch storages in `buffers`, and the torch leaves over them
     buffers: tuple[Any, ...]  # contiguous uint8 torch tensors, in runs of storages per source device
-    # Taken, not copied (a CPU park of storages nothing else holds): the buffers are uint8 views of the parked
-    # tensors themselves, one per storage, and these their version counters then (shared with every view of
-    # those tensors: a write in place since is seen). None: the buffers are this copy's own.
-    taken: tuple[int, ...] | None = None
+    # Taken, not copied (a CPU park of storages nothing else holds): the parked tensors themselves, one per
+    # storage (the buffers are uint8 views of them), and their version counters then (shared with every view
+    # of them: a write in place since is seen). None: the buffers are this copy's own.
+    taken: tuple[Any, ...] | None = None
+    versions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.taken is not None:  # (also for a copy `_unflatten_parked` makes: it shares the storages too)
@@ -288,8 +289,10 @@ def _counts(leaves: list[Any]) -> list[tuple[int, int, int]]:
     return [(sys.getrefcount(t), use_count((s := t.untyped_storage())._cdata), sys.getrefcount(s)) for t in leaves]
 
 
-def _take(fields: Any, leaves: list[Any], held: int) -> tuple[_Layout, tuple[Any, ...], tuple[int, ...]] | None:
-    """The layout, buffers and versions of a parked copy that takes the leaves' own storages instead of
+def _take(
+    fields: Any, leaves: list[Any], held: int
+) -> tuple[_Layout, tuple[Any, ...], tuple[Any, ...], tuple[int, ...]] | None:
+    """The layout, buffers, tensors and versions of a parked copy that takes the leaves' own storages instead of
     copying them, or None (copy them) unless every leaf is a plain CPU tensor spanning a storage that torch
     allocated (no ``from_numpy`` or DLPack memory, no engine pool) and that nothing else can write: no other
     reference to the tensor than its one container in ``fields`` (and ``held`` of the caller's), none to a
@@ -342,8 +345,8 @@ def _take(fields: Any, leaves: list[Any], held: int) -> tuple[_Layout, tuple[Any
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
     layout = _Layout(g)
     layout.segments.extend((k, 0, t.nbytes, range(k, k + 1), t.dtype, tuple(t.shape[1:])) for k, t in enumerate(leaves))
-    buffers = tuple(t.view(-1).view(torch.uint8) for t in leaves)  # (views: they share the tensors' counters)
-    return layout, buffers, tuple(b._version for b in buffers)
+    buffers = tuple(t.view(-1).view(torch.uint8) for t in leaves)
+    return layout, buffers, tuple(leaves), tuple(t._version for t in leaves)
 
 
 def _raise_deleted(values: Any, index: int, leaf: Any, what: str) -> None:
@@ -464,33 +467,28 @@ def restore_values(parked: ParkedStorage) -> Any:
 
 
 def _hand_back(parked: ParkedStorage) -> list[Any] | None:
-    """The taken storages of ``parked`` as the tensors it parked (views of its buffers: no copy), or None when
-    something else holds one of them now (the resident object an older table keeps, an earlier restore):
-    then the restore copies, so that a write through `writable` here never reaches the other holder once
-    the parked copy is gone."""
-    assert parked.taken is not None and parked.layout is not None
-    written = [k for k, (b, v) in enumerate(zip(parked.buffers, parked.taken)) if b._version != v]
+    """The tensors ``parked`` took, handed back as they are (no copy, the very tensor objects: a caller that
+    checked them before knows them), or None when something else holds one now (the resident object an older
+    table keeps, an earlier restore): then the restore copies, so that a write through `writable` here never
+    reaches the other holder once the parked copy is gone."""
+    taken = parked.taken
+    assert taken is not None
+    written = [k for k, (t, v) in enumerate(zip(taken, parked.versions)) if t._version != v]
     if written:
-        b = parked.buffers[written[0]]
-        storage = b.untyped_storage()
+        t = taken[written[0]]
+        storage = t.untyped_storage()
         raise SharedStorageWrittenError(
             f"`restore`: the parked copy took the {storage.nbytes()}-byte cpu storage at {storage.data_ptr():#x} "
             f"without copying it (a CPU park of a storage nothing else held), and that storage was written in "
-            f"place since (version {parked.taken[written[0]]} -> {b._version}), outside `writable`, through a "
+            f"place since (version {parked.versions[written[0]]} -> {t._version}), outside `writable`, through a "
             f"tensor of the resident object an older table holds: the parked bytes are not what was parked. Write "
             f"in place only through `writable`; to keep a private host copy, park with `copy=True`."
         )
-    use, storage_refs = _alone()[2:]
-    base = [(use, storage_refs)] * len(parked.buffers)  # (each storage: its buffer view alone, as one tensor)
-    if [c[1:] for c in _counts(list(parked.buffers))] != base:
+    refs, use, storage_refs = _alone()[1:]
+    # Each tensor held by the parked copy alone (one container), its storage by it and its buffer view alone.
+    if any(c != (refs, use + 1, storage_refs) for c in _counts(list(taken))):
         return None
-    # Tensors of their own over the storages, not views of the buffers: a view would keep its base, and so a
-    # second tensor over the storage, alive, and the next park would take it for someone else's.
-    torch, out = torch_host.torch_module(), []
-    for (_b, _a, end, _members, dtype, trail), buf in zip(parked.layout.segments, parked.buffers):
-        shape = (end // math.prod(trail, start=dtype.itemsize), *trail)
-        out.append(torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), 0, shape))
-    return out
+    return list(taken)
 
 
 def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
@@ -587,7 +585,7 @@ def _unflatten_parked(aux: _ParkedAux, children: Any) -> ParkedStorage:
     parked = aux.parked
     new = {id(r): JaxLeaf(host, r.sharding) for r, host in zip(_jax_recipes(parked), children)}
     slots = tuple(new.get(id(leaf), leaf) if isinstance(leaf, JaxLeaf) else leaf for leaf in parked.slots)
-    return ParkedStorage(parked.treedef, slots, parked.layout, parked.buffers)
+    return ParkedStorage(parked.treedef, slots, parked.layout, parked.buffers, parked.taken, parked.versions)
 
 
 jax.tree_util.register_pytree_node(ParkedStorage, _flatten_parked, _unflatten_parked)
