@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["borrow", "immutable", "n_read_outside", "read_by", "read_outside"]
+__all__ = ["borrow", "immutable", "n_read_outside", "read_at", "read_by", "read_outside"]
 
 # (data address, bytes) of a CPU storage -> weak references to the arrays outside the table that read it
 _READERS: dict[tuple[int, int], list[weakref.ref[Any]]] = {}
@@ -120,7 +120,12 @@ def read_outside(tensor: Any) -> bool:
     if not _READERS or not tensor.is_cpu:
         return False
     storage = tensor.untyped_storage()
-    return any(ref() is not None for ref in _READERS.get((storage.data_ptr(), storage.nbytes()), ()))
+    return read_at(storage.data_ptr(), storage.nbytes())
+
+
+def read_at(address: int, nbytes: int) -> bool:
+    """`read_outside` for the CPU storage at ``address`` of ``nbytes``."""
+    return any(ref() is not None for ref in _READERS.get((address, nbytes), ()))
 
 
 def n_read_outside() -> int:

@@ -262,7 +262,7 @@ def _alone() -> tuple[int, int, int, int]:
     field = (torch.empty(1),)  # (the object's field: this name stands for the object's attribute)
     fields = {"value": field}
     leaves = list(field)
-    return _private(fields, None), *_counts(leaves)[0]
+    return _private(fields, None), *_facts(leaves)[0][:3]
 
 
 def _private(fields: dict[str, Any], counts: tuple[int, int, int, int] | None) -> Any:
@@ -284,9 +284,15 @@ def _private(fields: dict[str, Any], counts: tuple[int, int, int, int] | None) -
     return all(n == counts[0] for n in seen)
 
 
-def _counts(leaves: list[Any]) -> list[tuple[int, int, int]]:
+def _facts(leaves: list[Any]) -> list[tuple[int, int, int, Any]]:
+    """Per tensor: its references, its storage's (tensors and views over it), its storage object's, and that
+    storage object."""
     use_count = torch_host.torch_module()._C._storage_Use_Count
-    return [(sys.getrefcount(t), use_count((s := t.untyped_storage())._cdata), sys.getrefcount(s)) for t in leaves]
+    out = []
+    for t in leaves:
+        s = t.untyped_storage()
+        out.append((sys.getrefcount(t), use_count(s._cdata), sys.getrefcount(s), s))
+    return out
 
 
 def _take(
@@ -306,39 +312,36 @@ def _take(
     the resident object an older table still holds), a write outside it is refused by the table's checks,
     and a restore refuses a parked copy written since (its version counters moved)."""
     torch = torch_host.torch_module()
-    if torch is None or not leaves:
+    if torch is None or not leaves or type(fields) is not dict or set(map(type, leaves)) != {torch.Tensor}:
         return None
-    tensor, strided, plain = torch.Tensor, torch.strided, torch_host.plain_dtypes(torch)
-    if set(map(type, leaves)) != {tensor}:
-        return None
-    if type(fields) is not dict:
-        return None
-    counts = _counts(leaves)  # (first: a loop variable below would hold one more reference)
-    for t in leaves:
+    facts = _facts(leaves)  # (first: the loop variable below holds one more reference)
+    alone = _alone()
+    want = (alone[1] + held, *alone[2:])
+    strided, plain, read_at = torch.strided, torch_host.plain_dtypes(torch), outside_readers.read_at
+    for t, (refs, use, storage_refs, storage) in zip(leaves, facts):
+        n = t.nbytes
         if (
-            not t.is_cpu
+            (refs, use, storage_refs) != want
+            or not n
+            or storage.nbytes() != n
+            or not storage.resizable()  # (memory torch allocated: no from_numpy, DLPack or `.numpy()` view)
+            or not t.is_cpu
             or t.layout is not strided
             or t.is_nested
             or t.requires_grad
             or t.is_inference()
             or t.dtype not in plain
             or not t.dim()
-            or not t.nbytes
             or t.storage_offset()
             or not t.is_contiguous()
             or t.is_neg()
             or t.is_conj()
             or torch_host.needs_recipe(t)
+            or read_at(storage.data_ptr(), n)
         ):
             return None
-    alone = _alone()
-    refs, use, storage_refs = alone[1:]
-    if any(c != (refs + held, use, storage_refs) for c in counts) or not _private(fields, alone):
+    if not _private(fields, alone):
         return None
-    for t in leaves:
-        storage = t.untyped_storage()
-        if storage.nbytes() != t.nbytes or not storage.resizable() or outside_readers.read_outside(t):
-            return None
     g = torch_host.Gathered()
     n = len(leaves)
     g.devices, g.sizes, g.direct = [torch.device("cpu")] * n, [t.nbytes for t in leaves], True
@@ -486,7 +489,7 @@ def _hand_back(parked: ParkedStorage) -> list[Any] | None:
         )
     refs, use, storage_refs = _alone()[1:]
     # Each tensor held by the parked copy alone (one container), its storage by it and its buffer view alone.
-    if any(c != (refs, use + 1, storage_refs) for c in _counts(list(taken))):
+    if any(f[:3] != (refs, use + 1, storage_refs) for f in _facts(list(taken))):
         return None
     return list(taken)
 
