@@ -304,12 +304,14 @@ class StateObject(abc.ABC):
         )
         return replace(self, status=PARKED, host_copy=record, **self._parked_fields())
 
-    def restore(self: S) -> S:
+    def restore(self: S, *, copy: bool = False) -> S:
         """Return a resident copy of a parked object, its storage back where it was, bit for bit.
 
         While the resident copy an earlier ``restore()`` of this very object returned is alive, that copy is
         returned again: forks that share one parked object (parked with ``with_sharers``) share one device
-        copy once restored, as they shared one before parking.
+        copy once restored, as they shared one before parking. A host copy that took its storages (a CPU
+        park) hands them back when nothing else holds them, unless ``copy`` (the table asks for a copy while
+        a fork still holds the parked object, so the restored storage is the session's own).
 
         Raises:
           NotParkedError: the object is not parked.
@@ -324,7 +326,9 @@ class StateObject(abc.ABC):
         # A copy donated or written in place since is no longer what was parked: a fork restoring after its
         # sharer wrote (its then private copy) in place gets a copy of its own.
         if memo is None or restored is None or write_marks(restored._parkable_fields()) != memo[1]:
-            restored = replace(self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy))
+            restored = replace(
+                self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy, copy=copy)
+            )
             marks = write_marks(restored._parkable_fields())
             _RESTORED_SLOT.__set__(self, (weakref.ref(restored), marks))  # past the frozen __setattr__: a memo
         return restored

@@ -284,8 +284,8 @@ class PagedKVHandle(StateObject):
         token = OffloadToken(self.pool.offload_fn(self.block_ids))
         return self._replace(status=PARKED, host_copy=token, block_ids=self._ids(()))
 
-    def restore(self) -> PagedKVHandle:
-        """Blocks allocated again by the engine's ``reload`` and the K/V copied back.
+    def restore(self, *, copy: bool = False) -> PagedKVHandle:
+        """Blocks allocated again by the engine's ``reload`` and the K/V copied back (always a copy).
 
         Raises:
           NotParkedError: the handle is not parked.

@@ -437,7 +437,7 @@ def _fill(host: Any, a: int, end: int, srcs: list[Any], dtype: Any, trail: tuple
         torch.cat([torch_host.bytes_view(s) for s in srcs], out=host[a:end])
 
 
-def restore_values(parked: ParkedStorage) -> Any:
+def restore_values(parked: ParkedStorage, *, copy: bool = False) -> Any:
     """The values `park_values` was given, back on their devices (fresh device buffers), bit for bit; a
     copy that took its storages (`_take`) hands them back as they are when nothing else holds them now.
 
@@ -445,7 +445,7 @@ def restore_values(parked: ParkedStorage) -> Any:
       SharedStorageWrittenError: a taken storage was written in place since the park; nothing changes.
     """
     if parked.taken is not None:
-        handed = _hand_back(parked)
+        handed = _hand_back(parked, copy)
         if handed is not None:
             return jax.tree_util.tree_unflatten(parked.treedef, handed)
     if parked.layout is not None and parked.layout.direct:  # the leaves are the restored storages, in order
@@ -469,7 +469,7 @@ def restore_values(parked: ParkedStorage) -> Any:
     return jax.tree_util.tree_unflatten(parked.treedef, out)
 
 
-def _hand_back(parked: ParkedStorage) -> list[Any] | None:
+def _hand_back(parked: ParkedStorage, copy: bool) -> list[Any] | None:
     """The tensors ``parked`` took, handed back as they are (no copy, the very tensor objects: a caller that
     checked them before knows them), or None when something else holds one now (the resident object an older
     table keeps, an earlier restore): then the restore copies, so that a write through `writable` here never
@@ -487,6 +487,8 @@ def _hand_back(parked: ParkedStorage) -> list[Any] | None:
             f"tensor of the resident object an older table holds: the parked bytes are not what was parked. Write "
             f"in place only through `writable`; to keep a private host copy, park with `copy=True`."
         )
+    if copy:
+        return None
     refs, use, storage_refs = _alone()[1:]
     # Each tensor held by the parked copy alone (one container), its storage by it and its buffer view alone.
     if any(f[:3] != (refs, use + 1, storage_refs) for f in _facts(list(taken))):
