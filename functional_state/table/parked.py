@@ -134,7 +134,7 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
     # A fork that still holds the parked object (parked with_sharers) would share a taken storage with this
     # session's restored one: copy it, so the restored storage is this session's own (as a copy's always was).
     own = held_by(obj)
-    restored = obj.restore(copy=bool(own) and held_elsewhere(ledger_of(state), own, own))
+    restored = obj.restore(copy=bool(own and held_elsewhere(ledger_of(state), own, own)))
     new, moved = replace_object(state, obj, restored, {sid: [name]}, "restores")
     if not recorded(restored):  # (forks parked together share the one restored copy: see `torch_writes`)
         record(restored)
