@@ -477,7 +477,10 @@ def test_a_session_s_layout_is_checked_once_and_tensors_put_behind_the_adapter_s
         caches.step("a", torch.tensor([[t]]))
     assert len(calls) == 2  # begin's, then the first step's (the session's tensors were begin's, unseen)
     caches.park("a")
-    caches.step("a", torch.tensor([[4]]))  # restored: other tensors, checked again
+    caches.step("a", torch.tensor([[4]]))  # a CPU park took the tensors: restored as the very same, known
+    assert len(calls) == 2
+    caches.park("a", copy=True)
+    caches.step("a", torch.tensor([[4]]))  # restored from a private copy: other tensors, checked again
     assert len(calls) == 3
     flat = caches.manager.get_session("a").view("kv")
     bad = (flat[0][:, :, :1], flat[1]) if kind == "static" else tuple(t[:, :1] for t in flat)  # one head, not 2

@@ -21,7 +21,7 @@ def _parked_and_restored() -> tuple[fs.ManagerState, fs.ManagerState]:
     s = fs.put(s, "a", "b", fs.LatentBuffer.create(maxlen=4))
     for i in range(2):
         s = fs.commit(s, "a", "b", torch.full((BIG,), float(i)))
-    parked, _ = fs.park(s, "a", "b")
+    parked, _ = fs.park(s, "a", "b", copy=True)  # (a private host copy: restored into the package's buffers)
     restored, _ = fs.restore(parked, "a", "b")
     return s, restored
 

@@ -277,10 +277,14 @@ class StateObject(abc.ABC):
             return self, 0
         return replace(self, status=EVICTED, host_copy=None, **self._released_storage()), freed
 
-    def park(self: S) -> S:
+    def park(self: S, *, copy: bool = False, held: int = 0) -> S:
         """Return a parked copy: committed storage moved to host memory (see `functional_state.memory.parking`),
         the staged payload left where it is. The receiver still holds its device storage: memory is released
         when nothing references the resident version any more (the shell drops it at once).
+
+        On the CPU, torch storages that nothing but this object holds are taken as the host copy instead of
+        copied (device memory is host memory there); ``copy=True`` always copies. ``held``: references to each
+        torch tensor that the caller's bookkeeping keeps besides this object (the table's write records).
 
         Raises:
           ObjectParkedError: already parked. NotAllocatedError, NotResidentError: nothing to park.
@@ -295,15 +299,19 @@ class StateObject(abc.ABC):
                 f"parking would free no device memory (and a restore would hold those bytes twice). Commit the "
                 f"staged payload (`commit()`) or drop it (`discard()`) first."
             )
-        record = parking.park_values(self._parkable_fields(), f"{type(self).__name__}.park")
+        record = parking.park_values(
+            self._parkable_fields(), f"{type(self).__name__}.park", held=None if copy else held
+        )
         return replace(self, status=PARKED, host_copy=record, **self._parked_fields())
 
-    def restore(self: S) -> S:
+    def restore(self: S, *, copy: bool = False) -> S:
         """Return a resident copy of a parked object, its storage back where it was, bit for bit.
 
         While the resident copy an earlier ``restore()`` of this very object returned is alive, that copy is
         returned again: forks that share one parked object (parked with ``with_sharers``) share one device
-        copy once restored, as they shared one before parking.
+        copy once restored, as they shared one before parking. A host copy that took its storages (a CPU
+        park) hands them back when nothing else holds them, unless ``copy`` (the table asks for a copy while
+        a fork still holds the parked object, so the restored storage is the session's own).
 
         Raises:
           NotParkedError: the object is not parked.
@@ -318,7 +326,9 @@ class StateObject(abc.ABC):
         # A copy donated or written in place since is no longer what was parked: a fork restoring after its
         # sharer wrote (its then private copy) in place gets a copy of its own.
         if memo is None or restored is None or write_marks(restored._parkable_fields()) != memo[1]:
-            restored = replace(self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy))
+            restored = replace(
+                self, status=RESIDENT, host_copy=None, **parking.restore_values(self.host_copy, copy=copy)
+            )
             marks = write_marks(restored._parkable_fields())
             _RESTORED_SLOT.__set__(self, (weakref.ref(restored), marks))  # past the frozen __setattr__: a memo
         return restored

@@ -267,8 +267,9 @@ class PagedKVHandle(StateObject):
             return self, 0
         return self._replace(status=EVICTED, block_ids=self._ids(())), len(self.block_ids) * self.pool.block_nbytes
 
-    def park(self) -> PagedKVHandle:
-        """The blocks copied to host by the engine's ``offload`` (the device blocks are then released).
+    def park(self, *, copy: bool = False, held: int = 0) -> PagedKVHandle:
+        """The blocks copied to host by the engine's ``offload`` (the device blocks are then released); the
+        engine copies, whatever ``copy`` and ``held`` say.
 
         Raises:
           NotResidentError, ObjectParkedError: nothing resident to park. InvalidArgumentError: the pool's
@@ -283,8 +284,8 @@ class PagedKVHandle(StateObject):
         token = OffloadToken(self.pool.offload_fn(self.block_ids))
         return self._replace(status=PARKED, host_copy=token, block_ids=self._ids(()))
 
-    def restore(self) -> PagedKVHandle:
-        """Blocks allocated again by the engine's ``reload`` and the K/V copied back.
+    def restore(self, *, copy: bool = False) -> PagedKVHandle:
+        """Blocks allocated again by the engine's ``reload`` and the K/V copied back (always a copy).
 
         Raises:
           NotParkedError: the handle is not parked.

@@ -1,5 +1,6 @@
-"""Torch storages that something outside the table reads: a transfer blob exported from them, or the
-read-only buffer an import built them over. `writable` copies such a storage before any in-place write.
+"""Torch storages that something outside the table reads: a transfer blob exported from them, the
+read-only buffer an import built them over, or a parked copy that took them without copying (a CPU park,
+`parking`). `writable` copies such a storage before any in-place write.
 
 Moving a session between processes costs a copy on each side unless both sides share memory:
 
@@ -27,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["borrow", "immutable", "n_read_outside", "read_by", "read_outside"]
+__all__ = ["borrow", "immutable", "n_read_outside", "read_at", "read_by", "read_outside"]
 
 # (data address, bytes) of a CPU storage -> weak references to the arrays outside the table that read it
-_READERS: dict[tuple[int, int], list[weakref.ref[np.ndarray]]] = {}
+_READERS: dict[tuple[int, int], list[weakref.ref[Any]]] = {}
 _LOCK = threading.RLock()  # (re-entrant: a collection inside `read_by` may run `_forget`)
 
 
@@ -68,9 +69,9 @@ def immutable(buf: Any) -> bool:
         return False
 
 
-def read_by(address: int, nbytes: int, reader: np.ndarray) -> None:
+def read_by(address: int, nbytes: int, reader: Any) -> None:
     """Register the CPU storage at ``address`` of ``nbytes`` as read by ``reader`` (an array outside the
-    table over its memory) for as long as ``reader`` lives."""
+    table over its memory, or a parked copy that took the storage) for as long as ``reader`` lives."""
     if nbytes:
         key = (address, nbytes)
         ref = weakref.ref(reader, functools.partial(_forget, key))
@@ -119,7 +120,12 @@ def read_outside(tensor: Any) -> bool:
     if not _READERS or not tensor.is_cpu:
         return False
     storage = tensor.untyped_storage()
-    return any(ref() is not None for ref in _READERS.get((storage.data_ptr(), storage.nbytes()), ()))
+    return read_at(storage.data_ptr(), storage.nbytes())
+
+
+def read_at(address: int, nbytes: int) -> bool:
+    """`read_outside` for the CPU storage at ``address`` of ``nbytes``."""
+    return any(ref() is not None for ref in _READERS.get((address, nbytes), ()))
 
 
 def n_read_outside() -> int:

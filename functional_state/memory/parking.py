@@ -19,6 +19,18 @@ into a `ParkedStorage`; `restore_values` gives them back.
   bytes, no longer aliased (a storage is its extent: two over the same extent are one). Large CPU buffers
   come from `host_buffers` (recycled, else fresh from numpy's huge pages): first-touch page faults
   otherwise double the cost of a copy.
+* **CPU torch storages nothing else holds are taken, not copied** (`StateObject.park`, the table's `park`):
+  on the CPU the device's memory is host memory, and a copy would hold the same bytes twice for a moment
+  and evict the model's weights from the caches. A storage is taken only when no reference outside the
+  parked object reaches it (`_take`: no tensor, container, view, storage object or numpy view the caller
+  keeps, memory torch allocated, nothing outside the table reading it); any other is copied as above, and
+  ``copy=True`` copies every one. A taken storage is read by the parked copy while it lives
+  (`outside_readers`): the contract a fork's shared storages have, so `writable` copies it before an
+  in-place write (through the restored tensors, or the resident object an older table still holds) and a
+  write outside `writable` is refused; a restore hands the storages back as they are when nothing else
+  holds them (else it copies, as above), and refuses a parked copy written in place since. The figures
+  move the bytes from ``cpu`` to ``cpu/unpinned_host`` exactly as a copy would: they are what a budget
+  reads, and on the CPU both name the same memory.
 * **JAX arrays that alias a torch storage** through the bridge park that whole storage (the memory they
   keep alive) and come back as JAX arrays over the restored storage.
 * Anything else (numpy arrays, which already live in host memory, Python values) is kept as it is.
@@ -39,13 +51,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from ..errors import DeletedArrayError
-from . import accounting, host_buffers, small_tensors, torch_host
+from ..errors import DeletedArrayError, SharedStorageWrittenError
+from . import accounting, host_buffers, outside_readers, small_tensors, torch_host
 from .extents import Extent
 from .shardings import copy_to
 from .torch_host import TorchLeaf as TorchLeaf
@@ -108,6 +121,17 @@ class ParkedStorage:
     slots: tuple[Any, ...]  # per leaf: JaxLeaf, the value kept as is, or _TORCH (a torch leaf, in `layout`)
     layout: _Layout | None  # the torch storages in `buffers`, and the torch leaves over them
     buffers: tuple[Any, ...]  # contiguous uint8 torch tensors, in runs of storages per source device
+    # Taken, not copied (a CPU park of storages nothing else holds): the parked tensors themselves, one per
+    # storage (the buffers are uint8 views of them), and their version counters then (shared with every view
+    # of them: a write in place since is seen). None: the buffers are this copy's own.
+    taken: tuple[Any, ...] | None = None
+    versions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.taken is not None:  # (also for a copy `_unflatten_parked` makes: it shares the storages too)
+            for buf in self.buffers:
+                storage = buf.untyped_storage()
+                outside_readers.read_by(storage.data_ptr(), storage.nbytes(), self)
 
     @functools.cached_property
     def leaves(self) -> tuple[Any, ...]:
@@ -167,12 +191,16 @@ class ParkedStorage:
         return f"ParkedStorage(leaves={len(self.slots)}, torch_storages={n})"
 
 
-def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
+def park_values(values: Any, what: str = "park_values", *, held: int | None = None) -> ParkedStorage:
     """Copy the storage of every array in ``values`` (any pytree) to host memory; see the module docstring.
 
     Args:
       values: the pytree to park.
       what: the call named in an error message.
+      held: None (the default) always copies. An int: ``values`` is a fresh dict of an object's fields (each
+        field's value referenced by the object and this dict alone), and each tensor leaf is referenced
+        ``held`` more times by the caller's own bookkeeping (the table's write records); CPU storages that
+        nothing else holds are then taken as they are instead of copied (`_take`).
 
     Raises:
       DeletedArrayError: a JAX array in ``values`` was deleted (donated); nothing was copied.
@@ -187,6 +215,8 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
       [0.0, 1.0, 2.0, 3.0]
     """
     leaves, treedef = jax.tree_util.tree_flatten(values)
+    if held is not None and (taken := _take(values, leaves, held)) is not None:
+        return ParkedStorage(treedef, (_TORCH,) * len(leaves), *taken)
     one = small_tensors.copied(leaves, _CHUNK, _NUMPY_MIN)
     if one is not None:  # many small 1-D tensors of one dtype: one segment, one copy
         layout = _Layout(one[0])
@@ -220,6 +250,106 @@ def park_values(values: Any, what: str = "park_values") -> ParkedStorage:
         return ParkedStorage(treedef, tuple(slots), None, ())
     layout, buffers = _copy_storages_to_host(gathered)
     return ParkedStorage(treedef, tuple(slots), layout, tuple(buffers))
+
+
+@functools.cache
+def _alone() -> tuple[int, int, int, int]:
+    """The reference counts `_take` sees for values that the library alone holds: of a container held by its
+    parent alone, of a tensor held by its container alone (and the flattened leaves), of its storage
+    (tensors and views over it), and of its storage's Python object. Measured once, through the same calls,
+    on a fresh tensor in a field of its own."""
+    torch = torch_host.torch_module()
+    field = (torch.empty(1),)  # (the object's field: this name stands for the object's attribute)
+    fields = {"value": field}
+    leaves = list(field)
+    return _private(fields, None), *_facts(leaves)[0][:3]
+
+
+def _private(fields: dict[str, Any], counts: tuple[int, int, int, int] | None) -> Any:
+    """Whether every container in ``fields`` (tuples, lists and dicts only) is referenced by its parent alone
+    (a field's value by the object and ``fields``) per ``counts`` (`_alone`); None measures that count."""
+    seen: list[int] = []
+    stack: list[tuple[Any, int]] = [(v, 2) for v in fields.values()]  # (a field: the object and ``fields``)
+    tensor = torch_host.torch_module().Tensor
+    while stack:
+        node, parents = stack.pop()
+        if type(node) is tensor:
+            continue
+        if type(node) not in (tuple, list, dict):
+            return False
+        seen.append(sys.getrefcount(node) - parents)
+        stack.extend((x, 1) for x in (node.values() if type(node) is dict else node))
+    if counts is None:
+        return seen[0]
+    return all(n == counts[0] for n in seen)
+
+
+def _facts(leaves: list[Any]) -> list[tuple[int, int, int, Any]]:
+    """Per tensor: its references, its storage's (tensors and views over it), its storage object's, and that
+    storage object."""
+    use_count = torch_host.torch_module()._C._storage_Use_Count
+    out = []
+    for t in leaves:
+        s = t.untyped_storage()
+        out.append((sys.getrefcount(t), use_count(s._cdata), sys.getrefcount(s), s))
+    return out
+
+
+def _take(
+    fields: Any, leaves: list[Any], held: int
+) -> tuple[_Layout, tuple[Any, ...], tuple[Any, ...], tuple[int, ...]] | None:
+    """The layout, buffers, tensors and versions of a parked copy that takes the leaves' own storages instead of
+    copying them, or None (copy them) unless every leaf is a plain CPU tensor spanning a storage that torch
+    allocated (no ``from_numpy`` or DLPack memory, no engine pool) and that nothing else can write: no other
+    reference to the tensor than its one container in ``fields`` (and ``held`` of the caller's), none to a
+    container but its parent's (a tuple the user keeps would reach the tensors), no other tensor or view over
+    the storage, no reference to the storage's Python object, nothing outside the table reading it
+    (`outside_readers`), and a version counter (no inference-mode tensor).
+
+    On the CPU the device's memory is host memory: the copy would hold the same bytes in the same memory.
+    The storages are registered as read outside the table for as long as the parked copy lives, the contract
+    a fork's shared storages have: `writable` copies one before an in-place write (the restored tensors, or
+    the resident object an older table still holds), a write outside it is refused by the table's checks,
+    and a restore refuses a parked copy written since (its version counters moved)."""
+    torch = torch_host.torch_module()
+    if torch is None or not leaves or type(fields) is not dict or set(map(type, leaves)) != {torch.Tensor}:
+        return None
+    facts = _facts(leaves)  # (first: the loop variable below holds one more reference)
+    alone = _alone()
+    want = (alone[1] + held, *alone[2:])
+    strided, plain, read_at = torch.strided, torch_host.plain_dtypes(torch), outside_readers.read_at
+    for t, (refs, use, storage_refs, storage) in zip(leaves, facts):
+        n = t.nbytes
+        if (
+            (refs, use, storage_refs) != want
+            or not n
+            or storage.nbytes() != n
+            or not storage.resizable()  # (memory torch allocated: no from_numpy, DLPack or `.numpy()` view)
+            or not t.is_cpu
+            or t.layout is not strided
+            or t.is_nested
+            or t.requires_grad
+            or t.is_inference()
+            or t.dtype not in plain
+            or not t.dim()
+            or t.storage_offset()
+            or not t.is_contiguous()
+            or t.is_neg()
+            or t.is_conj()
+            or torch_host.needs_recipe(t)
+            or read_at(storage.data_ptr(), n)
+        ):
+            return None
+    if not _private(fields, alone):
+        return None
+    g = torch_host.Gathered()
+    n = len(leaves)
+    g.devices, g.sizes, g.direct = [torch.device("cpu")] * n, [t.nbytes for t in leaves], True
+    g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
+    layout = _Layout(g)
+    layout.segments.extend((k, 0, t.nbytes, range(k, k + 1), t.dtype, tuple(t.shape[1:])) for k, t in enumerate(leaves))
+    buffers = tuple(t.view(-1).view(torch.uint8) for t in leaves)
+    return layout, buffers, tuple(leaves), tuple(t._version for t in leaves)
 
 
 def _raise_deleted(values: Any, index: int, leaf: Any, what: str) -> None:
@@ -307,8 +437,17 @@ def _fill(host: Any, a: int, end: int, srcs: list[Any], dtype: Any, trail: tuple
         torch.cat([torch_host.bytes_view(s) for s in srcs], out=host[a:end])
 
 
-def restore_values(parked: ParkedStorage) -> Any:
-    """The values `park_values` was given, back on their devices (fresh device buffers), bit for bit."""
+def restore_values(parked: ParkedStorage, *, copy: bool = False) -> Any:
+    """The values `park_values` was given, back on their devices (fresh device buffers), bit for bit; a
+    copy that took its storages (`_take`) hands them back as they are when nothing else holds them now.
+
+    Raises:
+      SharedStorageWrittenError: a taken storage was written in place since the park; nothing changes.
+    """
+    if parked.taken is not None:
+        handed = _hand_back(parked, copy)
+        if handed is not None:
+            return jax.tree_util.tree_unflatten(parked.treedef, handed)
     if parked.layout is not None and parked.layout.direct:  # the leaves are the restored storages, in order
         return jax.tree_util.tree_unflatten(parked.treedef, _copy_storages_to_device(parked))
     out: list[Any] = list(parked.slots)
@@ -328,6 +467,33 @@ def restore_values(parked: ParkedStorage) -> Any:
             s = storages[k]
             out[i] = s if recipe is None else rebuild(recipe, s.untyped_storage(), s.device)
     return jax.tree_util.tree_unflatten(parked.treedef, out)
+
+
+def _hand_back(parked: ParkedStorage, copy: bool) -> list[Any] | None:
+    """The tensors ``parked`` took, handed back as they are (no copy, the very tensor objects: a caller that
+    checked them before knows them), or None when something else holds one now (the resident object an older
+    table keeps, an earlier restore): then the restore copies, so that a write through `writable` here never
+    reaches the other holder once the parked copy is gone."""
+    taken = parked.taken
+    assert taken is not None
+    written = [k for k, (t, v) in enumerate(zip(taken, parked.versions)) if t._version != v]
+    if written:
+        t = taken[written[0]]
+        storage = t.untyped_storage()
+        raise SharedStorageWrittenError(
+            f"`restore`: the parked copy took the {storage.nbytes()}-byte cpu storage at {storage.data_ptr():#x} "
+            f"without copying it (a CPU park of a storage nothing else held), and that storage was written in "
+            f"place since (version {parked.versions[written[0]]} -> {t._version}), outside `writable`, through a "
+            f"tensor of the resident object an older table holds: the parked bytes are not what was parked. Write "
+            f"in place only through `writable`; to keep a private host copy, park with `copy=True`."
+        )
+    if copy:
+        return None
+    refs, use, storage_refs = _alone()[1:]
+    # Each tensor held by the parked copy alone (one container), its storage by it and its buffer view alone.
+    if any(f[:3] != (refs, use + 1, storage_refs) for f in _facts(list(taken))):
+        return None
+    return list(taken)
 
 
 def _copy_storages_to_device(parked: ParkedStorage) -> list[Any]:
@@ -424,7 +590,7 @@ def _unflatten_parked(aux: _ParkedAux, children: Any) -> ParkedStorage:
     parked = aux.parked
     new = {id(r): JaxLeaf(host, r.sharding) for r, host in zip(_jax_recipes(parked), children)}
     slots = tuple(new.get(id(leaf), leaf) if isinstance(leaf, JaxLeaf) else leaf for leaf in parked.slots)
-    return ParkedStorage(parked.treedef, slots, parked.layout, parked.buffers)
+    return ParkedStorage(parked.treedef, slots, parked.layout, parked.buffers, parked.taken, parked.versions)
 
 
 jax.tree_util.register_pytree_node(ParkedStorage, _flatten_parked, _unflatten_parked)

@@ -167,7 +167,7 @@ def gather(leaves: list[Any], plain_max: int, where: tuple[Any, str] = (None, "g
                     storage_of(k)
                     # Restored by a contiguous copy: exact for the leaf itself unless a size-1 dim let it
                     # carry other strides (or it needs its autograd flag back): those get a recipe.
-                    recipe_of(leaf_recipe(leaf, k, None) if _needs_recipe(leaf) else None)
+                    recipe_of(leaf_recipe(leaf, k, None) if needs_recipe(leaf) else None)
                     continue
         tensor, owner = as_torch(leaf)
         if tensor is None:
@@ -255,12 +255,12 @@ def _all_plain(leaves: list[Any], torch: Any, plain: frozenset[Any], plain_max: 
     g.sources, g.devices, g.sizes, g.dtypes = list(leaves), [torch.device("cpu")] * n, sizes, dtypes
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
     if unit or any(p[3] for p in props):
-        g.recipe = [leaf_recipe(t, k, None) if _needs_recipe(t) else None for k, t in enumerate(leaves)]
+        g.recipe = [leaf_recipe(t, k, None) if needs_recipe(t) else None for k, t in enumerate(leaves)]
     g.direct = g.recipe.count(None) == n
     return True
 
 
-def _needs_recipe(t: Any) -> bool:
+def needs_recipe(t: Any) -> bool:
     """Whether plain tensor ``t`` needs a recipe to come back as it was: a contiguous copy of it (what a restore
     makes of a plain storage) has the strides `_contiguous_stride` gives, which a size-1 dim lets ``t`` differ
     from (``torch.empty_strided((3, 1), (1, 9))`` is contiguous); and the copy does not require grad."""

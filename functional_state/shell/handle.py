@@ -127,11 +127,18 @@ class SessionHandle:
             check_object(self._slot.table, self._cell.session_id, name, obj, what)
         return obj
 
-    def park(self, name: str, *, with_sharers: bool = False) -> dict[str, int]:
+    def park(self, name: str, *, with_sharers: bool = False, copy: bool = False) -> dict[str, int]:
         """Park object ``name`` in host memory; the next access through any handle restores it. Returns the
-        bytes moved per pool (see `functional_state.park`)."""
+        bytes moved per pool (see `functional_state.park`; ``copy``: a private host copy even on the CPU)."""
         return self._ops.apply(
-            self._cell, "park", parked.park, name, names=(), with_sharers=with_sharers, table_only=self._only
+            self._cell,
+            "park",
+            parked.park,
+            name,
+            names=(),
+            with_sharers=with_sharers,
+            copy=copy,
+            table_only=self._only,
         )
 
     def restore(self, name: str) -> dict[str, int]:

@@ -340,9 +340,12 @@ class SessionStateManager:
             after = locked_step(state, traced, keeps_bytes, self._published, others, (sid, name, fn, args, donate))
             self._writes.install(self._writes.admit(state, after, sid, self._pins.pinned, None, STEP))
 
-    def park(self, session_id: str | None, name: str, *, with_sharers: bool = False) -> dict[str, int]:
-        """Park object ``name`` of a session in host memory (see `functional_state.park`); returns the bytes
-        moved per pool. Handles restore it on their next access.
+    def park(
+        self, session_id: str | None, name: str, *, with_sharers: bool = False, copy: bool = False
+    ) -> dict[str, int]:
+        """Park object ``name`` of a session in host memory (see `functional_state.park`: on a CPU device a
+        storage nothing else holds is taken, not copied, unless ``copy``); returns the bytes moved per pool.
+        Handles restore it on their next access.
 
         Under a byte budget the session parked is the writer: a host pool the park would leave over its
         budget may release other sessions, never this one.
@@ -351,7 +354,7 @@ class SessionStateManager:
           BudgetExceededError: the host copy does not fit even so; nothing changed.
         """
         sid = ms.resolve_session_id(session_id)
-        plan = self._by_id("park", lambda s: park_object(s, sid, name, with_sharers=with_sharers), sid)
+        plan = self._by_id("park", lambda s: park_object(s, sid, name, with_sharers=with_sharers, copy=copy), sid)
         return self._run(plan, Write(sid, local=not with_sharers))  # (with its sharers: other sessions too)
 
     def restore(self, session_id: str | None, name: str) -> dict[str, int]:

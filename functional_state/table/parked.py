@@ -31,9 +31,16 @@ def _holding(state: ManagerState, obj: StateObject) -> dict[str, list[str]]:
 
 
 def park(
-    state: ManagerState, session_id: str | None, name: str, *, with_sharers: bool = False
+    state: ManagerState, session_id: str | None, name: str, *, with_sharers: bool = False, copy: bool = False
 ) -> tuple[ManagerState, dict[str, int]]:
     """Move object ``name``'s committed storage to host memory (see `functional_state.memory.parking`).
+
+    On a CPU device, whose memory is host memory, torch storages that nothing else holds (no tensor the
+    user keeps, no view, no ``from_numpy`` or DLPack memory, no transfer blob) are taken as the host copy
+    instead of copied: the bytes still move from the device pool to the host pool in the figures (what
+    budgets read), though on the CPU both are the same memory. They stay shared with the restored tensors
+    (and the resident object an older table holds) the way a fork's are: `writable` copies them before an
+    in-place write while the parked copy lives. ``copy=True`` always makes a private host copy.
 
     Parking frees device memory only if nothing else holds the storage, so it is refused when something
     does: another object or an attr of the session, or another session. The very same object held
@@ -98,7 +105,8 @@ def park(
             f"would copy it to host memory and free no device memory.{hint}"
         )
     try:
-        parked = obj.park()
+        # (the table's write record of the object holds one more reference to each of its tensors)
+        parked = obj.park(copy=copy, held=1 if recorded(obj) else 0)
     except (DeletedArrayError, SharedStorageError) as e:  # the object's own refusal, told with its address
         raise type(e)(f"`park`: object {name!r} of session {sid!r}: {e}") from None
     new, moved = replace_object(state, obj, parked, targets, "parks")
@@ -123,7 +131,10 @@ def restore(state: ManagerState, session_id: str | None, name: str) -> tuple[Man
     """
     sid, node = locate(state, session_id, "restore")
     obj = find_object(node, name, "restore")
-    restored = obj.restore()
+    # A fork that still holds the parked object (parked with_sharers) would share a taken storage with this
+    # session's restored one: copy it, so the restored storage is this session's own (as a copy's always was).
+    own = held_by(obj)
+    restored = obj.restore(copy=bool(own and held_elsewhere(ledger_of(state), own, own)))
     new, moved = replace_object(state, obj, restored, {sid: [name]}, "restores")
     if not recorded(restored):  # (forks parked together share the one restored copy: see `torch_writes`)
         record(restored)

@@ -195,9 +195,10 @@ class SessionCaches:
         """Fork session ``source_id`` as ``new_id`` (a beam, a branch), sharing its tensors until one writes."""
         self.manager.fork_session(source_id, new_id)
 
-    def park(self, session_id: str, *, with_sharers: bool = False) -> dict[str, int]:
-        """Move the session's cache to host memory (see `SessionStateManager.park`); `step` restores it."""
-        return self.manager.park(session_id, self.name, with_sharers=with_sharers)
+    def park(self, session_id: str, *, with_sharers: bool = False, copy: bool = False) -> dict[str, int]:
+        """Move the session's cache to host memory (see `SessionStateManager.park`); `step` restores it. On the
+        CPU the cache's own tensors are the host copy (no copy) unless ``copy``."""
+        return self.manager.park(session_id, self.name, with_sharers=with_sharers, copy=copy)
 
     def restore(self, session_id: str) -> dict[str, int]:
         """Bring a parked cache back where it was, bit for bit."""
