@@ -52,7 +52,9 @@ def test_the_weak_maps_hold_no_pile_of_dead_entries(monkeypatch: pytest.MonkeyPa
         h = manager.get_or_create_session(f"s{i}")
         h.commit("buf", _ITEM)
         del h
-        assert len(kept.handles) <= 2 and len(kept.live) <= 2, i
+        # (the ring's 8 handles, the two last built and not yet looked at again, and this one)
+        assert len(kept.handles) <= 8 + 3 and len(kept.live) <= 8 + 3, i
+        assert sum(ref() is None for ref in kept.handles.values()) <= 2, i
 
 
 def test_kept_handles_leave_the_ring_with_their_entries(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -77,3 +79,12 @@ def test_a_handle_held_by_its_caller_keeps_its_cell_shared() -> None:
     for sid in ("b", "c", "d"):
         manager.get_or_create_session(sid)  # builds of other sessions; "a" leaves at "c"
     assert not a.in_table and a.view("buf") == (1.0,)
+
+
+def test_the_handle_of_a_session_just_created_is_kept_for_its_next_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A session a miss created is about to be used: its handle is kept at once, so the request's next call
+    # gets it back instead of building a second cell and handle.
+    monkeypatch.setattr(cells, "_RECENT", 8)
+    manager = _manager(64)
+    first = weakref.ref(manager.get_or_create_session("new"))
+    assert first() is not None and manager.get_or_create_session("new") is first()

@@ -2,8 +2,8 @@
 
 A cell holds nothing while its session is in the table (handles read the table); when a write takes the
 session out, the cell keeps the session's last state as the handles' own copy. Cells and the shell's handles
-are kept weakly (but for the last `_RECENT` handles built a second time within a window of `_RECENT` builds:
-a session in use): a session no handle holds (an idle one) has neither, so it costs a full collection
+are kept weakly (but for the last `_RECENT` handles built for a session just created, or a second time within
+a window of `_RECENT` builds: sessions in use): a session no handle holds (an idle one) has neither, so it costs a full collection
 nothing over the table's own objects; its next handle gets a new cell, which no older handle can share. A
 handle built once in a long while dies with its caller's reference, young, and the weak entries of a dead
 handle leave at the next build (`Cells.handle`), so none pile up for a sweep. Every change the shell makes
@@ -170,8 +170,8 @@ class Cells:
         # one. Kept here, not on the cell, so a detached cell is freed with its last handle.
         self.handles: dict[int, weakref.ref[Any]] = {}
         self._live_sweep_at = _SWEEP_FROM
-        # The last `_RECENT` handles built a second time on sessions still in the table, strongly, by
-        # incarnation: a caller that drops its handle after each call (one `get_or_create_session` per request)
+        # The last `_RECENT` handles built for a session just created or built a second time (see `_built`) on
+        # sessions still in the table, strongly, by incarnation: a caller that drops its handle after each call (one `get_or_create_session` per request)
         # gets the same one back instead of a new cell and handle per hit, while a full collection pays for at
         # most `_RECENT` of them whatever the table holds. A session leaving the table leaves this too: a
         # detached handle keeps its session's last state, which only a caller's own handle may keep alive.
@@ -182,7 +182,7 @@ class Cells:
         # collector's youngest generation, instead of surviving in the ring into the oldest, which makes
         # every later collection longer and triggers full ones sooner.
         self._built: OrderedDict[int, None] = OrderedDict()
-        self._unkept: int | None = None  # the incarnation of the last handle built and not kept
+        self._unkept: deque[int] = deque()  # the incarnations of the last handles built and not kept
         # Detached cells, weakly: a plain weak reference per cell in a list (no callback, no WeakSet or dict
         # bookkeeping on the miss path: one append); the dead ones are swept when the list has doubled since
         # the last sweep. A cell is in it at most once: it is appended when it leaves the live dict, and
@@ -192,10 +192,12 @@ class Cells:
         # Why the most recent departures left, oldest first: read only to word an error about an absent id.
         self._departed: deque[tuple[str, str]] = deque(maxlen=_DEPARTED_KEPT)
 
-    def cell(self, state: ManagerState, sid: str, undo: Undo | None = None) -> Cell:
-        """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use."""
-        uid = ms.incarnation_of(state, sid)  # (``sid`` resolved by the caller, and in ``state``)
-        assert uid is not None
+    def cell(self, state: ManagerState, sid: str, undo: Undo | None = None, uid: int | None = None) -> Cell:
+        """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use (``uid``: that
+        incarnation, where the caller has it from the table's own answer)."""
+        if uid is None:
+            uid = ms.incarnation_of(state, sid)  # (``sid`` resolved by the caller, and in ``state``)
+            assert uid is not None
         cell = self._live_cell(uid)
         if cell is None:
             cell = Cell(uid, sid)
@@ -206,19 +208,27 @@ class Cells:
                 undo.append(lambda: self._forget(uid, session))
         return cell
 
-    def handle(self, state: ManagerState, sid: str, undo: Undo | None, make: Callable[[Cell], Any]) -> Any:
+    def handle(
+        self,
+        state: ManagerState,
+        sid: str,
+        undo: Undo | None,
+        make: Callable[[Cell], Any],
+        uid: int | None = None,
+        created: bool = False,
+    ) -> Any:
         """The shell's handle on the cell of ``sid`` in ``state`` (installed): the one a hit returns while it
-        lives, built by ``make(cell)`` when none does, and kept for reuse if it was built within the last
-        `_RECENT` builds too (see `Cells`)."""
-        cell = self.cell(state, sid, undo)
-        ref = self.handles.get(cell.uid)
+        lives, built by ``make(cell)`` when none does. A handle built for a session just ``created``, or built
+        within the last `_RECENT` builds too, is kept for reuse (see `Cells`). ``uid`` as for `cell`."""
+        cell = self.cell(state, sid, undo, uid)
+        uid = cell.uid
+        ref = self.handles.get(uid)
         handle = None if ref is None else ref()
         if handle is None:
-            uid = cell.uid
             handle = make(cell)
             self.handles[uid] = weakref.ref(handle)
             built = self._built
-            if uid in built:  # built again within the window: a session in use keeps its handle between calls
+            if created or uid in built:  # a session in use: it keeps its handle between calls
                 recent = self._recent
                 recent[uid] = handle
                 if len(recent) > _RECENT:
@@ -227,16 +237,19 @@ class Cells:
                 built[uid] = None
                 if len(built) > _RECENT:
                     built.popitem(last=False)
-                # The handle built before this one and not kept: its caller has usually dropped it by now.
-                if self._unkept is not None:
-                    self._unless_held(self._unkept)
-                self._unkept = uid
+                # The handles built before this one and not kept: their callers have usually dropped them by
+                # now (a caller's loop still holds the last one while it asks for the next).
+                unkept = self._unkept
+                unkept.append(uid)
+                if len(unkept) > 2:
+                    self._unless_held(unkept.popleft())
         return handle
 
     def _unless_held(self, uid: int) -> None:
-        """Once the ring let go of incarnation ``uid``'s handle: its entries leave now if nothing else held the
-        handle or its cell (the common case: a caller that takes a handle per request), so the dead entries
-        never pile up for a sweep, which would walk every entry inside one caller's op."""
+        """Once nothing of the shell holds incarnation ``uid``'s handle (the ring let go of it, or it was never
+        kept): its entries leave now if nothing else holds the handle or its cell (the common case: a caller
+        that takes a handle per request), so dead entries never pile up for a sweep, which would walk every
+        entry inside one caller's op."""
         ref = self.handles.get(uid)
         if ref is not None and ref() is None:
             del self.handles[uid]
