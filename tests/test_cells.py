@@ -88,3 +88,23 @@ def test_the_handle_of_a_session_just_created_is_kept_for_its_next_call(monkeypa
     manager = _manager(64)
     first = weakref.ref(manager.get_or_create_session("new"))
     assert first() is not None and manager.get_or_create_session("new") is first()
+
+
+def test_a_session_whose_handle_only_the_ring_kept_leaves_with_nothing_to_detach(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Its handle (kept for reuse, held by no caller) leaves the ring first and dies, its cell with it: no copy
+    # is handed over and no "live handles" line is logged (the LRU logged the eviction). A handle a caller
+    # holds is still detached with the session's last state.
+    manager = SessionStateManager(max_sessions=2)
+    manager.get_or_create_session("a").put("buf", LatentBuffer.create(maxlen=2)).commit("buf", 1.0)
+    held = manager.get_or_create_session("b").put("buf", LatentBuffer.create(maxlen=2)).commit("buf", 2.0)
+    with caplog.at_level("INFO", logger="functional_state"):
+        manager.get_or_create_session("c")  # evicts "a"
+        manager.get_or_create_session("d")  # evicts "b"
+    detached = [r.getMessage() for r in caplog.records if "live handles keep their own copy" in r.getMessage()]
+    assert detached == [
+        "session 'b' evicted (LRU: the table holds at most max_sessions=2): its live handles keep "
+        "their own copy; writes through them no longer reach the table (`handle.in_table` is False)"
+    ]
+    assert [cell.session_id for cell in manager._cells.detached()] == ["b"] and held.view("buf") == (2.0,)

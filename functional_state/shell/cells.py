@@ -311,6 +311,10 @@ class Cells:
         writes never pay for it)."""
         for d in left:
             self._departed.append((d.sid, d.reason))
+            self.handles.pop(d.uid, None)
+            # First: a handle only the ring kept (no caller holds one) dies here, its cell with it, and there is
+            # nothing to detach.
+            self._recent.pop(d.uid, None)
             ref = self.live.pop(d.uid, None)
             cell = None if ref is None else ref()
             # Once per incarnation: the eviction itself is logged where it happens (the LRU, the budget plan), so
@@ -319,9 +323,7 @@ class Cells:
                 _log.info("session %r %s", d.sid, d.reason)
             elif cell is not None:
                 _log_detached(d.sid, d.reason)
-            self.handles.pop(d.uid, None)
-            if cell is not None:  # (the ring holds handles, which hold their cells: no cell, no ring entry)
-                self._recent.pop(d.uid, None)
+            if cell is not None:
                 if undo is not None:  # (None: nothing can take this write back)
                     undo.append(_restorer(self, cell, True))
                 cell.session = d.session  # first: a lock-free reader that sees `left` must find the copy
