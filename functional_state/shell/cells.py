@@ -2,9 +2,11 @@
 
 A cell holds nothing while its session is in the table (handles read the table); when a write takes the
 session out, the cell keeps the session's last state as the handles' own copy. Cells and the shell's handles
-are kept weakly (but for the last `_RECENT` handles built): a session no handle holds (an idle one) has
-neither, so it costs a full collection nothing over the table's own objects; its next handle gets a new
-cell, which no older handle can share. Every change the shell makes
+are kept weakly (but for the last `_RECENT` handles built for a session just created, or a second time within
+a window of `_RECENT` builds: sessions in use): a session no handle holds (an idle one) has neither, so it costs a full collection
+nothing over the table's own objects; its next handle gets a new cell, which no older handle can share. A
+handle built once in a long while dies with its caller's reference, young, and the weak entries of a dead
+handle leave at the next build (`Cells.handle`), so none pile up for a sweep. Every change the shell makes
 to cells while installing a write is journaled, so a write that must be taken back (an engine ``free`` that
 raised, with nothing installed on top of it) leaves the cells exactly as they were.
 
@@ -33,7 +35,7 @@ __all__ = ["Cell", "Cells", "Departure", "departures", "evicted_reason", "in_tab
 _log = logging.getLogger("functional_state")
 _DEPARTED_KEPT = 4096  # why the most recent departed ids left: named by errors about them
 _SWEEP_FROM = 64  # detached cells (or live entries) kept before the first sweep of dead ones
-_RECENT = 1024  # the handles last built, kept alive: a session in use keeps its handle between calls
+_RECENT = 1024  # handles built again within this many builds, kept alive: a session in use keeps its handle
 _NOT_LEFT = SessionState.empty()  # a live cell's session: never read while the cell is in the table
 
 
@@ -168,12 +170,19 @@ class Cells:
         # one. Kept here, not on the cell, so a detached cell is freed with its last handle.
         self.handles: dict[int, weakref.ref[Any]] = {}
         self._live_sweep_at = _SWEEP_FROM
-        # The last `_RECENT` handles built on sessions still in the table, strongly, by incarnation: a caller
-        # that drops its handle after each call (one `get_or_create_session` per request) gets the same one back
-        # instead of a new cell and handle per hit, while a full collection pays for at most `_RECENT` of them
-        # whatever the table holds. A session leaving the table leaves this too: a detached handle keeps its
-        # session's last state, which only a caller's own handle may keep alive.
+        # The last `_RECENT` handles built for a session just created or built a second time (see `_built`) on
+        # sessions still in the table, strongly, by incarnation: a caller that drops its handle after each call (one `get_or_create_session` per request)
+        # gets the same one back instead of a new cell and handle per hit, while a full collection pays for at
+        # most `_RECENT` of them whatever the table holds. A session leaving the table leaves this too: a
+        # detached handle keeps its session's last state, which only a caller's own handle may keep alive.
         self._recent: OrderedDict[int, Any] = OrderedDict()
+        # The incarnations the last `_RECENT` handles were built for (numbers only): a handle is kept in
+        # `_recent` when it is built again within that window, so a session in use keeps one, while the handle
+        # of a session met once in a long while (uniform hits over a large table) dies young, in the
+        # collector's youngest generation, instead of surviving in the ring into the oldest, which makes
+        # every later collection longer and triggers full ones sooner.
+        self._built: OrderedDict[int, None] = OrderedDict()
+        self._unkept: deque[int] = deque()  # the incarnations of the last handles built and not kept
         # Detached cells, weakly: a plain weak reference per cell in a list (no callback, no WeakSet or dict
         # bookkeeping on the miss path: one append); the dead ones are swept when the list has doubled since
         # the last sweep. A cell is in it at most once: it is appended when it leaves the live dict, and
@@ -183,10 +192,12 @@ class Cells:
         # Why the most recent departures left, oldest first: read only to word an error about an absent id.
         self._departed: deque[tuple[str, str]] = deque(maxlen=_DEPARTED_KEPT)
 
-    def cell(self, state: ManagerState, sid: str, undo: Undo | None = None) -> Cell:
-        """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use."""
-        uid = ms.incarnation_of(state, sid)  # (``sid`` resolved by the caller, and in ``state``)
-        assert uid is not None
+    def cell(self, state: ManagerState, sid: str, undo: Undo | None = None, uid: int | None = None) -> Cell:
+        """The cell of ``sid``'s incarnation in ``state`` (installed), made on first use (``uid``: that
+        incarnation, where the caller has it from the table's own answer)."""
+        if uid is None:
+            uid = ms.incarnation_of(state, sid)  # (``sid`` resolved by the caller, and in ``state``)
+            assert uid is not None
         cell = self._live_cell(uid)
         if cell is None:
             cell = Cell(uid, sid)
@@ -197,20 +208,54 @@ class Cells:
                 undo.append(lambda: self._forget(uid, session))
         return cell
 
-    def handle(self, state: ManagerState, sid: str, undo: Undo | None, make: Callable[[Cell], Any]) -> Any:
+    def handle(
+        self,
+        state: ManagerState,
+        sid: str,
+        undo: Undo | None,
+        make: Callable[[Cell], Any],
+        uid: int | None = None,
+        created: bool = False,
+    ) -> Any:
         """The shell's handle on the cell of ``sid`` in ``state`` (installed): the one a hit returns while it
-        lives, built by ``make(cell)`` when none does."""
-        cell = self.cell(state, sid, undo)
-        ref = self.handles.get(cell.uid)
+        lives, built by ``make(cell)`` when none does. A handle built for a session just ``created``, or built
+        within the last `_RECENT` builds too, is kept for reuse (see `Cells`). ``uid`` as for `cell`."""
+        cell = self.cell(state, sid, undo, uid)
+        uid = cell.uid
+        ref = self.handles.get(uid)
         handle = None if ref is None else ref()
         if handle is None:
             handle = make(cell)
-            self.handles[cell.uid] = weakref.ref(handle)
-            recent = self._recent
-            recent[cell.uid] = handle
-            if len(recent) > _RECENT:
-                recent.popitem(last=False)
+            self.handles[uid] = weakref.ref(handle)
+            built = self._built
+            if created or uid in built:  # a session in use: it keeps its handle between calls
+                recent = self._recent
+                recent[uid] = handle
+                if len(recent) > _RECENT:
+                    self._unless_held(recent.popitem(last=False)[0])
+            else:
+                built[uid] = None
+                if len(built) > _RECENT:
+                    built.popitem(last=False)
+                # The handles built before this one and not kept: their callers have usually dropped them by
+                # now (a caller's loop still holds the last one while it asks for the next).
+                unkept = self._unkept
+                unkept.append(uid)
+                if len(unkept) > 2:
+                    self._unless_held(unkept.popleft())
         return handle
+
+    def _unless_held(self, uid: int) -> None:
+        """Once nothing of the shell holds incarnation ``uid``'s handle (the ring let go of it, or it was never
+        kept): its entries leave now if nothing else holds the handle or its cell (the common case: a caller
+        that takes a handle per request), so dead entries never pile up for a sweep, which would walk every
+        entry inside one caller's op."""
+        ref = self.handles.get(uid)
+        if ref is not None and ref() is None:
+            del self.handles[uid]
+            cell_ref = self.live.get(uid)
+            if cell_ref is not None and cell_ref() is None:
+                del self.live[uid]
 
     def _live_cell(self, uid: int) -> Cell | None:
         ref = self.live.get(uid)
@@ -266,17 +311,18 @@ class Cells:
         writes never pay for it)."""
         for d in left:
             self._departed.append((d.sid, d.reason))
+            self.handles.pop(d.uid, None)
+            # First: a handle only the ring kept (no caller holds one) dies here, its cell with it, and there is
+            # nothing to detach.
+            self._recent.pop(d.uid, None)
             ref = self.live.pop(d.uid, None)
             cell = None if ref is None else ref()
-            # Once per incarnation: the eviction itself is logged where it happens (the LRU, the budget plan).
-            if cell is not None and not d.closed:
-                _log_detached(d.sid, d.reason)
-            elif d.closed:  # a caller's drop: its handles refuse writes from now on
+            # Once per incarnation: the eviction itself is logged where it happens (the LRU, the budget plan), so
+            # a session that leaves with no live handle has nothing more to log.
+            if d.closed:  # a caller's drop: its handles refuse writes from now on
                 _log.info("session %r %s", d.sid, d.reason)
-            else:
-                _log.debug("session %r %s", d.sid, d.reason)
-            self.handles.pop(d.uid, None)
-            self._recent.pop(d.uid, None)
+            elif cell is not None:
+                _log_detached(d.sid, d.reason)
             if cell is not None:
                 if undo is not None:  # (None: nothing can take this write back)
                     undo.append(_restorer(self, cell, True))

@@ -151,9 +151,12 @@ class SessionStateManager:
         """
         return self._pins.pin(ms.resolve_session_id(session_id))
 
-    def _new_handle(self, sid: str, state: ManagerState, undo: Undo | None) -> SessionHandle:
-        """A handle on ``sid`` in the installed ``state`` (with ``partial``, a ``then`` for `_run`)."""
-        return self._cells.handle(state, sid, undo, self._make_handle)
+    def _new_handle(
+        self, sid: str, state: ManagerState, undo: Undo | None, uid: int | None = None, created: bool = False
+    ) -> SessionHandle:
+        """A handle on ``sid`` in the installed ``state`` (with ``partial``, a ``then`` for `_run`; ``uid``: its
+        incarnation, where the caller has it; ``created``: a session this very call inserted, `Cells.handle`)."""
+        return self._cells.handle(state, sid, undo, self._make_handle, uid, created)
 
     def get_or_create_session(self, session_id: str | None = None) -> SessionHandle:
         """A handle on session ``session_id`` (None means ``"default"``), created on a miss.
@@ -171,13 +174,13 @@ class SessionStateManager:
                 slot.table = after
                 ref = self._live.get(uid)  # (weak: an idle session keeps no handle)
                 handle = None if ref is None else ref()
-                return self._new_handle(sid, after, None) if handle is None else handle
+                return self._new_handle(sid, after, None, uid) if handle is None else handle
             # A miss inserts an empty session, which adds no bytes: its admission runs no user code, so it is
             # decided and installed here, in one acquisition; the blocks it releases go back after.
             decision = self._writes.admit(state, after, sid, self._pins.pinned, None, INSERT, evicted=evicted)
             undo, epoch = self._writes.install(decision), slot.epoch
             # (journaled only when blocks were released: only a failed ``free`` of them takes a write back)
-            handle = self._new_handle(sid, decision.final, undo if decision.released else None)
+            handle = self._new_handle(sid, decision.final, undo if decision.released else None, uid, True)
         finally:
             slot.release()
         self._writes.settle(state, decision, undo, epoch)
@@ -200,7 +203,7 @@ class SessionStateManager:
                 slot.table = after
                 ref = self._live.get(uid)  # (weak: an idle session keeps no handle)
                 handle = None if ref is None else ref()
-                return self._new_handle(sid, after, None) if handle is None else handle
+                return self._new_handle(sid, after, None, uid) if handle is None else handle
         finally:
             slot.release()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any, NamedTuple, TypeVar
 
 from .. import table as ms
@@ -229,25 +230,37 @@ class Writes:
         """`admit` the write ``before`` -> ``after``; with a spill lever, the sessions it drops are offered
         first (`Spills.decide`: never under the lock). ``evicted``: an insertion's evictions, as the table
         reported them (see `departures`)."""
+        if spills is None:
+            return self._decide(before, after, writer, gone, write, evicted, pinned)
+        return spills.decide(after, pinned, partial(self._decide, before, after, writer, gone, write, evicted))
+
+    def _decide(
+        self,
+        before: ManagerState,
+        after: ManagerState,
+        writer: Any,
+        gone: Any,
+        write: Write,
+        evicted: Any,
+        pinned: Any,
+        spilled: Any = None,
+    ) -> Decision:
+        """`admit` with this manager's levers and the budget's memos (``pinned``, ``spilled``: `Spills.decide`'s)."""
         slot = self.slot
-
-        def decide(protect: Any, spilled: Any = None) -> Decision:
-            return admit(
-                before,
-                after,
-                writer,
-                pinned=protect,
-                levers=self.levers,
-                surplus=slot.surplus,
-                attrs_unchanged=write.attrs_unchanged,
-                budget=write.budget,
-                dropped=gone,
-                last=slot.last,
-                spilled=spilled,
-                evicted=evicted,
-            )
-
-        return decide(pinned) if spills is None else spills.decide(after, pinned, decide)
+        return admit(
+            before,
+            after,
+            writer,
+            pinned=pinned,
+            levers=self.levers,
+            surplus=slot.surplus,
+            attrs_unchanged=write.attrs_unchanged,
+            budget=write.budget,
+            dropped=gone,
+            last=slot.last,
+            spilled=spilled,
+            evicted=evicted,
+        )
 
     def install(self, decision: Decision) -> Undo:
         """Under the lock: install ``decision``; the handles of sessions that left keep their own copies."""
