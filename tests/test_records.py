@@ -59,3 +59,32 @@ def test_the_records_print_their_fields():
     stored = fs.SessionState.empty()._stamped(1, 0)
     assert recency.tick_of("a", stored) == 4  # the pending tick, not the stored session's
     assert recency.tick_of("b", stored) == 1
+
+
+class _Tagged(str):
+    """A str subclass that carries a reference: pointed at a table holding it, it would close a cycle."""
+
+
+def test_a_str_subclass_id_is_kept_as_a_plain_str():
+    # `Recency` and `Totals` are acyclic for mypyc (never tracked by the collector): the pending id a
+    # `Recency` holds must be a plain str, or a subclass carrying a reference to the table would make a
+    # cycle the collector cannot see.
+    state = fs.ManagerState.create(max_sessions=4)
+    tagged = _Tagged("a")
+    state, _ = fs.get_or_create(state, tagged)
+    state, _ = fs.get_or_create(state, "b")
+    state, _ = fs.get_or_create(state, _Tagged("a"))  # a hit: "a" is the pending session
+    assert state._recency.pending == "a"
+    assert type(state._recency.pending) is str
+    assert [type(sid) for sid in state.session_ids] == [str, str]
+    tagged.table = state  # (the reference a subclass can carry: the table no longer holds the tagged id)
+    assert all(sid is not tagged for sid in state.session_ids)
+
+
+@pytest.mark.skipif(not fs.COMPILED, reason="acyclic is a mypyc class attribute: the pure build tracks them")
+def test_the_compiled_records_are_not_tracked_by_the_collector():
+    import gc
+
+    state = _table()
+    assert not gc.is_tracked(state._recency)
+    assert not gc.is_tracked(state._totals)

@@ -35,14 +35,18 @@ def check_state(state: Any, what: str) -> None:
 
 
 def resolve_id(session_id: Any, what: str) -> str:
-    """The table key for ``session_id``: None means ``"default"``; anything but a non-empty str raises."""
+    """The table key for ``session_id``: None means ``"default"``; anything but a non-empty str raises.
+
+    A str subclass is keyed by its plain str value: the table keeps ids in records the collector does not
+    track (`records`), where an id that carried a reference back to the table would make an uncollectable
+    cycle."""
     if session_id is None:
         return DEFAULT_SESSION_ID
     if not isinstance(session_id, str) or not session_id:
         raise InvalidTypeError(
             f"`{what}`: session_id must be a non-empty str or None (for {DEFAULT_SESSION_ID!r}), got {session_id!r}."
         )
-    return session_id
+    return session_id if type(session_id) is str else str.__str__(session_id)
 
 
 _NEAR_IDS_SCAN: Final = 10_000

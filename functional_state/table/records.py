@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from mypy_extensions import mypyc_attr
+
 from ..core.session import SessionState
 from .recency_log import Log
 
@@ -20,8 +22,16 @@ __all__ = ["Recency", "Totals"]
 # Each record says how to pickle (and copy) itself, by its constructor: a class compiled by mypyc has no
 # ``__slots__`` for the default protocol to read, so without ``__reduce__`` a table would copy and pickle
 # in the pure build and not in the compiled one.
+#
+# Both are ``acyclic`` for mypyc: the collector never tracks them (one tracked object less per lookup, so
+# young collections come less often), and a `Recency`, one built and one freed per lookup, keeps its freed
+# instance for the next. That is correct only while no cycle can pass through one: a `Totals`
+# holds ints alone; a `Recency` holds ints, its `Log` (which reaches only older segments and lists of ids
+# and ticks) and the pending session id, an exact ``str`` (`checks.resolve_id` turns a str subclass, which
+# could carry a reference back to the table, into a plain str).
 
 
+@mypyc_attr(acyclic=True, free_list_len=1)
 class Recency:
     """The table's recency order: its clock, and its window ``[start, end)`` of the shared `recency_log`.
 
@@ -64,6 +74,7 @@ class Recency:
         )
 
 
+@mypyc_attr(acyclic=True)
 class Totals:
     """The table's totals that only a miss or a rare verb changes (the hits, which every lookup changes, and
     the configuration are kept apart)."""
