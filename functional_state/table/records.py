@@ -24,14 +24,13 @@ __all__ = ["Recency", "Totals"]
 # in the pure build and not in the compiled one.
 #
 # Both are ``acyclic`` for mypyc: the collector never tracks them (one tracked object less per lookup, so
-# young collections come less often), and a `Recency`, one built and one freed per lookup, keeps its freed
-# instance for the next. That is correct only while no cycle can pass through one: a `Totals`
+# young collections come less often). That is correct only while no cycle can pass through one: a `Totals`
 # holds ints alone; a `Recency` holds ints, its `Log` (which reaches only older segments and lists of ids
 # and ticks) and the pending session id, an exact ``str`` (`checks.resolve_id` turns a str subclass, which
 # could carry a reference back to the table, into a plain str).
 
 
-@mypyc_attr(acyclic=True, free_list_len=1)
+@mypyc_attr(acyclic=True)
 class Recency:
     """The table's recency order: its clock, and its window ``[start, end)`` of the shared `recency_log`.
 

@@ -36,8 +36,6 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
-from mypy_extensions import mypyc_attr
-
 __all__ = ["RerootMap"]
 
 # The diff value of a key a version does not hold.
@@ -58,10 +56,6 @@ class _Family:
         self.seq: int = 0  # odd while the shared dict is being changed
 
 
-# mypyc keeps one freed instance for the next version built (a write builds one and, in a server's loop,
-# frees the one before): the memory allocator is skipped on the write path. An allocation detail: nothing a
-# version holds or reports depends on it.
-@mypyc_attr(free_list_len=1)
 class RerootMap:
     """A persistent map (``set`` and ``delete`` return new versions) with dict-speed access to its newest version.
 
