@@ -180,3 +180,41 @@ def test_a_restore_copies_while_the_resident_object_an_older_table_holds_lives()
     for t in view:
         t.fill_(3.0)
     assert all(torch.equal(a, b) for a, b in zip(fs.view(s, "a", "kv"), fresh(), strict=True))
+
+
+def test_a_taken_park_files_its_host_copy_as_a_read_of_its_buffers_would():
+    """The park reads the host figures while it checks the storages; they must equal a fresh read of the host
+    buffers (the storages' addresses and bytes, in a host pool), or the ledger would drift from a walk."""
+    s = table(fresh)
+    ptrs = [t.data_ptr() for t in fs.view(s, "a", "kv")]
+    s, _ = fs.park(s, "a", "kv")
+    copy = host_copy(s)
+    assert copy.taken is not None and copy.host_extents is not None
+    read = parking.ParkedStorage(copy.treedef, copy.slots, copy.layout, tuple(copy.buffers))  # (no memo)
+    got = sorted((e.pool, e.start, e.end) for e in copy._accounting_extents())
+    assert got == sorted((e.pool, e.start, e.end) for e in read._accounting_extents())
+    assert got == sorted(("cpu/unpinned_host", p, p + 4 * 64 * 4) for p in ptrs)
+    exact(s)
+    s, _ = fs.restore(s, "a", "kv")
+    exact(s)
+
+
+@pytest.mark.parametrize("read", [False, True], ids=["views never read", "views read"])
+def test_a_restore_hands_back_the_taken_tensors_whether_or_not_their_host_views_were_made(read):
+    """The uint8 host views of a taken park are made on first read; each made view holds its storage once
+    more, so the restore's count of who holds a storage must follow whether they were made."""
+    s = table(fresh)
+    before = fs.view(s, "a", "kv")
+    ids, ptrs = [id(t) for t in before], [t.data_ptr() for t in before]
+    del before
+    parked, _ = fs.park(s, "a", "kv")
+    del s  # (nothing but the parked copy holds the tensors now)
+    if read:
+        assert [b.data_ptr() for b in host_copy(parked).buffers] == ptrs
+    back, _ = fs.restore(parked, "a", "kv")
+    got = fs.view(back, "a", "kv")
+    assert [id(t) for t in got] == ids and [t.data_ptr() for t in got] == ptrs  # the very tensors, no copy
+    exact(back)
+    del parked
+    back, view = fs.writable(back, "a", "kv")  # alone now: written in place, no copy
+    assert [t.data_ptr() for t in view] == ptrs

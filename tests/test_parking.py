@@ -24,7 +24,7 @@ from functional_state import (
     ObjectParkedError,
     SharedStorageError,
 )
-from functional_state.memory import host_buffers, parking
+from functional_state.memory import accounting, host_buffers, parking
 from functional_state.memory.parking import park_values, restore_values
 from helpers import assert_unchanged, snapshot
 from torch_bridge import to_jax
@@ -735,3 +735,21 @@ def test_a_dense_value_tells_an_array_by_its_class_not_by_one_instance():
     assert len(DenseValue.create([Loose(True)])) == 1
     with pytest.raises(fs.InvalidTypeError, match="list of arrays"):
         DenseValue.create([Loose(False)])
+
+
+def test_own_extents_reads_a_parked_copy_as_the_walk_does_and_declines_one_with_children():
+    """The ledger reads a parked copy of torch storages without the walk (`accounting.own_extents`): it must
+    find what the walk finds, and decline (None) where the walk has children to look into."""
+
+    def walked(x):
+        out = []
+        accounting.collect_extents(x, out, {}, accounting.WalkReport())
+        return sorted(out)
+
+    torch_only = park_values({"a": torch.ones(64), "b": torch.zeros(3, 8)})
+    assert sorted(accounting.own_extents(torch_only)) == walked(torch_only) != []
+    mixed = park_values({"a": jnp.arange(64.0), "b": torch.ones(64)})
+    assert accounting.own_extents(mixed) is None  # its JAX host array is a child the walk reaches
+    assert len(walked(mixed)) == 2
+    for other in (torch.ones(4), {"a": torch.ones(4)}, np.ones(4)):
+        assert accounting.own_extents(other) is None

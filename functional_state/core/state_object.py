@@ -429,6 +429,8 @@ def value_extents(value: Any) -> list[Extent]:
     elif (torch := accounting.torch_module()) is not None and kind is torch.Tensor:
         _TENSOR = kind
         accounting.torch_extents(value, out)
+    elif (own := accounting.own_extents(value)) is not None:  # (a parked copy of torch storages: no walk)
+        return own
     else:
         accounting.collect_extents(value, out, {}, accounting.WalkReport())
     return out

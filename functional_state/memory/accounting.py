@@ -318,6 +318,17 @@ def _children(x: Any) -> tuple[Iterable[Any] | None, bool]:
     return _object_fields(x), True
 
 
+def own_extents(x: Any) -> list[Extent] | None:
+    """What `collect_extents` finds in ``x`` when ``x`` files every buffer it holds itself (its
+    ``_accounting_extents``) and has no children to walk (``_accounting_children`` empty: a parked copy of
+    torch storages alone), read without the walk; None for anything else (walk it)."""
+    kind = type(x)
+    own, kids = getattr(kind, "_accounting_extents", None), getattr(kind, "_accounting_children", None)
+    if own is None or kids is None or kids(x):
+        return None
+    return list(own(x))
+
+
 def collect_extents(root: Any, out: Extents, seen: dict[int, Any], report: WalkReport) -> None:
     # `seen` maps id -> object: holding the object keeps temporaries (children a pytree's flatten built)
     # alive for the whole walk, so no later object can reuse their id and be skipped.

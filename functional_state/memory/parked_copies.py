@@ -71,8 +71,10 @@ class ParkedCopies:
                 if entry is not None:
                     copies[id(v)] = (v, entry[1] + 1, entry[2])
                     continue
-                out: accounting.Extents = []
-                accounting.collect_extents(v, out, {}, accounting.WalkReport())
+                out = accounting.own_extents(v)
+                if out is None:
+                    out = []
+                    accounting.collect_extents(v, out, {}, accounting.WalkReport())
                 extents = frozenset(out)
                 copies[id(v)] = (v, 1, extents)
                 for e in extents:

@@ -113,6 +113,35 @@ class _Layout:
         return [self.nbytes[k] // per for k in members]
 
 
+class _Views(Sequence[Any]):
+    """The host buffers of a parked copy that took its tensors: a uint8 view of each, made on first read (a
+    restore that hands the tensors back, the common case, never reads them), then kept (the same objects on
+    every read: `_ParkedAux` compares buffers by identity)."""
+
+    __slots__ = ("_made", "_tensors")
+
+    def __init__(self, tensors: tuple[Any, ...]):
+        self._tensors = tensors
+        self._made: tuple[Any, ...] | None = None
+
+    def made(self) -> bool:
+        """Whether the views exist (each holds its storage once more: `_hand_back` counts them)."""
+        return self._made is not None
+
+    def _views(self) -> tuple[Any, ...]:
+        made = self._made
+        if made is None:
+            uint8 = torch_host.torch_module().uint8
+            self._made = made = tuple(t.view(-1).view(uint8) for t in self._tensors)
+        return made
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._views()[index]
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParkedStorage:
     """The host copy of an object's committed storage, and what restoring it needs. Immutable."""
@@ -120,18 +149,20 @@ class ParkedStorage:
     treedef: Any  # structure of the parked values
     slots: tuple[Any, ...]  # per leaf: JaxLeaf, the value kept as is, or _TORCH (a torch leaf, in `layout`)
     layout: _Layout | None  # the torch storages in `buffers`, and the torch leaves over them
-    buffers: tuple[Any, ...]  # contiguous uint8 torch tensors, in runs of storages per source device
+    buffers: Sequence[Any]  # contiguous uint8 torch tensors, in runs of storages per source device
     # Taken, not copied (a CPU park of storages nothing else holds): the parked tensors themselves, one per
-    # storage (the buffers are uint8 views of them), and their version counters then (shared with every view
+    # storage (the buffers are uint8 views of them, made when first read: `_Views`), and their version counters then (shared with every view
     # of them: a write in place since is seen). None: the buffers are this copy's own.
     taken: tuple[Any, ...] | None = None
     versions: tuple[int, ...] = ()
+    # The figures `_accounting_extents` gives, when the park read them already (a taken park: the storages'
+    # own addresses, relabelled to a host pool); None: read from the buffers on first use.
+    host_extents: tuple[Extent, ...] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.taken is not None:  # (also for a copy `_unflatten_parked` makes: it shares the storages too)
-            for buf in self.buffers:
-                storage = buf.untyped_storage()
-                outside_readers.read_by(storage.data_ptr(), storage.nbytes(), self)
+            for e in self._accounting_extents():  # (a taken buffer is a whole storage, so its extent)
+                outside_readers.read_by(e.start, e.end - e.start, self)
 
     @functools.cached_property
     def leaves(self) -> tuple[Any, ...]:
@@ -173,7 +204,7 @@ class ParkedStorage:
         # Read once (a memo in the instance dict, as `cached_property` keeps one, without its lock): the host
         # buffers are this copy's own and never change, and the ledger's walk of a parked object and the
         # table's index of parked copies both read them.
-        memo = self.__dict__.get("_host_extents")
+        memo = self.__dict__.get("_host_extents", self.host_extents)
         if memo is not None:
             return memo
         out: accounting.Extents = []
@@ -216,7 +247,7 @@ def park_values(values: Any, what: str = "park_values", *, held: int | None = No
     """
     leaves, treedef = jax.tree_util.tree_flatten(values)
     if held is not None and (taken := _take(values, leaves, held)) is not None:
-        return ParkedStorage(treedef, (_TORCH,) * len(leaves), *taken)
+        return ParkedStorage(treedef, (_TORCH,) * len(leaves), *taken[:4], host_extents=taken[4])
     one = small_tensors.copied(leaves, _CHUNK, _NUMPY_MIN)
     if one is not None:  # many small 1-D tensors of one dtype: one segment, one copy
         layout = _Layout(one[0])
@@ -297,8 +328,8 @@ def _facts(leaves: list[Any]) -> list[tuple[int, int, int, Any]]:
 
 def _take(
     fields: Any, leaves: list[Any], held: int
-) -> tuple[_Layout, tuple[Any, ...], tuple[Any, ...], tuple[int, ...]] | None:
-    """The layout, buffers, tensors and versions of a parked copy that takes the leaves' own storages instead of
+) -> tuple[_Layout, _Views, tuple[Any, ...], tuple[int, ...], tuple[Extent, ...]] | None:
+    """The layout, buffers, tensors, versions and host extents of a parked copy that takes the leaves' own storages instead of
     copying them, or None (copy them) unless every leaf is a plain CPU tensor spanning a storage that torch
     allocated (no ``from_numpy`` or DLPack memory, no engine pool) and that nothing else can write: no other
     reference to the tensor than its one container in ``fields`` (and ``held`` of the caller's), none to a
@@ -318,8 +349,9 @@ def _take(
     alone = _alone()
     want = (alone[1] + held, *alone[2:])
     strided, plain, read_at = torch.strided, torch_host.plain_dtypes(torch), outside_readers.read_at
-    for t, (refs, use, storage_refs, storage) in zip(leaves, facts):
-        n = t.nbytes
+    segments, extents = [], []
+    for k, (t, (refs, use, storage_refs, storage)) in enumerate(zip(leaves, facts)):
+        n, dtype, start = t.nbytes, t.dtype, storage.data_ptr()
         if (
             (refs, use, storage_refs) != want
             or not n
@@ -330,26 +362,30 @@ def _take(
             or t.is_nested
             or t.requires_grad
             or t.is_inference()
-            or t.dtype not in plain
+            or dtype not in plain
             or not t.dim()
             or t.storage_offset()
             or not t.is_contiguous()
             or t.is_neg()
             or t.is_conj()
             or torch_host.needs_recipe(t)
-            or read_at(storage.data_ptr(), n)
+            or read_at(start, n)
         ):
             return None
+        segments.append((k, 0, n, range(k, k + 1), dtype, tuple(t.shape[1:])))
+        # The host copy's figures, read here once: the storages themselves, filed as `_accounting_extents`
+        # files a host buffer (the same addresses and bytes; a pinned CPU storage stays pinned).
+        extents.append(Extent("cpu/pinned_host" if t.is_pinned() else "cpu/unpinned_host", start, start + n))
     if not _private(fields, alone):
         return None
     g = torch_host.Gathered()
     n = len(leaves)
-    g.devices, g.sizes, g.direct = [torch.device("cpu")] * n, [t.nbytes for t in leaves], True
+    g.devices, g.sizes, g.direct = [torch.device("cpu")] * n, [s[2] for s in segments], True
     g.leaf, g.storage, g.recipe = list(range(n)), list(range(n)), [None] * n
     layout = _Layout(g)
-    layout.segments.extend((k, 0, t.nbytes, range(k, k + 1), t.dtype, tuple(t.shape[1:])) for k, t in enumerate(leaves))
-    buffers = tuple(t.view(-1).view(torch.uint8) for t in leaves)
-    return layout, buffers, tuple(leaves), tuple(t._version for t in leaves)
+    layout.segments.extend(segments)
+    taken = tuple(leaves)
+    return layout, _Views(taken), taken, tuple(t._version for t in leaves), tuple(extents)
 
 
 def _raise_deleted(values: Any, index: int, leaf: Any, what: str) -> None:
@@ -490,8 +526,10 @@ def _hand_back(parked: ParkedStorage, copy: bool) -> list[Any] | None:
     if copy:
         return None
     refs, use, storage_refs = _alone()[1:]
-    # Each tensor held by the parked copy alone (one container), its storage by it and its buffer view alone.
-    if any(f[:3] != (refs, use + 1, storage_refs) for f in _facts(list(taken))):
+    # Each tensor held by the parked copy alone (one container), its storage by it and its buffer view alone
+    # (when the views were made: `_Views`).
+    views = type(parked.buffers) is _Views and parked.buffers.made()
+    if any(f[:3] != (refs, use + views, storage_refs) for f in _facts(list(taken))):
         return None
     return list(taken)
 
@@ -590,7 +628,9 @@ def _unflatten_parked(aux: _ParkedAux, children: Any) -> ParkedStorage:
     parked = aux.parked
     new = {id(r): JaxLeaf(host, r.sharding) for r, host in zip(_jax_recipes(parked), children)}
     slots = tuple(new.get(id(leaf), leaf) if isinstance(leaf, JaxLeaf) else leaf for leaf in parked.slots)
-    return ParkedStorage(parked.treedef, slots, parked.layout, parked.buffers, parked.taken, parked.versions)
+    return ParkedStorage(
+        parked.treedef, slots, parked.layout, parked.buffers, parked.taken, parked.versions, parked.host_extents
+    )
 
 
 jax.tree_util.register_pytree_node(ParkedStorage, _flatten_parked, _unflatten_parked)
