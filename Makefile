@@ -49,11 +49,18 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m functional_state demo $(DEMO_ARGS)
 
+# The test runs spread over TEST_WORKERS pytest-xdist workers (CI's machine has two cores; TEST_WORKERS=0 runs
+# one process). `--dist loadgroup`: each test module, and each of tests/conftest.py's named groups (Ray, the
+# notebooks, the doctests), runs whole on one worker, in its own order; --no-loadscope-reorder hands the groups
+# out in tests/conftest.py's order (its longest first), not by their number of tests.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 # The whole suite on the compiled build (tests/test_compiled.py checks that it is the one imported). The
 # compiled modules' sources are not collected for doctests: pytest refuses a module whose __file__ (the .so)
 # is not the file it collects; they hold none (tests/test_compiled.py keeps it so).
 test: lint typecheck check-core-install docs $(NATIVE) $(TORCH_NATIVE)
-	FUNCTIONAL_STATE_EXPECT_COMPILED=1 $(PY) -m pytest -q -p no:cacheprovider --doctest-modules --nbmake \
+	FUNCTIONAL_STATE_EXPECT_COMPILED=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --doctest-modules --nbmake \
 		$(addprefix --ignore=,$(COMPILED_SOURCES)) functional_state torch_bridge tests notebooks
 
 # The pure-Python fallback on this interpreter, torch included: the tree without its compiled modules (a copy
