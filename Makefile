@@ -65,14 +65,15 @@ test: lint typecheck check-core-install docs $(NATIVE) $(TORCH_NATIVE)
 
 # The pure-Python fallback on this interpreter, torch included: the tree without its compiled modules (a copy
 # of the tracked and unignored files: the editable install's .so files sit beside the sources), run by the
-# same venv, on the tests of the table, the shell, checkpoints and the hypothesis machines. make test-newest
+# same venv (two xdist workers, as make test), on the tests of the table, the shell, checkpoints and the
+# hypothesis machines. make test-newest
 # runs every test that needs no torch on a pure build (Python 3.13), and make test-pythons the core ones.
 PURE_TESTS = tests/test_compiled.py tests/test_records.py tests/test_manager*.py tests/test_table*.py tests/test_ledger*.py \
 	tests/test_checkpoint*.py tests/test_shell*.py tests/test_*machine*.py
 test-pure: $(STAMP)
 	rm -rf $(PURE_TREE) && mkdir $(PURE_TREE)
 	git ls-files -co --exclude-standard -z | xargs -0 cp -P --parents -t $(PURE_TREE)
-	cd $(PURE_TREE) && FUNCTIONAL_STATE_PURE=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(PURE_TESTS)
+	cd $(PURE_TREE) && FUNCTIONAL_STATE_PURE=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(PURE_TESTS)
 	rm -rf $(PURE_TREE)
 
 lint: $(STAMP)
