@@ -49,23 +49,31 @@ $(DEMO_STAMP): pyproject.toml constraints.txt
 demo: $(if $(wildcard $(STAMP)),$(STAMP),$(DEMO_STAMP))
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m functional_state demo $(DEMO_ARGS)
 
+# The test runs spread over TEST_WORKERS pytest-xdist workers (CI's machine has two cores; TEST_WORKERS=0 runs
+# one process). `--dist loadgroup`: each test module, and each of tests/conftest.py's named groups (Ray, the
+# notebooks, the doctests), runs whole on one worker, in its own order; --no-loadscope-reorder hands the groups
+# out in tests/conftest.py's order (its longest first), not by their number of tests.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 # The whole suite on the compiled build (tests/test_compiled.py checks that it is the one imported). The
 # compiled modules' sources are not collected for doctests: pytest refuses a module whose __file__ (the .so)
 # is not the file it collects; they hold none (tests/test_compiled.py keeps it so).
 test: lint typecheck check-core-install docs $(NATIVE) $(TORCH_NATIVE)
-	FUNCTIONAL_STATE_EXPECT_COMPILED=1 $(PY) -m pytest -q -p no:cacheprovider --doctest-modules --nbmake \
+	FUNCTIONAL_STATE_EXPECT_COMPILED=1 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --doctest-modules --nbmake \
 		$(addprefix --ignore=,$(COMPILED_SOURCES)) functional_state torch_bridge tests notebooks
 
 # The pure-Python fallback on this interpreter, torch included: the tree without its compiled modules (a copy
 # of the tracked and unignored files: the editable install's .so files sit beside the sources), run by the
-# same venv, on the tests of the table, the shell, checkpoints and the hypothesis machines. make test-newest
+# same venv (two xdist workers, as make test), on the tests of the table, the shell, checkpoints and the
+# hypothesis machines. make test-newest
 # runs every test that needs no torch on a pure build (Python 3.13), and make test-pythons the core ones.
 PURE_TESTS = tests/test_compiled.py tests/test_records.py tests/test_manager*.py tests/test_table*.py tests/test_ledger*.py \
 	tests/test_checkpoint*.py tests/test_shell*.py tests/test_*machine*.py
 test-pure: $(STAMP)
 	rm -rf $(PURE_TREE) && mkdir $(PURE_TREE)
 	git ls-files -co --exclude-standard -z | xargs -0 cp -P --parents -t $(PURE_TREE)
-	cd $(PURE_TREE) && FUNCTIONAL_STATE_PURE=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(PURE_TESTS)
+	cd $(PURE_TREE) && FUNCTIONAL_STATE_PURE=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider $(XDIST) $(PURE_TESTS)
 	rm -rf $(PURE_TREE)
 
 lint: $(STAMP)
