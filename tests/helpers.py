@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 import functional_state as fs
+from functional_state.shell import admission as _admission
 
 try:  # the core install has no torch (`make test-pythons` runs the tests that need none)
     import torch
@@ -244,3 +245,22 @@ def table_with_attrs(n: int, attr: Callable[[int], Any]) -> fs.ManagerState:
         state = fs.set_attr(state, f"s{i}", "prompt", attr(i))
     fs.stats(state)
     return state
+
+
+def recheck_answers(m: Any) -> list[bool]:
+    """Spy on the budget recheck of ``m``: a list with one entry per budgeted commit (True: the recheck decided)."""
+    seen: list[bool] = []
+    recheck = m._ops.slot.recheck  # (the shell's own recheck, read by the test only)
+
+    class Spy(_admission.Recheck):
+        __slots__ = ()
+
+        def within(self, *args):  # type: ignore[no-untyped-def]
+            seen.append(super().within(*args))
+            return seen[-1]
+
+    spy = Spy()
+    for name in _admission.Recheck.__slots__:
+        setattr(spy, name, getattr(recheck, name))
+    m._ops.slot.recheck = spy
+    return seen

@@ -17,10 +17,9 @@ import torch
 import functional_state as fs
 from functional_state import LatentBuffer, SessionStateManager
 from functional_state.memory import accounting
-from functional_state.shell import admission
 from functional_state.shell import slot as slot_module
 from functional_state.table.manager_state import make_state
-from helpers import grow_in_place
+from helpers import grow_in_place, recheck_answers
 
 KIB = 1024
 BUDGET = 8 * KIB
@@ -55,29 +54,10 @@ def _steady(
     return m, h, prompt
 
 
-def _answered(m: SessionStateManager) -> list[bool]:
-    """Record what each budgeted commit's recheck answers (True: decided by it)."""
-    seen: list[bool] = []
-    recheck = m._ops.slot.recheck  # (the shell's own recheck, read by the test only)
-
-    class Spy(admission.Recheck):
-        __slots__ = ()
-
-        def within(self, *args):  # type: ignore[no-untyped-def]
-            seen.append(super().within(*args))
-            return seen[-1]
-
-    spy = Spy()
-    for name in admission.Recheck.__slots__:
-        setattr(spy, name, getattr(recheck, name))
-    m._ops.slot.recheck = spy
-    return seen
-
-
 def test_a_steady_commit_is_answered_by_the_recheck() -> None:
     # (the premise of the tests below: without it they would test the full check again)
     m, h, _ = _steady()
-    seen = _answered(m)
+    seen = recheck_answers(m)
     h.commit("buf", kib())
     h.commit("buf", kib())
     assert seen == [True, True]
@@ -87,7 +67,7 @@ def test_a_steady_commit_is_answered_by_the_recheck() -> None:
 @pytest.mark.parametrize("how", ["resize_", "storage", "set_"])
 def test_an_attr_tensor_resized_in_place_is_caught_by_the_next_commit(how: str) -> None:
     m, h, prompt = _steady()
-    seen = _answered(m)
+    seen = recheck_answers(m)
     grow_in_place(prompt, how, 64 * KIB)
     with pytest.raises(fs.BudgetExceededError):  # (64 KiB of prompt: over the 8 KiB budget)
         h.commit("buf", kib())
@@ -104,7 +84,7 @@ def test_a_session_holding_a_container_is_walked_at_every_commit() -> None:
     h.set_attr("cache", held)
     for _ in range(3):
         h.commit("buf", kib())
-    seen = _answered(m)
+    seen = recheck_answers(m)
     held.append(torch.zeros(64 * KIB, dtype=torch.uint8))
     with pytest.raises(fs.BudgetExceededError):
         h.commit("buf", kib())
@@ -116,7 +96,7 @@ def test_a_commit_that_moves_the_object_totals_is_checked_in_full() -> None:
     # A ring of 1 KiB items, steady: the totals map is the same object from commit to commit. An item of
     # 7 KiB moves it, and with it over the budget (the prompt's 256 bytes and the kept 1 KiB item).
     m, h, _ = _steady()
-    seen = _answered(m)
+    seen = recheck_answers(m)
     with pytest.raises(fs.BudgetExceededError):
         h.commit("buf", kib(7))
     assert seen == [False]
@@ -133,7 +113,7 @@ def test_a_commit_of_another_session_reads_its_own_attrs() -> None:
     for _ in range(3):
         h.commit("buf", kib())
     assert m._ops.slot.recheck.writer == "a"  # (the premise: what "b" commits next is not "a"'s to answer)
-    seen = _answered(m)
+    seen = recheck_answers(m)
     theirs.resize_(64 * KIB)
     with pytest.raises(fs.BudgetExceededError):  # (b alone is over the budget; a is the only other)
         other.commit("buf", kib())

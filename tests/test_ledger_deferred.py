@@ -15,10 +15,10 @@ import functional_state as fs
 from functional_state import LatentBuffer, ManagerState, SessionStateManager
 from functional_state.memory import accounting
 from functional_state.policy.enforce import over_budget_objects
-from functional_state.shell import admission
 from functional_state.shell import slot as slot_module
 from functional_state.table.ledger import FOLD_EVERY, Acct
 from functional_state.table.manager_state import ledger_of
+from helpers import recheck_answers
 
 KIB = 1024
 
@@ -174,20 +174,7 @@ def test_a_steady_commit_is_answered_by_the_recheck_across_folds() -> None:
     m, h = _manager(1 << 20)
     for _ in range(FOLD_EVERY + 3):
         h.commit("buf", torch.zeros(256))
-    seen: list[bool] = []
-    recheck = m._ops.slot.recheck
-
-    class Spy(admission.Recheck):
-        __slots__ = ()
-
-        def within(self, *args):  # type: ignore[no-untyped-def]
-            seen.append(super().within(*args))
-            return seen[-1]
-
-    spy = Spy()
-    for name in admission.Recheck.__slots__:
-        setattr(spy, name, getattr(recheck, name))
-    m._ops.slot.recheck = spy
+    seen = recheck_answers(m)
     for _ in range(2 * FOLD_EVERY + 1):
         h.commit("buf", torch.zeros(256))
     assert seen == [True] * (2 * FOLD_EVERY + 1)
