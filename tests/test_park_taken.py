@@ -218,3 +218,25 @@ def test_a_restore_hands_back_the_taken_tensors_whether_or_not_their_host_views_
     del parked
     back, view = fs.writable(back, "a", "kv")  # alone now: written in place, no copy
     assert [t.data_ptr() for t in view] == ptrs
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Not fixed (review36): a pickled or deep-copied table holding a parked object cannot be restored. "
+    "A taken park compares the copied tensors' fresh version counters with the originals' (a "
+    "SharedStorageWrittenError saying it was written in place, which it was not) and keeps the original "
+    "storages' addresses as its figures; a copied park (copy=True, and every park before issue 38) fails in "
+    "the ledger's index of parked copies, keyed by the original host copy's id (KeyError).",
+)
+@pytest.mark.parametrize("copy", [False, True], ids=["taken", "copied"])
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_copied_table_restores_its_parked_object(how, copy):
+    import copy as copy_module
+    import pickle
+
+    parked, _ = fs.park(table(fresh), "a", "kv", copy=copy)
+    other = pickle.loads(pickle.dumps(parked)) if how == "pickle" else copy_module.deepcopy(parked)
+    del parked
+    back, _ = fs.restore(other, "a", "kv")
+    assert all(torch.equal(a, b) for a, b in zip(fs.view(back, "a", "kv"), fresh(), strict=True))
+    exact(back)
