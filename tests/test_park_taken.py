@@ -218,3 +218,34 @@ def test_a_restore_hands_back_the_taken_tensors_whether_or_not_their_host_views_
     del parked
     back, view = fs.writable(back, "a", "kv")  # alone now: written in place, no copy
     assert [t.data_ptr() for t in view] == ptrs
+
+
+@pytest.mark.parametrize("copy", [False, True], ids=["taken", "copied"])
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_copied_table_restores_its_parked_object(how, copy):
+    """A pickled or deep-copied table holding a parked object restores it. Seen failing before (review36): a
+    taken park compared the copied tensors' fresh version counters with the originals' (a
+    SharedStorageWrittenError claiming an in-place write) and kept the original storages' addresses as its
+    figures; a copied park failed in the ledger's index of parked copies, keyed by the original's ids."""
+    import copy as copy_module
+    import pickle
+
+    parked, _ = fs.park(table(fresh), "a", "kv", copy=copy)
+    other = pickle.loads(pickle.dumps(parked)) if how == "pickle" else copy_module.deepcopy(parked)
+    del parked
+    back, _ = fs.restore(other, "a", "kv")
+    assert all(torch.equal(a, b) for a, b in zip(fs.view(back, "a", "kv"), fresh(), strict=True))
+    exact(back)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_copy_of_a_parked_copy_written_in_place_since_still_refuses_its_restore(how):
+    import copy as copy_module
+    import pickle
+
+    s = table(fresh)
+    parked, _ = fs.park(s, "a", "kv")
+    fs.view(s, "a", "kv")[0].add_(1.0)  # outside `writable`, through the older table's resident object
+    other = pickle.loads(pickle.dumps(parked)) if how == "pickle" else copy_module.deepcopy(parked)
+    with pytest.raises(SharedStorageWrittenError, match="written in place since"):
+        fs.restore(other, "a", "kv")

@@ -221,6 +221,26 @@ class ParkedStorage:
         n = len(self.layout.nbytes) if self.layout is not None else 0
         return f"ParkedStorage(leaves={len(self.slots)}, torch_storages={n})"
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self.taken is None:
+            return super().__reduce_ex__(protocol)
+        # A copy (pickled, deep-copied) holds tensors of its own: their version counters and addresses, not
+        # the originals' (`_taken_again`); a write since the park stays one.
+        written = tuple(t._version != v for t, v in zip(self.taken, self.versions))
+        return _taken_again, (self.treedef, self.slots, self.layout, self.taken, written)
+
+
+def _taken_again(treedef: Any, slots: Any, layout: _Layout, taken: tuple[Any, ...], written: tuple[bool, ...]) -> Any:
+    """A taken `ParkedStorage` over ``taken``, copies of the original's tensors (a pickle, a deep copy): versions
+    read from them now (-2, which no counter reads, where the original was written since its park: a restore
+    still refuses it), host figures at their own addresses, registered as their reader."""
+    versions = tuple(-2 if w else t._version for t, w in zip(taken, written))
+    extents = tuple(
+        Extent("cpu/pinned_host" if t.is_pinned() else "cpu/unpinned_host", t.data_ptr(), t.data_ptr() + t.nbytes)
+        for t in taken
+    )
+    return ParkedStorage(treedef, slots, layout, _Views(taken), taken, versions, extents)
+
 
 def park_values(values: Any, what: str = "park_values", *, held: int | None = None) -> ParkedStorage:
     """Copy the storage of every array in ``values`` (any pytree) to host memory; see the module docstring.

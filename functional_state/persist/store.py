@@ -82,9 +82,7 @@ class SaveHandle:
         except BaseException as e:
             self._error = e.__cause__ if isinstance(e, CheckpointError) and e.__cause__ is not None else e
             self._keep = []
-            with _REGISTRY_LOCK:
-                _PENDING.discard(self)
-            self._finished.set()
+            self._settled()
             return
         try:
             self.manager.wait_until_finished()
@@ -103,14 +101,22 @@ class SaveHandle:
             if self._lowered:
                 self._lowered = False
                 background_end()
-            with _REGISTRY_LOCK:
+            self._settled()
+
+    def _settled(self) -> None:
+        """Mark the save finished; a failed one stays pending until a caller hears of it (`wait`), else it is
+        reported at exit however long before exit it failed."""
+        with _REGISTRY_LOCK:
+            if self._error is None:
                 _PENDING.discard(self)
-            self._finished.set()
+        self._finished.set()
 
     def wait(self) -> Path:
         self._finished.wait()
         if self._error is not None:
             self._heard = True
+            with _REGISTRY_LOCK:
+                _PENDING.discard(self)
             raise CheckpointError(
                 f"saving {self.path} failed ({type(self._error).__name__}: {self._error}); the checkpoint that was "
                 f"there before, if any, is still the one there."
@@ -138,7 +144,8 @@ _PATH_LOCKS: dict[str, threading.Lock] = {}
 
 _IN_FLIGHT: dict[str, SaveHandle] = {}  # resolved directory -> its asynchronous save, until the next save there
 
-_PENDING: set[SaveHandle] = set()  # asynchronous saves not finished yet, waited for at exit
+# Asynchronous saves not finished yet, waited for at exit, and failed ones nobody has waited for yet, reported then
+_PENDING: set[SaveHandle] = set()
 
 # The threads of asynchronous saves, joined at exit too (one that has just set its handle finished included):
 # orbax ran on them, and the native threads it started there must end before the interpreter does (a save
@@ -166,6 +173,9 @@ def _finish_pending_saves() -> None:
     for handle in pending:
         handle._finished.wait()
         if handle._error is not None and not handle._heard:
+            handle._heard = True
+            with _REGISTRY_LOCK:
+                _PENDING.discard(handle)
             print(
                 f"functional_state: the asynchronous save to {handle.path} failed before exit "
                 f"({type(handle._error).__name__}: {handle._error}); the checkpoint there is the previous one.",

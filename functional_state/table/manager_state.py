@@ -218,6 +218,12 @@ class ManagerState:
             session_id = DEFAULT_SESSION_ID
         return isinstance(session_id, str) and session_id in self._nodes
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Without the ledger: it is keyed by the buffers' addresses, and a clone (pickled, deep-copied) holds
+        # buffers of its own; the original's would count a buffer later allocated at a freed address as held
+        # already. The clone builds its own on first use (`ledger_of`).
+        return make_state, (self._nodes, self._recency, self._hits, self._totals, self._config, None)
+
     def _accounting_children(self) -> list[SessionState]:
         return self._nodes.values()
 
