@@ -213,7 +213,7 @@ class ParkedStorage:
             n = storage.nbytes()
             if n:
                 start = storage.data_ptr()
-                out.append(Extent("cpu/pinned_host" if buf.is_pinned() else "cpu/unpinned_host", start, start + n))
+                out.append(_host_extent(buf, start, n))
         self.__dict__["_host_extents"] = memo = tuple(out)
         return memo
 
@@ -230,15 +230,18 @@ class ParkedStorage:
         return _taken_again, (self.treedef, self.slots, self.layout, self.taken, written)
 
 
+def _host_extent(t: Any, start: int, n: int) -> Extent:
+    """The figure of ``n`` host bytes at ``start`` held by CPU tensor ``t``: filed under its host pool (pinned
+    memory stays pinned)."""
+    return Extent("cpu/pinned_host" if t.is_pinned() else "cpu/unpinned_host", start, start + n)
+
+
 def _taken_again(treedef: Any, slots: Any, layout: _Layout, taken: tuple[Any, ...], written: tuple[bool, ...]) -> Any:
     """A taken `ParkedStorage` over ``taken``, copies of the original's tensors (a pickle, a deep copy): versions
     read from them now (-2, which no counter reads, where the original was written since its park: a restore
     still refuses it), host figures at their own addresses, registered as their reader."""
     versions = tuple(-2 if w else t._version for t, w in zip(taken, written))
-    extents = tuple(
-        Extent("cpu/pinned_host" if t.is_pinned() else "cpu/unpinned_host", t.data_ptr(), t.data_ptr() + t.nbytes)
-        for t in taken
-    )
+    extents = tuple(_host_extent(t, t.data_ptr(), t.nbytes) for t in taken)
     return ParkedStorage(treedef, slots, layout, _Views(taken), taken, versions, extents)
 
 
@@ -395,7 +398,7 @@ def _take(
         segments.append((k, 0, n, range(k, k + 1), dtype, tuple(t.shape[1:])))
         # The host copy's figures, read here once: the storages themselves, filed as `_accounting_extents`
         # files a host buffer (the same addresses and bytes; a pinned CPU storage stays pinned).
-        extents.append(Extent("cpu/pinned_host" if t.is_pinned() else "cpu/unpinned_host", start, start + n))
+        extents.append(_host_extent(t, start, n))
     if not _private(fields, alone):
         return None
     g = torch_host.Gathered()
